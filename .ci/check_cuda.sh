@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Compile-only check of csrc/: every .cu with nvcc for sm_90a, every .cpp binding against torch's headers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+shopt -s globstar nullglob
+cu_files=(csrc/**/*.cu)
+cpp_files=(csrc/**/*.cpp)
+if [ ${#cu_files[@]} -eq 0 ] && [ ${#cpp_files[@]} -eq 0 ]; then echo "check_cuda: no sources"; exit 0; fi
+command -v nvcc >/dev/null || { echo "check_cuda: nvcc not found but csrc/ has CUDA sources" >&2; exit 1; }
+TORCH_INC=$(python -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I'+p for p in include_paths()))")
+PY_INC=$(python -c "import sysconfig; print('-I' + sysconfig.get_paths()['include'])")
+CUDA_INC="-I$(dirname "$(dirname "$(command -v nvcc)")")/include"
+tmp=$(mktemp -d)
+fail=0
+for f in "${cu_files[@]}"; do
+  if nvcc -std=c++17 -O2 -gencode arch=compute_90a,code=sm_90a -Icsrc $TORCH_INC $PY_INC -c "$f" -o "$tmp/$(basename "$f").o" 2>"$tmp/err"; then
+    echo "check_cuda: ok   $f"
+  else
+    echo "check_cuda: FAIL $f"; cat "$tmp/err"; fail=1
+  fi
+done
+for f in "${cpp_files[@]}"; do
+  if g++ -std=c++17 -fsyntax-only -DTORCH_EXTENSION_NAME=_C -Icsrc $TORCH_INC $PY_INC $CUDA_INC "$f" 2>"$tmp/err"; then
+    echo "check_cuda: ok   $f"
+  else
+    echo "check_cuda: FAIL $f"; cat "$tmp/err"; fail=1
+  fi
+done
+rm -rf "$tmp"
+exit $fail

@@ -1,0 +1,102 @@
+"""One benchmark harness for every op family.
+
+A benchmark module ``bench/<op>.py`` defines ``run(args) -> list[Row]``; ``python -m bench <op>``
+prints the rows as a table. Every row is measured in the same run as its baseline (``ratio`` is
+baseline_time / this_time, so > 1 means faster than the baseline); absolute times are only
+meaningful with the device and date, which the table header prints.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    dtype: str
+    backend: str
+    median_s: float
+    gbps: float | None = None
+    tflops: float | None = None
+    ratio: float | None = None  # baseline time / this time, same run
+    baseline: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_fn(fn: Callable[[], object], *, device: str = "cpu", warmup: int = 2, repeats: int = 7,
+            min_time_s: float = 0.0) -> float:
+    """Median wall time of ``fn`` in seconds: triton.testing.do_bench on CUDA, repeats on CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    for _ in range(warmup):
+        fn()
+    times = []
+    start_all = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - start_all) < min_time_s:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 1000:
+            break
+    return statistics.median(times)
+
+
+def peak_memory(fn: Callable[[], object], device: str = "cpu") -> int:
+    """Peak bytes allocated while running ``fn`` (CUDA allocator stats, or the CPU tracker)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from .cpu_memory import track_peak_cpu_bytes
+
+    return track_peak_cpu_bytes(fn)
+
+
+def header() -> str:
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "-"
+    return f"# {datetime.date.today().isoformat()}  device: {dev}  torch {torch.__version__}  triton {tv}"
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(rows: list[Row]) -> str:
+    cols = ["op", "shape", "dtype", "backend", "median", "GB/s", "TFLOP/s", "ratio", "vs"]
+    data = []
+    for r in rows:
+        med = f"{r.median_s * 1e6:.1f} us" if r.median_s < 1e-2 else f"{r.median_s * 1e3:.2f} ms"
+        line = [r.op, r.shape, r.dtype, r.backend, med, _fmt(r.gbps, ".1f"), _fmt(r.tflops, ".3f"),
+                _fmt(r.ratio, ".2f") + ("x" if r.ratio is not None else ""), r.baseline]
+        if r.extra:
+            line[-1] += ("  " if line[-1] else "") + " ".join(f"{k}={v}" for k, v in r.extra.items())
+        data.append(line)
+    widths = [max(len(c), *(len(str(d[i])) for d in data)) if data else len(c) for i, c in enumerate(cols)]
+    out = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)), "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(str(v).ljust(w) for v, w in zip(d, widths)) for d in data]
+    return "\n".join(out)

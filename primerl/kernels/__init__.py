@@ -1,0 +1,22 @@
+"""Layer 0: ops on tensors. Each op family has a plain-PyTorch reference (the spec), a Triton
+kernel and, where built, a CUDA kernel from csrc/. Every public op takes ``backend=``."""
+
+from ._backend import (  # noqa: F401
+    BackendStatus,
+    BackendUnavailableError,
+    backend_status,
+    backends,
+    resolve_backend,
+    triton_interpreter_enabled,
+)
+from ._ext import HAS_CUDA_EXT  # noqa: F401
+
+if triton_interpreter_enabled():
+    # Before any kernel module defines a @triton.jit function: make the CPU interpreter compute
+    # what a GPU computes (see _triton_interpreter for the measured discrepancies).
+    from . import _triton_interpreter
+
+    _triton_interpreter.apply()
+
+from . import fp8  # noqa: E402,F401
+from .fp8 import dequant, quant_per_block, quant_per_token_group, quant_rowwise, quant_tensorwise  # noqa: E402,F401

@@ -1,0 +1,82 @@
+"""Test harness: Triton's interpreter on CPU, poisoned torch.empty, markers.
+
+TRITON_INTERPRET must be set before any @triton.jit decorator runs, so it is set here, before
+primerl is imported. primerl.kernels then applies its interpreter corrections itself.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import primerl.kernels  # noqa: E402,F401  (applies the interpreter corrections)
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+_INT_POISON = {torch.int8: -99, torch.uint8: 0xA5, torch.int16: -30000, torch.int32: -(2**30), torch.int64: -(2**40)}
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0 or t.is_meta or getattr(t, "_is_fake", False):
+        return t
+    with torch.no_grad():
+        _fill_poison(t)
+    return t
+
+
+def _fill_poison(t: torch.Tensor) -> None:
+    if t.dtype.is_floating_point:
+        if t.element_size() == 1:  # fp8: NaN bit pattern 0x7F for e4m3fn, 0x7F is NaN in e5m2 too
+            t.view(torch.uint8).fill_(0x7F)
+        else:
+            t.fill_(float("nan"))
+    elif t.dtype in _INT_POISON:
+        t.fill_(_INT_POISON[t.dtype])
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(request, monkeypatch):
+    """Every torch.empty-family allocation in a test is filled with NaN (ints: a sentinel), so an
+    output element a kernel forgets to write fails the comparison instead of passing by luck."""
+    real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    real_empty_strided = torch.empty_strided
+
+    def empty(*args, **kwargs):
+        return _poison(real_empty(*args, **kwargs))
+
+    def empty_like(*args, **kwargs):
+        return _poison(real_empty_like(*args, **kwargs))
+
+    def new_empty(self, *args, **kwargs):
+        return _poison(real_new_empty(self, *args, **kwargs))
+
+    def empty_strided(*args, **kwargs):
+        return _poison(real_empty_strided(*args, **kwargs))
+
+    if request.node.get_closest_marker("no_poison"):
+        yield
+        return
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
+    monkeypatch.setattr(torch, "empty_strided", empty_strided)
+    yield
+
+
+@pytest.fixture
+def seed():
+    torch.manual_seed(0)
+    return 0
