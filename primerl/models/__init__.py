@@ -1,0 +1,1 @@
+"""The MoE transformer family and Hugging Face checkpoint I/O, built on the layers below."""

@@ -1,0 +1,1 @@
+"""Layer 2: thin, composable RL modules: advantages, policy losses, packing, environments."""

@@ -1,0 +1,1 @@
+"""The async RL runtime: embedded inference engine, orchestrator, trainer, the primerl command."""
