@@ -1,0 +1,277 @@
+"""Attention over packed variable-length sequences that returns the log-sum-exp, its backward,
+and the merge of partial attention results (the pieces ring attention is built from).
+
+Layout (flash-attn's varlen convention): q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` hold B sequences
+back to back, ``cu_seqlens`` int32 ``[B+1]`` their offsets (``None``: one sequence). GQA when
+Hq = G * Hkv (query head h uses key head h // G). lse is ``[Hq, T]`` float32, natural log.
+
+The non-square form (a query block against another key block, as each ring step is): pass
+``cu_seqlens_k`` for the keys and, optionally, per-token positions. Query i sees key j iff they
+are in the same sequence, ``k_positions[j] >= 0`` (negative: a masked key, e.g. padding) and,
+when causal, ``k_positions[j] <= q_positions[i]``. Without positions a sequence's keys are
+``0..Lk-1`` and its queries ``Lk-Lq .. Lk-1`` (bottom-right causal alignment, as flash-attn).
+A query that sees no key returns ``out = 0``, ``lse = -inf``.
+
+>>> import torch
+>>> from primerl.kernels.attention import attention
+>>> q, k, v = torch.randn(7, 4, 64), torch.randn(7, 2, 64), torch.randn(7, 2, 64)
+>>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)          # two sequences: 3 and 4 tokens
+>>> out, lse = attention(q, k, v, cu_seqlens=cu, return_lse=True)   # [7, 4, 64], [4, 7]
+
+Backends: ``"torch"`` (the float32 reference, the default on CPU), ``"triton"`` (flash-attention-2
+style forward and recomputing backward, the default on CUDA; on CPU under TRITON_INTERPRET=1),
+``"flash_attn"`` (``flash_attn_varlen_func``, only when asked for; no positions, lse not
+differentiable).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .._backend import resolve_backend
+from . import reference
+
+__all__ = [
+    "attention",
+    "attention_forward",
+    "attention_backward",
+    "merge_attn_states",
+    "merge_attn_states_",
+    "AttentionSpec",
+]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SUPPORTED = ("torch", "triton", "flash_attn")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Validated mask description shared by forward and backward (positions None = defaults)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    causal: bool
+    softmax_scale: float
+    q_positions: torch.Tensor | None
+    k_positions: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_positions is not None:
+            return self.q_positions, self.k_positions
+        return reference.default_positions(self.cu_seqlens_q, self.cu_seqlens_k)
+
+
+def _check_cu(op: str, name: str, cu: torch.Tensor, total: int, device) -> tuple[torch.Tensor, int]:
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{op}: {name} must be a 1-D tensor [B+1] with B >= 1, got {getattr(cu, 'shape', type(cu))}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: {name} must be int32 (flash-attn convention), got {cu.dtype}")
+    if cu.device != device:
+        raise ValueError(f"{op}: {name} is on {cu.device}, the tensors on {device}")
+    vals = cu.tolist()
+    if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"{op}: {name} must start at 0, be non-decreasing and end at {total}; got {vals[:8]}{'...' if len(vals) > 8 else ''}")
+    return cu.to(torch.int32).contiguous(), max(b - a for a, b in zip(vals, vals[1:]))
+
+
+def _check_positions(op: str, name: str, pos, total: int, device):
+    if pos is None:
+        return None
+    if not isinstance(pos, torch.Tensor) or pos.shape != (total,) or pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: {name} must be an int32/int64 tensor of shape [{total}], got "
+                         f"{getattr(pos, 'dtype', type(pos))} {tuple(getattr(pos, 'shape', ()))}")
+    if pos.device != device:
+        raise ValueError(f"{op}: {name} is on {pos.device}, the tensors on {device}")
+    return pos.to(torch.int32).contiguous()
+
+
+def _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions) -> AttentionSpec:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{op}: {name} must be a 3-D tensor [tokens, heads, head_dim], got {tuple(getattr(t, 'shape', ()))}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{op}: {name} dtype must be one of {_DTYPES}, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{op}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{op}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    T, Hq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    Tk, Hkv, Dk = k.shape
+    if Dk != D:
+        raise ValueError(f"{op}: head_dim of q ({D}) and k ({Dk}) differ")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if cu_seqlens is None:
+        if cu_seqlens_k is not None:
+            raise ValueError(f"{op}: cu_seqlens_k given without cu_seqlens")
+        cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=q.device)
+        cu_seqlens_k = torch.tensor([0, Tk], dtype=torch.int32, device=q.device)
+    elif cu_seqlens_k is None:
+        if Tk != T:
+            raise ValueError(f"{op}: k has {Tk} tokens but q has {T}; pass cu_seqlens_k for a non-square block")
+        cu_seqlens_k = cu_seqlens
+    cu_q, max_q = _check_cu(op, "cu_seqlens", cu_seqlens, T, q.device)
+    cu_k, max_k = _check_cu(op, "cu_seqlens_k", cu_seqlens_k, Tk, q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"{op}: cu_seqlens ({cu_q.numel() - 1} sequences) and cu_seqlens_k ({cu_k.numel() - 1}) differ")
+    q_pos = _check_positions(op, "q_positions", q_positions, T, q.device)
+    k_pos = _check_positions(op, "k_positions", k_positions, Tk, q.device)
+    if (q_pos is None) != (k_pos is None):
+        dq_pos, dk_pos = reference.default_positions(cu_q, cu_k)
+        q_pos = dq_pos if q_pos is None else q_pos
+        k_pos = dk_pos if k_pos is None else k_pos
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    elif not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+        raise ValueError(f"{op}: softmax_scale must be a positive float, got {softmax_scale!r}")
+    return AttentionSpec(cu_q, cu_k, bool(causal), float(softmax_scale), q_pos, k_pos, max_q, max_k)
+
+
+def _impl(backend: str):
+    if backend == "triton":
+        from . import triton as impl
+    elif backend == "flash_attn":
+        from . import flash_attn_backend as impl
+    else:
+        from . import _torch_impl as impl
+    return impl
+
+
+def _resolve(op, backend, device, spec: AttentionSpec | None = None) -> str:
+    be = resolve_backend(op, backend, device, supported=_SUPPORTED, preference=("triton", "torch"))
+    if be == "flash_attn" and spec is not None and spec.q_positions is not None:
+        raise ValueError(f"{op}: backend 'flash_attn' does not take q_positions/k_positions; use 'triton' or 'torch'")
+    return be
+
+
+class _AttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec, backend):
+        impl = _impl(backend)
+        out, lse = impl.forward(q, k, v, spec, q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.backend = spec, backend
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _impl(ctx.backend).backward(dout.contiguous(), q, k, v, out, lse, dlse, ctx.spec)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+):
+    """Softmax attention, differentiable in q, k, v (and through lse when returned).
+
+    q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[T, Hq, D]`` (q.dtype), and lse ``[Hq, T]``
+    float32 when ``return_lse``. ``softmax_scale`` defaults to 1/sqrt(D). See the module
+    docstring for ``cu_seqlens_k`` and the positions (the non-square form).
+    """
+    spec = _make_spec("attention", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions)
+    be = _resolve("attention", backend, q.device, spec)
+    out, lse = _AttentionFn.apply(q, k, v, spec, be)
+    return (out, lse) if return_lse else out
+
+
+def attention_forward(
+    q, k, v, *, cu_seqlens=None, causal=True, softmax_scale=None, backend=None, cu_seqlens_k=None,
+    q_positions=None, k_positions=None, out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward alone, outside autograd: (out ``[T, Hq, D]`` in ``out_dtype`` (default q.dtype),
+    lse ``[Hq, T]`` float32). Ring attention calls it once per key block."""
+    spec = _make_spec("attention_forward", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions)
+    be = _resolve("attention_forward", backend, q.device, spec)
+    if out_dtype is not None and out_dtype not in _DTYPES:
+        raise ValueError(f"attention_forward: out_dtype must be one of {_DTYPES}, got {out_dtype}")
+    with torch.no_grad():
+        return _impl(be).forward(q, k, v, spec, out_dtype or q.dtype)
+
+
+def attention_backward(
+    dout, q, k, v, out, lse, *, dlse=None, cu_seqlens=None, causal=True, softmax_scale=None, backend=None,
+    cu_seqlens_k=None, q_positions=None, k_positions=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one key block (flash-attention style, recomputing P from ``lse``).
+
+    ``out``/``lse`` may be the merged result over many key blocks (ring attention): the block
+    gradients then sum to the full gradient. dout ``[T, Hq, D]``, out ``[T, Hq, D]``, lse/dlse
+    ``[Hq, T]``. Returns dq ``[T, Hq, D]``, dk and dv ``[Tk, Hkv, D]``, all float32.
+    """
+    op = "attention_backward"
+    spec = _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"{op}: dout and out must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}, {tuple(out.shape)}")
+    want = (q.shape[1], q.shape[0])
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is not None and (t.shape != want or t.dtype != torch.float32):
+            raise ValueError(f"{op}: {name} must be float32 of shape {want}, got {t.dtype} {tuple(t.shape)}")
+    be = _resolve(op, backend, q.device, spec)
+    with torch.no_grad():
+        return _impl(be).backward(dout.contiguous(), q, k, v, out, lse, dlse, spec)
+
+
+def _check_merge(op, out_a, lse_a, out_b, lse_b):
+    if out_a.dim() != 3 or out_b.shape != out_a.shape:
+        raise ValueError(f"{op}: out_a and out_b must both be [T, H, D], got {tuple(out_a.shape)} and {tuple(out_b.shape)}")
+    want = (out_a.shape[1], out_a.shape[0])
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != want or t.dtype != torch.float32:
+            raise ValueError(f"{op}: {name} must be float32 of shape {want} ([H, T]), got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("out_a", out_a), ("out_b", out_b)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{op}: {name} dtype must be one of {_DTYPES}, got {t.dtype}")
+
+
+def merge_attn_states(out_a, lse_a, out_b, lse_b, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two disjoint key sets from the attention over each.
+
+    out ``[T, H, D]``, lse ``[H, T]`` float32 -> (out in out_a.dtype, lse float32). A block whose
+    lse is -inf (it saw no key) is ignored exactly. The torch backend is differentiable; the
+    Triton one is forward-only.
+    """
+    _check_merge("merge_attn_states", out_a, lse_a, out_b, lse_b)
+    be = resolve_backend("merge_attn_states", backend, out_a.device, supported=("torch", "triton"), preference=("triton", "torch"))
+    if be == "triton":
+        from . import triton as impl
+
+        return impl.merge_attn_states(out_a, lse_a, out_b, lse_b, inplace=False)
+    return reference.merge_attn_states(out_a, lse_a, out_b, lse_b)
+
+
+def merge_attn_states_(out, lse, out_b, lse_b, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-place :func:`merge_attn_states`: merges (out_b, lse_b) into ``out`` and ``lse`` (both
+    overwritten; keep ``out`` float32 to accumulate many blocks without rounding). Not differentiable."""
+    _check_merge("merge_attn_states_", out, lse, out_b, lse_b)
+    be = resolve_backend("merge_attn_states_", backend, out.device, supported=("torch", "triton"), preference=("triton", "torch"))
+    with torch.no_grad():
+        if be == "triton":
+            from . import triton as impl
+
+            return impl.merge_attn_states(out, lse, out_b, lse_b, inplace=True)
+        new_out, new_lse = reference.merge_attn_states(out, lse, out_b, lse_b)
+        out.copy_(new_out)
+        lse.copy_(new_lse)
+    return out, lse
