@@ -1,0 +1,103 @@
+"""Autograd Functions of the MoE ops, generic over a backend module (reference / triton / cuda).
+
+A backend module provides ``align``, ``scatter_rows``, ``combine_rows``, ``swiglu``,
+``swiglu_backward`` and ``swiglu_quant`` with the signatures of :mod:`.reference`; a backend that
+lacks one of them borrows the reference's (the CUDA backend only has align and scatter_rows).
+Backward passes are built from the same deterministic kernels as forward passes:
+permute's backward is a combine with unit weights, combine's backward is a weighted scatter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+
+def backend_impl(backend: str):
+    """The module implementing ``backend`` ("torch" -> the reference)."""
+    if backend == "triton":
+        from . import triton as impl
+    elif backend == "cuda":
+        from . import cuda as impl
+    else:
+        impl = reference
+    return impl
+
+
+def op(impl, name: str):
+    return getattr(impl, name, None) or getattr(reference, name)
+
+
+class Permute(torch.autograd.Function):
+    """x [T, D] -> x_perm [M, D]: row ``row_map[t, j]`` holds x[t]; padding rows are zero."""
+
+    @staticmethod
+    def forward(ctx, x, row_map, num_rows, impl):
+        ctx.save_for_backward(row_map)
+        ctx.impl = impl
+        return op(impl, "scatter_rows")(x, row_map, None, num_rows)
+
+    @staticmethod
+    def backward(ctx, grad_perm):
+        (row_map,) = ctx.saved_tensors
+        return op(ctx.impl, "combine_rows")(grad_perm.contiguous(), row_map, None), None, None, None
+
+
+class Combine(torch.autograd.Function):
+    """y_perm [M, D], weights [T, k] -> y [T, D] = sum_j weights[t, j] * y_perm[row_map[t, j]]."""
+
+    @staticmethod
+    def forward(ctx, y_perm, row_map, weights, impl):
+        ctx.save_for_backward(y_perm, row_map, weights)
+        ctx.impl = impl
+        return op(impl, "combine_rows")(y_perm, row_map, weights)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        y_perm, row_map, weights = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        grad_perm = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_perm = op(ctx.impl, "scatter_rows")(grad_y, row_map, weights, y_perm.shape[0])
+        if ctx.needs_input_grad[2]:
+            grad_w = reference.combine_weight_grad(grad_y, y_perm, row_map)
+        return grad_perm, None, grad_w, None
+
+
+class SwiGLU(torch.autograd.Function):
+    """gu [M, 2I] -> silu(gu[:, :I]) * gu[:, I:]."""
+
+    @staticmethod
+    def forward(ctx, gu, impl):
+        ctx.save_for_backward(gu)
+        ctx.impl = impl
+        return op(impl, "swiglu")(gu)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        (gu,) = ctx.saved_tensors
+        return op(ctx.impl, "swiglu_backward")(gu, grad_h.contiguous()), None
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """a [M, K] rows grouped by expert (group e ends at ``ends[e]``, ``ends[-1] == M``),
+    w [E, N, K] -> [M, N]."""
+    return torch._grouped_mm(a, w.transpose(-2, -1), ends)
+
+
+def experts_on_grouped_rows(x_perm, w13, w2, ends, impl, activation="swiglu"):
+    """The expert MLP on rows already grouped by expert: x_perm [M, D] -> y_perm [M, D] (unweighted)."""
+    gu = grouped_mm(x_perm, w13, ends)
+    h = SwiGLU.apply(gu, impl)
+    return grouped_mm(h, w2, ends)
+
+
+def fused_experts(x, w13, w2, topk_ids, topk_weights, impl):
+    t, k = topk_ids.shape
+    with torch.no_grad():
+        row_of_slot, _, _, _, ends = op(impl, "align")(topk_ids, w13.shape[0], 1)
+    row_map = row_of_slot.view(t, k)
+    x_perm = Permute.apply(x, row_map, t * k, impl)
+    y_perm = experts_on_grouped_rows(x_perm, w13, w2, ends, impl)
+    return Combine.apply(y_perm, row_map, topk_weights, impl)

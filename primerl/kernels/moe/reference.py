@@ -1,0 +1,194 @@
+"""Plain-PyTorch MoE ops: the definition of what every backend computes.
+
+Legend: T tokens, k experts per token, E experts, D model dim, I expert (intermediate) dim,
+n = T * k routed slots (slot ``s = t * k + j`` is token t's j-th choice), M rows of the
+permuted (expert-sorted, optionally block-padded) activations.
+
+Layout produced by :func:`align`: the slots of expert e occupy rows
+``[ends[e] - padded[e], ends[e] - padded[e] + counts[e])`` in increasing slot order (stable, so
+the layout is a pure function of ``topk_ids``); the rest of each padded group is padding.
+
+Every kernel below is written op by op in the order its Triton/CUDA twin executes, so the fast
+paths can agree bit for bit (float32 accumulation, no fused multiply-add, IEEE division).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fp8.reference import fp8_max, round_scale_ue8m0, scale_from_amax
+
+NORM_EPS = 1e-20
+
+
+# ----------------------------------------------------------------------------------------- routing
+def scores_from_logits(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    logits = logits.float()
+    return logits.softmax(dim=-1) if score_func == "softmax" else logits.sigmoid()
+
+
+def select_experts(
+    scores: torch.Tensor, top_k: int, n_groups: int, topk_groups: int, expert_bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Top-k expert ids [T, k] (int64, best first) of ``scores + expert_bias``, group-limited."""
+    choice = scores if expert_bias is None else scores + expert_bias.float()
+    if n_groups > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, n_groups, e // n_groups)
+        # DeepSeek-V3: a group is scored by the sum of its two best experts.
+        group_scores = grouped.topk(min(2, e // n_groups), dim=-1).values.sum(dim=-1)
+        keep = group_scores.topk(topk_groups, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(t, e)
+    return choice.topk(top_k, dim=-1).indices
+
+
+def topk_route(
+    logits: torch.Tensor,
+    top_k: int,
+    score_func: str,
+    n_groups: int,
+    topk_groups: int,
+    expert_bias: torch.Tensor | None,
+    route_norm: bool,
+    route_scale: float,
+    replay_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = scores_from_logits(logits, score_func)
+    if replay_ids is None:
+        with torch.no_grad():
+            ids = select_experts(scores, top_k, n_groups, topk_groups, expert_bias)
+    else:
+        ids = replay_ids.long()
+    # Live and replayed routing share this exact graph, so replaying the live ids is bitwise a no-op.
+    weights = scores.gather(1, ids)
+    if route_norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + NORM_EPS)
+    if route_scale != 1.0:
+        weights = weights * route_scale
+    return ids.to(torch.int32), weights
+
+
+# ------------------------------------------------------------------------------ counts and layout
+def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return torch.bincount(topk_ids.reshape(-1).long(), minlength=num_experts).to(torch.int32)
+
+
+def max_padded_rows(n: int, num_experts: int, block: int) -> int:
+    return n + num_experts * (block - 1)
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block: int):
+    """The expert-sorted, block-padded layout of the n = T*k slots.
+
+    Returns ``row_of_slot [n]`` (int32: the row each slot goes to), ``sorted_slots [P]`` (int32:
+    the slot in each row, ``n`` for padding; P = n + E*(block-1), the bound, so no host sync),
+    ``block_expert [ceil(P/block)]`` (int32: the expert of each block, -1 past the end),
+    ``total [1]`` (int32: the padded row count) and ``ends [E]`` (int32: cumulative padded ends).
+    """
+    flat = topk_ids.reshape(-1).long()
+    n, dev = flat.numel(), flat.device
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block - 1) // block * block
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.sort(flat, stable=True).indices
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
+    rows = starts[sorted_e] + rank
+    row_of_slot = torch.zeros(n, dtype=torch.long, device=dev)
+    row_of_slot[order] = rows
+    p = max_padded_rows(n, num_experts, block)
+    sorted_slots = torch.full((p,), n, dtype=torch.int32, device=dev)
+    sorted_slots[row_of_slot] = torch.arange(n, dtype=torch.int32, device=dev)
+    nb = -(-p // block)
+    block_start = torch.arange(nb, device=dev) * block
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    total = ends[-1:] if num_experts > 0 else torch.zeros(1, dtype=torch.long, device=dev)
+    block_expert = torch.where(block_start < total, block_expert, -1).to(torch.int32)
+    return row_of_slot.to(torch.int32), sorted_slots, block_expert, total.to(torch.int32), ends.to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------- row movement
+def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, scale: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    """out [num_rows, D] (src dtype): ``out[row_map[t, j]] = src[t] (* scale[t, j])``, other rows 0."""
+    t, k = row_map.shape
+    out = torch.zeros(num_rows, src.shape[1], dtype=src.dtype, device=src.device)
+    rows = src.unsqueeze(1).expand(t, k, src.shape[1])
+    if scale is not None:
+        rows = (rows.float() * scale.unsqueeze(-1)).to(src.dtype)
+    out[row_map.reshape(-1).long()] = rows.reshape(t * k, -1)
+    return out
+
+
+def combine_rows(y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """y [T, D] (y_perm dtype) = sum over j in order 0..k-1 of ``y_perm[row_map[t, j]] (* w[t, j])``
+    accumulated in float32 from zero."""
+    t, k = row_map.shape
+    acc = torch.zeros(t, y_perm.shape[1], dtype=torch.float32, device=y_perm.device)
+    for j in range(k):
+        term = y_perm[row_map[:, j].long()].float()
+        if weights is not None:
+            term = term * weights[:, j : j + 1]
+        acc = acc + term
+    return acc.to(y_perm.dtype)
+
+
+def combine_weight_grad(dy: torch.Tensor, y_perm: torch.Tensor, row_map: torch.Tensor) -> torch.Tensor:
+    """d topk_weights [T, k] float32 = <dy[t], y_perm[row_map[t, j]]> in float32 (shared by all backends)."""
+    gathered = y_perm[row_map.long()].float()
+    return (gathered * dy.float().unsqueeze(1)).sum(dim=-1)
+
+
+# ------------------------------------------------------------------------------------------ SwiGLU
+def _sigmoid(g: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-g))
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """gu [M, 2I] (gate columns first, then up) -> h [M, I] = silu(gate) * up, float32 math."""
+    i = gu.shape[1] // 2
+    g, u = gu[:, :i].float(), gu[:, i:].float()
+    return (g * _sigmoid(g) * u).to(gu.dtype)
+
+
+def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    """d gu [M, 2I] (gu dtype) from dh [M, I]."""
+    i = gu.shape[1] // 2
+    g, u, d = gu[:, :i].float(), gu[:, i:].float(), dh.float()
+    sig = _sigmoid(g)
+    silu = g * sig
+    dg = d * u * sig * (1.0 + g * (1.0 - sig))
+    du = d * silu
+    return torch.cat([dg, du], dim=1).to(gu.dtype)
+
+
+def swiglu_quant(gu: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool):
+    """SwiGLU then per-token-group FP8 quantization of the float32 result (never rounded to bf16).
+
+    gu [M, 2I] -> q [M, I] fp8, sf [M, I // group_size] float32 with ``h ≈ q.float() * sf``.
+    """
+    i = gu.shape[1] // 2
+    g, u = gu[:, :i].float(), gu[:, i:].float()
+    h = g * _sigmoid(g) * u
+    groups = h.reshape(h.shape[0], i // group_size, group_size)
+    sf = scale_from_amax(groups.abs().amax(dim=-1), dtype, ue8m0)
+    fmax = fp8_max(dtype)
+    q = (groups / sf.unsqueeze(-1)).clamp(-fmax, fmax).to(dtype)
+    return q.reshape(h.shape[0], i), sf
+
+
+__all__ = [
+    "align",
+    "combine_rows",
+    "combine_weight_grad",
+    "expert_counts",
+    "max_padded_rows",
+    "round_scale_ue8m0",
+    "scatter_rows",
+    "select_experts",
+    "swiglu",
+    "swiglu_backward",
+    "swiglu_quant",
+    "topk_route",
+]
