@@ -58,13 +58,14 @@ def _from_torch(t: torch.Tensor) -> np.ndarray:
 def _convert(src_data: np.ndarray, src_tl, dst_tl) -> np.ndarray:
     """Float conversion as the GPU does it: RTNE, and satfinite for fp8 destinations."""
     dst = _torch_dtype(dst_tl)
+    shape = np.shape(src_data)  # np.ascontiguousarray turns 0-d data into 1-d: restore the shape
     x = _to_torch(src_data, src_tl)
     if dst in (torch.float8_e4m3fn, torch.float8_e5m2):
         fmax = torch.finfo(dst).max
         x32 = x.float()
         x32 = torch.where(torch.isnan(x32), x32, x32.clamp(-fmax, fmax))
-        return _from_torch(x32.to(dst))
-    return _from_torch(x.to(dst))
+        return _from_torch(x32.to(dst)).reshape(shape)
+    return _from_torch(x.to(dst)).reshape(shape)
 
 
 def _handled(tl_dtype) -> bool:

@@ -26,7 +26,10 @@ def round_scale_ue8m0(sf: torch.Tensor) -> torch.Tensor:
 
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, ue8m0: bool) -> torch.Tensor:
-    sf = amax.float().clamp_min(AMAX_FLOOR) / fp8_max(dtype)
+    amax = amax.float().clamp_min(AMAX_FLOOR)
+    # Divide by a tensor, not a Python scalar: on CUDA torch turns `t / scalar` into
+    # `t * (1 / scalar)`, whose bits differ from the IEEE quotient the kernels compute.
+    sf = amax / torch.full_like(amax, fp8_max(dtype))
     return round_scale_ue8m0(sf) if ue8m0 else sf
 
 
