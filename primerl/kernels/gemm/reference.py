@@ -1,0 +1,176 @@
+"""Plain-PyTorch GEMMs: the definition of what every backend computes.
+
+All products are ``D = A @ B.T`` (NT). The FP8 ops dequantize their ``(q, sf)`` operands to
+float32 and multiply in float32, so a kernel is judged only by what it adds to the quantization
+error. Inputs are assumed valid (the public functions in ``__init__`` check them).
+
+Legend: M rows (tokens), N output features, K reduction, G groups, T rows of a K-grouped operand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fp8 import reference as fp8_ref
+from . import offsets as off
+
+BLOCK = 128
+
+
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    if x.device.type == "cpu":
+        return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return x.dtype == torch.bfloat16
+
+
+def _row_mask(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return mask.view(-1, *([1] * (x.dim() - 1)))
+
+
+def gemm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K], b [N, K] -> [M, N]."""
+    if out_dtype == a.dtype:
+        return a @ b.t()
+    return (a.float() @ b.float().t()).to(out_dtype)
+
+
+def _grouped_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-group slices (one host sync): any dtype, any device, differentiable."""
+    ends = offsets.tolist()
+    parts, start = [], 0
+    for g, end in enumerate(ends):
+        parts.append(a[start:end] @ b[g].t())
+        start = end
+    parts.append(a.new_zeros(a.shape[0] - start, b.shape[1]))
+    return torch.cat(parts)
+
+
+def grouped_gemm_nt_offsets(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K], b [G, N, K], offsets [G] int32 (cumulative ends) -> [M, N]; rows past
+    ``offsets[-1]`` are zero (and their input is never read, NaN included)."""
+    if out_dtype != a.dtype:
+        a, b = a.float(), b.float()
+    valid = torch.arange(a.shape[0], device=a.device) < offsets[-1]
+    a_in = torch.where(_row_mask(valid, a), a, torch.zeros((), dtype=a.dtype, device=a.device))
+    if _grouped_mm_supported(a_in) and a.shape[1] * a.element_size() % 16 == 0:
+        # torch._grouped_mm leaves rows past offsets[-1] (and their gradient) uninitialised
+        out = torch._grouped_mm(a_in, b.transpose(-2, -1), offs=offsets)
+    else:
+        out = _grouped_loop(a_in, b, offsets)
+    out = torch.where(_row_mask(valid, out), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.to(out_dtype)
+
+
+def grouped_gemm_nt_m_indices(a: torch.Tensor, b: torch.Tensor, m_indices: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K], b [G, N, K], m_indices [M] int32 (-1 = padding row, output zero) -> [M, N].
+
+    Rows are stably sorted by group, multiplied group by group, and scattered back, so any order
+    of ``m_indices`` is accepted here (the kernels need DeepGEMM's aligned contiguous layout)."""
+    num_groups = b.shape[0]
+    key = torch.where(m_indices < 0, num_groups, m_indices).long()
+    perm = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_groups + 1)[:num_groups]
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    out_sorted = grouped_gemm_nt_offsets(a.index_select(0, perm), b, offsets, out_dtype)
+    return out_sorted.index_select(0, torch.argsort(perm))
+
+
+def grouped_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [G, Mmax, K], b [G, N, K], masked_m [G] -> [G, Mmax, N]; rows past masked_m are zero."""
+    valid = torch.arange(a.shape[1], device=a.device)[None, :] < masked_m[:, None]
+    a_in = torch.where(valid[..., None], a, torch.zeros((), dtype=a.dtype, device=a.device))
+    if out_dtype != a.dtype:
+        a_in, b = a_in.float(), b.float()
+    out = torch.bmm(a_in, b.transpose(-2, -1))
+    return torch.where(valid[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device)).to(out_dtype)
+
+
+def k_grouped_gemm_tn(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [T, N], b [T, K], offsets [G] along T -> d [G, N, K], d[g] = a_g.T @ b_g (weight gradient
+    of grouped experts: a = dY, b = X). Rows past offsets[-1] are never read."""
+    num_rows = a.shape[0]
+    valid = torch.arange(num_rows, device=a.device) < offsets[-1]
+    zero = torch.zeros((), dtype=a.dtype, device=a.device)
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    a = torch.where(_row_mask(valid, a), a, zero).to(acc)
+    b = torch.where(_row_mask(valid, b), b, zero.to(b.dtype)).to(acc)
+    if acc == torch.float32 and a.device.type == "cpu" and a.shape[1] % 4 == 0 and b.shape[1] % 4 == 0:
+        out = torch._grouped_mm(a.t(), b, offs=offsets)
+    else:
+        ends, start, parts = offsets.tolist(), 0, []
+        for end in ends:
+            parts.append(a[start:end].t() @ b[start:end])
+            start = end
+        out = torch.stack(parts)
+    return out.to(out_dtype)
+
+
+# ---------------------------------------------------------------- FP8 (dequantize, then fp32)
+
+
+def dequant_token_group(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    return fp8_ref.dequant(q, sf, (1, BLOCK), torch.float32)
+
+
+def dequant_block(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    return fp8_ref.dequant(q, sf, (BLOCK, BLOCK), torch.float32)
+
+
+def fp8_gemm_nt(a, b, out_dtype):
+    """(aq [M, K], asf [M, K/128]) x (bq [N, K], bsf [ceil(N/128), K/128]) -> [M, N]."""
+    return (dequant_token_group(*a) @ dequant_block(*b).t()).to(out_dtype)
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, out_dtype):
+    return grouped_gemm_nt_m_indices(dequant_token_group(*a), dequant_block(*b), m_indices, torch.float32).to(out_dtype)
+
+
+def m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype):
+    return grouped_gemm_nt_offsets(dequant_token_group(*a), dequant_block(*b), offsets, torch.float32).to(out_dtype)
+
+
+def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype):
+    return grouped_gemm_nt_masked(dequant_token_group(*a), dequant_block(*b), masked_m, torch.float32).to(out_dtype)
+
+
+def _row_blocks(offsets: torch.Tensor, num_rows: int, block: int = BLOCK) -> torch.Tensor:
+    """Scale row of every row of a K-grouped operand; rows outside every group get -1."""
+    group = off.offsets_to_m_indices(offsets, num_rows)
+    safe = group.clamp_min(0).long()
+    starts = off.offsets_to_starts(offsets)
+    rows = torch.arange(num_rows, device=offsets.device, dtype=torch.int32)
+    blk = off.group_block_starts(offsets, block)[safe] + (rows - starts[safe]) // block
+    return torch.where(group >= 0, blk, -1)
+
+
+def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, ue8m0: bool):
+    """x [T, C] -> q [T, C] fp8, sf [max_group_blocks(T, G), C] float32.
+
+    Column-wise scales over 128-row blocks that restart at every group's first row (a block never
+    crosses a group boundary). Scale row of row r in group g: ``group_block_starts(offsets)[g] +
+    (r - start_g) // 128``. Unused scale rows hold the scale of an all-zero block; rows past
+    ``offsets[-1]`` are quantized to zero and never read."""
+    num_rows, cols = x.shape
+    nblocks = off.max_group_blocks(num_rows, offsets.numel())
+    blk = _row_blocks(offsets, num_rows)
+    valid = blk >= 0
+    xa = torch.where(valid[:, None], x.float(), torch.zeros((), device=x.device))
+    idx = torch.where(valid, blk, nblocks).long()[:, None].expand(num_rows, cols)
+    amax = torch.zeros(nblocks + 1, cols, device=x.device).scatter_reduce(0, idx, xa.abs(), "amax", include_self=True)
+    sf = fp8_ref.scale_from_amax(amax[:nblocks], dtype, ue8m0)
+    q = fp8_ref.cast_scaled(xa, sf[idx[:, 0].clamp_max(nblocks - 1)], dtype)
+    return q, sf.contiguous()
+
+
+def dequant_group_colwise(q: torch.Tensor, sf: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    blk = _row_blocks(offsets, q.shape[0])
+    valid = blk >= 0
+    out = q.float() * sf[blk.clamp_min(0).long()]
+    return torch.where(valid[:, None], out, torch.zeros((), device=q.device))
+
+
+def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets, out_dtype):
+    """(aq [T, N], asf) x (bq [T, K], bsf) with colwise group scales -> [G, N, K]."""
+    a_hat = dequant_group_colwise(a[0], a[1], offsets)
+    b_hat = dequant_group_colwise(b[0], b[1], offsets)
+    return k_grouped_gemm_tn(a_hat, b_hat, offsets, out_dtype)
