@@ -117,7 +117,7 @@ def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, scale: torch.Tensor |
     rows = src.unsqueeze(1).expand(t, k, src.shape[1])
     if scale is not None:
         rows = (rows.float() * scale.unsqueeze(-1)).to(src.dtype)
-    out[row_map.reshape(-1).long()] = rows.reshape(t * k, -1)
+    out[row_map.reshape(-1).long()] = rows.reshape(t * k, src.shape[1])
     return out
 
 
