@@ -1,1 +1,5 @@
 """The MoE transformer family and Hugging Face checkpoint I/O, built on the layers below."""
+
+from .config import MoETransformerConfig, UnsupportedCheckpointError  # noqa: F401
+from .checkpoint import CheckpointError  # noqa: F401
+from .transformer import MoETransformer  # noqa: F401

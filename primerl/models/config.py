@@ -1,0 +1,277 @@
+"""MoETransformerConfig: one dataclass for the Qwen3-MoE and GLM-4.5-MoE families, and its mapping
+to and from a Hugging Face ``config.json``.
+
+Family differences the config captures (everything else is shared: pre-norm decoder, GQA attention
+with rotate-half RoPE, SwiGLU experts):
+
+=====================  =====================================  ===========================================
+                       Qwen3-MoE (``qwen3_moe``)               GLM-4.5-MoE (``glm4_moe``)
+=====================  =====================================  ===========================================
+router                 softmax, optional renormalised top-k   sigmoid + score-correction bias, group-limited
+                                                              top-k, renormalised, ``routed_scaling_factor``
+shared experts         none                                   ``n_shared_experts`` x ``moe_intermediate_size``
+dense layers           ``mlp_only_layers``/``decoder_sparse``  the first ``first_k_dense_replace`` layers
+q/k RMSNorm            always                                 ``use_qk_norm``
+rotary                 full head dim                          ``partial_rotary_factor`` (0.5) of the head dim
+o_proj bias            ``attention_bias``                     never
+=====================  =====================================  ===========================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("qwen3_moe", "glm4_moe")
+_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+
+
+class UnsupportedCheckpointError(ValueError):
+    """A checkpoint (or its config) describes a model this package cannot represent."""
+
+
+@dataclass
+class MoETransformerConfig:
+    """Hyper-parameters of a decoder-only MoE transformer.
+
+    Names follow the model code (``dim``, ``moe_dim``); :meth:`from_hf` / :meth:`to_hf` translate to
+    Hugging Face's ``config.json`` keys. ``dense_layers`` lists the layers whose FFN is a dense SwiGLU
+    of width ``ffn_dim`` instead of an MoE; routing tensors (``routing()``, ``replay_ids``) have one
+    column per MoE layer, in layer order (:attr:`moe_layer_ids`).
+    """
+
+    family: str = "qwen3_moe"
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    ffn_dim: int = 128  # width of the dense SwiGLU layers
+    moe_dim: int = 32  # width of one expert
+    num_experts: int = 4
+    top_k: int = 2
+    num_shared_experts: int = 0  # the shared expert has width num_shared_experts * moe_dim
+    score_func: str = "softmax"  # "softmax" | "sigmoid"
+    route_norm: bool = False  # renormalise the top-k weights to sum to one
+    route_scale: float = 1.0
+    n_groups: int = 1
+    topk_groups: int = 1
+    use_expert_bias: bool = False  # aux-loss-free score-correction bias (changes selection only)
+    dense_layers: tuple[int, ...] = ()
+    qk_norm: bool = True
+    attention_bias: bool = False  # q/k/v projection bias
+    o_proj_bias: bool = False
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    dtype: str = "float32"  # parameter dtype the checkpoint declares (router/expert bias stay float32)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    # Keys of the Hugging Face config this one was read from, kept so save_pretrained writes them back.
+    hf_extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.dense_layers = tuple(sorted(int(i) for i in self.dense_layers))
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, what: str) -> None:
+            if not cond:
+                raise ValueError(f"MoETransformerConfig: {what}")
+
+        need(self.family in FAMILIES, f"family must be one of {FAMILIES}, got {self.family!r}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "top_k"):
+            need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        need(self.n_heads % self.n_kv_heads == 0,
+             f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        need(self.head_dim % 2 == 0, f"head_dim must be even, got {self.head_dim}")
+        need(self.score_func in ("softmax", "sigmoid"), f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+        need(0.0 < self.partial_rotary_factor <= 1.0,
+             f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        need(self.rotary_dim % 2 == 0 and self.rotary_dim > 0,
+             f"rotary dim int(head_dim * partial_rotary_factor) = {self.rotary_dim} must be even and positive")
+        need(all(0 <= i < self.n_layers for i in self.dense_layers),
+             f"dense_layers must be layer indices in [0, {self.n_layers}), got {self.dense_layers}")
+        if self.moe_layer_ids:
+            need(self.num_experts > 0 and self.moe_dim > 0, "num_experts and moe_dim must be positive when any layer is MoE")
+            need(self.top_k <= self.num_experts, f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+            need(self.num_experts % self.n_groups == 0,
+                 f"num_experts ({self.num_experts}) must be a multiple of n_groups ({self.n_groups})")
+            need(1 <= self.topk_groups <= self.n_groups, f"topk_groups must be in [1, n_groups={self.n_groups}], got {self.topk_groups}")
+        if self.dense_layers:
+            need(self.ffn_dim > 0, "ffn_dim must be positive when dense_layers is not empty")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        dense = set(self.dense_layers)
+        return tuple(i for i in range(self.n_layers) if i not in dense)
+
+    def routing_dtype(self):
+        """Smallest unsigned integer dtype that holds an expert id."""
+        import torch
+
+        if self.num_experts <= 2**8:
+            return torch.uint8
+        if self.num_experts <= 2**16:
+            return torch.uint16
+        return torch.uint32
+
+    # ----------------------------------------------------------------------------------------------
+    @classmethod
+    def tiny(cls, vocab_size: int = 256, family: str = "qwen3_moe", **overrides) -> "MoETransformerConfig":
+        """A ~2-layer d=64 4-expert model for tests, toy RL tasks and the embedded engine's tests."""
+        base: dict[str, Any] = dict(family=family, vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                    head_dim=16, ffn_dim=128, moe_dim=32, num_experts=4, top_k=2)
+        if family == "glm4_moe":
+            base.update(n_layers=3, num_experts=8, num_shared_experts=1, score_func="sigmoid", route_norm=True,
+                        route_scale=2.5, n_groups=2, topk_groups=1, use_expert_bias=True, dense_layers=(0,),
+                        qk_norm=False, partial_rotary_factor=0.5, rms_norm_eps=1e-5)
+        base.update(overrides)
+        return cls(**base)
+
+    def num_params(self) -> int:
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        moe = 3 * self.num_experts * self.dim * self.moe_dim + self.num_experts * self.dim \
+            + 3 * self.num_shared_experts * self.dim * self.moe_dim
+        dense = 3 * self.dim * self.ffn_dim
+        layers = self.n_layers * attn + len(self.moe_layer_ids) * moe + len(self.dense_layers) * dense
+        emb = self.vocab_size * self.dim * (1 if self.tie_word_embeddings else 2)
+        return layers + emb
+
+    def num_active_params(self) -> int:
+        full = self.num_params()
+        idle = len(self.moe_layer_ids) * 3 * (self.num_experts - self.top_k) * self.dim * self.moe_dim
+        return full - idle
+
+    # ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> "MoETransformerConfig":
+        """Read a Hugging Face config (a dict, a ``config.json`` path or a checkpoint directory)."""
+        if not isinstance(hf, dict):
+            path = os.fspath(hf)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no config.json at {path}")
+            with open(path) as f:
+                hf = json.load(f)
+        hf = dict(hf)
+        model_type = hf.get("model_type")
+        if model_type not in FAMILIES:
+            archs = hf.get("architectures")
+            raise UnsupportedCheckpointError(
+                f"unknown architecture: model_type={model_type!r} architectures={archs!r}; "
+                f"supported model_type values are {FAMILIES}")
+
+        def get(key, default=None):
+            return hf.get(key, default)
+
+        rope = dict(get("rope_parameters") or get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise UnsupportedCheckpointError(f"rope_type {rope_type!r} is not supported (only 'default' RoPE)")
+        rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
+        head_dim = get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        act = get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedCheckpointError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
+        n_layers = hf["num_hidden_layers"]
+        common = dict(
+            family=model_type, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=n_layers,
+            n_heads=hf["num_attention_heads"], n_kv_heads=get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=head_dim, ffn_dim=get("intermediate_size", 0), moe_dim=hf["moe_intermediate_size"],
+            top_k=hf["num_experts_per_tok"], attention_bias=bool(get("attention_bias", False)),
+            rope_theta=float(rope_theta), max_position_embeddings=get("max_position_embeddings", 32768),
+            rms_norm_eps=get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            initializer_range=get("initializer_range", 0.02),
+            dtype=str(get("dtype") or get("torch_dtype") or "float32").replace("torch.", ""),
+            bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"), pad_token_id=get("pad_token_id"),
+        )
+        if model_type == "qwen3_moe":
+            if get("use_sliding_window", False):
+                raise UnsupportedCheckpointError("qwen3_moe with use_sliding_window=True is not supported")
+            step = get("decoder_sparse_step", 1) or 1
+            mlp_only = set(get("mlp_only_layers") or [])
+            num_experts = get("num_experts", get("num_local_experts"))
+            if num_experts is None:
+                raise UnsupportedCheckpointError("qwen3_moe config has neither num_experts nor num_local_experts")
+            dense = tuple(i for i in range(n_layers) if i in mlp_only or num_experts == 0 or (i + 1) % step != 0)
+            cfg = cls(**common, num_experts=num_experts, num_shared_experts=0, score_func="softmax",
+                      route_norm=bool(get("norm_topk_prob", False)), route_scale=1.0, n_groups=1, topk_groups=1,
+                      use_expert_bias=False, dense_layers=dense, qk_norm=True,
+                      o_proj_bias=bool(get("attention_bias", False)),
+                      partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))))
+        else:
+            cfg = cls(**common, num_experts=get("n_routed_experts", get("num_local_experts")), num_shared_experts=get("n_shared_experts", 1),
+                      score_func="sigmoid", route_norm=bool(get("norm_topk_prob", True)),
+                      route_scale=float(get("routed_scaling_factor", 1.0)), n_groups=get("n_group", 1),
+                      topk_groups=get("topk_group", 1), use_expert_bias=True,
+                      dense_layers=tuple(range(min(get("first_k_dense_replace", 1), n_layers))),
+                      qk_norm=bool(get("use_qk_norm", False)), o_proj_bias=False,
+                      partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.5))))
+        cfg.hf_extra = hf
+        return cfg
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` dict (keys read at load time are kept, ours overwrite)."""
+        out = dict(self.hf_extra)
+        out.update(
+            model_type=self.family, architectures=[_ARCHITECTURES[self.family]], vocab_size=self.vocab_size,
+            hidden_size=self.dim, num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
+            num_key_value_heads=self.n_kv_heads, head_dim=self.head_dim, moe_intermediate_size=self.moe_dim,
+            num_experts_per_tok=self.top_k, attention_bias=self.attention_bias, hidden_act="silu",
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings, initializer_range=self.initializer_range, dtype=self.dtype,
+            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+        )
+        out.pop("torch_dtype", None)
+        out.pop("rope_scaling", None)
+        out.pop("rope_theta", None)
+        out.pop("partial_rotary_factor", None)
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.family == "qwen3_moe":
+            self._check_hf_expressible(num_shared_experts=0, score_func="softmax", route_scale=1.0, n_groups=1,
+                                       topk_groups=1, use_expert_bias=False, qk_norm=True,
+                                       o_proj_bias=self.attention_bias)
+            dense = set(self.dense_layers)
+            key = "num_local_experts" if "num_local_experts" in out else "num_experts"
+            out.update({key: self.num_experts}, norm_topk_prob=self.route_norm, decoder_sparse_step=1,
+                       mlp_only_layers=sorted(dense), intermediate_size=self.ffn_dim or self.moe_dim,
+                       use_sliding_window=False)
+            if self.partial_rotary_factor != 1.0:
+                rope["partial_rotary_factor"] = self.partial_rotary_factor
+        else:
+            k = len(self.dense_layers)
+            if self.dense_layers != tuple(range(k)):
+                raise ValueError(f"glm4_moe needs dense layers to be the first k layers, got {self.dense_layers}")
+            self._check_hf_expressible(score_func="sigmoid", use_expert_bias=True, o_proj_bias=False)
+            key = "num_local_experts" if "num_local_experts" in out else "n_routed_experts"
+            out.update({key: self.num_experts}, n_shared_experts=self.num_shared_experts,
+                       norm_topk_prob=self.route_norm, routed_scaling_factor=self.route_scale, n_group=self.n_groups,
+                       topk_group=self.topk_groups, first_k_dense_replace=k, use_qk_norm=self.qk_norm,
+                       intermediate_size=self.ffn_dim or self.moe_dim)
+            rope["partial_rotary_factor"] = self.partial_rotary_factor
+        out["rope_parameters"] = rope
+        return out
+
+    def _check_hf_expressible(self, **required) -> None:
+        for name, value in required.items():
+            if getattr(self, name) != value:
+                raise ValueError(f"a {self.family} Hugging Face config cannot express {name}={getattr(self, name)!r} "
+                                 f"(it requires {value!r})")
+
+    def replace(self, **changes) -> "MoETransformerConfig":
+        return dataclasses.replace(self, **changes)
