@@ -1,0 +1,104 @@
+"""Per-token log-probabilities (and entropies) of target tokens under a linear LM head, without
+materialising the [T, V] logits.
+
+>>> import torch
+>>> from primerl.kernels.logprobs import fused_logprobs
+>>> hidden = torch.randn(6, 16, requires_grad=True)      # [T, D]
+>>> weight = torch.randn(50, 16, requires_grad=True)     # [V, D] (the LM head)
+>>> targets = torch.randint(0, 50, (6,))                 # [T]
+>>> logp, ent = fused_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=4)
+>>> (logp.sum() + 0.01 * ent.sum()).backward()           # grads w.r.t. hidden and weight
+
+Backends: ``"torch"`` (chunked PyTorch, CPU and GPU) and ``"triton"`` (the same chunk loop with
+the per-chunk softmax work in Triton kernels; matmuls stay torch's); ``reference.logprobs_reference``
+is the full-logits specification.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._backend import resolve_backend
+from .chunked import ChunkedLogprobs, TorchChunkOps
+from .reference import logprobs_reference
+
+__all__ = ["fused_logprobs", "logprobs_reference"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _inv_temperature(temperature, T: int, device) -> torch.Tensor:
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dim() == 0:
+            temperature = float(temperature)
+        else:
+            if temperature.shape != (T,):
+                raise ValueError(f"fused_logprobs: temperature must be a scalar or shape ({T},), got {tuple(temperature.shape)}")
+            if temperature.requires_grad:
+                raise ValueError("fused_logprobs: temperature must not require grad (it is a sampling constant)")
+            if not bool((temperature > 0).all()):
+                raise ValueError("fused_logprobs: every temperature must be > 0")
+            return (1.0 / temperature.to(device=device, dtype=torch.float32)).contiguous()
+    temperature = float(temperature)
+    if not temperature > 0:
+        raise ValueError(f"fused_logprobs: temperature must be > 0, got {temperature}")
+    return torch.full((T,), 1.0 / temperature, dtype=torch.float32, device=device)
+
+
+def fused_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    chunk_size: int = 1024,
+    vocab_chunk_size: int = 8192,
+    return_entropy: bool = True,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(targets[t] | hidden[t]) and the entropy of softmax(hidden @ weight.T / temperature).
+
+    Args:
+        hidden: [T, D] float32/bf16/fp16 (the final hidden states, one row per predicted token).
+        weight: [V, D] same dtype (the LM head).
+        targets: [T] integer token ids in [0, V).
+        temperature: a float or a [T] tensor (per-token sampling temperature, > 0; no gradient).
+        chunk_size: tokens per chunk; vocab_chunk_size: vocabulary rows per chunk. Peak extra
+            memory is about 8 * chunk_size * vocab_chunk_size bytes plus the gradient buffers.
+        return_entropy: also return the entropy (its gradient flows too).
+        backend: None | "torch" | "triton".
+
+    Returns: (logprobs [T] float32, entropy [T] float32 or None). Differentiable w.r.t. hidden and
+    weight; backward recomputes each logits chunk.
+    """
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"fused_logprobs: hidden must be a 2-D tensor [T, D], got {getattr(hidden, 'shape', type(hidden))}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"fused_logprobs: weight must be a 2-D tensor [V, D], got {getattr(weight, 'shape', type(weight))}")
+    T, D = hidden.shape
+    V = weight.shape[0]
+    if weight.shape[1] != D:
+        raise ValueError(f"fused_logprobs: weight must be [V, {D}] to match hidden [T, {D}], got {tuple(weight.shape)}")
+    if V == 0:
+        raise ValueError("fused_logprobs: weight has an empty vocabulary (V = 0)")
+    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"fused_logprobs: hidden/weight dtype must be one of {_FLOAT_DTYPES}, got {hidden.dtype}/{weight.dtype}")
+    if hidden.device != weight.device or targets.device != hidden.device:
+        raise ValueError(f"fused_logprobs: tensors on different devices: {hidden.device}, {weight.device}, {targets.device}")
+    if targets.shape != (T,) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"fused_logprobs: targets must be an integer tensor of shape ({T},), got {targets.dtype} {tuple(targets.shape)}")
+    if T and (int(targets.min()) < 0 or int(targets.max()) >= V):
+        raise ValueError(f"fused_logprobs: targets must lie in [0, {V}), got range [{int(targets.min())}, {int(targets.max())}]")
+    if int(chunk_size) < 1 or int(vocab_chunk_size) < 1:
+        raise ValueError(f"fused_logprobs: chunk sizes must be >= 1, got chunk_size={chunk_size}, vocab_chunk_size={vocab_chunk_size}")
+    inv_temp = _inv_temperature(temperature, T, hidden.device)
+    name = resolve_backend("fused_logprobs", backend, hidden.device, supported=("torch", "triton"),
+                           preference=("triton", "torch"))
+    if name == "triton":
+        from .triton import TritonChunkOps as ops
+    else:
+        ops = TorchChunkOps
+    logprobs, entropy, _lse = ChunkedLogprobs.apply(
+        hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), inv_temp,
+        int(chunk_size), int(vocab_chunk_size), bool(return_entropy), ops)
+    return logprobs, (entropy if return_entropy else None)
