@@ -1,0 +1,106 @@
+"""Group-relative advantages for outcome rewards.
+
+Rewards are laid out group-major: ``rewards[g * group_size + i]`` is the i-th sample of prompt g.
+Every estimator returns :class:`Advantages` ``(advantages [N] float32, uniform_groups [G] bool)``;
+a group whose rewards are all equal carries no learning signal, gets exactly zero advantage, and
+is flagged so a caller can drop it (DAPO's dynamic sampling) or log the fraction.
+
+- :func:`grpo`   A_i = (r_i - mean_g) / (std_g + eps)                 (Shao et al. 2024, DeepSeekMath)
+- :func:`drgrpo` A_i = r_i - mean_g, no std division                  (Liu et al. 2025, Dr. GRPO)
+- :func:`rloo`   A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean_g) (Ahmadian et al. 2024, RLOO)
+- :func:`linear_length_penalty` r_i - coef * len_i / max_len, applied before any estimator when
+  ``lengths`` and ``length_coef`` are given.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Advantages", "grpo", "drgrpo", "rloo", "linear_length_penalty"]
+
+
+class Advantages(NamedTuple):
+    advantages: torch.Tensor  # [N] float32
+    uniform_groups: torch.Tensor  # [G] bool: all rewards in the group equal (advantage 0)
+
+    @property
+    def sample_mask(self) -> torch.Tensor:
+        """[N] bool: True for samples of informative (non-uniform) groups."""
+        n = self.advantages.numel() // max(self.uniform_groups.numel(), 1)
+        return (~self.uniform_groups).repeat_interleave(n)
+
+
+def linear_length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: float,
+                          max_length: int | None = None) -> torch.Tensor:
+    """r_i - coef * lengths_i / max_length (max_length defaults to max(lengths)); [N] -> [N] float32."""
+    lengths = torch.as_tensor(lengths, device=rewards.device)
+    if lengths.shape != rewards.shape:
+        raise ValueError(f"linear_length_penalty: lengths must have shape {tuple(rewards.shape)}, got {tuple(lengths.shape)}")
+    if bool((lengths < 0).any()):
+        raise ValueError("linear_length_penalty: lengths must be >= 0")
+    denom = float(max_length) if max_length is not None else float(lengths.max().clamp_min(1))
+    if not denom > 0:
+        raise ValueError(f"linear_length_penalty: max_length must be > 0, got {max_length}")
+    return rewards.float() - coef * lengths.float() / denom
+
+
+def _groups(op: str, rewards, group_size: int, lengths, length_coef: float, max_length, min_group: int = 1):
+    rewards = torch.as_tensor(rewards)
+    if rewards.dim() != 1 or rewards.dtype == torch.bool:
+        raise ValueError(f"{op}: rewards must be a 1-D numeric tensor [N], got {rewards.dtype} {tuple(rewards.shape)}")
+    if int(group_size) < min_group:
+        raise ValueError(f"{op}: group_size must be >= {min_group}, got {group_size}")
+    n = rewards.numel()
+    if n % group_size:
+        raise ValueError(f"{op}: the number of rewards ({n}) must be a multiple of group_size ({group_size})")
+    r = rewards.float()
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(f"{op}: rewards contain NaN or inf")
+    if length_coef:
+        if lengths is None:
+            raise ValueError(f"{op}: length_coef={length_coef} needs lengths")
+        r = linear_length_penalty(r, lengths, length_coef, max_length)
+    r_g = r.view(-1, group_size)
+    uniform = (r_g == r_g[:, :1]).all(dim=1)
+    return r_g, uniform
+
+
+def _finish(adv_g: torch.Tensor, uniform: torch.Tensor) -> Advantages:
+    adv_g = torch.where(uniform.unsqueeze(1), torch.zeros_like(adv_g), adv_g)
+    return Advantages(adv_g.reshape(-1), uniform)
+
+
+def grpo(rewards: torch.Tensor, group_size: int, *, std_normalize: bool = True, unbiased_std: bool = True,
+         eps: float = 1e-6, lengths: torch.Tensor | None = None, length_coef: float = 0.0,
+         max_length: int | None = None) -> Advantages:
+    """GRPO: A_i = (r_i - mean_g) / (std_g + eps) within each group of ``group_size`` samples.
+
+    ``unbiased_std`` uses the n-1 denominator (torch.std's default, as DeepSeekMath's code);
+    ``std_normalize=False`` gives Dr. GRPO's mean-centred advantage. rewards [N] -> Advantages.
+    """
+    if std_normalize and unbiased_std and int(group_size) == 1:
+        raise ValueError("grpo: the unbiased std needs group_size >= 2 (or unbiased_std=False)")
+    r_g, uniform = _groups("grpo", rewards, group_size, lengths, length_coef, max_length)
+    adv = r_g - r_g.mean(dim=1, keepdim=True)
+    if std_normalize:
+        std = r_g.std(dim=1, keepdim=True, correction=1 if unbiased_std else 0)
+        adv = adv / (std + eps)
+    return _finish(adv, uniform)
+
+
+def drgrpo(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | None = None,
+           length_coef: float = 0.0, max_length: int | None = None) -> Advantages:
+    """Dr. GRPO: A_i = r_i - mean_g (no std normalisation, which biases towards easy/hard prompts)."""
+    r_g, uniform = _groups("drgrpo", rewards, group_size, lengths, length_coef, max_length)
+    return _finish(r_g - r_g.mean(dim=1, keepdim=True), uniform)
+
+
+def rloo(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | None = None,
+         length_coef: float = 0.0, max_length: int | None = None) -> Advantages:
+    """RLOO: A_i = r_i - (sum_g - r_i) / (G - 1), the leave-one-out baseline (needs G >= 2)."""
+    r_g, uniform = _groups("rloo", rewards, group_size, lengths, length_coef, max_length, min_group=2)
+    G = r_g.shape[1]
+    baseline = (r_g.sum(dim=1, keepdim=True) - r_g) / (G - 1)
+    return _finish(r_g - baseline, uniform)

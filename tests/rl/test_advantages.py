@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+from primerl.rl.advantages import drgrpo, grpo, linear_length_penalty, rloo
+
+
+def _rewards(groups, size, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 3, (groups * size,), generator=g).float() + torch.rand(groups * size, generator=g)
+
+
+@pytest.mark.parametrize("size", [2, 3, 8])
+def test_grpo_matches_per_group_formula(size):
+    r = _rewards(5, size, seed=size)
+    out = grpo(r, size)
+    for g in range(5):
+        x = r[g * size:(g + 1) * size].double()
+        expect = (x - x.mean()) / (x.std(unbiased=True) + 1e-6)
+        torch.testing.assert_close(out.advantages[g * size:(g + 1) * size].double(), expect, rtol=1e-6, atol=1e-6)
+    biased = grpo(r, size, unbiased_std=False, eps=0.0)
+    x = r[:size].double()
+    torch.testing.assert_close(biased.advantages[:size].double(), (x - x.mean()) / x.std(unbiased=False),
+                               rtol=1e-6, atol=1e-6)
+    assert out.advantages.dtype == torch.float32
+
+
+def test_drgrpo_is_mean_centred_and_equals_grpo_without_std():
+    r = _rewards(4, 6, seed=1)
+    d = drgrpo(r, 6).advantages
+    torch.testing.assert_close(d.view(4, 6).sum(1), torch.zeros(4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(d, grpo(r, 6, std_normalize=False).advantages)
+
+
+def test_rloo_leave_one_out_closed_form():
+    r = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0, 5.0, 1.0])
+    a = rloo(r, 4).advantages
+    # group 0: baselines (0+0+3)/3=1, (1+0+3)/3=4/3, 4/3, (1+0+0)/3=1/3
+    torch.testing.assert_close(a[:4], torch.tensor([0.0, -4 / 3, -4 / 3, 8 / 3]))
+    x = r[4:]
+    torch.testing.assert_close(a[4:], 4 / 3 * (x - x.mean()))
+
+
+@pytest.mark.parametrize("fn", [grpo, drgrpo, rloo])
+def test_uniform_groups_get_zero_and_are_reported(fn):
+    r = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 1.0, 0.7, 0.7, 0.7])
+    out = fn(r, 3)
+    assert out.uniform_groups.tolist() == [True, False, True]
+    assert (out.advantages[:3] == 0).all() and (out.advantages[6:] == 0).all()
+    assert (out.advantages[3:6] != 0).all()
+    assert out.sample_mask.tolist() == [False] * 3 + [True] * 3 + [False] * 3
+    adv, uniform = out  # unpacks like a tuple
+    assert adv is out.advantages
+
+
+def test_length_penalty_is_linear_and_applied_before_normalisation():
+    r = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    lengths = torch.tensor([10, 20, 10, 40])
+    pen = linear_length_penalty(r, lengths, coef=0.5, max_length=40)
+    torch.testing.assert_close(pen, torch.tensor([1 - 0.125, 1 - 0.25, -0.125, -0.5]))
+    out = drgrpo(r, 2, lengths=lengths, length_coef=0.5, max_length=40)
+    torch.testing.assert_close(out.advantages, torch.tensor([0.0625, -0.0625, 0.1875, -0.1875]))
+    assert not out.uniform_groups.any()  # the penalty broke the tie in group 0
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: grpo(torch.ones(5), 2), "multiple of group_size"),
+        (lambda: grpo(torch.ones(4, 1), 2), "1-D"),
+        (lambda: rloo(torch.ones(4), 1), "group_size must be >= 2"),
+        (lambda: grpo(torch.ones(4), 1), "unbiased std needs group_size >= 2"),
+        (lambda: drgrpo(torch.tensor([1.0, float("nan")]), 2), "NaN"),
+        (lambda: drgrpo(torch.ones(2), 2, length_coef=0.1), "needs lengths"),
+        (lambda: linear_length_penalty(torch.ones(2), torch.ones(3), 0.1), "lengths must have shape"),
+    ],
+)
+def test_bad_input_raises(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
