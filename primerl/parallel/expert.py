@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..kernels.fp8 import quant_per_token_group
 
-__all__ = ["AllToAllDispatcher", "DispatchHandle", "all_to_all_single_autograd", "local_expert_range"]
+__all__ = ["AllToAllDispatcher", "DispatchHandle", "all_to_all_single_autograd", "apply_expert_parallel", "local_expert_range"]
 
 
 def local_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
@@ -261,3 +261,35 @@ def _src_major_to_expert_major(counts_WL: torch.Tensor, total: int) -> torch.Ten
     block = torch.repeat_interleave(torch.arange(W * L, device=counts_WL.device), counts_LW, output_size=total)
     within = torch.arange(total, device=counts_WL.device) - block_start[block]
     return src_start.t().reshape(-1)[block] + within
+
+
+def apply_expert_parallel(model: torch.nn.Module, ep_mesh, *, fp8_dispatch: bool = False,
+                          fp8_group_size: int = 128) -> list[AllToAllDispatcher]:
+    """Give every MoE module of ``model`` an AllToAllDispatcher over ``ep_mesh`` (the ``ep`` view
+    of ``build_mesh``, or a process group) and cut its expert weights to the local experts.
+
+    An MoE module is any module with ``num_experts`` and ``set_dispatcher``; its expert weights
+    are the parameters of its ``experts`` child whose first dim is ``num_experts``. Call before
+    FSDP. With one ep rank nothing changes (the module computes all experts locally).
+    """
+    group = ep_mesh.get_group() if hasattr(ep_mesh, "get_group") else ep_mesh
+    ep_size = dist.get_world_size(group)
+    ep_rank = dist.get_rank(group)
+    dispatchers = []
+    for name, module in model.named_modules():
+        if not (hasattr(module, "set_dispatcher") and isinstance(getattr(module, "num_experts", None), int)):
+            continue
+        experts = getattr(module, "experts", None)
+        if experts is None:
+            raise ValueError(f"apply_expert_parallel: MoE module {name!r} has no `experts` child holding the weights")
+        start, end = local_expert_range(module.num_experts, ep_size, ep_rank)
+        if ep_size > 1:
+            for pname, p in list(experts.named_parameters(recurse=False)):
+                if p.dim() >= 1 and p.shape[0] == module.num_experts:
+                    local = torch.nn.Parameter(p.detach()[start:end].clone(), requires_grad=p.requires_grad)
+                    setattr(experts, pname, local)
+            disp = AllToAllDispatcher(group, module.num_experts, fp8_dispatch=fp8_dispatch,
+                                      fp8_group_size=fp8_group_size)
+            module.set_dispatcher(disp)
+            dispatchers.append(disp)
+    return dispatchers
