@@ -1,0 +1,101 @@
+"""The environment interface: a dataset of prompts, a reward, and optional environment turns.
+
+An episode alternates model turns and environment turns (tool results, feedback) until the
+environment says it is done or ``max_turns`` model turns were taken. Everything is token ids:
+an environment owns its vocabulary (or a tokenizer) and the runtime never decodes text.
+
+Contract (every method may also be ``async def``; the runtime awaits it with a timeout):
+- ``prompt(index) -> Prompt``: deterministic for a given index (resumed runs replay it).
+- ``respond(episode) -> list[int] | None``: called after each model turn except the last
+  allowed one; returns the environment's tokens, or ``None`` to end the episode.
+- ``reward(episode) -> float``: scored once, when the episode ends.
+
+The loss mask covers model tokens only (``Episode.loss_mask``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One dataset entry: the prompt tokens and whatever the reward needs (``answer``)."""
+
+    index: int
+    tokens: tuple[int, ...]
+    answer: Any = None
+    max_new_tokens: int | None = None  # per model turn; None = the environment's default
+
+
+@dataclass
+class Turn:
+    role: str  # "model" or "env"
+    tokens: list[int]
+
+
+@dataclass
+class Episode:
+    prompt: Prompt
+    turns: list[Turn] = field(default_factory=list)
+
+    @property
+    def model_turns(self) -> list[list[int]]:
+        return [t.tokens for t in self.turns if t.role == "model"]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The whole transcript: prompt then every turn, in order."""
+        out = list(self.prompt.tokens)
+        for t in self.turns:
+            out.extend(t.tokens)
+        return out
+
+    @property
+    def loss_mask(self) -> list[bool]:
+        """Per transcript token: True on model tokens only."""
+        out = [False] * len(self.prompt.tokens)
+        for t in self.turns:
+            out.extend([t.role == "model"] * len(t.tokens))
+        return out
+
+
+class Environment:
+    """Base class; subclasses set the class attributes and implement ``prompt`` and ``reward``."""
+
+    vocab_size: int = 0  # smallest policy vocabulary that covers every token the env emits
+    max_new_tokens: int = 16  # per model turn, unless the prompt says otherwise
+    max_turns: int = 1  # model turns per episode
+    stop_token_ids: tuple[int, ...] = ()
+    num_prompts: int | None = None  # None: an unbounded generator of prompts
+
+    def prompt(self, index: int) -> Prompt:
+        raise NotImplementedError
+
+    def respond(self, episode: Episode) -> list[int] | None:
+        return None
+
+    def reward(self, episode: Episode) -> float:
+        raise NotImplementedError
+
+
+def call_env(fn, *args, timeout: float | None = None):
+    """Call an environment method that may be sync or ``async def``; async ones get ``timeout``."""
+    out = fn(*args)
+    if inspect.isawaitable(out):
+        async def _wait():
+            return await asyncio.wait_for(out, timeout)
+
+        return asyncio.run(_wait())
+    return out
+
+
+def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> list[int]:
+    tokens = [int(t) for t in tokens]
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what}: token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    return tokens

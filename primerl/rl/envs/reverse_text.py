@@ -1,0 +1,84 @@
+"""Built-in offline tasks over a small vocabulary: reverse a string of symbols.
+
+Vocabulary: 0 PAD, 1 BOS, 2 SEP, 3 OK, 4 WRONG, then ``num_symbols`` symbols.
+Prompt ``BOS s1..sK SEP``; the model answers with K tokens; reward is the fraction of positions
+equal to the reversed input (so a random policy scores about 1/vocab_size).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from .base import Environment, Episode, Prompt
+
+PAD, BOS, SEP, OK, WRONG = 0, 1, 2, 3, 4
+NUM_SPECIAL = 5
+
+
+def _score(answer: list[int], target: list[int]) -> float:
+    hits = sum(a == b for a, b in zip(answer, target))
+    return hits / len(target)
+
+
+class ReverseText(Environment):
+    """Single-turn reverse-text.
+
+    Lengths: ``min_length == max_length`` gives fixed K; otherwise ``length_dist`` picks
+    ``uniform`` or ``lognormal`` (a long tail toward ``max_length``: most prompts short, a few long).
+    """
+
+    def __init__(self, num_symbols: int = 8, min_length: int = 4, max_length: int = 4,
+                 length_dist: str = "uniform", seed: int = 0):
+        if num_symbols < 2:
+            raise ValueError(f"reverse-text: num_symbols must be >= 2, got {num_symbols}")
+        if not 1 <= min_length <= max_length:
+            raise ValueError(f"reverse-text: need 1 <= min_length <= max_length, got {min_length}, {max_length}")
+        if length_dist not in ("uniform", "lognormal"):
+            raise ValueError(f"reverse-text: length_dist must be 'uniform' or 'lognormal', got {length_dist!r}")
+        self.num_symbols, self.min_length, self.max_length = num_symbols, min_length, max_length
+        self.length_dist, self.seed = length_dist, seed
+        self.vocab_size = NUM_SPECIAL + num_symbols
+        self.max_new_tokens = max_length
+
+    def _length(self, rng: random.Random) -> int:
+        if self.min_length == self.max_length:
+            return self.min_length
+        if self.length_dist == "uniform":
+            return rng.randint(self.min_length, self.max_length)
+        span = self.max_length - self.min_length
+        # lognormal with median ~ span/8: P(len near max) small but not negligible
+        x = rng.lognormvariate(math.log(max(span / 8, 1.0)), 1.0)
+        return self.min_length + min(int(x), span)
+
+    def prompt(self, index: int) -> Prompt:
+        rng = random.Random(self.seed * 1_000_003 + index)
+        k = self._length(rng)
+        symbols = [NUM_SPECIAL + rng.randrange(self.num_symbols) for _ in range(k)]
+        return Prompt(index, (BOS, *symbols, SEP), answer=symbols[::-1], max_new_tokens=k)
+
+    def reward(self, episode: Episode) -> float:
+        return _score(episode.model_turns[-1], episode.prompt.answer)
+
+
+class ReverseTextFeedback(ReverseText):
+    """Two-attempt reverse-text: after the first answer the environment marks each position
+    ``OK``/``WRONG`` (framed by ``SEP``), and the model answers again. A perfect first answer
+    ends the episode. Reward: the score of the last answer."""
+
+    max_turns = 2
+
+    def __init__(self, num_symbols: int = 8, min_length: int = 4, max_length: int = 4,
+                 length_dist: str = "uniform", seed: int = 0, max_turns: int = 2):
+        super().__init__(num_symbols, min_length, max_length, length_dist, seed)
+        if max_turns < 1:
+            raise ValueError(f"reverse-text-feedback: max_turns must be >= 1, got {max_turns}")
+        self.max_turns = max_turns
+
+    def respond(self, episode: Episode) -> list[int] | None:
+        answer, target = episode.model_turns[-1], episode.prompt.answer
+        if _score(answer, target) == 1.0:
+            return None
+        marks = [OK if a == b else WRONG for a, b in zip(answer, target)]
+        marks += [WRONG] * (len(target) - len(marks))
+        return [SEP, *marks, SEP]

@@ -1,0 +1,69 @@
+"""Atomic trainer checkpoints: ``<dir>/step_000012/{model.safetensors, state.pt, meta.json}``.
+
+A checkpoint is written into a temporary directory and renamed into place only when every
+file is complete and fsynced, so a crash mid-save leaves the previous checkpoint usable and
+no half-written directory is ever picked by ``latest_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .transport import atomic_torch_save, atomic_write_bytes
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    out = []
+    for d in root.glob("step_*"):
+        if d.is_dir() and (d / "meta.json").exists():
+            try:
+                out.append((int(d.name[5:]), d))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
+    dirs = _step_dirs(Path(root))
+    return dirs[-1] if dirs else None
+
+
+def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Tensor], train_state: dict[str, Any],
+                    *, keep: int = 2, meta: dict | None = None) -> Path:
+    """Save after ``step`` optimizer steps. ``train_state``: optimizer, scheduler, RNG, counters."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    with open(tmp / "model.safetensors", "rb+") as f:
+        os.fsync(f.fileno())
+    atomic_torch_save(train_state, tmp / "state.pt")
+    atomic_write_bytes(tmp / "meta.json", json.dumps({"step": step, **(meta or {})}).encode())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for _, old in _step_dirs(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
+    meta = json.loads(meta_file.read_text())
+    return int(meta["step"]), load_file(str(path / "model.safetensors")), torch.load(path / "state.pt", weights_only=False)

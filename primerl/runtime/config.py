@@ -1,0 +1,380 @@
+"""Typed configuration of an RL job: dataclasses loaded from TOML plus ``--key.sub value`` overrides.
+
+Every section is a dataclass; unknown keys (in the file or on the command line) raise
+``ConfigError`` naming the full dotted key, and ``validate`` checks ranges before any work.
+
+>>> cfg = load_config("examples/reverse_text.toml", ["--trainer.lr", "1e-3"])
+>>> print(to_toml(cfg))   # the resolved config, what ``primerl rl --dry-run`` prints
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or key; the message names the dotted key."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy: a local Hugging Face directory, or a random init from these fields (names as in
+    ``primerl.models.MoETransformerConfig``; ``extra`` passes any other field of it)."""
+
+    path: str = ""
+    family: str = "qwen3_moe"
+    vocab_size: int = 0  # 0: the environment's vocab_size
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    moe_dim: int = 64
+    num_experts: int = 4
+    top_k: int = 2
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class EnvConfig:
+    id: str = "reverse-text"  # a built-in name or "package.module:ClassOrFactory"
+    args: dict = field(default_factory=dict)
+    timeout_s: float = 30.0  # per reward / env-turn call
+    max_retries: int = 2  # an episode whose env call raises is resampled this many times, then fails
+
+
+@dataclass
+class VLLMConfig:
+    url: str = "http://127.0.0.1:8000"
+    model: str = ""  # served model name / path
+    launch: bool = False  # start `vllm serve` from this job
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    expert_parallel: bool = False
+    fp8: bool = False
+    all2all_backend: str = ""  # "", "deepep_high_throughput", "deepep_low_latency", "pplx", "naive"
+    disaggregation: str = ""  # "", "prefill" or "decode" (a P/D-disaggregated role)
+    kv_connector: str = "NixlConnector"
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int = 0
+    enable_return_routed_experts: bool = True
+    weight_update: str = "filesystem"  # "filesystem" or "broadcast"
+    extra_args: list = field(default_factory=list)
+
+
+@dataclass
+class InferenceConfig:
+    backend: str = "embedded"  # "embedded" (this process, CPU or one GPU) or "vllm"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_batch_size: int = 256  # sequences decoded together (continuous batching slots)
+    kv_cache: bool = True  # False: recompute the whole prefix every token (the reference path)
+    fp8_experts: bool = False  # expert weights rounded through FP8 (re-quantized at every update)
+    capture_routing: bool = True
+    router_noise: float = 0.0  # std of noise on the sampler's router logits (a numerics stand-in)
+    timeout_s: float = 300.0  # one generation batch
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+
+
+@dataclass
+class OrchestratorConfig:
+    batch_size: int = 32  # prompts per step
+    group_size: int = 8  # rollouts per prompt
+    max_async_level: int = 1  # policy versions between the sampler and the trainer (0 = synchronous)
+    max_off_policy_steps: int = 4  # samples older than this are discarded and counted
+    advantage: str = "drgrpo"  # "grpo", "drgrpo" or "rloo"
+    seq_len: int = 2048  # tokens per packed micro-batch
+    weights_timeout_s: float = 300.0
+
+
+@dataclass
+class LossConfig:
+    method: str = "ppo_clip"
+    aggregation: str = "token_mean"
+    corrections: list = field(default_factory=list)
+    hparams: dict = field(default_factory=dict)  # e.g. {eps_low = 0.2, eps_high = 0.28}
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 3e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    lr_schedule: str = "constant"  # "constant", "linear" or "cosine" (after warmup)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    router_replay: bool = True
+    loss: LossConfig = field(default_factory=LossConfig)
+    batch_timeout_s: float = 300.0
+    nan_retries: int = 2  # a step with a non-finite loss is skipped (counted) this many times in a row
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # save every N steps (0: only at the end)
+    keep: int = 2
+    resume: bool = False  # continue from the latest checkpoint in output_dir
+
+
+@dataclass
+class LogConfig:
+    progress: bool = True
+    plot: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "primerl"
+
+
+@dataclass
+class RLConfig:
+    output_dir: str = "outputs/run"
+    seed: int = 0
+    max_steps: int = 50
+    threads: int = 1  # torch threads per process
+    num_trainer_ranks: int = 1  # torchrun processes of the trainer (gloo on CPU)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# building from dicts, overrides, dumping
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table/section, got {value!r}")
+        return from_dict(typ, value, prefix=key + ".")
+    origin = typing.get_origin(typ) or typ
+    if origin is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key}: expected a bool, got {value!r}")
+    if origin is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an int, got {value!r}")
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected an int, got {value!r}") from None
+    if origin is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if origin is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if origin in (list, dict):
+        if isinstance(value, str):  # from the command line: JSON
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                if origin is list:
+                    value = [v for v in value.split(",") if v]
+        if not isinstance(value, origin):
+            raise ConfigError(f"{key}: expected a {origin.__name__}, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass ``cls`` from a nested dict; unknown keys raise naming the dotted key."""
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if k not in names:
+            raise ConfigError(f"unknown config key {prefix}{k!s} (valid keys in "
+                              f"{prefix.rstrip('.') or 'the top level'}: {sorted(names)})")
+        kwargs[k] = _coerce(v, hints[k], prefix + k)
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def apply_override(cfg, dotted: str, raw: Any) -> None:
+    """Set ``cfg.<dotted>`` from a string (or value), coerced to the field's declared type."""
+    parts = dotted.split(".")
+    obj, path = cfg, []
+    for i, name in enumerate(parts):
+        path.append(name)
+        if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
+            if isinstance(obj, dict):  # a free-form table (env.args, loss.hparams)
+                rest = ".".join(parts[i:])
+                obj[rest] = _parse_scalar(raw)
+                return
+            raise ConfigError(f"unknown config key {'.'.join(path)}")
+        typ = _hints(type(obj))[name]
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(typ):
+                raise ConfigError(f"{dotted} is a section; set one of its keys, e.g. --{dotted}.<key>")
+            value = raw if typ is str else (_parse_scalar(raw) if typ in (dict, list) or
+                                            typing.get_origin(typ) in (dict, list) else raw)
+            setattr(obj, name, _coerce(value, typ, dotted))
+            return
+        obj = getattr(obj, name)
+
+
+def _parse_scalar(raw: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        low = raw.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        return raw
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
+    """``["--a.b", "1", "--c=2", "--flag"]`` -> ``[("a.b", "1"), ("c", "2"), ("flag", "true")]``."""
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        if not tok.startswith("--") or len(tok) == 2:
+            raise ConfigError(f"expected --key.sub value, got {tok!r}")
+        key = tok[2:]
+        if "=" in key:
+            key, _, val = key.partition("=")
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            val = argv[i + 1]
+            i += 2
+        else:
+            val, i = "true", i + 1
+        out.append((key.replace("-", "_"), val))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, check: bool = True) -> RLConfig:
+    data = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    cfg = from_dict(RLConfig, data)
+    for key, val in parse_overrides(overrides or []):
+        apply_override(cfg, key, val)
+    if check:
+        validate(cfg)
+    return cfg
+
+
+def _need(cond: bool, key: str, msg: str, value: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}, got {value!r}")
+
+
+def validate(cfg: RLConfig) -> None:
+    """Range and choice checks; raises ``ConfigError`` naming the key."""
+    o, i, t, m = cfg.orchestrator, cfg.inference, cfg.trainer, cfg.model
+    _need(cfg.max_steps >= 1, "max_steps", "must be >= 1", cfg.max_steps)
+    _need(cfg.threads >= 1, "threads", "must be >= 1", cfg.threads)
+    _need(cfg.num_trainer_ranks >= 1, "num_trainer_ranks", "must be >= 1", cfg.num_trainer_ranks)
+    _need(bool(cfg.output_dir), "output_dir", "must be set", cfg.output_dir)
+    _need(o.batch_size >= 1, "orchestrator.batch_size", "must be >= 1", o.batch_size)
+    _need(o.group_size >= 2, "orchestrator.group_size", "must be >= 2 (advantages compare samples of a prompt)", o.group_size)
+    _need(o.max_async_level >= 0, "orchestrator.max_async_level", "must be >= 0", o.max_async_level)
+    _need(o.max_off_policy_steps >= o.max_async_level, "orchestrator.max_off_policy_steps",
+          f"must be >= max_async_level ({o.max_async_level})", o.max_off_policy_steps)
+    _need(o.advantage in ("grpo", "drgrpo", "rloo"), "orchestrator.advantage", "must be grpo, drgrpo or rloo", o.advantage)
+    _need(o.seq_len >= 8, "orchestrator.seq_len", "must be >= 8", o.seq_len)
+    _need(o.weights_timeout_s > 0, "orchestrator.weights_timeout_s", "must be > 0", o.weights_timeout_s)
+    _need(i.backend in ("embedded", "vllm"), "inference.backend", "must be 'embedded' or 'vllm'", i.backend)
+    _need(i.temperature > 0, "inference.temperature", "must be > 0", i.temperature)
+    _need(0 < i.top_p <= 1, "inference.top_p", "must be in (0, 1]", i.top_p)
+    _need(i.max_batch_size >= 1, "inference.max_batch_size", "must be >= 1", i.max_batch_size)
+    _need(i.timeout_s > 0, "inference.timeout_s", "must be > 0", i.timeout_s)
+    _need(i.router_noise >= 0, "inference.router_noise", "must be >= 0", i.router_noise)
+    v = i.vllm
+    _need(v.weight_update in ("filesystem", "broadcast"), "inference.vllm.weight_update", "must be filesystem or broadcast", v.weight_update)
+    _need(v.disaggregation in ("", "prefill", "decode"), "inference.vllm.disaggregation", "must be '', 'prefill' or 'decode'", v.disaggregation)
+    _need(v.all2all_backend in ("", "deepep_high_throughput", "deepep_low_latency", "pplx", "naive", "allgather_reducescatter"),
+          "inference.vllm.all2all_backend", "is not a known all-to-all backend", v.all2all_backend)
+    _need(v.data_parallel >= 1 and v.tensor_parallel >= 1, "inference.vllm.data_parallel/tensor_parallel", "must be >= 1",
+          (v.data_parallel, v.tensor_parallel))
+    _need(t.lr > 0, "trainer.lr", "must be > 0", t.lr)
+    _need(t.max_grad_norm >= 0, "trainer.max_grad_norm", "must be >= 0 (0 disables clipping)", t.max_grad_norm)
+    _need(t.lr_schedule in ("constant", "linear", "cosine"), "trainer.lr_schedule", "must be constant, linear or cosine", t.lr_schedule)
+    _need(t.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0", t.warmup_steps)
+    _need(0 <= t.min_lr_ratio <= 1, "trainer.min_lr_ratio", "must be in [0, 1]", t.min_lr_ratio)
+    _need(t.batch_timeout_s > 0, "trainer.batch_timeout_s", "must be > 0", t.batch_timeout_s)
+    _need(t.nan_retries >= 0, "trainer.nan_retries", "must be >= 0", t.nan_retries)
+    _need(cfg.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0", cfg.checkpoint.interval)
+    _need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", cfg.checkpoint.keep)
+    _need(m.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", m.dtype)
+    _need(m.top_k >= 1 and m.top_k <= m.num_experts, "model.top_k", f"must be in [1, num_experts={m.num_experts}]", m.top_k)
+    _need(bool(cfg.env.id), "env.id", "must be set", cfg.env.id)
+    _need(cfg.env.timeout_s > 0, "env.timeout_s", "must be > 0", cfg.env.timeout_s)
+    _need(cfg.env.max_retries >= 0, "env.max_retries", "must be >= 0", cfg.env.max_retries)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def to_toml(cfg) -> str:
+    """The resolved config as TOML (loadable again with ``load_config``)."""
+    lines: list[str] = []
+
+    def emit(obj, section: str) -> None:
+        if section:
+            lines.append(f"\n[{section}]")
+        subs = []
+        for f in dataclasses.fields(obj):
+            val = getattr(obj, f.name)
+            if dataclasses.is_dataclass(val):
+                subs.append((f.name, val))
+            else:
+                lines.append(f"{f.name} = {_toml_value(val)}")
+        for name, val in subs:
+            emit(val, f"{section}.{name}" if section else name)
+
+    emit(cfg, "")
+    return "\n".join(lines).lstrip("\n") + "\n"

@@ -1,0 +1,327 @@
+"""Embedded inference engine: continuous batching with a KV cache on ``primerl.models.MoETransformer``.
+
+Every ``step()`` runs ONE forward over a packed set of tokens: the whole prompt of each newly
+admitted request (prefill) and the last sampled token of each running request (decode), so
+requests of any length join and leave the batch independently (continuous batching). Each
+token's key/value go into a per-slot cache ``[slots, capacity, Hkv, Dh]`` per layer, and each
+query attends to its own slot's cache up to its position.
+
+Sampling: temperature, then top-p over the sorted distribution, by inverse CDF with one uniform
+per token from the request's own ``random.Random(seed)``, so a request's tokens do not depend on
+what else is in the batch. The log-prob returned per token is ``log_softmax(logits / T)`` of the
+sampled token (before top-p truncation), the quantity the trainer recomputes.
+
+Router capture: for every position a request feeds through the model (prompt positions and each
+generated token that was fed back), the ``[L, k]`` expert ids used there; the result is
+``[prompt_len + generated - 1, L, k]`` (the last sampled token is never fed back).
+
+``kv_cache=False`` recomputes every request's whole prefix with ``model.forward`` each step: the
+slow reference the cached path is tested against.
+
+Shape legend: T tokens in a step, S cache capacity, H/Hkv heads, Dh head dim, L MoE layers, k top-k.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class EngineTimeout(EngineError, TimeoutError):
+    pass
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    request_id: int
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    routing: torch.Tensor | None  # [len(prompt) + len(tokens) - 1, L, k] uint8, or None
+    finish_reason: str  # "length" or "stop"
+    policy_version: int  # version when the request started (its oldest token)
+    policy_version_end: int
+
+
+class _Active:
+    __slots__ = ("req", "slot", "tokens", "logprobs", "routing", "rng", "version", "fed")
+
+    def __init__(self, req: Request, slot: int, version: int):
+        self.req, self.slot, self.version = req, slot, version
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.routing: list[torch.Tensor] = []
+        self.rng = random.Random(req.params.seed)
+        self.fed = 0  # positions already in the cache
+
+
+def sample_next(logits_BV: torch.Tensor, temperature: list[float], top_p: list[float], uniforms: list[float]):
+    """Inverse-CDF sampling per row: -> (token ids [B] int64, log-probs [B] float32)."""
+    logits = logits_BV.float() / torch.tensor(temperature, dtype=torch.float32)[:, None]
+    logp = torch.log_softmax(logits, dim=-1)
+    probs_sorted, idx_sorted = logp.exp().sort(dim=-1, descending=True)
+    cum = probs_sorted.cumsum(-1)
+    tp = torch.tensor(top_p, dtype=torch.float32)[:, None]
+    keep = (cum - probs_sorted) < tp  # the token that crosses top_p is kept
+    probs_sorted = probs_sorted * keep
+    cdf = probs_sorted.cumsum(-1)
+    u = torch.tensor(uniforms, dtype=torch.float32)[:, None] * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1)
+    pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)
+    token = idx_sorted.gather(-1, pick).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+class InferenceEngine:
+    """Batched generation on a MoETransformer (CPU or one GPU).
+
+    >>> engine = InferenceEngine(model, max_batch_size=64)
+    >>> outs = engine.generate([Request(0, [1, 5, 6, 2], SamplingParams(max_new_tokens=4, seed=1))])
+    >>> outs[0].tokens, outs[0].logprobs, outs[0].routing.shape   # [.], [.], [4 + 4 - 1, L, k]
+    """
+
+    def __init__(self, model, *, max_batch_size: int = 64, kv_cache: bool = True, capture_routing: bool = True,
+                 fp8_experts: bool = False, router_noise: float = 0.0, noise_seed: int = 0):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.cfg = model.config
+        self.max_batch_size, self.kv_cache, self.capture_routing = max_batch_size, kv_cache, capture_routing
+        self.fp8_experts, self.router_noise = fp8_experts, router_noise
+        self.policy_version = 0
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, _Active] = {}
+        self.free_slots = list(range(max_batch_size))[::-1]
+        self._k = self._v = None
+        self._capacity = 0
+        self.tokens_generated = 0
+        self._noise_gen = torch.Generator().manual_seed(noise_seed)
+        self._hooks = []
+        if router_noise > 0:
+            self._install_router_noise()
+        if fp8_experts:
+            self._quantize_experts()
+
+    # ---------------------------------------------------------------- weights
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy new policy weights in (in-flight requests continue with them, keeping their cache)."""
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if missing or unexpected:
+            raise EngineError(f"weight update does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if self.fp8_experts:
+            self._quantize_experts()
+        self.policy_version = int(version)
+
+    @torch.no_grad()
+    def _quantize_experts(self) -> None:
+        """Round every routed/shared expert weight through FP8 e4m3 with 128x128 block scales."""
+        from primerl.kernels.fp8 import dequant, quant_per_block
+
+        for name, p in self.model.named_parameters():
+            if ".ffn." in name and "expert" in name and p.ndim >= 2 and p.is_floating_point():
+                q, sf = quant_per_block(p.data, (128, 128))
+                p.copy_(dequant(q, sf, group_shape=(128, 128), out_dtype=p.dtype))
+
+    def _install_router_noise(self) -> None:
+        """Gaussian noise on every router's logits (a stand-in for inference-side numerics)."""
+        for layer in self.model.layers:
+            if getattr(layer, "is_moe", False):
+                gate = _find_router(layer.ffn)
+                self._hooks.append(gate.register_forward_hook(
+                    lambda m, i, out: out + self.router_noise * torch.randn(out.shape, generator=self._noise_gen)))
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, req: Request) -> None:
+        p = req.params
+        if not req.prompt:
+            raise ValueError(f"request {req.request_id}: prompt is empty")
+        if p.max_new_tokens < 1:
+            raise ValueError(f"request {req.request_id}: max_new_tokens must be >= 1, got {p.max_new_tokens}")
+        if p.temperature <= 0 or not 0 < p.top_p <= 1:
+            raise ValueError(f"request {req.request_id}: need temperature > 0 and top_p in (0, 1], got {p.temperature}, {p.top_p}")
+        bad = [t for t in req.prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"request {req.request_id}: prompt token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+        total = len(req.prompt) + p.max_new_tokens
+        if total > self.cfg.max_position_embeddings:
+            raise ValueError(f"request {req.request_id}: prompt + max_new_tokens = {total} exceeds "
+                             f"max_position_embeddings = {self.cfg.max_position_embeddings}")
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def abort(self, request_ids) -> None:
+        ids = set(request_ids)
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        for rid in [r for r in self.running if r in ids]:
+            self.free_slots.append(self.running.pop(rid).slot)
+
+    def generate(self, requests: list[Request], *, timeout: float | None = None) -> list[Completion]:
+        """Run the given requests to completion (plus anything already queued); results in input order."""
+        for r in requests:
+            self.add_request(r)
+        want = {r.request_id for r in requests}
+        done: dict[int, Completion] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while want - set(done):
+            for c in self.step():
+                done[c.request_id] = c
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineTimeout(f"generation of {len(want - set(done))} request(s) did not finish within {timeout} s")
+        return [done[r.request_id] for r in requests]
+
+    # ---------------------------------------------------------------- one engine step
+    @torch.no_grad()
+    def step(self) -> list[Completion]:
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            self.running[req.request_id] = _Active(req, self.free_slots.pop(), self.policy_version)
+        if not self.running:
+            return []
+        active = list(self.running.values())
+        logits, routing = (self._forward_cached if self.kv_cache else self._forward_full)(active)
+        tokens, logps = sample_next(logits, [a.req.params.temperature for a in active],
+                                    [a.req.params.top_p for a in active], [a.rng.random() for a in active])
+        finished = []
+        for i, a in enumerate(active):
+            if routing is not None:
+                a.routing.append(routing[i])
+            tok = int(tokens[i])
+            a.tokens.append(tok)
+            a.logprobs.append(float(logps[i]))
+            self.tokens_generated += 1
+            p = a.req.params
+            reason = "stop" if tok in p.stop_token_ids else ("length" if len(a.tokens) >= p.max_new_tokens else None)
+            if reason is not None:
+                finished.append(self._finish(a, reason))
+        return finished
+
+    def _finish(self, a: _Active, reason: str) -> Completion:
+        del self.running[a.req.request_id]
+        self.free_slots.append(a.slot)
+        routing = None
+        if self.capture_routing and a.routing:
+            routing = torch.cat(a.routing, 0).to(self.cfg.routing_dtype())
+        return Completion(a.req.request_id, list(a.req.prompt), a.tokens, a.logprobs, routing, reason,
+                          a.version, self.policy_version)
+
+    def _new_positions(self, a: _Active) -> list[int]:
+        """Tokens of ``a`` not yet in its cache: the whole prompt first, then the last sampled one."""
+        return list(a.req.prompt) if a.fed == 0 else [a.tokens[-1]]
+
+    # ---------------------------------------------------------------- forward paths
+    def _routing_now(self) -> torch.Tensor | None:
+        if not self.capture_routing or not any(getattr(layer, "is_moe", False) for layer in self.model.layers):
+            return None
+        return self.model.routing()
+
+    def _forward_full(self, active: list[_Active]):
+        """Reference: recompute each request's full sequence; logits at each last position."""
+        seqs = [a.req.prompt + a.tokens for a in active]
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+        pos = torch.cat([torch.arange(len(s)) for s in seqs])
+        lens = torch.tensor([len(s) for s in seqs])
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        cu[1:] = lens.cumsum(0)
+        logits = self.model(ids, pos, cu, return_logits=True)
+        r_all = self._routing_now()
+        routing = None
+        if r_all is not None:
+            routing = []
+            for a, s, e in zip(active, cu[:-1].tolist(), cu[1:].tolist()):
+                new = len(a.req.prompt) if a.fed == 0 else 1
+                routing.append(r_all[e - new:e])
+        for a, s in zip(active, seqs):
+            a.fed = len(s)
+        return logits[cu[1:].long() - 1], routing
+
+    def _ensure_cache(self, need: int) -> None:
+        if need <= self._capacity:
+            return
+        cap = max(need, 2 * self._capacity, 64)
+        c = self.cfg
+        ref = self.model.embed.weight
+        n_layers, shape = c.n_layers, (self.max_batch_size, cap, c.n_kv_heads, c.head_dim)
+        k = torch.zeros((n_layers, *shape), dtype=ref.dtype, device=ref.device)
+        v = torch.zeros_like(k)
+        if self._k is not None:
+            k[:, :, : self._capacity] = self._k
+            v[:, :, : self._capacity] = self._v
+        self._k, self._v, self._capacity = k, v, cap
+
+    def _forward_cached(self, active: list[_Active]):
+        new_tokens = [self._new_positions(a) for a in active]
+        counts = [len(t) for t in new_tokens]
+        dev = self.model.embed.weight.device
+        ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(a.fed, a.fed + n) for a, n in zip(active, counts)]).to(dev)
+        slot = torch.cat([torch.full((n,), a.slot, dtype=torch.long) for a, n in zip(active, counts)]).to(dev)
+        S = int(pos.max()) + 1
+        self._ensure_cache(S)
+        mask_TS = torch.arange(S, device=dev)[None, :] <= pos[:, None]
+        h = self.model.embed(ids)
+        T = ids.shape[0]
+        for li, layer in enumerate(self.model.layers):
+            attn = layer.attention
+            q, k, v = attn.project_qkv(layer.attention_norm(h), pos)
+            self._k[li, slot, pos] = k.to(self._k.dtype)
+            self._v[li, slot, pos] = v.to(self._v.dtype)
+            k_all = self._k[li, slot, :S].transpose(1, 2)  # [T, Hkv, S, Dh]
+            v_all = self._v[li, slot, :S].transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[:, :, None, :], k_all, v_all, attn_mask=mask_TS[:, None, None, :],
+                                               scale=attn.softmax_scale, enable_gqa=True)
+            h = h + attn.o_proj(o.reshape(T, attn.n_heads * attn.head_dim))
+            x = layer.ffn_norm(h)
+            h = h + layer.ffn(x)
+        last = torch.tensor(counts).cumsum(0) - 1
+        logits = self.model.lm_head(self.model.norm(h[last.to(dev)]))
+        r_all = self._routing_now()
+        routing = None
+        if r_all is not None:
+            offs = [0, *torch.tensor(counts).cumsum(0).tolist()]
+            routing = [r_all[s:e].cpu() for s, e in zip(offs[:-1], offs[1:])]
+        for a, n in zip(active, counts):
+            a.fed += n
+        return logits, routing
+
+
+def _find_router(moe) -> torch.nn.Module:
+    for name in ("router", "gate"):
+        m = getattr(moe, name, None)
+        if isinstance(m, torch.nn.Module):
+            inner = getattr(m, "gate", None) if not isinstance(m, torch.nn.Linear) else None
+            return inner if isinstance(inner, torch.nn.Linear) else m
+    raise EngineError(f"router_noise: cannot find the router module of {type(moe).__name__}")

@@ -1,0 +1,215 @@
+"""Process entry points and the ``primerl rl`` launcher.
+
+``primerl rl`` writes the resolved config to ``<output_dir>/config.toml`` and starts two
+processes that only share files: the trainer (``primerl trainer``, under torchrun when
+``num_trainer_ranks > 1``) and the orchestrator with its embedded inference engine
+(``primerl orchestrator``). Each logs to ``<output_dir>/logs/<name>.log``; the launcher prints a
+progress line per step from ``metrics.jsonl``, stops everything when one process fails (naming
+it, with the end of its log), and at the end prints the reward curve and saves ``metrics.png``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import latest_checkpoint
+from .config import RLConfig, to_toml
+from .metrics import ascii_curve, progress_line, read_metrics, save_plot
+from .transport import FileTransport
+
+log = logging.getLogger("primerl")
+
+
+def _pid_alive(pid: int | None):
+    if not pid:
+        return None
+
+    def alive() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    return alive
+
+
+def start_step(cfg: RLConfig) -> int:
+    if not cfg.checkpoint.resume:
+        return 0
+    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
+    return found[0] if found else 0
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------ processes
+def trainer_main(cfg: RLConfig) -> None:
+    from primerl.rl.envs import load_environment
+
+    from .trainer import run_trainer
+
+    setup_logging("trainer")
+    torch.set_num_threads(cfg.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        env = load_environment(cfg.env.id, **cfg.env.args)
+        run_trainer(cfg, env.vocab_size, orchestrator_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def make_client(cfg: RLConfig, vocab_size: int):
+    from .orchestrator import EmbeddedClient
+
+    if cfg.inference.backend == "vllm":
+        from .vllm import VLLMClient
+
+        return VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s, output_dir=cfg.output_dir)
+    from .engine import InferenceEngine
+    from .policy import build_model
+
+    i = cfg.inference
+    engine = InferenceEngine(build_model(cfg, vocab_size), max_batch_size=i.max_batch_size, kv_cache=i.kv_cache,
+                             capture_routing=i.capture_routing, fp8_experts=i.fp8_experts,
+                             router_noise=i.router_noise, noise_seed=cfg.seed)
+    return EmbeddedClient(engine, timeout_s=i.timeout_s)
+
+
+def orchestrator_main(cfg: RLConfig) -> None:
+    from primerl.rl.envs import load_environment
+
+    from .orchestrator import Orchestrator
+    from .policy import model_config
+
+    setup_logging("orchestrator")
+    torch.set_num_threads(cfg.threads)
+    env = load_environment(cfg.env.id, **cfg.env.args)
+    start = start_step(cfg)
+    transport = FileTransport(Path(cfg.output_dir) / "transport")
+    transport.drop_batches_from(start)
+    client = make_client(cfg, env.vocab_size)
+    orch = Orchestrator(cfg, env, client, transport, start_step=start,
+                        trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
+                        top_k=model_config(cfg, env.vocab_size).top_k)
+
+    def on_batch(step, m):
+        log.info("batch %d written: reward %.3f off_policy<=%d version %d %.0f tok/s", step, m["reward/mean"],
+                 m["off_policy/max"], m["policy_version"], m["inference/tokens_per_s"])
+
+    orch.run(on_batch=on_batch)
+
+
+# ------------------------------------------------------------------------------------ launcher
+class JobFailed(RuntimeError):
+    pass
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def prepare_output(cfg: RLConfig) -> int:
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    step = start_step(cfg)
+    if not cfg.checkpoint.resume:
+        for name in ("transport", "checkpoints"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    transport = FileTransport(out / "transport")
+    transport.drop_batches_from(step)
+    transport.drop_weights_after(step)
+    (out / "config.toml").write_text(to_toml(cfg))
+    (out / "logs").mkdir(exist_ok=True)
+    return step
+
+
+def _spawn(args: list[str], log_path: Path, env: dict) -> subprocess.Popen:
+    f = open(log_path, "ab")
+    return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _stop(p: subprocess.Popen | None, grace: float = 5.0) -> None:
+    if p is None or p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[dict]:
+    """Run trainer + orchestrator as two processes until ``max_steps``; return the metrics rows."""
+    out = Path(cfg.output_dir)
+    start = prepare_output(cfg)
+    cfg_path = str(out / "config.toml")
+    py = sys.executable
+    base_env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    if not quiet:
+        print(f"primerl rl: output_dir {out} | start step {start} | logs in {out / 'logs'}", flush=True)
+    orch = _spawn([py, "-m", "primerl.runtime.cli", "orchestrator", "--config", cfg_path], out / "logs" / "orchestrator.log",
+                  dict(base_env, PRIMERL_PEER_PID=str(os.getpid())))
+    trainer_cmd = [py, "-m", "primerl.runtime.cli", "trainer", "--config", cfg_path]
+    if cfg.num_trainer_ranks > 1:
+        trainer_cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.num_trainer_ranks}",
+                       "-m", "primerl.runtime.cli", "trainer", "--config", cfg_path]
+    trainer = _spawn(trainer_cmd, out / "logs" / "trainer.log",
+                     dict(base_env, PRIMERL_PEER_PID=str(orch.pid), PRIMERL_LOG_PROGRESS="0"))
+    (out / "pids").write_text(f"trainer {trainer.pid}\norchestrator {orch.pid}\n")
+    seen = start - 1
+    try:
+        while True:
+            rows = read_metrics(out / "metrics.jsonl")
+            for r in rows:
+                if r["step"] > seen:
+                    seen = r["step"]
+                    if not quiet and cfg.log.progress:
+                        print(progress_line(r, cfg.max_steps), flush=True)
+            t_rc, o_rc = trainer.poll(), orch.poll()
+            if t_rc is not None and t_rc != 0:
+                raise JobFailed(f"the trainer exited with code {t_rc}; end of {out / 'logs' / 'trainer.log'}:\n"
+                                + _tail(out / "logs" / "trainer.log"))
+            if o_rc is not None and o_rc != 0:
+                raise JobFailed(f"the orchestrator exited with code {o_rc}; end of {out / 'logs' / 'orchestrator.log'}:\n"
+                                + _tail(out / "logs" / "orchestrator.log"))
+            if t_rc == 0:
+                break
+            time.sleep(poll_s)
+    finally:
+        _stop(trainer)
+        _stop(orch)
+    rows = read_metrics(out / "metrics.jsonl")
+    wall = time.perf_counter() - t0
+    if not quiet:
+        print(f"done: {len(rows)} steps in {wall:.1f} s; reward curve:\n{ascii_curve(rows)}", flush=True)
+    if cfg.log.plot and rows:
+        path = save_plot(rows, out / "metrics.png")
+        if path and not quiet:
+            print(f"plot saved to {path}", flush=True)
+    return rows

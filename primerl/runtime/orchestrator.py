@@ -1,0 +1,258 @@
+"""The orchestrator: schedules rollouts, enforces the async level, computes advantages, packs and
+hands batches to the trainer through the transport.
+
+Batch n (trained at trainer step n, whose weights are version n) holds ``batch_size`` groups of
+``group_size`` episodes. Its requests may be submitted once the sampler holds policy version
+>= n - max_async_level, so with level 0 sampling and training alternate, and with level 1 the
+engine samples batch n+1 (and finishes batch n's long tail) while the trainer optimises on batch
+n. Requests of several batches share the engine (continuous batching). Every sample records
+the oldest policy version that produced one of its tokens; at hand-over a group with a sample
+older than ``max_off_policy_steps`` (n - version) is discarded, counted and resampled.
+
+Seeds and prompts derive from (seed, step, group, member, attempt, turn) only, so a resumed run
+replays the same episodes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable
+
+import torch
+
+from primerl.rl.envs import Environment, call_env, check_tokens
+
+from .config import RLConfig
+from .rollout import EpisodeState, mix_seed
+from .transport import FileTransport, ProducerDied, TransportTimeout
+
+log = logging.getLogger("primerl.orchestrator")
+
+
+class EnvError(RuntimeError):
+    pass
+
+
+class Orchestrator:
+    def __init__(self, cfg: RLConfig, env: Environment, client, transport: FileTransport, *, start_step: int = 0,
+                 trainer_alive: Callable[[], bool] | None = None, top_k: int = 1):
+        self.cfg, self.env, self.client, self.transport = cfg, env, client, transport
+        self.o = cfg.orchestrator
+        self.start_step = start_step
+        self.trainer_alive = trainer_alive
+        self.top_k = top_k
+        self.version = -1  # policy version the sampler holds
+        self.next_submit = start_step
+        self.next_write = start_step
+        self.episodes: dict[int, EpisodeState] = {}  # request id -> episode waiting on the engine
+        self.batches: dict[int, list[list[EpisodeState]]] = {}
+        self._rid = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="env")
+        self.counters = {"discarded_stale": 0, "env_errors": 0}
+        self._batch_counters: dict[int, dict] = {}
+        self._t_last_write = time.perf_counter()
+        self._tokens_since_write = 0
+
+    # ---------------------------------------------------------------- env calls (timeout + retry)
+    def _env_call(self, fn, *args):
+        timeout = self.cfg.env.timeout_s
+        fut = self._pool.submit(call_env, fn, *args, timeout=timeout)
+        try:
+            return fut.result(timeout=timeout)
+        except FutureTimeout:
+            # the worker thread may be stuck: replace the pool so later calls still run
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="env")
+            raise TimeoutError(f"environment call {getattr(fn, '__name__', fn)} took more than {timeout} s")
+
+    # ---------------------------------------------------------------- weights
+    def _refresh_weights(self, *, block_for: int | None = None) -> None:
+        """Load the newest published version not newer than the next batch to sample."""
+        cap = self.next_submit
+        if block_for is not None:
+            self.transport.wait_weights(block_for, timeout=self.o.weights_timeout_s, alive=self.trainer_alive)
+        versions = [v for v in self.transport.weight_versions() if v <= cap]
+        if versions and versions[-1] > self.version:
+            v = versions[-1]
+            self.client.update_weights(v, self.transport)
+            self.version = v
+
+    # ---------------------------------------------------------------- submission
+    def _submit(self, st: EpisodeState) -> None:
+        prompt = st.episode.prompt
+        max_new = prompt.max_new_tokens or self.env.max_new_tokens
+        seed = mix_seed(self.cfg.seed, st.step, st.group, st.member, st.attempt, st.turn)
+        self._rid += 1
+        req = st.request(self._rid, seed, max_new_tokens=max_new, temperature=self.cfg.inference.temperature,
+                         top_p=self.cfg.inference.top_p, stop_token_ids=tuple(self.env.stop_token_ids))
+        self.episodes[self._rid] = st
+        self.client.submit(req)
+
+    def _start_group(self, step: int, group: int, attempt: int) -> list[EpisodeState]:
+        n = self.env.num_prompts
+        index = step * self.o.batch_size + group
+        prompt = self.env.prompt(index % n if n else index)
+        check_tokens(prompt.tokens, self.env.vocab_size, f"environment prompt {index}")
+        states = [EpisodeState.start(step, group, m, attempt, prompt) for m in range(self.o.group_size)]
+        for st in states:
+            self._submit(st)
+        return states
+
+    def _submit_batch(self, step: int) -> None:
+        self.batches[step] = [self._start_group(step, g, 0) for g in range(self.o.batch_size)]
+        self._batch_counters[step] = {"discarded_stale": 0, "env_errors": 0}
+
+    def _retry_group(self, st: EpisodeState, reason: str) -> None:
+        step, g = st.step, st.group
+        old = self.batches[step][g]
+        attempt = old[0].attempt + 1
+        if reason == "env_error" and attempt > self.cfg.env.max_retries:
+            raise EnvError(f"environment {self.cfg.env.id!r} failed on prompt of step {step} group {g} "
+                           f"{attempt} times (env.max_retries = {self.cfg.env.max_retries}); see the log for the traceback")
+        live = {id(s) for s in old}
+        stale_ids = [rid for rid, s in self.episodes.items() if id(s) in live]
+        self.client.abort(stale_ids)
+        for rid in stale_ids:
+            del self.episodes[rid]
+        self.batches[step][g] = self._start_group(step, g, attempt)
+
+    # ---------------------------------------------------------------- completions
+    def _on_completion(self, c) -> None:
+        st = self.episodes.pop(c.request_id, None)
+        if st is None:  # aborted
+            return
+        self._tokens_since_write += len(c.tokens)
+        st.add_model_turn(c)
+        try:
+            reply = None
+            if st.turn < self.env.max_turns:
+                reply = self._env_call(self.env.respond, st.episode)
+            if reply:
+                st.add_env_turn(check_tokens(reply, self.env.vocab_size, "environment reply"))
+                self._submit(st)
+                return
+            st.reward = float(self._env_call(self.env.reward, st.episode))
+            if not math.isfinite(st.reward):
+                raise ValueError(f"reward is not finite: {st.reward}")
+            st.done = True
+        except Exception as e:  # noqa: BLE001 - any env failure is counted and retried
+            self.counters["env_errors"] += 1
+            self._batch_counters[st.step]["env_errors"] += 1
+            log.warning("environment error (step %d group %d attempt %d): %r; resampling the group",
+                        st.step, st.group, st.attempt, e)
+            self._retry_group(st, "env_error")
+
+    # ---------------------------------------------------------------- hand-over
+    def _batch_done(self, step: int) -> bool:
+        return step in self.batches and all(st.done for grp in self.batches[step] for st in grp)
+
+    def _finalize(self, step: int):
+        """-> (samples, metrics), or None when stale groups were sent back for resampling."""
+        groups = self.batches[step]
+        stale = [grp for grp in groups if any(step - st.version_min > self.o.max_off_policy_steps for st in grp)]
+        if stale:
+            for grp in stale:
+                self.counters["discarded_stale"] += len(grp)
+                self._batch_counters[step]["discarded_stale"] += len(grp)
+                self._retry_group(grp[0], "stale")
+            return None
+        from .batching import build_samples
+
+        samples, adv_metrics = build_samples(groups, self.o.advantage, self.top_k,
+                                             replay=self.cfg.trainer.router_replay and self.cfg.inference.capture_routing,
+                                             temperature=self.cfg.inference.temperature)
+        rewards = torch.tensor([st.reward for grp in groups for st in grp])
+        off = [step - st.version_min for grp in groups for st in grp]
+        lens = [len(st.episode.tokens) for grp in groups for st in grp]
+        now = time.perf_counter()
+        dt = max(now - self._t_last_write, 1e-9)
+        metrics = {
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward/max": float(rewards.max()), "off_policy/max": max(off), "off_policy/mean": sum(off) / len(off),
+            "policy_version": self.version, "samples/discarded_stale": self._batch_counters[step]["discarded_stale"],
+            "env/errors": self._batch_counters[step]["env_errors"], "seq_len/mean": sum(lens) / len(lens),
+            "seq_len/max": max(lens), "inference/tokens_per_s": self._tokens_since_write / dt,
+            "turns/mean": sum(st.turn for grp in groups for st in grp) / len(off), **adv_metrics,
+        }
+        self._t_last_write, self._tokens_since_write = now, 0
+        return samples, metrics
+
+    def _write(self, step: int, samples, metrics: dict) -> None:
+        from .batching import pack_for_ranks
+
+        per_rank = pack_for_ranks(samples, self.o.seq_len, self.cfg.num_trainer_ranks)
+        n_loss = int(sum(int(mb["loss_mask"].sum()) for mbs in per_rank for mb in mbs))
+        for rank, mbs in enumerate(per_rank):
+            self.transport.put_batch(step, rank, {"step": step, "micro_batches": mbs, "metrics": metrics,
+                                                  "num_loss_tokens": n_loss})
+        del self.batches[step]
+        self._batch_counters.pop(step, None)
+
+    # ---------------------------------------------------------------- main loop
+    def run(self, max_steps: int | None = None, on_batch: Callable[[int, dict], None] | None = None) -> None:
+        max_steps = self.cfg.max_steps if max_steps is None else max_steps
+        a = self.o.max_async_level
+        try:
+            while self.next_write < max_steps:
+                self._refresh_weights()
+                while self.next_submit < max_steps and self.next_submit - self.version <= a \
+                        and self.next_submit <= self.next_write + a:
+                    self._submit_batch(self.next_submit)
+                    self.next_submit += 1
+                if self._batch_done(self.next_write):
+                    out = self._finalize(self.next_write)
+                    if out is not None:
+                        self._write(self.next_write, *out)
+                        if on_batch is not None:
+                            on_batch(self.next_write, out[1])
+                        self.next_write += 1
+                    continue
+                if not self.client.has_pending():
+                    if self.next_write not in self.batches:
+                        # nothing to sample until the trainer publishes a newer policy
+                        self._refresh_weights(block_for=self.next_submit - a)
+                        continue
+                    raise RuntimeError(f"orchestrator stalled: batch {self.next_write} is incomplete with no request in flight")
+                for c in self.client.poll():
+                    self._on_completion(c)
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class EmbeddedClient:
+    """The orchestrator's view of the in-process engine (same interface as the vLLM client)."""
+
+    def __init__(self, engine, *, timeout_s: float = 300.0):
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self._last_progress = time.monotonic()
+
+    def submit(self, req) -> None:
+        self.engine.add_request(req)
+
+    def abort(self, request_ids) -> None:
+        self.engine.abort(request_ids)
+
+    def has_pending(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def poll(self):
+        out = self.engine.step()
+        now = time.monotonic()
+        if out:
+            self._last_progress = now
+        elif now - self._last_progress > self.timeout_s:
+            from .engine import EngineTimeout
+
+            raise EngineTimeout(f"the inference engine finished no request for {self.timeout_s} s")
+        return out
+
+    def update_weights(self, version: int, transport: FileTransport) -> None:
+        self.engine.load_weights(transport.load_weights(version), version)
+
+
+__all__ = ["Orchestrator", "EmbeddedClient", "EnvError", "TransportTimeout", "ProducerDied"]

@@ -1,0 +1,47 @@
+"""Build the policy model from the job config (random init or a local Hugging Face checkpoint)."""
+
+from __future__ import annotations
+
+import torch
+
+from primerl.models.config import MoETransformerConfig
+from primerl.models.transformer import MoETransformer
+
+from .config import ConfigError, RLConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def model_config(cfg: RLConfig, vocab_size: int) -> MoETransformerConfig:
+    m = cfg.model
+    if m.path:
+        mc = MoETransformerConfig.from_hf(m.path)
+        if mc.vocab_size < vocab_size:
+            raise ConfigError(f"model.path: the checkpoint's vocab_size {mc.vocab_size} is smaller than the "
+                              f"environment's {vocab_size}")
+        return mc
+    vocab = m.vocab_size or vocab_size
+    if vocab < vocab_size:
+        raise ConfigError(f"model.vocab_size: must be >= the environment's vocab_size {vocab_size}, got {vocab}")
+    try:
+        return MoETransformerConfig(family=m.family, vocab_size=vocab, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
+                                    n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, moe_dim=m.moe_dim,
+                                    num_experts=m.num_experts, top_k=m.top_k,
+                                    max_position_embeddings=m.max_position_embeddings, dtype=m.dtype, **m.extra)
+    except TypeError as e:
+        raise ConfigError(f"model.extra: {e}") from None
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+
+
+def build_model(cfg: RLConfig, vocab_size: int) -> MoETransformer:
+    """The same weights in every process: random init seeded by ``cfg.seed``, or the checkpoint."""
+    dtype = _DTYPES[cfg.model.dtype]
+    if cfg.model.path:
+        return MoETransformer.from_pretrained(cfg.model.path, dtype=dtype)
+    mc = model_config(cfg, vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = MoETransformer(mc)
+        model.init_weights(seed=cfg.seed)
+    return model.to(dtype)

@@ -1,0 +1,223 @@
+"""The trainer: reads packed micro-batches, optimises the policy, publishes versioned weights.
+
+One optimizer step per batch: for every micro-batch, the model's hidden states (with the
+sampler's routing replayed when ``trainer.router_replay``), fused log-probs of each next token,
+the policy loss normalised by the batch's global loss-token count, backward; then gradient
+clipping, AdamW and the learning-rate schedule. Weights after step n are published as version
+n+1. A non-finite loss skips the update (counted, logged) up to ``trainer.nan_retries`` steps in
+a row, then stops the run with an error.
+
+Launched as one process, or with ``torchrun --nproc-per-node N`` (gloo on CPU, nccl on GPU):
+rank r reads ``rank_r`` micro-batches and gradients are summed over ranks (the loss is already
+divided by the global token count) before clipping, so every rank holds the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from primerl.kernels.logprobs import fused_logprobs
+
+from . import _rl
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import RLConfig
+from .policy import build_model
+from .transport import FileTransport
+
+log = logging.getLogger("primerl.trainer")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def lr_lambda(cfg: RLConfig) -> Callable[[int], float]:
+    t = cfg.trainer
+
+    def f(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return 1.0
+        span = max(cfg.max_steps - t.warmup_steps, 1)
+        frac = min(max(step - t.warmup_steps, 0) / span, 1.0)
+        decay = 1 - frac if t.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
+
+    return f
+
+
+def shifted_logprobs(model, mb: dict, *, replay: bool, chunk_size: int = 1024):
+    """Per-token log-probs aligned with ``mb["input_ids"]`` (token t from the hidden state at t-1;
+    0 at each sequence's first token) and entropies, both [T] float32."""
+    ids = mb["input_ids"]
+    replay_ids = mb.get("replay_ids") if replay else None
+    hidden = model(ids, mb["position_ids"], mb["cu_seqlens"], replay_ids=replay_ids)
+    targets = torch.roll(ids, -1)
+    lp, ent = fused_logprobs(hidden, model.lm_head.weight, targets, temperature=mb.get("temperature", 1.0),
+                             chunk_size=chunk_size)
+    zero = lp.new_zeros(1)
+    return torch.cat([zero, lp[:-1]]), torch.cat([zero, ent[:-1]])
+
+
+class Trainer:
+    def __init__(self, cfg: RLConfig, vocab_size: int, *, rank: int = 0, world_size: int = 1):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.model = build_model(cfg, vocab_size)
+        self.model.train()
+        t = cfg.trainer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                                           weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.step = 0
+        self.nan_streak = 0
+        self.nan_skipped = 0
+
+    # ---------------------------------------------------------------- state
+    def state_dict_for_publish(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def train_state(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "nan_skipped": self.nan_skipped, "nan_streak": self.nan_streak}
+
+    def load(self, path) -> None:
+        step, model_sd, state = load_checkpoint(path)
+        self.model.load_state_dict(model_sd)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.nan_skipped, self.nan_streak = state["nan_skipped"], state["nan_streak"]
+        self.step = step
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self, payload: dict) -> dict:
+        t = self.cfg.trainer
+        mbs = payload["micro_batches"]
+        total = max(int(payload["num_loss_tokens"]), 1)
+        replay = t.router_replay
+        self.optimizer.zero_grad(set_to_none=False)
+        loss_sum = 0.0
+        kl_num = ent_num = 0.0
+        n_tok = n_loss = 0
+        extra: dict[str, float] = {}
+        for mb in mbs:
+            lp, ent = shifted_logprobs(self.model, mb, replay=replay)
+            loss, m = _rl.policy_loss(lp, mb["inference_logprobs"], mb["advantages"], mb["loss_mask"],
+                                      method=t.loss.method, total_tokens=total, **t.loss.hparams)
+            loss.backward()
+            k = int(mb["loss_mask"].sum())
+            loss_sum += float(loss.detach())
+            kl_num += m["mismatch_kl"] * k
+            with torch.no_grad():
+                ent_num += float((ent * mb["loss_mask"]).sum())
+            for key in ("clip_frac", "ratio/max"):
+                if key in m:
+                    extra[key] = max(extra.get(key, 0.0), m[key]) if key.endswith("max") else extra.get(key, 0.0) + m[key] * k
+            n_loss += k
+            if not mb.get("is_padding", False):
+                n_tok += int(mb["input_ids"].numel())
+        stats = torch.tensor([loss_sum, kl_num, ent_num, float(n_loss), float(n_tok)], dtype=torch.float64)
+        if self.world_size > 1:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        loss_all, kl_all, ent_all, n_loss_all, n_tok_all = stats.tolist()
+        finite = math.isfinite(loss_all) and all(
+            bool(torch.isfinite(p.grad).all()) for p in self.model.parameters() if p.grad is not None)
+        metrics = {"loss": loss_all, "mismatch_kl/mean": kl_all / max(n_loss_all, 1), "entropy/mean": ent_all / max(n_loss_all, 1),
+                   "tokens": int(n_tok_all), "loss_tokens": int(n_loss_all), "lr": self.scheduler.get_last_lr()[0]}
+        if "clip_frac" in extra:
+            metrics["clip_frac"] = extra["clip_frac"] / max(n_loss, 1)
+        if not finite:
+            self.nan_streak += 1
+            self.nan_skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            log.warning("step %d: non-finite loss or gradient (loss=%s); update skipped (%d in a row, limit %d)",
+                        self.step, loss_all, self.nan_streak, t.nan_retries)
+            if self.nan_streak > t.nan_retries:
+                raise NonFiniteLossError(
+                    f"step {self.step}: loss or gradients were non-finite for {self.nan_streak} steps in a row "
+                    f"(trainer.nan_retries = {t.nan_retries}); last loss = {loss_all}. Lower trainer.lr, check the "
+                    "rewards/advantages for NaN, or raise trainer.nan_retries.")
+            metrics["grad_norm"] = float("nan")
+        else:
+            self.nan_streak = 0
+            if t.max_grad_norm > 0:
+                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+            else:
+                gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None]))
+            metrics["grad_norm"] = float(gn)
+            self.optimizer.step()
+        self.scheduler.step()
+        metrics["nan_skipped"] = self.nan_skipped
+        self.step += 1
+        return metrics
+
+
+def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[[], bool] | None = None,
+                on_step: Callable[[dict], None] | None = None) -> Trainer:
+    """The trainer process's main loop (rank 0 publishes weights, writes metrics and checkpoints)."""
+    from pathlib import Path
+
+    from .metrics import MetricsLogger, progress_line
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != cfg.num_trainer_ranks:
+        raise ValueError(f"num_trainer_ranks = {cfg.num_trainer_ranks} but the trainer runs with {world} process(es)")
+    out = Path(cfg.output_dir)
+    transport = FileTransport(out / "transport")
+    trainer = Trainer(cfg, vocab_size, rank=rank, world_size=world)
+    ckpt_root = out / "checkpoints"
+    if cfg.checkpoint.resume:
+        found = latest_checkpoint(ckpt_root)
+        if found is not None:
+            trainer.load(found[1])
+            log.info("resumed from %s (step %d)", found[1], trainer.step)
+    start = trainer.step
+    logger = None
+    if rank == 0:
+        transport.drop_weights_after(start)
+        transport.publish_weights(start, trainer.state_dict_for_publish())
+        logger = MetricsLogger(out, start_step=start, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
+                               wandb_project=cfg.log.wandb_project)
+    t_prev = time.perf_counter()
+    try:
+        for step in range(start, cfg.max_steps):
+            t0 = time.perf_counter()
+            payload = transport.get_batch(step, rank, timeout=cfg.trainer.batch_timeout_s, alive=orchestrator_alive)
+            t1 = time.perf_counter()
+            m = trainer.train_step(payload)
+            t2 = time.perf_counter()
+            if rank == 0:
+                transport.publish_weights(step + 1, trainer.state_dict_for_publish())
+                transport.drop_weights_before(step + 1 - cfg.orchestrator.max_async_level - 1)
+                transport.drop_batches_before(step)
+                if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 < cfg.max_steps:
+                    save_checkpoint(ckpt_root, step + 1, trainer.model.state_dict(), trainer.train_state(),
+                                    keep=cfg.checkpoint.keep)
+            now = time.perf_counter()
+            row = {"step": step, **payload["metrics"], **m,
+                   "tokens_per_s": m["tokens"] / max(now - t_prev, 1e-9),
+                   "time/step_s": now - t_prev, "time/wait_s": t1 - t0, "time/train_s": t2 - t1}
+            t_prev = now
+            if rank == 0:
+                logger.log(row)
+                if cfg.log.progress:
+                    print(progress_line(row, cfg.max_steps), flush=True)
+            if on_step is not None:
+                on_step(row)
+        if rank == 0:
+            save_checkpoint(ckpt_root, cfg.max_steps, trainer.model.state_dict(), trainer.train_state(),
+                            keep=cfg.checkpoint.keep)
+    finally:
+        if logger is not None:
+            logger.close()
+    return trainer

@@ -1,0 +1,153 @@
+"""File transport between orchestrator, trainer and inference: rollout batches and weights.
+
+Layout under ``root``::
+
+    rollouts/step_000012/rank_0.pt       micro-batches for trainer rank 0 at step 12
+    weights/step_000012/model.safetensors  policy after 12 optimizer steps
+    weights/step_000012/STABLE            marker: the directory is complete
+
+Every file is written to a temporary name in the same directory and renamed into place
+(``os.replace`` is atomic on POSIX), so a reader never sees a partial file; weights are
+published by renaming a complete temporary directory and then writing the marker.
+Every wait takes a timeout and an optional ``alive()`` probe of the producer, so a dead
+producer is reported instead of waited on forever.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+STABLE = "STABLE"
+
+
+class TransportTimeout(TimeoutError):
+    pass
+
+
+class ProducerDied(RuntimeError):
+    pass
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float, what: str,
+             alive: Callable[[], bool] | None = None, poll: float = 0.005, max_poll: float = 0.1) -> Any:
+    """Poll ``predicate`` until it returns something truthy; raise on timeout or a dead producer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = predicate()
+        if out:
+            return out
+        if alive is not None and not alive():
+            raise ProducerDied(f"gave up waiting for {what}: its producer is no longer running")
+        if time.monotonic() > deadline:
+            raise TransportTimeout(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+        poll = min(poll * 1.5, max_poll)
+
+
+class FileTransport:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.rollouts = self.root / "rollouts"
+        self.weights = self.root / "weights"
+        self.rollouts.mkdir(parents=True, exist_ok=True)
+        self.weights.mkdir(parents=True, exist_ok=True)
+
+    # ---- rollout batches (orchestrator -> trainer) ----
+    def batch_path(self, step: int, rank: int) -> Path:
+        return self.rollouts / f"step_{step:06d}" / f"rank_{rank}.pt"
+
+    def put_batch(self, step: int, rank: int, payload: Any) -> Path:
+        path = self.batch_path(step, rank)
+        atomic_torch_save(payload, path)
+        return path
+
+    def get_batch(self, step: int, rank: int, *, timeout: float, alive: Callable[[], bool] | None = None) -> Any:
+        path = self.batch_path(step, rank)
+        wait_for(path.exists, timeout=timeout, what=f"rollout batch of step {step} (rank {rank}) at {path}", alive=alive)
+        return torch.load(path, weights_only=False)
+
+    def drop_batches_before(self, step: int) -> None:
+        for d in self.rollouts.glob("step_*"):
+            if int(d.name[5:]) < step:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def drop_batches_from(self, step: int) -> None:
+        """Used on resume: batches produced for steps a previous run never finished are stale."""
+        for d in self.rollouts.glob("step_*"):
+            if int(d.name[5:]) >= step:
+                shutil.rmtree(d, ignore_errors=True)
+
+    # ---- weights (trainer -> inference) ----
+    def weights_dir(self, version: int) -> Path:
+        return self.weights / f"step_{version:06d}"
+
+    def publish_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> Path:
+        from safetensors.torch import save_file
+
+        final = self.weights_dir(version)
+        tmp = self.weights / f".tmp_step_{version:06d}.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"version": str(version)})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        atomic_write_bytes(final / STABLE, str(version).encode())
+        return final
+
+    def weight_versions(self) -> list[int]:
+        return sorted(int(d.name[5:]) for d in self.weights.glob("step_*") if (d / STABLE).exists())
+
+    def latest_weights(self) -> int | None:
+        versions = self.weight_versions()
+        return versions[-1] if versions else None
+
+    def wait_weights(self, min_version: int, *, timeout: float, alive: Callable[[], bool] | None = None) -> int:
+        def ready():
+            v = self.latest_weights()
+            return (v,) if v is not None and v >= min_version else None
+
+        return wait_for(ready, timeout=timeout, what=f"policy weights of version >= {min_version}", alive=alive)[0]
+
+    def load_weights(self, version: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        d = self.weights_dir(version)
+        if not (d / STABLE).exists():
+            raise FileNotFoundError(f"weights of version {version} are not published at {d}")
+        return load_file(str(d / "model.safetensors"))
+
+    def drop_weights_before(self, version: int) -> None:
+        for d in self.weights.glob("step_*"):
+            if int(d.name[5:]) < version:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def drop_weights_after(self, version: int) -> None:
+        for d in self.weights.glob("step_*"):
+            if int(d.name[5:]) > version:
+                shutil.rmtree(d, ignore_errors=True)
