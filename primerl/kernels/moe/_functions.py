@@ -81,9 +81,10 @@ class SwiGLU(torch.autograd.Function):
 
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """a [M, K] rows grouped by expert (group e ends at ``ends[e]``, ``ends[-1] == M``),
-    w [E, N, K] -> [M, N]."""
-    return torch._grouped_mm(a, w.transpose(-2, -1), ends)
+    """a [M, K] rows grouped by expert (group e ends at ``ends[e]``), w [E, N, K] -> [M, N]."""
+    from ..gemm import grouped_gemm_nt  # same layer; imported late to keep the packages independent
+
+    return grouped_gemm_nt(a, w, ends, layout="offsets")
 
 
 def experts_on_grouped_rows(x_perm, w13, w2, ends, impl, activation="swiglu"):

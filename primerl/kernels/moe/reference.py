@@ -142,7 +142,8 @@ def combine_weight_grad(dy: torch.Tensor, y_perm: torch.Tensor, row_map: torch.T
 
 # ------------------------------------------------------------------------------------------ SwiGLU
 def _sigmoid(g: torch.Tensor) -> torch.Tensor:
-    return 1.0 / (1.0 + torch.exp(-g))
+    # a tensor numerator: `1.0 / t` is `reciprocal(t) * 1.0` in torch, not the quotient kernels take
+    return torch.ones_like(g) / (1.0 + torch.exp(-g))
 
 
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
