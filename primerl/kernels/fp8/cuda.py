@@ -1,0 +1,35 @@
+"""CUDA FP8 quantization: thin calls into ``torch.ops.primerl.fp8_quant_*`` (csrc/fp8/quant.cu).
+
+The ops are registered when :mod:`primerl.kernels._ext` loads the extension ``primerl._C``; the
+public functions in :mod:`primerl.kernels.fp8` validate inputs and only route here when that
+extension and a CUDA device are available.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._ext import HAS_CUDA_EXT
+
+if not HAS_CUDA_EXT:  # resolve_backend never routes here then; fail loudly for direct imports
+    raise ImportError("primerl.kernels.fp8.cuda needs the CUDA extension primerl._C, which is not built")
+
+
+def quant_per_token_group(x: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool):
+    """x [..., K] contiguous CUDA -> q [..., K] fp8, sf [..., K // group_size] float32."""
+    return torch.ops.primerl.fp8_quant_per_token_group(x, group_size, dtype, ue8m0)
+
+
+def quant_per_block(w: torch.Tensor, block_size: tuple[int, int], dtype: torch.dtype, ue8m0: bool):
+    """w [(G,) N, K] contiguous CUDA -> q like w, sf [(G,) ceil(N/bn), ceil(K/bk)] float32."""
+    return torch.ops.primerl.fp8_quant_per_block(w, block_size[0], block_size[1], dtype, ue8m0)
+
+
+def quant_rowwise(x: torch.Tensor, dtype: torch.dtype):
+    """x [..., K] contiguous CUDA -> q [..., K] fp8, sf [..., 1] float32."""
+    return torch.ops.primerl.fp8_quant_rowwise(x, dtype)
+
+
+def quant_tensorwise(x: torch.Tensor, dtype: torch.dtype):
+    """x contiguous CUDA -> q like x, sf [] float32."""
+    return torch.ops.primerl.fp8_quant_tensorwise(x, dtype)
