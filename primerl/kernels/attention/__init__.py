@@ -192,7 +192,10 @@ def attention(
     """
     spec = _make_spec("attention", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions)
     be = _resolve("attention", backend, q.device, spec)
-    out, lse = _AttentionFn.apply(q, k, v, spec, be)
+    if be == "flash_attn":
+        out, lse = _impl(be).differentiable(q, k, v, spec)
+    else:
+        out, lse = _AttentionFn.apply(q, k, v, spec, be)
     return (out, lse) if return_lse else out
 
 
