@@ -384,10 +384,3 @@ def test_gpu_non_contiguous_and_offset_inputs(backend):
     _gpu_check(fp8.quant_tensorwise, y, backend=backend)
     _gpu_check(fp8.quant_per_block, y, (128, 128), backend=backend)
 
-
-@pytest.mark.gpu
-def test_gpu_default_backend_is_fastest_available():
-    from primerl.kernels import resolve_backend
-
-    want = "cuda" if HAS_CUDA_EXT else "triton"
-    assert resolve_backend("quant", None, torch.device("cuda")) == want
