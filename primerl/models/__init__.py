@@ -3,3 +3,4 @@
 from .config import MoETransformerConfig, UnsupportedCheckpointError  # noqa: F401
 from .checkpoint import CheckpointError  # noqa: F401
 from .transformer import MoETransformer  # noqa: F401
+from .parallelize import parallelize  # noqa: F401

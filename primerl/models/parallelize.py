@@ -1,0 +1,63 @@
+"""parallelize(model, parallel_dims, mesh): expert parallel, context parallel, activation
+checkpointing and FSDP2 from ``primerl.parallel``, applied to a MoETransformer in the order they
+compose: EP first (it cuts the expert weights to the local experts), then CP (ring attention in
+every attention layer), then activation checkpointing (wraps each block's forward), FSDP last
+(it shards whatever parameters exist by then).
+
+With context parallelism the caller builds one ``ContextShardPlan`` per packed batch over
+``mesh["cp"]`` and runs the model on this rank's shard::
+
+    plan = ContextShardPlan(cu_seqlens, mesh["cp"].get_group())
+    h_local = model(plan.shard(input_ids), plan.shard(position_ids), plan)   # [t, D]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def parallelize(model: nn.Module, parallel_dims, mesh, *, activation_checkpointing: str | None = None,
+                ac_every: int = 1, fsdp: bool | None = None, param_dtype: torch.dtype = torch.bfloat16,
+                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True,
+                cpu_offload: bool = False, fp8_dispatch: bool = False) -> nn.Module:
+    """Apply EP, CP, activation checkpointing and FSDP to ``model`` in place and return it.
+
+    Args:
+        parallel_dims: ``primerl.parallel.mesh.ParallelDims``; ``mesh`` its ``build_mesh`` result.
+        activation_checkpointing: None, ``"full"`` (every block) or ``"selective"`` (every
+            ``ac_every``-th block).
+        fsdp: shard with FSDP2 (default: whenever there is more than one rank).
+        param_dtype / reduce_dtype / reshard_after_forward / cpu_offload: FSDP2 settings.
+        fp8_dispatch: send tokens to the experts in FP8 (the dispatcher's option).
+    """
+    from primerl.parallel.expert import apply_expert_parallel
+    from primerl.parallel.fsdp import apply_activation_checkpointing, apply_fsdp
+
+    from .layers import Attention
+
+    cfg = getattr(model, "config", None)
+    if cfg is not None and cfg.moe_layer_ids:
+        parallel_dims.check_num_experts(cfg.num_experts)
+    if activation_checkpointing not in (None, "full", "selective"):
+        raise ValueError(f"parallelize: activation_checkpointing must be None, 'full' or 'selective', "
+                         f"got {activation_checkpointing!r}")
+    if parallel_dims.ep > 1:
+        apply_expert_parallel(model, mesh["ep"], fp8_dispatch=fp8_dispatch)
+    if parallel_dims.cp > 1:
+        from primerl.parallel.context import ring_attention
+
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.context_attention = ring_attention
+    if activation_checkpointing is not None:
+        apply_activation_checkpointing(model, activation_checkpointing, every=ac_every)
+    if fsdp is None:
+        fsdp = parallel_dims.world_size > 1
+    if fsdp and cfg is not None and cfg.tie_word_embeddings:
+        raise NotImplementedError("parallelize: FSDP of a model with tied embeddings is not supported (the embedding "
+                                  "and the head are separate FSDP units)")
+    if fsdp:
+        apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    return model
