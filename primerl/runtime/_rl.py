@@ -1,7 +1,7 @@
 """Adapters to primerl.rl (advantages, packing, policy loss) in the shapes the runtime uses.
 
-TEMPORARY fallbacks below stand in while primerl.rl.advantages / packing / losses are being
-written; they follow the formulas the rl layer documents and go once it lands.
+``pack`` is a TEMPORARY stand-in while primerl.rl.packing is being written (same contract:
+first-fit-decreasing bins, cost-balanced ranks, equal micro-batch counts with flagged padding).
 """
 
 from __future__ import annotations
@@ -11,18 +11,13 @@ import torch
 
 def advantages(rewards: torch.Tensor, group_size: int, *, method: str):
     """rewards [N] (groups contiguous) -> (advantages [N], {"num_zero_groups": int})."""
-    r = rewards.view(-1, group_size).float()
-    centred = r - r.mean(1, keepdim=True)
-    if method == "drgrpo":
-        adv = centred
-    elif method == "grpo":
-        adv = centred / (r.std(1, keepdim=True) + 1e-6)
-    elif method == "rloo":
-        adv = centred * group_size / (group_size - 1)
-    else:
+    from primerl.rl import advantages as adv
+
+    fns = {"grpo": adv.grpo, "drgrpo": adv.drgrpo, "rloo": adv.rloo}
+    if method not in fns:
         raise ValueError(f"advantage method must be grpo, drgrpo or rloo, got {method!r}")
-    zero = int((r.max(1).values == r.min(1).values).sum())
-    return adv.flatten(), {"num_zero_groups": zero}
+    out = fns[method](rewards, group_size)
+    return out.advantages, {"num_zero_groups": int(out.uniform_groups.sum())}
 
 
 def _cost(n: int) -> float:
@@ -91,30 +86,29 @@ def _padding_like(s: dict) -> dict:
     return mb
 
 
-def mismatch_k3(train_logp: torch.Tensor, infer_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(sampler || trainer) from the sampler's tokens: e^d - 1 - d,
-    d = log p_train - log p_infer."""
-    d = train_logp - infer_logp
-    return torch.exp(d) - 1 - d
+def policy_loss(logprobs, mb: dict, loss_cfg, *, total_tokens: int, total_seqs: int, entropy=None):
+    """The configured primerl.rl.losses.policy_loss on one micro-batch, scaled so that summing over
+    every micro-batch (and rank) gives the batch-level aggregation. -> (loss, float metrics)."""
+    from primerl.rl.losses import policy_loss as _policy_loss
 
-
-def policy_loss(logprobs, inference_logprobs, advantages, loss_mask, *, method: str, total_tokens: float,
-                eps_low: float = 0.2, eps_high: float = 0.28, **_):
-    """PPO-clip against the sampler's log-probs, summed over masked tokens / ``total_tokens``."""
-    if method != "ppo_clip":
-        raise ValueError(f"trainer.loss.method {method!r} is not available in the interim loss (ppo_clip only)")
-    m = loss_mask.float()
-    log_ratio = logprobs - inference_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
-    per_tok = -torch.minimum(unclipped, clipped)
-    loss = (per_tok * m).sum() / total_tokens
-    with torch.no_grad():
-        n = m.sum().clamp(min=1)
-        metrics = {
-            "mismatch_kl": float((mismatch_k3(logprobs.detach(), inference_logprobs) * m).sum() / n),
-            "clip_frac": float(((unclipped != clipped).float() * m).sum() / n),
-            "ratio/max": float((ratio * m).max()) if m.any() else 1.0,
-        }
-    return loss, metrics
+    hp = dict(loss_cfg.hparams)
+    agg = loss_cfg.aggregation
+    kw: dict = {}
+    scale = 1.0
+    if agg in ("token_mean", "global_token_sum"):
+        agg, kw["global_num_tokens"] = "global_token_sum", float(max(total_tokens, 1))
+    elif agg == "token_sum_norm":
+        if "norm_constant" not in hp:
+            raise ValueError("trainer.loss.aggregation = 'token_sum_norm' needs trainer.loss.hparams.norm_constant")
+        kw["norm_constant"] = hp.pop("norm_constant")
+    elif agg == "seq_mean_token_mean":
+        mask, cu = mb["loss_mask"], mb["cu_seqlens"].long()
+        n_seq = sum(bool(mask[s:e].any()) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()))
+        scale = n_seq / max(total_seqs, 1)
+    else:
+        raise ValueError(f"trainer.loss.aggregation {agg!r} is not one of token_mean, global_token_sum, "
+                         "token_sum_norm, seq_mean_token_mean")
+    loss, metrics = _policy_loss(logprobs, mb["inference_logprobs"], mb["advantages"], mb["loss_mask"],
+                                 method=loss_cfg.method, corrections=tuple(loss_cfg.corrections), aggregation=agg,
+                                 cu_seqlens=mb["cu_seqlens"], entropy=entropy, **kw, **hp)
+    return loss * scale, {k: float(v) for k, v in metrics.items()}

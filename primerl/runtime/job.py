@@ -213,3 +213,49 @@ def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[d
         if path and not quiet:
             print(f"plot saved to {path}", flush=True)
     return rows
+
+
+def run_threads(cfg: RLConfig, *, quiet: bool = True) -> list[dict]:
+    """The same job in ONE process: trainer in a thread, orchestrator + engine in this one.
+
+    For tests, notebooks and experiments; each side still talks only through the transport.
+    """
+    import threading
+
+    from primerl.rl.envs import load_environment
+
+    from .orchestrator import Orchestrator
+    from .policy import model_config
+    from .trainer import run_trainer
+
+    out = Path(cfg.output_dir)
+    start = prepare_output(cfg)
+    env = load_environment(cfg.env.id, **cfg.env.args)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def trainer_thread():
+        try:
+            run_trainer(cfg, env.vocab_size, orchestrator_alive=lambda: not errors)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+        finally:
+            done.set()
+
+    cfg.log.progress = cfg.log.progress and not quiet
+    th = threading.Thread(target=trainer_thread, name="trainer", daemon=True)
+    th.start()
+    transport = FileTransport(out / "transport")
+    client = make_client(cfg, env.vocab_size)
+    orch = Orchestrator(cfg, env, client, transport, start_step=start,
+                        trainer_alive=lambda: not done.is_set() or not errors, top_k=model_config(cfg, env.vocab_size).top_k)
+    try:
+        orch.run()
+    except BaseException:
+        if errors:
+            raise errors[0]
+        raise
+    th.join(timeout=cfg.trainer.batch_timeout_s + 60)
+    if errors:
+        raise errors[0]
+    return read_metrics(out / "metrics.jsonl")

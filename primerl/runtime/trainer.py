@@ -108,17 +108,16 @@ class Trainer:
         extra: dict[str, float] = {}
         for mb in mbs:
             lp, ent = shifted_logprobs(self.model, mb, replay=replay)
-            loss, m = _rl.policy_loss(lp, mb["inference_logprobs"], mb["advantages"], mb["loss_mask"],
-                                      method=t.loss.method, total_tokens=total, **t.loss.hparams)
+            loss, m = _rl.policy_loss(lp, mb, t.loss, total_tokens=total, total_seqs=int(payload.get("num_loss_seqs", 1)),
+                                      entropy=ent)
             loss.backward()
             k = int(mb["loss_mask"].sum())
             loss_sum += float(loss.detach())
             kl_num += m["mismatch_kl"] * k
-            with torch.no_grad():
-                ent_num += float((ent * mb["loss_mask"]).sum())
-            for key in ("clip_frac", "ratio/max"):
-                if key in m:
-                    extra[key] = max(extra.get(key, 0.0), m[key]) if key.endswith("max") else extra.get(key, 0.0) + m[key] * k
+            ent_num += m.get("entropy", 0.0) * k
+            for key in ("clip_frac_low", "clip_frac_high", "ess"):
+                extra[key] = extra.get(key, 0.0) + m.get(key, 0.0) * k
+            extra["ratio_max"] = max(extra.get("ratio_max", 0.0), m.get("ratio_max", 0.0))
             n_loss += k
             if not mb.get("is_padding", False):
                 n_tok += int(mb["input_ids"].numel())
@@ -133,8 +132,9 @@ class Trainer:
             bool(torch.isfinite(p.grad).all()) for p in self.model.parameters() if p.grad is not None)
         metrics = {"loss": loss_all, "mismatch_kl/mean": kl_all / max(n_loss_all, 1), "entropy/mean": ent_all / max(n_loss_all, 1),
                    "tokens": int(n_tok_all), "loss_tokens": int(n_loss_all), "lr": self.scheduler.get_last_lr()[0]}
-        if "clip_frac" in extra:
-            metrics["clip_frac"] = extra["clip_frac"] / max(n_loss, 1)
+        for key in ("clip_frac_low", "clip_frac_high", "ess"):
+            metrics[key] = extra.get(key, 0.0) / max(n_loss, 1)
+        metrics["ratio_max"] = extra.get("ratio_max", 0.0)
         if not finite:
             self.nan_streak += 1
             self.nan_skipped += 1
