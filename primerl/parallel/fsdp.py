@@ -20,10 +20,14 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 from torch.distributed.tensor import Shard
 
 __all__ = ["apply_fsdp", "apply_activation_checkpointing", "find_blocks", "default_is_experts"]
+
+
+EXPERT_FORWARD_METHODS = ("forward_grouped",)
 
 
 def default_is_experts(name: str, module: nn.Module) -> bool:
@@ -94,6 +98,11 @@ def apply_fsdp(
 
                 fully_shard(sub, mesh=expert_mesh, mp_policy=mp, offload_policy=offload,
                             reshard_after_forward=reshard_after_forward, shard_placement_fn=placement)
+                # Under expert parallelism the MoE calls experts.forward_grouped, not forward:
+                # it needs FSDP's unshard/reshard hooks too.
+                for method in EXPERT_FORWARD_METHODS:
+                    if callable(getattr(sub, method, None)):
+                        register_fsdp_forward_method(sub, method)
                 units.append(sub)
         # The last block's parameters are needed again at once by the backward.
         reshard = reshard_after_forward and i < len(blocks) - 1
@@ -108,6 +117,9 @@ def apply_fsdp(
     units.append(model)
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
+        # With a factor of 1 plain SUM is exact; without this FSDP asks for PREMUL_SUM(1.0),
+        # which gloo does not implement.
+        unit.set_force_sum_reduction_for_comms(True)
     for a, b in zip(sharded_blocks, sharded_blocks[1:]):
         a.set_modules_to_forward_prefetch([b])
         b.set_modules_to_backward_prefetch([a])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 import traceback
 from pathlib import Path
 
@@ -49,15 +50,21 @@ class CaseLog:
 
     def __init__(self):
         self.results: dict[str, str | None] = {}
+        self.seconds: dict[str, float] = {}
 
     def record(self, name: str, errors: list[str]) -> None:
         self.results[name] = "; ".join(errors) if errors else None
 
+    def skip(self, name: str, reason: str) -> None:
+        self.results[name] = f"SKIP: {reason}"
+
     def run(self, name: str, fn, *args) -> None:
+        t0 = time.perf_counter()
         try:
             self.record(name, fn(*args) or [])
         except Exception:  # a failed case must not kill the other cases' reports
             self.results[name] = traceback.format_exc()
+        self.seconds[name] = time.perf_counter() - t0
 
 
 def _entry(rank: int, world_size: int, tmp: str, worker, args) -> None:
@@ -70,6 +77,8 @@ def _entry(rank: int, world_size: int, tmp: str, worker, args) -> None:
         worker(rank, world_size, log, *args)
     finally:
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(log.results))
+        if rank == 0 and os.environ.get("PRIMERL_DIST_TIMES"):
+            print({k: round(v, 2) for k, v in log.seconds.items()}, flush=True)
         dist.barrier()
         dist.destroy_process_group()
 
