@@ -113,7 +113,7 @@ def expert_counts(topk_ids: torch.Tensor, num_experts: int, *, backend: str | No
     """Tokens routed to each expert: topk_ids [T, k] -> counts [E] int32."""
     op = "expert_counts"
     _check_ids(op, "topk_ids", topk_ids, num_experts)
-    be = resolve_backend(op, backend, topk_ids.device, supported=("torch", "triton"))
+    be = resolve_backend(op, backend, topk_ids.device, supported=("torch", "triton", "cuda"))
     return _functions.op(_functions.backend_impl(be), "expert_counts")(topk_ids, num_experts)
 
 

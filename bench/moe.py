@@ -1,0 +1,97 @@
+"""MoE block forward+backward: primerl's MoE against Hugging Face's Qwen3-MoE block (its default
+experts implementation and its eager per-expert loop) and a dense matmul pair of the same FLOPs.
+
+Rows per (T, D, I, E, k): the baselines, then primerl with ``ratio`` against each baseline
+(> 1 = primerl faster). FLOPs counted: 3 x forward = 3 * T*k * 6*D*I (the router is left out).
+Goals: ratio >= 1 vs hf_default, >= 3 vs hf_eager_loop, >= 0.7 vs dense_same_flops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .harness import Row, time_fn
+
+SHAPES = [(2048, 512, 256, 64, 8), (4096, 1024, 512, 128, 8)]
+QUICK_SHAPES = [(256, 128, 64, 16, 4)]
+
+
+def _hf_block(d, i, e, k, impl, dtype, device):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=d, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k, norm_topk_prob=True)
+    cfg._experts_implementation = impl
+    return Qwen3MoeSparseMoeBlock(cfg).to(device=device, dtype=dtype)
+
+
+def _init(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_((torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5).to(p.dtype))
+
+
+def _fwd_bwd(module, x, gy):
+    def step():
+        xx = x.detach().requires_grad_()
+        module(xx).backward(gy)
+        module.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _dense_step(x_rows, w1, w2, gy_rows):
+    def step():
+        a = x_rows.detach().requires_grad_()
+        y = (a @ w1.T)[:, : w2.shape[1]] @ w2.T  # 2*D*2I + 2*I*D flops per row, like an expert
+        y.backward(gy_rows)
+        w1.grad = w2.grad = None
+
+    return step
+
+
+def run(args) -> list[Row]:
+    from primerl.models.moe import MoE
+
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    repeats = 3 if device == "cpu" else 20
+    rows: list[Row] = []
+    for t, d, i, e, k in shapes:
+        shape = f"T={t} D={d} I={i} E={e} k={k}"
+        flops = 3 * t * k * 6 * d * i
+        x = torch.randn(1, t, d, device=device, dtype=dtype)
+        gy = torch.randn(1, t, d, device=device, dtype=dtype)
+        ours = MoE(d, i, e, k, route_norm=True, device=device, dtype=dtype)
+        _init(ours, 0)
+        timings = {}
+        baselines = {}
+        for impl in ("grouped_mm", "eager"):
+            hf = _hf_block(d, i, e, k, impl, dtype, device)
+            with torch.no_grad():
+                hf.gate.weight.copy_(ours.gate.weight)
+                hf.experts.gate_up_proj.copy_(ours.experts.w13)
+                hf.experts.down_proj.copy_(ours.experts.w2)
+            name = "hf_default" if impl == "grouped_mm" else "hf_eager_loop"
+            baselines[name] = time_fn(_fwd_bwd(hf, x, gy), device=device, warmup=1, repeats=repeats)
+            del hf
+        w1 = torch.randn(2 * i, d, device=device, dtype=dtype, requires_grad=True)
+        w2 = torch.randn(d, i, device=device, dtype=dtype, requires_grad=True)
+        x_rows = torch.randn(t * k, d, device=device, dtype=dtype)
+        gy_rows = torch.randn(t * k, d, device=device, dtype=dtype)
+        baselines["dense_same_flops"] = time_fn(_dense_step(x_rows, w1, w2, gy_rows), device=device, warmup=1, repeats=repeats)
+        backends = ["torch"] if device == "cpu" else ["triton", "torch"]
+        for be in backends:
+            ours.experts.backend = be
+            timings[be] = time_fn(_fwd_bwd(ours, x, gy), device=device, warmup=1, repeats=repeats)
+        dt = str(dtype).replace("torch.", "")
+        for name, s in baselines.items():
+            rows.append(Row("moe_block_fwd_bwd", shape, dt, name, s, tflops=flops / s / 1e12,
+                            extra={"tok/s": f"{t / s:.0f}"}))
+        for be, s in timings.items():
+            for name, base in baselines.items():
+                rows.append(Row("moe_block_fwd_bwd", shape, dt, f"primerl[{be}]", s, tflops=flops / s / 1e12,
+                                ratio=base / s, baseline=name, extra={"tok/s": f"{t / s:.0f}"}))
+    return rows
