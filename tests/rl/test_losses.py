@@ -101,7 +101,7 @@ def test_dppo_tv_matches_formula_and_masks_by_advantage_sign():
     expect = ((-keep * adv * log_r.exp() + 0.003 * log_r**2) * mask).sum() / mask.sum()
     (g_expect,) = torch.autograd.grad(expect, x)
     (g,) = torch.autograd.grad(loss, lp)
-    assert float(loss) == pytest.approx(float(expect), rel=1e-12)
+    assert float(loss.detach()) == pytest.approx(float(expect.detach()), rel=1e-12)
     torch.testing.assert_close(g, g_expect)
     assert float(m["clip_frac_low"]) == pytest.approx(1 / 5) and float(m["clip_frac_high"]) == pytest.approx(2 / 5)
 
@@ -132,7 +132,7 @@ def test_gspo_sequence_ratio_clip_and_token_variant():
         a = adv[sl][mk][0]
         terms.append(-torch.minimum(s * a, s.clamp(0.99, 1.02) * a))
     expect = torch.stack(terms).mean()
-    assert float(loss) == pytest.approx(float(expect), rel=1e-12)
+    assert float(loss.detach()) == pytest.approx(float(expect.detach()), rel=1e-12)
     (g,) = torch.autograd.grad(loss, lp, retain_graph=True)
     (ge,) = torch.autograd.grad(expect, x)
     torch.testing.assert_close(g, ge)
@@ -140,7 +140,7 @@ def test_gspo_sequence_ratio_clip_and_token_variant():
     loss_t, _ = policy_loss(lp, ilp, adv, mask, method="gspo_token", cu_seqlens=CU, eps_low=0.01,
                             eps_high=0.02, aggregation="seq_mean_token_mean")
     (gt,) = torch.autograd.grad(loss_t, lp)
-    assert float(loss_t) == pytest.approx(float(loss), rel=1e-12)
+    assert float(loss_t.detach()) == pytest.approx(float(loss.detach()), rel=1e-12)
     torch.testing.assert_close(gt, g)
 
 
