@@ -149,7 +149,9 @@ def test_grouped_gemm_gradcheck_fp64(backend):
     offs = _offsets(counts)
     fn = lambda a_, b_: G.grouped_gemm_nt(a_, b_, offs, backend=backend)  # noqa: E731
     eps, atol = (1e-6, 1e-7) if dtype == torch.float64 else (1e-2, 5e-2)
-    assert torch.autograd.gradcheck(fn, (a, b), eps=eps, atol=atol, rtol=1e-2 if dtype == torch.float32 else 1e-3)
+    # fast_mode (a random projection of the Jacobian): each probe is a kernel launch under the interpreter
+    assert torch.autograd.gradcheck(fn, (a, b), eps=eps, atol=atol, rtol=1e-2 if dtype == torch.float32 else 1e-3,
+                                    fast_mode=backend == "triton")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -159,7 +161,7 @@ def test_gemm_nt_gradcheck(backend):
     b = torch.randn(16, 16, dtype=dtype, generator=_gen(1)).to(DEV).requires_grad_()
     eps, atol = (1e-6, 1e-7) if dtype == torch.float64 else (1e-2, 5e-2)
     assert torch.autograd.gradcheck(lambda x, y: G.gemm_nt(x, y, backend=backend), (a, b), eps=eps, atol=atol,
-                                    rtol=1e-2 if dtype == torch.float32 else 1e-3)
+                                    rtol=1e-2 if dtype == torch.float32 else 1e-3, fast_mode=backend == "triton")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

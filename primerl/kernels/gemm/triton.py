@@ -1,0 +1,425 @@
+"""Triton GEMMs: one M-grouped NT kernel (dense, offsets, m_indices, masked; FP8 block-scaled or
+plain) and one K-grouped TN kernel (weight gradients), both persistent and group-aware.
+
+Scheduling. The M-grouped kernel walks a flat list of (M-tile, N-tile) pairs with a stride of
+the number of programs (persistent on a GPU: one program per SM). How an M-tile maps to rows
+depends on the mode:
+
+* DENSE: tile ``mt`` covers rows ``mt*BM ..``, group 0.
+* TABLE: a small device-side table of row ranges ``(start, count, b_index)`` with cumulative tile
+  ends; tile ``mt`` belongs to the entry whose tile range holds it (a vector compare against
+  all entries). Offsets layouts add a tail entry with ``b_index = -1`` that writes zeros for rows
+  past ``offsets[-1]``; the masked layout has one entry per group, so no tile is spent on rows
+  past ``masked_m``. The table is built with torch ops on the device: no host sync.
+* M_INDICES: DeepGEMM's aligned layout; a tile's group is the max of its rows' ``m_indices``
+  (every 128-row block holds one group), rows whose index differs are padding and give zero.
+
+FP8: BK = 128, one A scale per row and one B scale per (128-column, 128-K) block; each K block's
+partial product is scaled in float32 and added (``acc += dot(a, b) * sa[:, None] * sb[None, :]``).
+Rows that are not read (padding, past ``masked_m``) are masked at the load, so NaN there never
+enters a valid row.
+
+Tile shapes come from :func:`pick_tiles`, a table keyed on (rows per group, N, K), not autotuning.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import triton_interpreter_enabled
+from ..fp8 import reference as fp8_ref
+from ..fp8.reference import fp8_max
+from ..fp8.triton import _cast_scaled, _scale_from_amax
+from . import offsets as off
+
+BLOCK = 128
+MODE_DENSE, MODE_TABLE, MODE_M_INDICES = 0, 1, 2
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+              torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+@triton.jit
+def _m_grouped_gemm_nt_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr,
+    group_ptr, row_start_ptr, row_count_ptr, b_index_ptr,
+    M, N, K, num_entries, num_m_tiles, num_progs,
+    stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_dm,
+    stride_sam, stride_sbg, stride_sbn,
+    MODE: tl.constexpr, SCALED: tl.constexpr, ENTRIES_P2: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BN)
+    for tile in range(pid, num_m_tiles * n_tiles, num_progs):
+        mt = tile // n_tiles
+        offs_n = (tile % n_tiles) * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        if MODE == 0:
+            rows = mt * BM + tl.arange(0, BM)
+            row_ok = rows < M
+            store_ok = row_ok
+            g = mt * 0
+        elif MODE == 2:
+            rows = mt * BM + tl.arange(0, BM)
+            in_bounds = rows < M
+            row_group = tl.load(group_ptr + rows, mask=in_bounds, other=-1)
+            g = tl.max(row_group, axis=0)
+            row_ok = (row_group == g) & (g >= 0)
+            store_ok = in_bounds
+        else:
+            ent = tl.arange(0, ENTRIES_P2)
+            tile_ends = tl.load(group_ptr + ent, mask=ent < num_entries, other=2**30)
+            e = tl.sum((tile_ends <= mt).to(tl.int32), axis=0)
+            e_safe = tl.minimum(e, num_entries - 1)
+            prev = tl.load(group_ptr + e_safe - 1, mask=e_safe > 0, other=0)
+            start = tl.load(row_start_ptr + e_safe)
+            count = tl.load(row_count_ptr + e_safe)
+            g = tl.load(b_index_ptr + e_safe)
+            local = (mt - prev) * BM + tl.arange(0, BM)
+            rows = start + local
+            store_ok = (local < count) & (e < num_entries)
+            row_ok = store_ok & (g >= 0)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if g >= 0:
+            g64 = g.to(tl.int64)
+            offs_k = tl.arange(0, BK)
+            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+            b_ptrs = b_ptr + g64 * stride_bg + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+            for kb in range(0, tl.cdiv(K, BK)):
+                k_ok = kb * BK + offs_k < K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n_mask[None, :] & k_ok[:, None], other=0.0)
+                if SCALED:
+                    sa = tl.load(sa_ptr + rows.to(tl.int64) * stride_sam + kb, mask=row_ok, other=0.0)
+                    sb = tl.load(sb_ptr + g64 * stride_sbg + (offs_n // 128) * stride_sbn + kb, mask=n_mask, other=0.0)
+                    acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+                else:
+                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                a_ptrs += BK * stride_ak
+                b_ptrs += BK * stride_bk
+        out = tl.where(row_ok[:, None], acc, 0.0)
+        d_ptrs = d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
+        tl.store(d_ptrs, out.to(d_ptr.dtype.element_ty), mask=store_ok[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _k_grouped_gemm_tn_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, offsets_ptr, block_start_ptr, m_indices_ptr,
+    N, K, G, num_progs,
+    stride_a, stride_b, stride_sa, stride_sb,
+    SCALED: tl.constexpr, ROW_MASK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """d[g, n, k] = sum over rows t of group g of a[t, n] * b[t, k]."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in range(pid, G * n_tiles * k_tiles, num_progs):
+        g = tile // (n_tiles * k_tiles)
+        rest = tile % (n_tiles * k_tiles)
+        offs_n = (rest // k_tiles) * BN + tl.arange(0, BN)
+        offs_k = (rest % k_tiles) * BK + tl.arange(0, BK)
+        n_ok = offs_n < N
+        k_ok = offs_k < K
+        end = tl.load(offsets_ptr + g)
+        start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0)
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        for t in range(start, end, BT):
+            rows = t + tl.arange(0, BT)
+            r_ok = rows < end
+            if ROW_MASK:
+                r_ok = r_ok & (tl.load(m_indices_ptr + rows, mask=r_ok, other=-1) >= 0)
+            rows64 = rows.to(tl.int64)
+            a = tl.load(a_ptr + rows64[None, :] * stride_a + offs_n[:, None], mask=r_ok[None, :] & n_ok[:, None], other=0.0)
+            b = tl.load(b_ptr + rows64[:, None] * stride_b + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            if SCALED:
+                blk = tl.load(block_start_ptr + g) + (t - start) // BT
+                sa = tl.load(sa_ptr + blk.to(tl.int64) * stride_sa + offs_n, mask=n_ok, other=0.0)
+                sb = tl.load(sb_ptr + blk.to(tl.int64) * stride_sb + offs_k, mask=k_ok, other=0.0)
+                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        d_ptrs = d_ptr + g.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
+        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _quant_group_colwise_kernel(
+    x_ptr, q_ptr, sf_ptr, offsets_ptr, block_start_ptr, T, C, G,
+    FMAX: tl.constexpr, UE8M0: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):
+    """Program (g, column tile): quantize group g's rows in BT-row blocks; g == G zeroes the tail."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_ok = cols < C
+    last = tl.load(offsets_ptr + G - 1)
+    if g < G:
+        end = tl.load(offsets_ptr + g)
+        start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0)
+        blk0 = tl.load(block_start_ptr + g)
+        for t in range(start, end, BT):
+            rows = t + tl.arange(0, BT)
+            ok = (rows < end)[:, None] & c_ok[None, :]
+            ptrs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+            x = tl.load(x_ptr + ptrs, mask=ok, other=0.0).to(tl.float32)
+            sf = _scale_from_amax(tl.max(tl.abs(x), axis=0), FMAX, UE8M0)
+            tl.store(sf_ptr + (blk0 + (t - start) // BT).to(tl.int64) * C + cols, sf, mask=c_ok)
+            tl.store(q_ptr + ptrs, _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty), mask=ok)
+    else:
+        for t in range(last, T, BT):
+            rows = t + tl.arange(0, BT)
+            ok = (rows < T)[:, None] & c_ok[None, :]
+            zero = tl.zeros((BT, BC), dtype=tl.float32).to(q_ptr.dtype.element_ty)
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], zero, mask=ok)
+
+
+# ------------------------------------------------------------------------------ tile heuristics
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms() -> int:
+    if torch.cuda.is_available() and not triton_interpreter_enabled():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 1
+
+
+def _pow2_clamp(x: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(int(x), 1))))
+
+
+def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: int = 2) -> dict:
+    """Tile table (BM, BN, BK, warps, stages) keyed on the rows each group holds, N and K.
+
+    Interpreter: the largest blocks the shape allows (each program costs Python overhead).
+    GPU (Hopper): BM 64 for decode-sized groups, else 128; BN 128 (one FP8 B-scale block, so a
+    tile never straddles two B scales); BK 128 for FP8 (one scale block) and 64 for 16-bit;
+    stages sized so A+B stages fit in ~200 KB of shared memory.
+    """
+    if triton_interpreter_enabled():
+        return dict(BM=_pow2_clamp(rows_per_group, 16, 128), BN=_pow2_clamp(n, 16, 128),
+                    BK=BLOCK if scaled else _pow2_clamp(k, 16, 128), num_warps=4, num_stages=1)
+    if rows_per_group <= 64:
+        bm, warps = 64, 4
+    else:
+        bm, warps = 128, 8
+    bn = 128 if n > 64 else _pow2_clamp(n, 16, 128)
+    bk = BLOCK if scaled else (64 if element_size == 2 else 32)
+    stage_bytes = (bm + bn) * bk * element_size
+    stages = max(2, min(5, (200 * 1024) // stage_bytes))
+    return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ------------------------------------------------------------------------------ launchers
+
+
+def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=None, b_index=None,
+                      num_entries=1, num_m_tiles=0, rows_per_group=1):
+    """a [M, K] (any strides), b [G, N, K] (any strides), out [M, N] contiguous."""
+    m, k = a.shape
+    n = b.shape[1]
+    scaled = sa is not None
+    cfg = pick_tiles(rows_per_group, n, k, scaled, a.element_size())
+    if mode == MODE_M_INDICES:
+        cfg["BM"] = min(cfg["BM"], BLOCK)
+    bm = cfg.pop("BM")
+    if mode != MODE_TABLE:
+        num_m_tiles = triton.cdiv(m, bm)
+    elif num_m_tiles == 0:
+        num_m_tiles = triton.cdiv(m, bm) + num_entries
+    total = num_m_tiles * triton.cdiv(n, cfg["BN"])
+    if total == 0 or n == 0:
+        return out
+    num_progs = max(1, min(total, _num_sms() * (2 if bm == 64 else 1))) if _num_sms() > 1 else total
+    dummy = group if group is not None else out
+    _m_grouped_gemm_nt_kernel[(num_progs,)](
+        a, sa if scaled else a, b, sb if scaled else b, out,
+        dummy, row_start if row_start is not None else dummy, row_count if row_count is not None else dummy,
+        b_index if b_index is not None else dummy,
+        m, n, k, num_entries, num_m_tiles, num_progs,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+        sa.stride(0) if scaled else 0, sb.stride(0) if scaled else 0, sb.stride(1) if scaled else 0,
+        MODE=mode, SCALED=scaled, ENTRIES_P2=triton.next_power_of_2(max(num_entries, 1)),
+        BM=bm, PRECISION=_precision(a.dtype), **cfg,
+    )
+    return out
+
+
+def _offsets_table(offsets: torch.Tensor, num_rows: int, bm: int):
+    """Entries = groups + one zero-writing tail entry for rows past offsets[-1]."""
+    ends = torch.cat([offsets, offsets.new_full((1,), num_rows)])
+    starts = torch.cat([offsets.new_zeros(1), ends[:-1]])
+    counts = ends - starts
+    b_index = torch.arange(offsets.numel() + 1, device=offsets.device, dtype=torch.int32)
+    b_index[-1] = -1
+    tile_ends = torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)
+    return tile_ends, starts.contiguous(), counts.contiguous(), b_index
+
+
+def _grouped_offsets(a, sa, b, sb, offsets, out_dtype):
+    m, n, groups = a.shape[0], b.shape[1], b.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    rows_per_group = max(1, m // max(groups, 1))
+    bm = pick_tiles(rows_per_group, n, a.shape[1], sa is not None, a.element_size())["BM"]
+    tile_ends, starts, counts, b_index = _offsets_table(offsets, m, bm)
+    return _launch_m_grouped(a, sa, b, sb, out, MODE_TABLE, tile_ends, starts, counts, b_index,
+                             num_entries=groups + 1, rows_per_group=rows_per_group)
+
+
+def _grouped_m_indices(a, sa, b, sb, m_indices, out_dtype):
+    m, n = a.shape[0], b.shape[1]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    return _launch_m_grouped(a, sa, b, sb, out, MODE_M_INDICES, m_indices,
+                             rows_per_group=max(1, m // max(b.shape[0], 1)))
+
+
+def _k_grouped(a, sa, b, sb, offsets, out_dtype, m_indices=None):
+    t, n = a.shape
+    k = b.shape[1]
+    groups = offsets.numel()
+    out = torch.empty(groups, n, k, dtype=out_dtype, device=a.device)
+    scaled = sa is not None
+    if triton_interpreter_enabled():
+        bn, bk = _pow2_clamp(n, 16, 128), _pow2_clamp(k, 16, 128)
+        bt, warps, stages = BLOCK if scaled else _pow2_clamp(t // max(groups, 1), 16, 128), 4, 1
+    else:
+        bn, bk, bt, warps, stages = 128, 128, (BLOCK if scaled else 64), 8, 3
+    total = groups * triton.cdiv(n, bn) * triton.cdiv(k, bk)
+    num_progs = min(total, _num_sms()) if _num_sms() > 1 else total
+    block_start = off.group_block_starts(offsets) if scaled else offsets
+    _k_grouped_gemm_tn_kernel[(num_progs,)](
+        a, sa if scaled else a, b, sb if scaled else b, out, offsets, block_start,
+        m_indices if m_indices is not None else offsets,
+        n, k, groups, num_progs, a.stride(0), b.stride(0),
+        sa.stride(0) if scaled else 0, sb.stride(0) if scaled else 0,
+        SCALED=scaled, ROW_MASK=m_indices is not None, BN=bn, BK=bk, BT=bt,
+        PRECISION=_precision(a.dtype), num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------ FP8 entry points
+
+
+def fp8_gemm_nt(a, b, out_dtype):
+    (aq, asf), (bq, bsf) = a, b
+    out = torch.empty(aq.shape[0], bq.shape[0], dtype=out_dtype, device=aq.device)
+    return _launch_m_grouped(aq, asf, bq.unsqueeze(0), bsf.unsqueeze(0), out, MODE_DENSE, None,
+                             rows_per_group=aq.shape[0])
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, out_dtype):
+    return _grouped_m_indices(a[0], a[1], b[0], b[1], m_indices, out_dtype)
+
+
+def m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype):
+    return _grouped_offsets(a[0], a[1], b[0], b[1], offsets, out_dtype)
+
+
+def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out_dtype):
+    (aq, asf), (bq, bsf) = a, b
+    groups, max_m, k = aq.shape
+    n = bq.shape[1]
+    out = torch.empty(groups, max_m, n, dtype=out_dtype, device=aq.device)
+    bm = pick_tiles(max(expected_m, 1), n, k, True, 1)["BM"]
+    counts = masked_m.clamp(0, max_m)
+    starts = torch.arange(groups, device=aq.device, dtype=torch.int32) * max_m
+    tile_ends = torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)
+    b_index = torch.arange(groups, device=aq.device, dtype=torch.int32)
+    _launch_m_grouped(aq.view(groups * max_m, k), asf.view(groups * max_m, -1), bq, bsf, out.view(groups * max_m, n),
+                      MODE_TABLE, tile_ends, starts, counts, b_index, num_entries=groups,
+                      num_m_tiles=groups * triton.cdiv(max_m, bm), rows_per_group=max(expected_m, 1))
+    return out
+
+
+def quant_per_group_colwise(x, offsets, dtype, ue8m0):
+    t, c = x.shape
+    groups = offsets.numel()
+    q = torch.empty_like(x, dtype=dtype)
+    # spare scale rows get the scale of an all-zero block, as in the reference
+    zero_block_sf = fp8_ref.scale_from_amax(torch.zeros(1, device=x.device), dtype, ue8m0)
+    sf = zero_block_sf.expand(off.max_group_blocks(t, groups), c).contiguous()
+    bc = 128 if triton_interpreter_enabled() else 64
+    _quant_group_colwise_kernel[(groups + 1, triton.cdiv(c, bc))](
+        x, q, sf, offsets, off.group_block_starts(offsets), t, c, groups,
+        FMAX=fp8_max(dtype), UE8M0=ue8m0, BT=BLOCK, BC=bc, num_warps=4,
+    )
+    return q, sf
+
+
+def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets, out_dtype):
+    return _k_grouped(a[0], a[1], b[0], b[1], offsets, out_dtype)
+
+
+def k_grouped_gemm_tn(a, b, offsets, out_dtype):
+    return _k_grouped(a, None, b, None, offsets, out_dtype)
+
+
+# ------------------------------------------------------------------------------ bf16 autograd
+
+
+def _m_indices_segments(m_indices: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Aligned contiguous layout (groups in ascending order) -> padded segment end offsets[G].
+    An all-padding block is owned by the group before it (its rows are masked anyway)."""
+    block_group = m_indices.view(-1, BLOCK).amax(dim=1)
+    owner = torch.cummax(block_group, 0).values.clamp_min(0).long()
+    blocks = torch.bincount(owner, minlength=num_groups)[:num_groups]
+    return (torch.cumsum(blocks, 0) * BLOCK).to(torch.int32)
+
+
+class _GroupedGemmNT(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, index, kind, out_dtype):
+        ctx.save_for_backward(a, b, index)
+        ctx.kind = kind
+        if kind == "offsets":
+            return _grouped_offsets(a, None, b, None, index, out_dtype)
+        if kind == "m_indices":
+            return _grouped_m_indices(a, None, b, None, index, out_dtype)
+        return _launch_m_grouped(a, None, b.unsqueeze(0), None,
+                                 torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device),
+                                 MODE_DENSE, None, rows_per_group=a.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, index = ctx.saved_tensors
+        grad = grad.contiguous().to(a.dtype)
+        grad_a = grad_b = None
+        if ctx.kind == "dense":
+            if ctx.needs_input_grad[0]:
+                grad_a = _launch_m_grouped(grad, None, b.t().unsqueeze(0), None, torch.empty_like(a),
+                                           MODE_DENSE, None, rows_per_group=a.shape[0])
+            if ctx.needs_input_grad[1]:
+                ones = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
+                grad_b = _k_grouped(grad, None, a, None, ones, torch.float32)[0].to(b.dtype)
+            return grad_a, grad_b, None, None, None
+        b_t = b.transpose(1, 2)
+        if ctx.needs_input_grad[0]:
+            if ctx.kind == "offsets":
+                grad_a = _grouped_offsets(grad, None, b_t, None, index, a.dtype)
+            else:
+                grad_a = _grouped_m_indices(grad, None, b_t, None, index, a.dtype)
+        if ctx.needs_input_grad[1]:
+            if ctx.kind == "offsets":
+                grad_b = _k_grouped(grad, None, a, None, index, torch.float32)
+            else:
+                segments = _m_indices_segments(index, b.shape[0])
+                grad_b = _k_grouped(grad, None, a, None, segments, torch.float32, m_indices=index)
+            grad_b = grad_b.to(b.dtype)
+        return grad_a, grad_b, None, None, None
+
+
+def gemm_nt_autograd(a, b, out_dtype):
+    return _GroupedGemmNT.apply(a, b, torch.empty(0, dtype=torch.int32, device=a.device), "dense", out_dtype)
+
+
+def grouped_gemm_nt_autograd(a, b, index, kind, out_dtype):
+    return _GroupedGemmNT.apply(a, b, index, kind, out_dtype)
