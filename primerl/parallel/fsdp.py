@@ -71,7 +71,8 @@ def apply_fsdp(
 
     Call after expert parallelism has cut the expert weights to the local experts and after
     activation checkpointing. Expert weights are sharded on dim 1 when ``efsdp`` has more ranks
-    than there are local experts (dim 0 would leave ranks empty), else on dim 0. Forward and
+    than there are local experts (dim 0 would leave ranks empty) and divides dim 1, else on
+    dim 0. Forward and
     backward prefetch one block ahead explicitly.
     """
     blocks = find_blocks(model)
@@ -94,7 +95,9 @@ def apply_fsdp(
                 local_experts = min((p.shape[0] for p in sub.parameters(recurse=False) if p.dim() >= 2), default=0)
 
                 def placement(p, n=local_experts):
-                    return Shard(1) if p.dim() >= 2 and efsdp > n else Shard(0)
+                    # FSDP2 shards dims other than 0 only evenly
+                    dim1 = p.dim() >= 2 and efsdp > n and p.shape[1] % efsdp == 0
+                    return Shard(1) if dim1 else Shard(0)
 
                 fully_shard(sub, mesh=expert_mesh, mp_policy=mp, offload_policy=offload,
                             reshard_after_forward=reshard_after_forward, shard_placement_fn=placement)
