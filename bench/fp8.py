@@ -49,7 +49,7 @@ def _gbps(x: torch.Tensor, out, seconds: float) -> float:
 
 def _measure(op, fn, x, backend, label, device, repeats, ref_time=None) -> Row:
     out = fn(x, backend)
-    t = time_fn(lambda: fn(x, backend), device=device, warmup=1, repeats=repeats)
+    t = time_fn(lambda: fn(x, backend), device=device, warmup=3, repeats=repeats)
     return Row(op=op, shape="x".join(map(str, x.shape)), dtype=f"{str(x.dtype)[6:]}->e4m3", backend=label,
                median_s=t, gbps=_gbps(x, out, t), ratio=None if ref_time is None else ref_time / t,
                baseline="" if ref_time is None else "torch")

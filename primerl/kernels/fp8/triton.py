@@ -21,13 +21,16 @@ from .reference import AMAX_FLOOR, fp8_max
 
 # Elements one program holds at once: a register budget on the GPU; under the interpreter every
 # program costs Python overhead, so fewer, larger programs are much faster there.
-_GPU_TILE = 4096
+_GPU_TILE = 8192  # a 7168-wide row fits one tile; 64 groups of 128 per program
+_GPU_BLOCK_TILE = 16384  # a whole 128 x 128 weight block stays in registers (one read)
 _INTERPRETER_TILE = 1 << 16
 _MAX_PARTIALS = 1024
 
 
-def _tile_elems() -> int:
-    return _INTERPRETER_TILE if triton_interpreter_enabled() else _GPU_TILE
+def _tile_elems(block: bool = False) -> int:
+    if triton_interpreter_enabled():
+        return _INTERPRETER_TILE
+    return _GPU_BLOCK_TILE if block else _GPU_TILE
 
 
 AMAX_FLOOR_C = tl.constexpr(AMAX_FLOOR)
@@ -214,7 +217,7 @@ def quant_per_block(w: torch.Tensor, block_size: tuple[int, int], dtype: torch.d
     nb, kb = triton.cdiv(n, bn), triton.cdiv(k, bk)
     q = torch.empty(w.shape, dtype=dtype, device=w.device)
     sf = torch.empty(*w.shape[:-2], nb, kb, dtype=torch.float32, device=w.device)
-    tile = _tile_elems()
+    tile = _tile_elems(block=True)
     block_k = min(triton.next_power_of_2(bk), tile)
     block_n = max(1, min(triton.next_power_of_2(bn), tile // block_k))
     grid = (kb, nb, g)
