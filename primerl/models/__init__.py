@@ -4,3 +4,4 @@ from .config import MoETransformerConfig, UnsupportedCheckpointError  # noqa: F4
 from .checkpoint import CheckpointError  # noqa: F401
 from .transformer import MoETransformer  # noqa: F401
 from .parallelize import parallelize  # noqa: F401
+from .fp8 import convert_to_fp8  # noqa: F401
