@@ -100,6 +100,23 @@ def test_only_one_input_requires_grad(backend):
     assert max_rel_err(gw, rw) < 1e-5
 
 
+def test_triton_kernels_with_many_small_tiles(monkeypatch):
+    # 2x4 tiles: several programs per chunk and several online-softmax steps inside one program
+    import primerl.kernels.logprobs.triton as tk
+
+    monkeypatch.setattr(tk, "_FORCE_BLOCKS", (2, 4))
+    hidden, weight, targets, g = _inputs(7, 29, 8, seed=13, scale=4.0)
+    temp = torch.rand(7, generator=g) + 0.5
+    logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, chunk_size=5, vocab_chunk_size=13,
+                               backend="triton")
+    ref_lp, ref_ent = logprobs_reference(hidden, weight, targets, temp)
+    assert max_rel_err(logp.detach(), ref_lp.detach()) < 1e-5
+    assert max_rel_err(ent.detach(), ref_ent.detach()) < 1e-5
+    gh, gw = _grads(logp, ent, hidden, weight, torch.Generator().manual_seed(6))
+    rh, rw = _grads(ref_lp, ref_ent, hidden, weight, torch.Generator().manual_seed(6))
+    assert max_rel_err(gh, rh) < 1e-5 and max_rel_err(gw, rw) < 1e-5
+
+
 def test_bf16_inputs_match_reference_and_keep_dtype():
     hidden, weight, targets, g = _inputs(10, 70, 16, seed=11, dtype=torch.bfloat16)
     logp, ent = fused_logprobs(hidden, weight, targets, chunk_size=4, vocab_chunk_size=32)

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import triton_interpreter_enabled
 from .chunked import M_INIT
 
 _M_INIT = tl.constexpr(M_INIT)
@@ -72,12 +73,18 @@ def _dlogits_chunk_kernel(z_ptr, stride_z, inv_temp_ptr, targets_ptr, lse_ptr, e
     tl.store(ptrs, dz * it[:, None], mask=mask)
 
 
-def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
-    # Small row blocks keep the [BLOCK_T, BLOCK_V] tile in registers on a GPU; the interpreter
-    # prefers few, large programs, so tiny shapes get one tile.
-    block_t = min(16, triton.next_power_of_2(max(n_rows, 1)))
-    block_v = min(1024, triton.next_power_of_2(max(n_cols, 1)))
-    return block_t, block_v
+_FORCE_BLOCKS: tuple[int, int] | None = None
+
+
+def _blocks(n_rows: int, n_cols: int, gpu_rows: int, gpu_cols: int) -> tuple[int, int]:
+    # On a GPU the tile stays small enough to live in registers (about 32 fp32 values per thread
+    # at 4 warps); the interpreter prefers few, large programs, so tiny shapes get one tile.
+    if _FORCE_BLOCKS is not None:  # tests: several tiles and loop iterations at tiny shapes
+        return _FORCE_BLOCKS
+    if triton_interpreter_enabled():
+        gpu_rows, gpu_cols = 64, 1024
+    return (min(gpu_rows, triton.next_power_of_2(max(n_rows, 1))),
+            min(gpu_cols, triton.next_power_of_2(max(n_cols, 1))))
 
 
 class TritonChunkOps:
@@ -86,7 +93,7 @@ class TritonChunkOps:
     @staticmethod
     def forward_chunk(z, work, inv_temp, targets, v0, m, s, w, zt, with_entropy):
         tc, vc = z.shape
-        bt, bv = _blocks(tc, vc)
+        bt, bv = _blocks(tc, vc, 4, 1024)
         _lse_chunk_kernel[(triton.cdiv(tc, bt),)](
             z, z.stride(0), inv_temp, targets, m, s, w, zt, tc, vc, v0,
             WITH_ENTROPY=with_entropy, BLOCK_T=bt, BLOCK_V=bv)
@@ -94,7 +101,7 @@ class TritonChunkOps:
     @staticmethod
     def backward_chunk(z, work, inv_temp, targets, v0, lse, ez, g_lp, g_ent):
         tc, vc = z.shape
-        bt, bv = _blocks(tc, vc)
+        bt, bv = _blocks(tc, vc, 16, 256)
         with_entropy = g_ent is not None
         _dlogits_chunk_kernel[(triton.cdiv(tc, bt), triton.cdiv(vc, bv))](
             z, z.stride(0), inv_temp, targets, lse, ez, g_lp, g_ent if with_entropy else g_lp, tc, vc, v0,
