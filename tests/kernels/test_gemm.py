@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from primerl.kernels import backend_status
 from primerl.kernels import gemm as G
 from primerl.kernels.fp8 import quant_per_block, quant_per_token_group
 from primerl.kernels.gemm import reference as R
@@ -178,3 +179,201 @@ def test_k_grouped_gemm_tn(backend, counts):
     assert out.shape == (len(counts), n, k) and out.dtype == torch.float32
     assert not out.isnan().any()
     assert calc_diff(out, ref) < 1e-6
+
+
+# ------------------------------------------------------------------------------ FP8 GEMMs
+
+
+def _quant_a(x):
+    return quant_per_token_group(x, 128)
+
+
+def _poison_rows(pair, rows_mask):
+    """NaN into the q and sf of the given rows (q: 0x7F is NaN in e4m3fn)."""
+    q, sf = pair[0].clone(), pair[1].clone()
+    q.view(torch.uint8)[rows_mask] = 0x7F
+    sf[rows_mask] = NAN
+    return q, sf
+
+
+def _check_fp8(out, a_hat_ref, exact_ref):
+    """Kernel vs dequantize+fp32 (adds nothing to the quantization error) and vs unquantized."""
+    assert not out.isnan().any()
+    assert calc_diff(out, a_hat_ref) < 1e-5
+    assert calc_diff(out, exact_ref) < 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m,n,k", [(1, 128, 128), (37, 200, 256), (130, 128, 384)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_gemm_nt(backend, m, n, k, out_dtype):
+    x, w = _randn(m, k, seed=m + k), _randn(n, k, seed=n, scale=0.05)
+    a, b = _quant_a(x), quant_per_block(w)
+    out = G.fp8_gemm_nt(a, b, out_dtype=out_dtype, backend=backend)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    deq = R.dequant_token_group(*a) @ R.dequant_block(*b).t()
+    _check_fp8(out, deq, x.double() @ w.double().t())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("counts", [[0, 3, 0], [1, 1, 1], [37, 0, 130, 2]])
+def test_m_grouped_fp8_contiguous(backend, counts):
+    n, k = 160, 256
+    total = sum(counts)
+    x = _randn(total, k, seed=total)
+    w = _randn(len(counts), n, k, seed=5, scale=0.05)
+    offs = _offsets(counts)
+    xp, m_idx, _ = G.pad_to_contiguous(x, offs)
+    a = _poison_rows(_quant_a(xp), m_idx < 0)
+    b = quant_per_block(w)
+    out = G.m_grouped_fp8_gemm_nt_contiguous(a, b, m_idx, backend=backend)
+    assert out.shape == (xp.shape[0], n) and bool((out[m_idx < 0] == 0).all())
+    deq = R.grouped_gemm_nt_m_indices(R.dequant_token_group(*a), R.dequant_block(*b), m_idx, torch.float32)
+    exact = G.pad_to_contiguous(_grouped_ref(x, w, counts), offs)[0]
+    _check_fp8(out, deq, exact)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("counts", [[0, 3, 0], [37, 0, 130, 2]])
+def test_m_grouped_fp8_offsets(backend, counts):
+    n, k, tail = 128, 256, 3
+    total = sum(counts)
+    x = _randn(total + tail, k, seed=total)
+    w = _randn(len(counts), n, k, seed=6, scale=0.05)
+    rows = torch.arange(total + tail, device=DEV) >= total
+    a = _poison_rows(_quant_a(x), rows)
+    b = quant_per_block(w)
+    out = G.m_grouped_fp8_gemm_nt_offsets(a, b, _offsets(counts), backend=backend)
+    assert bool((out[total:] == 0).all())
+    deq = R.m_grouped_fp8_gemm_nt_offsets(a, b, _offsets(counts), torch.float32)
+    _check_fp8(out[:total], deq[:total], _grouped_ref(x, w, counts))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_m_grouped_fp8_masked(backend):
+    groups, max_m, n, k = 3, 40, 128, 256
+    masked_m = torch.tensor([0, 1, 37], dtype=torch.int32, device=DEV)
+    x = _randn(groups, max_m, k, seed=11)
+    w = _randn(groups, n, k, seed=12, scale=0.05)
+    past = torch.arange(max_m, device=DEV)[None, :] >= masked_m[:, None]
+    a = _poison_rows(_quant_a(x), past)
+    b = quant_per_block(w)
+    out = G.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m=16, backend=backend)
+    assert out.shape == (groups, max_m, n)
+    valid = ~past
+    deq = R.dequant_token_group(*a).nan_to_num(0) @ R.dequant_block(*b).transpose(1, 2)
+    exact = x.double() @ w.double().transpose(1, 2)
+    _check_fp8(out[valid], deq[valid], exact[valid])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("counts", [[5], [0, 130, 1, 0], [128, 3]])
+def test_quant_per_group_colwise(backend, counts):
+    total, tail, cols = sum(counts), 4, 96
+    x = _randn(total + tail, cols, seed=total, scale=3.0)
+    x[total:] = NAN
+    offs = _offsets(counts)
+    q, sf = G.quant_per_group_colwise(x, offs, backend=backend)
+    q_ref, sf_ref = R.quant_per_group_colwise(x, offs, torch.float8_e4m3fn, False)
+    assert sf.shape == (G.max_group_blocks(total + tail, len(counts)), cols)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(sf, sf_ref)
+    # a block never crosses a group boundary: each group's rows round-trip with its own scales
+    x_hat = R.dequant_group_colwise(q, sf, offs)
+    assert calc_diff(x_hat[:total], x[:total]) < 1e-3 and bool((x_hat[total:] == 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("counts", [[0, 3, 0], [37, 0, 130, 2]])
+def test_k_grouped_fp8_gemm_tn(backend, counts):
+    total, n, k = sum(counts), 128, 160
+    dy, x = _randn(total + 2, n, seed=1), _randn(total + 2, k, seed=2)
+    offs = _offsets(counts)
+    a = G.quant_per_group_colwise(dy, offs, backend="torch")
+    b = G.quant_per_group_colwise(x, offs, backend="torch")
+    out = G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, backend=backend)
+    assert out.shape == (len(counts), n, k) and out.dtype == torch.float32
+    deq = R.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, torch.float32)
+    exact = torch.stack([dy[s - c:s].double().t() @ x[s - c:s].double() for s, c in zip(offs.tolist(), counts)])
+    _check_fp8(out, deq, exact)
+
+
+# ------------------------------------------------------------------------------ validation, adapter
+
+
+def test_fp8_input_errors():
+    x, w = _randn(4, 256, seed=0), _randn(128, 256, seed=1)
+    a, b = _quant_a(x), quant_per_block(w)
+    with pytest.raises(ValueError, match="scales must be"):
+        G.fp8_gemm_nt((a[0], a[1][:, :1].contiguous()), b)
+    with pytest.raises(ValueError, match="K mismatch"):
+        G.fp8_gemm_nt(a, quant_per_block(_randn(128, 384, seed=2)))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        G.fp8_gemm_nt(quant_per_token_group(_randn(4, 64, seed=0), 64), b)
+    with pytest.raises(TypeError, match=r"\(q, sf\) pair"):
+        G.fp8_gemm_nt(x, b)
+    with pytest.raises(ValueError, match="out_dtype"):
+        G.fp8_gemm_nt(a, b, out_dtype=torch.int8)
+    wg = quant_per_block(_randn(2, 128, 256, seed=3))
+    with pytest.raises(ValueError, match="multiple of get_m_alignment"):
+        G.m_grouped_fp8_gemm_nt_contiguous(a, wg, torch.zeros(4, dtype=torch.int32, device=DEV))
+    xa = _quant_a(_randn(128, 256, seed=4))
+    mixed = torch.zeros(128, dtype=torch.int32)
+    mixed[64:] = 1
+    with pytest.raises(ValueError, match="one group"):
+        G.m_grouped_fp8_gemm_nt_contiguous((xa[0].cpu(), xa[1].cpu()), (wg[0].cpu(), wg[1].cpu()), mixed)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        G.grouped_gemm_nt(x.cpu(), _randn(2, 8, 256, seed=5).cpu(), torch.tensor([3, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="layout="):
+        G.grouped_gemm_nt(x[:2].cpu(), _randn(2, 8, 256, seed=5).cpu(), torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="backend"):
+        G.gemm_nt(x, w, backend="deep_gemm")
+
+
+@pytest.mark.parametrize("shape", [(5, 2), (128, 3), (3, 7, 1), (2, 130, 4)])
+def test_deep_gemm_scale_layout(shape):
+    from primerl.kernels.gemm.deep_gemm import is_mn_major_tma_aligned, to_mn_major_tma_aligned, tma_aligned_size
+
+    sf = torch.rand(*shape, generator=_gen(0))
+    out = to_mn_major_tma_aligned(sf)
+    mn, sk = shape[-2:]
+    aligned = tma_aligned_size(mn, 4)
+    assert aligned % 4 == 0 and mn <= aligned < mn + 4
+    assert torch.equal(out, sf) and is_mn_major_tma_aligned(out) and not (mn % 4 and is_mn_major_tma_aligned(sf))
+    assert out.stride()[-2:] == (1, aligned)
+    storage = torch.as_strided(out, (*shape[:-2], sk, aligned), (*out.stride()[:-2], aligned, 1))
+    assert bool((storage[..., mn:] == 0).all())
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(128, 2112, 7168), (4096, 7168, 2048), (3, 4096, 512)])
+def test_fp8_gemm_nt_gpu(m, n, k):
+    x, w = _randn(m, k, seed=0), _randn(n, k, seed=1, scale=0.02)
+    a, b = _quant_a(x), quant_per_block(w)
+    deq = R.fp8_gemm_nt(a, b, torch.float32)
+    for be in ["triton"] + (["deep_gemm"] if backend_status("deep_gemm").available else []):
+        assert calc_diff(G.fp8_gemm_nt(a, b, backend=be), deq) < 1e-5, be
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,m", [(4, 1000), (8, 37)])
+def test_m_grouped_fp8_gpu(groups, m):
+    n, k = 4096, 1024
+    counts = [m + 13 * g for g in range(groups)]
+    offs = _offsets(counts)
+    x = _randn(sum(counts), k, seed=0)
+    w = _randn(groups, n, k, seed=1, scale=0.02)
+    xp, m_idx, _ = G.pad_to_contiguous(x, offs)
+    a, b = _quant_a(xp), quant_per_block(w)
+    deq = R.m_grouped_fp8_gemm_nt_contiguous(a, b, m_idx, torch.float32)
+    assert calc_diff(G.m_grouped_fp8_gemm_nt_contiguous(a, b, m_idx, backend="triton"), deq) < 1e-5
+    xa = _quant_a(x)
+    assert calc_diff(G.m_grouped_fp8_gemm_nt_offsets(xa, b, offs, backend="triton"),
+                     R.m_grouped_fp8_gemm_nt_offsets(xa, b, offs, torch.float32)) < 1e-5
+    dy = _randn(sum(counts), n, seed=3)
+    qa, qb = G.quant_per_group_colwise(dy, offs), G.quant_per_group_colwise(x, offs)
+    assert calc_diff(G.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, backend="triton"),
+                     R.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, torch.float32)) < 1e-5
