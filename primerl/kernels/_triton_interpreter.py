@@ -109,6 +109,9 @@ def apply() -> bool:
         return fallback(self, src, dst_type, *args)
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        # An explicit fp_downcast_rounding="rtz" keeps the interpreter's truncation (correct there).
+        if rounding_mode is not None and rounding_mode != interp._ir.ROUNDING_MODE.RTNE:
+            return orig_fp_to_fp(self, src, dst_type, rounding_mode)
         return float_cast(self, src, dst_type, orig_fp_to_fp, rounding_mode)
 
     def cast_impl(self, src, dst_type):

@@ -139,3 +139,18 @@ def test_apply_and_remove_are_idempotent():
     assert interpreter.InterpreterBuilder.create_dot is not _triton_interpreter.ORIGINALS["create_dot"]
     x = torch.tensor([31.13, 500.0])
     assert _cast(x, torch.float8_e4m3fn).float().tolist() == [32.0, 448.0]
+
+
+@triton.jit
+def _rtz_cast_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(tl.bfloat16, fp_downcast_rounding="rtz"))
+
+
+def test_explicit_rtz_downcast_is_left_alone():
+    """The bf16 correction applies to the default (round-to-nearest-even) cast only."""
+    x = torch.randn(256, generator=torch.Generator().manual_seed(3))
+    y = torch.empty(256, dtype=torch.bfloat16)
+    _rtz_cast_kernel[(1,)](x, y, BLOCK=256)
+    truncated = (x.view(torch.int32) >> 16).to(torch.int16)
+    assert torch.equal(y.view(torch.int16), truncated)
