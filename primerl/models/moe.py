@@ -61,7 +61,13 @@ class GroupedExperts(nn.Module):
         self.fp8_recipe = None
 
     def enable_fp8(self, recipe) -> None:
-        """Run the grouped GEMMs in FP8 with ``recipe`` (called by primerl's convert_to_fp8)."""
+        """Run the grouped GEMMs in FP8 with ``recipe`` ("blockwise" / "blockwise_fp8_wgrad", or an
+        object with that ``name``); called by primerl's convert_to_fp8. None switches back to bf16."""
+        if recipe is not None:
+            from primerl.kernels.moe.fp8 import check_shapes, recipe_name
+
+            recipe_name(recipe)
+            check_shapes("GroupedExperts.enable_fp8", self.w13.shape[2], self.w2.shape[2])
         self.fp8_recipe = recipe
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -76,11 +82,9 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"forward_grouped: local_counts must have shape ({self.w13.shape[0]},), got {tuple(local_counts.shape)}"
             )
-        if self.fp8_recipe is not None:
-            raise NotImplementedError("forward_grouped: FP8 experts are not wired yet")
         be = resolve_backend("forward_grouped", self.backend, x_recv.device, supported=("torch", "triton"))
         ends = local_counts.cumsum(0).to(torch.int32)
-        return experts_on_grouped_rows(x_recv.contiguous(), self.w13, self.w2, ends, backend_impl(be))
+        return experts_on_grouped_rows(x_recv.contiguous(), self.w13, self.w2, ends, backend_impl(be), self.fp8_recipe)
 
 
 class SharedExperts(nn.Module):

@@ -231,3 +231,23 @@ def test_edge_shapes():
         y.sum().backward()
         assert y.shape == (t, 16) and torch.isfinite(x.grad).all()
         assert moe.routing.shape == (t, k)
+
+
+def test_enable_fp8_runs_the_fp8_experts():
+    from primerl.kernels.testing import sqnr_db
+
+    torch.manual_seed(15)
+    moe = MoE(128, 128, 4, 2, route_norm=True, dtype=torch.bfloat16)
+    _randomise(moe, 16)
+    x = torch.randn(24, 128, dtype=torch.bfloat16)
+    y_bf16 = moe(x)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        MoE(96, 128, 4, 2).experts.enable_fp8("blockwise")
+    moe.experts.enable_fp8("blockwise")
+    xx = x.clone().requires_grad_()
+    y = moe(xx)
+    y.float().sum().backward()
+    assert 20.0 < sqnr_db(y_bf16.detach().float(), y.detach().float()) < 60.0  # quantized, but close
+    assert moe.experts.w13.grad is not None and torch.isfinite(xx.grad).all()
+    moe.experts.enable_fp8(None)
+    assert torch.equal(moe(x), y_bf16)

@@ -201,7 +201,9 @@ def fused_experts(
 
     permute -> grouped GEMM with w13 [E, 2I, D] -> SwiGLU -> grouped GEMM with w2 [E, D, I] ->
     weighted combine (float32, fixed order). ``backend`` picks the permute / SwiGLU / combine
-    kernels; the GEMMs are ``torch._grouped_mm``.
+    kernels; the GEMMs are :func:`primerl.kernels.gemm.grouped_gemm_nt` (bf16), or with
+    ``fp8_recipe`` (``"blockwise"`` or ``"blockwise_fp8_wgrad"``, see :mod:`.fp8`) the block-scaled
+    FP8 grouped GEMMs with SwiGLU fused into the quantization (D and I multiples of 128).
     """
     op = "fused_experts"
     _check_tensor(op, "x", x, 2, _FLOAT_DTYPES)
@@ -224,6 +226,10 @@ def fused_experts(
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     if fp8_recipe is not None:
-        raise NotImplementedError(f"{op}: fp8_recipe needs the FP8 grouped GEMM (primerl.kernels.gemm), not wired yet")
+        from .fp8 import check_shapes, recipe_name
+
+        recipe_name(fp8_recipe)
+        check_shapes(op, d, two_i // 2)
     be = resolve_backend(op, backend, x.device, supported=("torch", "triton"))
-    return _functions.fused_experts(x.contiguous(), w13, w2, topk_ids, topk_weights, _functions.backend_impl(be))
+    impl = _functions.backend_impl(be)
+    return _functions.fused_experts(x.contiguous(), w13, w2, topk_ids, topk_weights, impl, fp8_recipe)

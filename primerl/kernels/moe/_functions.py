@@ -87,18 +87,24 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     return grouped_gemm_nt(a, w, ends, layout="offsets")
 
 
-def experts_on_grouped_rows(x_perm, w13, w2, ends, impl, activation="swiglu"):
-    """The expert MLP on rows already grouped by expert: x_perm [M, D] -> y_perm [M, D] (unweighted)."""
+def experts_on_grouped_rows(x_perm, w13, w2, ends, impl, fp8_recipe=None):
+    """The expert MLP on rows already grouped by expert: x_perm [M, D] -> y_perm [M, D] (unweighted).
+
+    ``fp8_recipe``: None (bf16 grouped GEMMs) or an FP8 recipe of :mod:`.fp8`."""
+    if fp8_recipe is not None:
+        from .fp8 import FP8GroupedExperts, recipe_name
+
+        return FP8GroupedExperts.apply(x_perm, w13, w2, ends, recipe_name(fp8_recipe), impl)
     gu = grouped_mm(x_perm, w13, ends)
     h = SwiGLU.apply(gu, impl)
     return grouped_mm(h, w2, ends)
 
 
-def fused_experts(x, w13, w2, topk_ids, topk_weights, impl):
+def fused_experts(x, w13, w2, topk_ids, topk_weights, impl, fp8_recipe=None):
     t, k = topk_ids.shape
     with torch.no_grad():
         row_of_slot, _, _, _, ends = op(impl, "align")(topk_ids, w13.shape[0], 1)
     row_map = row_of_slot.view(t, k)
     x_perm = Permute.apply(x, row_map, t * k, impl)
-    y_perm = experts_on_grouped_rows(x_perm, w13, w2, ends, impl)
+    y_perm = experts_on_grouped_rows(x_perm, w13, w2, ends, impl, fp8_recipe)
     return Combine.apply(y_perm, row_map, topk_weights, impl)
