@@ -7,7 +7,7 @@ import pytest
 from models_testing import HF_BUILDERS
 
 
-@pytest.fixture(scope="module", params=sorted(HF_BUILDERS))
+@pytest.fixture(scope="session", params=sorted(HF_BUILDERS))
 def hf_checkpoint(request, tmp_path_factory):
     """(family, hf_model, checkpoint_dir) for each family, saved with Hugging Face's save_pretrained."""
     family = request.param

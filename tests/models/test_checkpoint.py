@@ -172,3 +172,13 @@ def test_missing_files(hf_checkpoint, tmp_path):
         MoETransformer.from_pretrained(empty)
     with pytest.raises(FileNotFoundError):
         MoETransformer.from_pretrained(tmp_path / "nope")
+
+
+def test_loads_hf_sharded_save(hf_checkpoint, tmp_path):
+    family, hf_model, path = hf_checkpoint
+    hf_model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    sharded = MoETransformer.from_pretrained(tmp_path)
+    ref = MoETransformer.from_pretrained(path).state_dict()
+    for k, v in sharded.state_dict().items():
+        assert torch.equal(v, ref[k]), k
