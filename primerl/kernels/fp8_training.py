@@ -1,0 +1,263 @@
+"""FP8 training: ``fp8_linear`` / ``fp8_grouped_linear`` with autograd, and ``convert_to_fp8``.
+
+Recipes (DeepSeek-V3's blockwise scheme):
+
+* ``"blockwise"``: forward ``y = x @ w.T`` and dgrad ``dx = dy @ w`` in FP8 (activations and
+  output gradients quantized per 1x128 token group, weights per 128x128 block; the transposed
+  weight reuses the same blocks), wgrad ``dw = dy.T @ x`` from the bf16 tensors, float32 accumulation.
+* ``"blockwise_fp8_wgrad"``: wgrad in FP8 too, with ``dy`` and ``x`` quantized column-wise in
+  128-token blocks that never cross a group boundary (:func:`quant_per_group_colwise`).
+
+Both ops are ``torch.library.custom_op``s (forward and backward each one op, with fake kernels
+and ``register_autograd``), so ``torch.compile`` traces them as single nodes. Tensors saved for
+backward are the high-precision ``x`` and ``weight`` (quantized again in backward).
+
+Module swap protocol (:func:`convert_to_fp8`): exact ``nn.Linear`` modules become
+:class:`Fp8Linear` (class swap in place: parameters, hooks and optimizer state are untouched).
+Any module with a method ``enable_fp8(recipe: str) -> None`` (e.g. the project's grouped experts)
+is asked to switch itself: it must route its grouped GEMMs through :func:`fp8_grouped_linear`
+(or the FP8 grouped GEMMs of :mod:`primerl.kernels.gemm`) with that recipe, raise ``ValueError``
+for dims that are not multiples of 128, and owns its submodules (convert_to_fp8 does not descend
+into it).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from . import gemm as _gemm
+from .fp8 import quant_per_block, quant_per_token_group
+
+RECIPES = ("blockwise", "blockwise_fp8_wgrad")
+BLOCK = 128
+__all__ = ["RECIPES", "fp8_linear", "fp8_grouped_linear", "Fp8Linear", "convert_to_fp8"]
+
+
+def _quant_backend(backend: Optional[str]) -> Optional[str]:
+    return backend if backend in ("torch", "triton") else None
+
+
+def _plain_backend(backend: Optional[str]) -> Optional[str]:
+    """Backend for the ops DeepGEMM does not cover (k-grouped, colwise quant)."""
+    return backend if backend in ("torch", "triton") else None
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+
+
+def _transposed_blocks(wq: torch.Tensor, wsf: torch.Tensor):
+    """Block quantization of w.T from that of w: 128x128 blocks map onto themselves."""
+    return wq.transpose(-2, -1).contiguous(), wsf.transpose(-2, -1).contiguous()
+
+
+def _wgrad(grad, x, offsets, recipe, backend, out_dtype):
+    """dw[g] = grad_g.T @ x_g -> [G, N, K]."""
+    be = _plain_backend(backend)
+    if recipe == "blockwise":
+        dw = _gemm.k_grouped_gemm_tn(grad, x.to(grad.dtype), offsets, backend=be)
+    else:
+        ga = _gemm.quant_per_group_colwise(grad, offsets, backend=be)
+        xa = _gemm.quant_per_group_colwise(x, offsets, backend=be)
+        dw = _gemm.k_grouped_fp8_gemm_tn_contiguous(ga, xa, offsets, backend=be)
+    return dw.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------ dense
+
+
+@torch.library.custom_op("primerl::fp8_linear_fwd", mutates_args=())
+def _fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor, recipe: str, backend: Optional[str]) -> torch.Tensor:
+    qb = _quant_backend(backend)
+    a = quant_per_token_group(x, BLOCK, backend=qb)
+    b = quant_per_block(weight, backend=qb)
+    return _gemm.fp8_gemm_nt(a, b, out_dtype=_out_dtype(x), backend=backend)
+
+
+@_fp8_linear_fwd.register_fake
+def _(x, weight, recipe, backend):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=_out_dtype(x))
+
+
+@torch.library.custom_op("primerl::fp8_linear_bwd", mutates_args=())
+def _fp8_linear_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str,
+                    backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    qb = _quant_backend(backend)
+    g = quant_per_token_group(grad, BLOCK, backend=qb)
+    wt = _transposed_blocks(*quant_per_block(weight, backend=qb))
+    dx = _gemm.fp8_gemm_nt(g, wt, out_dtype=x.dtype, backend=backend)
+    offsets = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    dw = _wgrad(grad, x, offsets, recipe, backend, weight.dtype)[0]
+    return dx, dw
+
+
+@_fp8_linear_bwd.register_fake
+def _(grad, x, weight, recipe, backend):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, recipe, backend = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.recipe, ctx.backend = recipe, backend
+
+
+def _linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    # torch._grouped_mm (and our kernels) need a real strided gradient, not an expanded one
+    dx, dw = torch.ops.primerl.fp8_linear_bwd(grad.contiguous().to(x.dtype), x, weight, ctx.recipe, ctx.backend)
+    return dx, dw, None, None
+
+
+_fp8_linear_fwd.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def _check_recipe(op: str, recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"{op}: recipe must be one of {RECIPES}, got {recipe!r}")
+
+
+def _check_dims(op: str, name: str, n: int, k: int) -> None:
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"{op}: {name} has out/in dims ({n}, {k}); FP8 blockwise training needs both to be "
+                         f"multiples of {BLOCK}")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               recipe: str = "blockwise", backend: str | None = None) -> torch.Tensor:
+    """``y[..., N] = x[..., K] @ weight[N, K].T (+ bias)`` in FP8 with autograd (see module doc).
+
+    N and K must be multiples of 128; any number of rows. Output dtype = x's dtype."""
+    op = "fp8_linear"
+    _check_recipe(op, recipe)
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{op}: need x [..., K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    _check_dims(op, "weight", *weight.shape)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        y = x2 @ weight.to(x.dtype).t()
+    else:
+        y = _fp8_linear_fwd(x2.contiguous(), weight, recipe, backend)
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+# ------------------------------------------------------------------------------ grouped
+
+
+@torch.library.custom_op("primerl::fp8_grouped_linear_fwd", mutates_args=())
+def _fp8_grouped_fwd(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, recipe: str,
+                     backend: Optional[str]) -> torch.Tensor:
+    qb = _quant_backend(backend)
+    a = quant_per_token_group(x, BLOCK, backend=qb)
+    b = quant_per_block(weight, backend=qb)
+    return _gemm.m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype=_out_dtype(x), backend=_plain_backend(backend))
+
+
+@_fp8_grouped_fwd.register_fake
+def _(x, weight, offsets, recipe, backend):
+    return x.new_empty(x.shape[0], weight.shape[1], dtype=_out_dtype(x))
+
+
+@torch.library.custom_op("primerl::fp8_grouped_linear_bwd", mutates_args=())
+def _fp8_grouped_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, recipe: str,
+                     backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    qb = _quant_backend(backend)
+    g = quant_per_token_group(grad, BLOCK, backend=qb)
+    wt = _transposed_blocks(*quant_per_block(weight, backend=qb))
+    dx = _gemm.m_grouped_fp8_gemm_nt_offsets(g, wt, offsets, out_dtype=x.dtype, backend=_plain_backend(backend))
+    return dx, _wgrad(grad, x, offsets, recipe, backend, weight.dtype)
+
+
+@_fp8_grouped_bwd.register_fake
+def _(grad, x, weight, offsets, recipe, backend):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _grouped_setup(ctx, inputs, output):
+    x, weight, offsets, recipe, backend = inputs
+    ctx.save_for_backward(x, weight, offsets)
+    ctx.recipe, ctx.backend = recipe, backend
+
+
+def _grouped_backward(ctx, grad):
+    x, weight, offsets = ctx.saved_tensors
+    dx, dw = torch.ops.primerl.fp8_grouped_linear_bwd(grad.contiguous().to(x.dtype), x, weight, offsets,
+                                                      ctx.recipe, ctx.backend)
+    return dx, dw, None, None, None
+
+
+_fp8_grouped_fwd.register_autograd(_grouped_backward, setup_context=_grouped_setup)
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
+                       recipe: str = "blockwise", backend: str | None = None) -> torch.Tensor:
+    """Grouped ``y[M, N]``: rows ``offsets[g-1]:offsets[g]`` of ``x[M, K]`` times ``weight[g].T``
+    (``weight[G, N, K]``), in FP8 with autograd. Rows past ``offsets[-1]`` give zero output and
+    zero gradient and are never read (NaN there is harmless). N, K multiples of 128."""
+    op = "fp8_grouped_linear"
+    _check_recipe(op, recipe)
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
+        raise ValueError(f"{op}: need x [M, K] and weight [G, N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    _check_dims(op, "weight", weight.shape[1], weight.shape[2])
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() != weight.shape[0] \
+            or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: offsets must be int32 [G={weight.shape[0]}] cumulative end rows, got "
+                         f"{getattr(offsets, 'shape', type(offsets).__name__)}")
+    if x.shape[0] == 0:
+        return x.new_zeros(0, weight.shape[1]) + 0 * weight.sum().to(x.dtype)
+    return _fp8_grouped_fwd(x.contiguous(), weight, offsets.to(torch.int32).contiguous(), recipe, backend)
+
+
+# ------------------------------------------------------------------------------ module swap
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` whose forward runs :func:`fp8_linear`; made by :func:`convert_to_fp8`."""
+
+    recipe: str = "blockwise"
+    backend: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, recipe=self.recipe, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe!r}"
+
+
+def convert_to_fp8(model: nn.Module, recipe: str = "blockwise",
+                   filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+    """Switch ``model`` to FP8 training in place and return it.
+
+    Every exact ``nn.Linear`` for which ``filter_fn(module, fqn)`` is true (all when None) becomes
+    an :class:`Fp8Linear` with ``recipe``; every module exposing ``enable_fp8(recipe)`` (grouped
+    experts) is asked to switch itself and is not descended into. All selected modules are checked
+    before anything changes: a Linear whose dims are not multiples of 128 raises ``ValueError``
+    naming it (exclude it with ``filter_fn``). Convert before wrapping with FSDP / compile.
+    """
+    _check_recipe("convert_to_fp8", recipe)
+    linears, grouped, owned = [], [], []
+    for fqn, module in model.named_modules():
+        if any(fqn.startswith(prefix + ".") or prefix == "" for prefix in owned):
+            continue
+        selected = filter_fn is None or filter_fn(module, fqn)
+        if callable(getattr(module, "enable_fp8", None)):
+            owned.append(fqn)
+            if selected:
+                grouped.append(module)
+        elif type(module) is nn.Linear and selected:
+            if module.out_features % BLOCK or module.in_features % BLOCK:
+                raise ValueError(
+                    f"convert_to_fp8: {fqn or '<root>'} is nn.Linear(in_features={module.in_features}, "
+                    f"out_features={module.out_features}); FP8 blockwise needs both to be multiples of {BLOCK}. "
+                    "Exclude it with filter_fn.")
+            linears.append(module)
+    for module in grouped:
+        module.enable_fp8(recipe)
+    for module in linears:
+        module.__class__ = Fp8Linear
+        module.recipe = recipe
+    return model
