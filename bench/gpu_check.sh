@@ -17,10 +17,12 @@ mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python}
-BUILD_LIMIT=${GPU_CHECK_BUILD_S:-200}
-TEST_LIMIT=${GPU_CHECK_TEST_S:-180}
-BENCH_LIMIT=${GPU_CHECK_BENCH_S:-90}
-TOTAL_LIMIT=${GPU_CHECK_TOTAL_S:-450}  # no new step starts after this many seconds
+BUILD_LIMIT=${GPU_CHECK_BUILD_S:-180}
+TEST_LIMIT=${GPU_CHECK_TEST_S:-210}
+BENCH_LIMIT=${GPU_CHECK_BENCH_S:-60}
+TOTAL_LIMIT=${GPU_CHECK_TOTAL_S:-400}  # no bench starts after this many seconds (worst case ~460 s)
+# torch finds CUDA_HOME from `which nvcc`, which a wrapper script on the PATH can defeat
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 START=$(date +%s)
 SUMMARY="$OUT_DIR/summary.txt"
 : >"$SUMMARY"

@@ -309,6 +309,13 @@ GPU_BACKENDS = [
     "triton",
     pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA_EXT, reason="primerl._C not built")),
 ]
+BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def _gpu_cases(small, large):
+    """Every input/fp8 dtype pair on the small cases; the large (real-size) cases in bf16 -> e4m3."""
+    cases = [(i, o, *c) for c in small for i in IN_DTYPES for o in FP8]
+    return cases + [(BF16, E4M3, *c) for c in large]
 
 
 def _gpu_check(op, x, *args, backend, **kwargs):
@@ -325,10 +332,13 @@ def _gpu_check(op, x, *args, backend, **kwargs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("in_dtype", IN_DTYPES)
-@pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("ue8m0", [False, True])
-@pytest.mark.parametrize("shape,group", [((1,), 1), ((4, 13), 13), ((3, 5, 256), 128), ((515, 7168), 128), ((64, 4096), 64)])
+@pytest.mark.parametrize(
+    "in_dtype,dtype,ue8m0,shape,group",
+    _gpu_cases(
+        small=[(False, (1,), 1), (True, (4, 13), 13), (False, (3, 5, 256), 128), (True, (64, 4096), 64)],
+        large=[(False, (4096, 7168), 128), (True, (515, 7168), 128)],
+    ),
+)
 def test_gpu_per_token_group_bitwise(backend, in_dtype, dtype, ue8m0, shape, group):
     x = make_input(shape, in_dtype, seed=21).cuda()
     _gpu_check(fp8.quant_per_token_group, x, group, dtype=dtype, ue8m0=ue8m0, backend=backend)
@@ -336,12 +346,13 @@ def test_gpu_per_token_group_bitwise(backend, in_dtype, dtype, ue8m0, shape, gro
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("in_dtype", IN_DTYPES)
-@pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize(
-    "shape,block,ue8m0",
-    [((1, 1), (128, 128), False), ((130, 259), (128, 128), True), ((3, 517, 1031), (128, 128), False),
-     ((2, 67, 131), (32, 64), True), ((7168, 2048), (128, 128), False), ((5, 300), (1, 100), False)],
+    "in_dtype,dtype,shape,block,ue8m0",
+    _gpu_cases(
+        small=[((1, 1), (128, 128), False), ((130, 259), (128, 128), True), ((2, 67, 131), (32, 64), True),
+               ((5, 300), (1, 100), False)],
+        large=[((7168, 7168), (128, 128), False), ((3, 517, 1031), (128, 128), True)],
+    ),
 )
 def test_gpu_per_block_bitwise(backend, in_dtype, dtype, shape, block, ue8m0):
     w = make_input(shape, in_dtype, seed=22).cuda()
@@ -350,18 +361,20 @@ def test_gpu_per_block_bitwise(backend, in_dtype, dtype, shape, block, ue8m0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("in_dtype", IN_DTYPES)
-@pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("shape", [(1,), (5, 13), (2, 3, 257), (300, 7168), (3, 70001)])
+@pytest.mark.parametrize(
+    "in_dtype,dtype,shape",
+    _gpu_cases(small=[((1,),), ((5, 13),), ((2, 3, 257),)], large=[((4096, 7168),), ((3, 70001),)]),
+)
 def test_gpu_rowwise_bitwise(backend, in_dtype, dtype, shape):
     _gpu_check(fp8.quant_rowwise, make_input(shape, in_dtype, seed=23).cuda(), dtype=dtype, backend=backend)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("in_dtype", IN_DTYPES)
-@pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("shape", [(), (1,), (97,), (33, 65), (4096, 7168), (12345679,)])
+@pytest.mark.parametrize(
+    "in_dtype,dtype,shape",
+    _gpu_cases(small=[((),), ((1,),), ((97,),), ((33, 65),)], large=[((4096, 7168),), ((12345679,),)]),
+)
 def test_gpu_tensorwise_bitwise(backend, in_dtype, dtype, shape):
     _gpu_check(fp8.quant_tensorwise, make_input(shape, in_dtype, seed=24).cuda(), dtype=dtype, backend=backend)
 
@@ -383,4 +396,3 @@ def test_gpu_non_contiguous_and_offset_inputs(backend):
     _gpu_check(fp8.quant_rowwise, y, backend=backend)
     _gpu_check(fp8.quant_tensorwise, y, backend=backend)
     _gpu_check(fp8.quant_per_block, y, (128, 128), backend=backend)
-
