@@ -23,3 +23,4 @@ from .fp8 import dequant, quant_per_block, quant_per_token_group, quant_rowwise,
 from . import attention  # noqa: E402,F401
 from .logprobs import fused_logprobs  # noqa: E402,F401
 from . import moe  # noqa: E402,F401
+from . import fp8_training, gemm  # noqa: E402,F401
