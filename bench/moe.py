@@ -86,6 +86,11 @@ def run(args) -> list[Row]:
         for be in backends:
             ours.experts.backend = be
             timings[be] = time_fn(_fwd_bwd(ours, x, gy), device=device, warmup=1, repeats=repeats)
+        if device == "cuda" and d % 128 == 0 and i % 128 == 0:  # FP8 is a GPU figure (CPU runs the reference)
+            ours.experts.backend = "triton"
+            ours.experts.enable_fp8("blockwise")
+            timings["triton,fp8"] = time_fn(_fwd_bwd(ours, x, gy), device=device, warmup=1, repeats=repeats)
+            ours.experts.enable_fp8(None)
         dt = str(dtype).replace("torch.", "")
         for name, s in baselines.items():
             rows.append(Row("moe_block_fwd_bwd", shape, dt, name, s, tflops=flops / s / 1e12,

@@ -37,14 +37,17 @@ def _check_tensor(op: str, name: str, t, dims: int, dtypes) -> None:
         raise ValueError(f"{op}: {name} dtype must be one of {dtypes}, got {t.dtype}")
 
 
-def _check_ids(op: str, name: str, ids, num_experts: int, shape=None, unique_rows: bool = False) -> None:
-    """Validate expert ids [T, k] (one host sync: range and duplicates are data)."""
+def _check_ids(op: str, name: str, ids, num_experts: int, shape=None, unique_rows: bool = False,
+               always_check_values: bool = False) -> None:
+    """Validate expert ids [T, k]. Their values (range, duplicates) are data: checked for CPU
+    tensors, and on CUDA only with ``always_check_values`` (replay ids: one host sync), since
+    ids made by :func:`topk_route` are valid by construction."""
     _check_tensor(op, name, ids, 2, _INT_DTYPES)
     if shape is not None and tuple(ids.shape) != tuple(shape):
         raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(ids.shape)}")
     if num_experts <= 0:
         raise ValueError(f"{op}: num_experts must be positive, got {num_experts}")
-    if ids.numel() == 0:
+    if ids.numel() == 0 or (ids.device.type != "cpu" and not always_check_values):
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_experts:
@@ -100,7 +103,7 @@ def topk_route(
         if expert_bias.shape[0] != e:
             raise ValueError(f"{op}: expert_bias must have shape ({e},), got {tuple(expert_bias.shape)}")
     if replay_ids is not None:
-        _check_ids(op, "replay_ids", replay_ids, e, shape=(t, top_k), unique_rows=True)
+        _check_ids(op, "replay_ids", replay_ids, e, shape=(t, top_k), unique_rows=True, always_check_values=True)
         if replay_ids.device != logits.device:
             raise ValueError(f"{op}: replay_ids is on {replay_ids.device}, logits on {logits.device}")
     resolve_backend(op, backend, logits.device, supported=("torch",))
