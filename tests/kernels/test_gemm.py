@@ -328,6 +328,13 @@ def test_fp8_input_errors():
         G.grouped_gemm_nt(x[:2].cpu(), _randn(2, 8, 256, seed=5).cpu(), torch.tensor([1, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="backend"):
         G.gemm_nt(x, w, backend="deep_gemm")
+    if not HAS_CUDA:  # content checks run on CPU index tensors
+        b2 = torch.randn(2, 8, 16)
+        desc = torch.cat([torch.ones(128, dtype=torch.int32), torch.zeros(128, dtype=torch.int32)])
+        with pytest.raises(ValueError, match="ascending"):
+            G.grouped_gemm_nt(torch.randn(256, 16), b2, desc, backend="triton")
+        with pytest.raises(ValueError, match="aligned contiguous layout"):
+            G.grouped_gemm_nt(torch.randn(100, 16), b2, desc[:100], backend="triton")
 
 
 @pytest.mark.parametrize("shape", [(5, 2), (128, 3), (3, 7, 1), (2, 130, 4)])

@@ -139,7 +139,7 @@ def _check_offsets_content(op: str, offsets: torch.Tensor, num_rows: int) -> Non
         raise ValueError(f"{op}: offsets[-1]={int(offsets[-1])} exceeds the {num_rows} rows of the input")
 
 
-def _check_m_indices_content(op: str, m_indices: torch.Tensor, num_groups: int) -> None:
+def _check_m_indices_content(op: str, m_indices: torch.Tensor, num_groups: int, ascending: bool = False) -> None:
     if m_indices.device.type != "cpu":
         return
     if bool(((m_indices < -1) | (m_indices >= num_groups)).any()):
@@ -149,6 +149,10 @@ def _check_m_indices_content(op: str, m_indices: torch.Tensor, num_groups: int) 
     if bool(((blocks != hi[:, None]) & (blocks != -1)).any()):
         raise ValueError(f"{op}: every {BLOCK}-row block of m_indices must hold one group (or -1 padding); "
                          "build the layout with pad_to_contiguous")
+    if ascending:
+        owners = torch.cummax(hi, 0).values
+        if bool(((hi >= 0) & (hi != owners)).any()):
+            raise ValueError(f"{op}: groups in m_indices must appear in ascending order (pad_to_contiguous's layout)")
 
 
 def _impl(backend: str):
@@ -362,6 +366,11 @@ def grouped_gemm_nt(a: torch.Tensor, b: torch.Tensor, offsets_or_m_indices: torc
     if be == "triton":
         from . import triton as impl
 
+        if kind == "m_indices":
+            if a.shape[0] % BLOCK:
+                raise ValueError(f"{op}: the triton backend takes m_indices only in the aligned contiguous layout "
+                                 f"(M a multiple of {BLOCK}, see pad_to_contiguous), got M={a.shape[0]}")
+            _check_m_indices_content(op, index, b.shape[0], ascending=True)
         return impl.grouped_gemm_nt_autograd(a, b, index, kind, out_dtype)
     if kind == "offsets":
         return reference.grouped_gemm_nt_offsets(a, b, index, out_dtype)
