@@ -257,10 +257,19 @@ def save_pretrained(model, path, *, expert_format: str | None = None, max_shard_
     from safetensors.torch import save_file
 
     expert_format = expert_format or getattr(model, "_expert_format", "unfused")
+    for layer in model.moe_layers:
+        if layer.ffn.dispatcher is not None:
+            raise ValueError("save_pretrained: this model's experts are split by expert parallelism (each rank holds "
+                             "only its experts); save from an unparallelized model or gather the experts first")
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    # FSDP-sharded parameters are gathered one tensor at a time (a collective: every rank calls
+    # save_pretrained); only global rank 0 writes.
+    writer = not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+        or torch.distributed.get_rank() == 0
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
+    if writer:
+        os.makedirs(path, exist_ok=True)
     layout = hf_layout(model, expert_format)
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(dict(model.named_buffers()))
@@ -275,7 +284,8 @@ def save_pretrained(model, path, *, expert_format: str | None = None, max_shard_
     total = 0
     for key, slot in layout.items():
         t = tensors[slot.param]
-        nbytes = (t[slot.index] if slot.index else t).numel() * t.element_size()
+        view = torch.empty(t.shape, device="meta")  # global shape, also for a sharded DTensor
+        nbytes = (view[slot.index] if slot.index else view).numel() * t.element_size()
         total += nbytes
         if shards[-1] and size + nbytes > max_shard_size:
             shards.append([])
@@ -283,14 +293,19 @@ def save_pretrained(model, path, *, expert_format: str | None = None, max_shard_
         shards[-1].append(key)
         size += nbytes
 
-    for name in os.listdir(path):  # stale shards of an earlier save would be picked up on load
-        if name.endswith(".safetensors") or name == _INDEX:
-            os.remove(os.path.join(path, name))
+    if writer:
+        for name in os.listdir(path):  # stale shards of an earlier save would be picked up on load
+            if name.endswith(".safetensors") or name == _INDEX:
+                os.remove(os.path.join(path, name))
     weight_map = {}
     for n, keys in enumerate(shards):
         fname = _SINGLE if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: tensor_of(k) for k in keys}, os.path.join(path, fname), metadata={"format": "pt"})
+        shard = {k: tensor_of(k) for k in keys}
+        if writer:
+            save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in keys})
+    if not writer:
+        return
     if len(shards) > 1:
         with open(os.path.join(path, _INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)

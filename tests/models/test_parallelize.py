@@ -130,15 +130,32 @@ def _case_cp_ep_ac(rank, errors):
     _compare("cp+ep+ac", _full_grads(model), ref_grads, local_expert_range(model.config.num_experts, 2, rank), errors)
 
 
+def _case_fsdp_save(rank, errors, out_dir):
+    """save_pretrained of an FSDP-sharded model gathers each tensor and writes the same checkpoint."""
+    from safetensors.torch import load_file
+
+    from primerl.parallel.mesh import ParallelDims, build_mesh
+
+    dims = ParallelDims(dp_shard=2, world_size=WORLD)
+    model = parallelize(_model(), dims, build_mesh(dims), param_dtype=torch.float32)
+    model.save_pretrained(os.path.join(out_dir, "fsdp"))
+    if rank == 0:
+        _model().save_pretrained(os.path.join(out_dir, "single"))
+        got = load_file(os.path.join(out_dir, "fsdp", "model.safetensors"))
+        want = load_file(os.path.join(out_dir, "single", "model.safetensors"))
+        if sorted(got) != sorted(want) or not all(torch.equal(got[k], want[k]) for k in want):
+            errors.append("fsdp save_pretrained differs from the single-process save")
+
+
 def _worker(rank, init_file, err_dir):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     errors = []
-    for case in (_case_ep_fsdp, _case_cp_ep_ac):
+    for case in (_case_ep_fsdp, _case_cp_ep_ac, _case_fsdp_save):
         try:
-            case(rank, errors)
+            case(rank, errors) if case is not _case_fsdp_save else case(rank, errors, err_dir)
         except Exception:  # noqa: BLE001 - report; the other rank is in the same collectives
             errors.append(f"{case.__name__}: {traceback.format_exc()}")
     dist.destroy_process_group()
