@@ -28,7 +28,8 @@ _SLOTS = 256  # slots per program of the layout kernels
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """A block size covering n: a power of two, at least 16 (tiny tiles are masked, not special-cased)."""
+    return max(16, triton.next_power_of_2(max(int(n), 1)))
 
 
 # ------------------------------------------------------------------------------------------ layout
