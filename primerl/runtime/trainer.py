@@ -97,19 +97,37 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
     def train_step(self, payload: dict) -> dict:
-        t = self.cfg.trainer
+        """One rollout batch: ``trainer.mini_batches`` optimizer steps over slices of its micro-batches.
+        ``mismatch_kl/mean`` is measured on the first slice, before any update of this batch."""
         mbs = payload["micro_batches"]
-        total = max(int(payload["num_loss_tokens"]), 1)
+        n = min(self.cfg.trainer.mini_batches, len(mbs))
+        bounds = [round(i * len(mbs) / n) for i in range(n + 1)]
+        rows = [self._optimizer_step(mbs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        self.scheduler.step()
+        self.step += 1
+        out = dict(rows[0])
+        out["loss"] = sum(r["loss"] for r in rows) / len(rows)
+        out["tokens"] = sum(r["tokens"] for r in rows)
+        out["loss_tokens"] = sum(r["loss_tokens"] for r in rows)
+        out["grad_norm"] = max(r["grad_norm"] for r in rows)
+        out["nan_skipped"] = self.nan_skipped
+        return out
+
+    def _optimizer_step(self, mbs: list[dict]) -> dict:
+        t = self.cfg.trainer
         replay = t.router_replay
+        counts = torch.tensor([sum(int(mb["loss_mask"].sum()) for mb in mbs),
+                               sum(_num_loss_seqs(mb) for mb in mbs)], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        total, total_seqs = max(int(counts[0]), 1), max(int(counts[1]), 1)
         self.optimizer.zero_grad(set_to_none=False)
-        loss_sum = 0.0
-        kl_num = ent_num = 0.0
+        loss_sum = kl_num = ent_num = 0.0
         n_tok = n_loss = 0
         extra: dict[str, float] = {}
         for mb in mbs:
             lp, ent = shifted_logprobs(self.model, mb, replay=replay)
-            loss, m = _rl.policy_loss(lp, mb, t.loss, total_tokens=total, total_seqs=int(payload.get("num_loss_seqs", 1)),
-                                      entropy=ent)
+            loss, m = _rl.policy_loss(lp, mb, t.loss, total_tokens=total, total_seqs=total_seqs, entropy=ent)
             loss.backward()
             k = int(mb["loss_mask"].sum())
             loss_sum += float(loss.detach())
@@ -121,20 +139,21 @@ class Trainer:
             n_loss += k
             if not mb.get("is_padding", False):
                 n_tok += int(mb["input_ids"].numel())
-        stats = torch.tensor([loss_sum, kl_num, ent_num, float(n_loss), float(n_tok)], dtype=torch.float64)
+        stats = torch.tensor([loss_sum, kl_num, ent_num, float(n_loss), float(n_tok),
+                              *(extra.get(k, 0.0) for k in ("clip_frac_low", "clip_frac_high", "ess"))], dtype=torch.float64)
         if self.world_size > 1:
             for p in self.model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-        loss_all, kl_all, ent_all, n_loss_all, n_tok_all = stats.tolist()
+        loss_all, kl_all, ent_all, n_loss_all, n_tok_all, cl, ch, ess = stats.tolist()
+        denom = max(n_loss_all, 1)
         finite = math.isfinite(loss_all) and all(
             bool(torch.isfinite(p.grad).all()) for p in self.model.parameters() if p.grad is not None)
-        metrics = {"loss": loss_all, "mismatch_kl/mean": kl_all / max(n_loss_all, 1), "entropy/mean": ent_all / max(n_loss_all, 1),
-                   "tokens": int(n_tok_all), "loss_tokens": int(n_loss_all), "lr": self.scheduler.get_last_lr()[0]}
-        for key in ("clip_frac_low", "clip_frac_high", "ess"):
-            metrics[key] = extra.get(key, 0.0) / max(n_loss, 1)
-        metrics["ratio_max"] = extra.get("ratio_max", 0.0)
+        metrics = {"loss": loss_all, "mismatch_kl/mean": kl_all / denom, "entropy/mean": ent_all / denom,
+                   "clip_frac_low": cl / denom, "clip_frac_high": ch / denom, "ess": ess / denom,
+                   "ratio_max": extra.get("ratio_max", 0.0), "tokens": int(n_tok_all), "loss_tokens": int(n_loss_all),
+                   "lr": self.scheduler.get_last_lr()[0]}
         if not finite:
             self.nan_streak += 1
             self.nan_skipped += 1
@@ -143,22 +162,25 @@ class Trainer:
                         self.step, loss_all, self.nan_streak, t.nan_retries)
             if self.nan_streak > t.nan_retries:
                 raise NonFiniteLossError(
-                    f"step {self.step}: loss or gradients were non-finite for {self.nan_streak} steps in a row "
+                    f"step {self.step}: loss or gradients were non-finite for {self.nan_streak} updates in a row "
                     f"(trainer.nan_retries = {t.nan_retries}); last loss = {loss_all}. Lower trainer.lr, check the "
                     "rewards/advantages for NaN, or raise trainer.nan_retries.")
             metrics["grad_norm"] = float("nan")
+            return metrics
+        self.nan_streak = 0
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if t.max_grad_norm > 0:
+            gn = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
         else:
-            self.nan_streak = 0
-            if t.max_grad_norm > 0:
-                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-            else:
-                gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None]))
-            metrics["grad_norm"] = float(gn)
-            self.optimizer.step()
-        self.scheduler.step()
-        metrics["nan_skipped"] = self.nan_skipped
-        self.step += 1
+            gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        metrics["grad_norm"] = float(gn)
+        self.optimizer.step()
         return metrics
+
+
+def _num_loss_seqs(mb: dict) -> int:
+    cu, mask = mb["cu_seqlens"].tolist(), mb["loss_mask"]
+    return sum(bool(mask[a:b].any()) for a, b in zip(cu[:-1], cu[1:]))
 
 
 def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[[], bool] | None = None,

@@ -6,7 +6,7 @@ import pytest
 
 from primerl.rl.envs import (BUILTIN, Environment, Episode, Prompt, ReverseText, ReverseTextFeedback, Turn, call_env,
                              load_environment)
-from primerl.rl.envs.reverse_text import NUM_SPECIAL, OK, SEP, WRONG
+from primerl.rl.envs.reverse_text import NUM_SPECIAL, SEP
 
 
 def test_reverse_text_prompts_are_deterministic_and_in_vocab():
@@ -43,6 +43,8 @@ def test_feedback_env_marks_positions_and_ends_on_success():
     env = ReverseTextFeedback(num_symbols=8, min_length=4, max_length=4)
     p = env.prompt(5)
     target = list(p.answer)
+    OK, WRONG = env.ok, env.wrong
+    assert env.vocab_size == WRONG + 1 == NUM_SPECIAL + 8 + 2
     first = target[:2] + [target[3], target[2]] if target[2] != target[3] else target[:2] + [OK, OK]
     ep = Episode(p, [Turn("model", first)])
     reply = env.respond(ep)

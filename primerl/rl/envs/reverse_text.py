@@ -1,6 +1,7 @@
 """Built-in offline tasks over a small vocabulary: reverse a string of symbols.
 
-Vocabulary: 0 PAD, 1 BOS, 2 SEP, 3 OK, 4 WRONG, then ``num_symbols`` symbols.
+Vocabulary: 0 PAD, 1 BOS, 2 SEP, then ``num_symbols`` symbols; the feedback task adds ``OK`` and
+``WRONG`` after the symbols.
 Prompt ``BOS s1..sK SEP``; the model answers with K tokens; reward is the fraction of positions
 equal to the reversed input (so a random policy scores about 1/vocab_size).
 """
@@ -12,8 +13,8 @@ import random
 
 from .base import Environment, Episode, Prompt
 
-PAD, BOS, SEP, OK, WRONG = 0, 1, 2, 3, 4
-NUM_SPECIAL = 5
+PAD, BOS, SEP = 0, 1, 2
+NUM_SPECIAL = 3
 
 
 def _score(answer: list[int], target: list[int]) -> float:
@@ -63,7 +64,7 @@ class ReverseText(Environment):
 
 class ReverseTextFeedback(ReverseText):
     """Two-attempt reverse-text: after the first answer the environment marks each position
-    ``OK``/``WRONG`` (framed by ``SEP``), and the model answers again. A perfect first answer
+    ``OK``/``WRONG`` (tokens ``NUM_SPECIAL + num_symbols`` and the next one, framed by ``SEP``), and the model answers again. A perfect first answer
     ends the episode. Reward: the score of the last answer."""
 
     max_turns = 2
@@ -71,6 +72,8 @@ class ReverseTextFeedback(ReverseText):
     def __init__(self, num_symbols: int = 8, min_length: int = 4, max_length: int = 4,
                  length_dist: str = "uniform", seed: int = 0, max_turns: int = 2):
         super().__init__(num_symbols, min_length, max_length, length_dist, seed)
+        self.ok, self.wrong = NUM_SPECIAL + num_symbols, NUM_SPECIAL + num_symbols + 1
+        self.vocab_size = NUM_SPECIAL + num_symbols + 2
         if max_turns < 1:
             raise ValueError(f"reverse-text-feedback: max_turns must be >= 1, got {max_turns}")
         self.max_turns = max_turns
@@ -79,6 +82,6 @@ class ReverseTextFeedback(ReverseText):
         answer, target = episode.model_turns[-1], episode.prompt.answer
         if _score(answer, target) == 1.0:
             return None
-        marks = [OK if a == b else WRONG for a, b in zip(answer, target)]
-        marks += [WRONG] * (len(target) - len(marks))
+        marks = [self.ok if a == b else self.wrong for a, b in zip(answer, target)]
+        marks += [self.wrong] * (len(target) - len(marks))
         return [SEP, *marks, SEP]
