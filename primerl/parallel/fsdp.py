@@ -75,6 +75,9 @@ def apply_fsdp(
     dim 0. Forward and
     backward prefetch one block ahead explicitly.
     """
+    if cpu_offload and mesh.device_type == "cpu":
+        raise ValueError("apply_fsdp: cpu_offload=True needs an accelerator mesh (on a CPU mesh the parameters "
+                         "already live in host memory)")
     blocks = find_blocks(model)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
