@@ -72,8 +72,7 @@ def apply_fsdp(
     Call after expert parallelism has cut the expert weights to the local experts and after
     activation checkpointing. Expert weights are sharded on dim 1 when ``efsdp`` has more ranks
     than there are local experts (dim 0 would leave ranks empty) and divides dim 1, else on
-    dim 0. Forward and
-    backward prefetch one block ahead explicitly.
+    dim 0. Forward and backward prefetch the next block (and its experts) explicitly.
     """
     if cpu_offload and mesh.device_type == "cpu":
         raise ValueError("apply_fsdp: cpu_offload=True needs an accelerator mesh (on a CPU mesh the parameters "
@@ -91,8 +90,9 @@ def apply_fsdp(
         fully_shard(embed, mesh=dense_mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward)
         units.append(embed)
-    sharded_blocks = []
+    sharded_blocks, block_experts = [], []
     for i, block in enumerate(blocks):
+        block_experts.append([])
         for name, sub in block.named_modules():
             if name and is_experts(name, sub):
                 local_experts = min((p.shape[0] for p in sub.parameters(recurse=False) if p.dim() >= 2), default=0)
@@ -110,6 +110,7 @@ def apply_fsdp(
                     if callable(getattr(sub, method, None)):
                         register_fsdp_forward_method(sub, method)
                 units.append(sub)
+                block_experts[-1].append(sub)
         # The last block's parameters are needed again at once by the backward.
         reshard = reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, mesh=dense_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
@@ -126,9 +127,10 @@ def apply_fsdp(
         # With a factor of 1 plain SUM is exact; without this FSDP asks for PREMUL_SUM(1.0),
         # which gloo does not implement.
         unit.set_force_sum_reduction_for_comms(True)
-    for a, b in zip(sharded_blocks, sharded_blocks[1:]):
-        a.set_modules_to_forward_prefetch([b])
-        b.set_modules_to_backward_prefetch([a])
+    for i in range(len(sharded_blocks) - 1):
+        a, b = sharded_blocks[i], sharded_blocks[i + 1]
+        a.set_modules_to_forward_prefetch([b, *block_experts[i + 1]])
+        b.set_modules_to_backward_prefetch([a, *block_experts[i]])
     return model
 
 
