@@ -251,3 +251,14 @@ def test_enable_fp8_runs_the_fp8_experts():
     assert moe.experts.w13.grad is not None and torch.isfinite(xx.grad).all()
     moe.experts.enable_fp8(None)
     assert torch.equal(moe(x), y_bf16)
+
+
+def test_convert_to_fp8_switches_experts_and_keeps_router():
+    from primerl.kernels.fp8_training import convert_to_fp8
+
+    moe = MoE(128, 128, 4, 2, num_shared_experts=1)
+    convert_to_fp8(moe, "blockwise_fp8_wgrad")
+    assert moe.experts.fp8_recipe == "blockwise_fp8_wgrad"
+    assert type(moe.gate).__name__ == "Router"  # the router stays in high precision
+    y = moe(torch.randn(6, 128, dtype=torch.float32))
+    assert y.shape == (6, 128) and torch.isfinite(y).all()
