@@ -384,3 +384,56 @@ def test_m_grouped_fp8_gpu(groups, m):
     qa, qb = G.quant_per_group_colwise(dy, offs), G.quant_per_group_colwise(x, offs)
     assert calc_diff(G.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, backend="triton"),
                      R.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, torch.float32)) < 1e-5
+
+
+_AOT_SCRIPT = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from primerl.kernels.gemm import triton as T
+
+def check(fn, sig, const, div16, stages, warps):
+    for k in const:
+        sig[k] = "constexpr"
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    kern = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+    print(fn.__name__, kern.metadata.shared, "wgmma" in kern.asm["ptx"])
+
+cfg = T.pick_tiles(4096, 4096, 7168, True, 1)
+ptrs = ["a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "d_ptr", "group_ptr", "row_start_ptr", "row_count_ptr", "b_index_ptr"]
+sig = dict(zip(ptrs, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*i32", "*i32", "*i32", "*i32"]))
+ints = ["M", "N", "K", "num_entries", "num_m_tiles", "num_progs", "stride_am", "stride_bg", "stride_bn",
+        "stride_dm", "stride_sam", "stride_sbg", "stride_sbn"]
+sig.update({n: "i32" for n in ints})
+const = dict(stride_ak=1, stride_bk=1, MODE=T.MODE_TABLE, SCALED=True, ENTRIES_P2=16, BM=cfg["BM"], BN=cfg["BN"],
+             BK=cfg["BK"], PRECISION="tf32")
+check(T._m_grouped_gemm_nt_kernel, sig, const, ptrs + ["N", "K", "stride_am", "stride_bg", "stride_bn", "stride_dm"],
+      cfg["num_stages"], cfg["num_warps"])
+kptrs = ["a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "d_ptr", "offsets_ptr", "block_start_ptr", "m_indices_ptr"]
+ksig = dict(zip(kptrs, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*i32"]))
+ksig.update({n: "i32" for n in ["N", "K", "G", "num_progs", "stride_a", "stride_b", "stride_sa", "stride_sb"]})
+check(T._k_grouped_gemm_tn_kernel, ksig, dict(SCALED=True, ROW_MASK=False, BN=128, BK=128, BT=128, PRECISION="tf32"),
+      kptrs + ["N", "K", "stride_a", "stride_b", "stride_sa", "stride_sb"], 3, 8)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_CUDA, reason="the gpu tests run the real kernels")
+def test_triton_kernels_lower_for_hopper():
+    """Compile (not run) the FP8 kernels for sm_90 with Triton's bundled ptxas: the interpreter
+    never lowers a kernel, so this is what catches compiled-mode errors without a GPU. Expect
+    wgmma (tensor cores on fp8) and a software-pipelined K loop (several stages of shared memory)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = dict((ln.split()[0], ln.split()[1:]) for ln in res.stdout.strip().splitlines())
+    shared, wgmma = lines["_m_grouped_gemm_nt_kernel"]
+    assert wgmma == "True" and int(shared) >= 3 * (128 + 128) * 128  # >= 3 pipelined stages of A+B
+    assert lines["_k_grouped_gemm_tn_kernel"][1] == "True"

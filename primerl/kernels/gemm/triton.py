@@ -85,23 +85,24 @@ def _m_grouped_gemm_nt_kernel(
             store_ok = (local < count) & (e < num_entries)
             row_ok = store_ok & (g >= 0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if g >= 0:
-            g64 = g.to(tl.int64)
-            offs_k = tl.arange(0, BK)
-            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-            b_ptrs = b_ptr + g64 * stride_bg + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
-            for kb in range(0, tl.cdiv(K, BK)):
-                k_ok = kb * BK + offs_k < K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=n_mask[None, :] & k_ok[:, None], other=0.0)
-                if SCALED:
-                    sa = tl.load(sa_ptr + rows.to(tl.int64) * stride_sam + kb, mask=row_ok, other=0.0)
-                    sb = tl.load(sb_ptr + g64 * stride_sbg + (offs_n // 128) * stride_sbn + kb, mask=n_mask, other=0.0)
-                    acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
-                else:
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                a_ptrs += BK * stride_ak
-                b_ptrs += BK * stride_bk
+        # a tile with no group (padding / tail) runs zero K steps and stores zeros
+        num_k = tl.where(g >= 0, tl.cdiv(K, BK), 0)
+        g64 = tl.maximum(g, 0).to(tl.int64)
+        offs_k = tl.arange(0, BK)
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + g64 * stride_bg + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        sa_ptrs = sa_ptr + rows.to(tl.int64) * stride_sam
+        sb_ptrs = sb_ptr + g64 * stride_sbg + (offs_n // 128) * stride_sbn
+        for kb in range(0, num_k):
+            k_ok = kb * BK + offs_k < K
+            a = tl.load(a_ptrs + kb * BK * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs + kb * BK * stride_bk, mask=n_mask[None, :] & k_ok[:, None], other=0.0)
+            if SCALED:
+                sa = tl.load(sa_ptrs + kb, mask=row_ok, other=0.0)
+                sb = tl.load(sb_ptrs + kb, mask=n_mask, other=0.0)
+                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
         out = tl.where(row_ok[:, None], acc, 0.0)
         d_ptrs = d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
         tl.store(d_ptrs, out.to(d_ptr.dtype.element_ty), mask=store_ok[:, None] & n_mask[None, :])
