@@ -185,8 +185,8 @@ class Orchestrator:
         from .batching import pack_for_ranks
 
         per_rank = pack_for_ranks(samples, self.o.seq_len, self.cfg.num_trainer_ranks)
-        n_loss = int(sum(int(s["loss_mask"].sum()) for s in samples))
-        n_seqs = sum(bool(s["loss_mask"].any()) for s in samples)
+        n_loss = int(sum(int(s.loss_mask.sum()) for s in samples))
+        n_seqs = sum(bool(s.loss_mask.any()) for s in samples)
         for rank, mbs in enumerate(per_rank):
             self.transport.put_batch(step, rank, {"step": step, "micro_batches": mbs, "metrics": metrics,
                                                   "num_loss_tokens": n_loss, "num_loss_seqs": n_seqs})

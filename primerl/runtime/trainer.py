@@ -53,15 +53,15 @@ def lr_lambda(cfg: RLConfig) -> Callable[[int], float]:
     return f
 
 
-def shifted_logprobs(model, mb: dict, *, replay: bool, chunk_size: int = 1024):
-    """Per-token log-probs aligned with ``mb["input_ids"]`` (token t from the hidden state at t-1;
+def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int = 1024):
+    """Per-token log-probs aligned with ``mb.input_ids`` (token t from the hidden state at t-1;
     0 at each sequence's first token) and entropies, both [T] float32."""
-    ids = mb["input_ids"]
-    replay_ids = mb.get("replay_ids") if replay else None
-    hidden = model(ids, mb["position_ids"], mb["cu_seqlens"], replay_ids=replay_ids)
+    ids = mb.input_ids
+    replay_ids = mb.replay_ids if replay else None
+    hidden = model(ids, mb.position_ids, mb.cu_seqlens, replay_ids=replay_ids)
     targets = torch.roll(ids, -1)
-    lp, ent = fused_logprobs(hidden, model.lm_head.weight, targets, temperature=mb.get("temperature", 1.0),
-                             chunk_size=chunk_size)
+    temperature = 1.0 if mb.temperatures is None else torch.roll(mb.temperatures, -1)
+    lp, ent = fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
     zero = lp.new_zeros(1)
     return torch.cat([zero, lp[:-1]]), torch.cat([zero, ent[:-1]])
 
@@ -116,12 +116,17 @@ class Trainer:
     def _optimizer_step(self, mbs: list[dict]) -> dict:
         t = self.cfg.trainer
         replay = t.router_replay
-        counts = torch.tensor([sum(int(mb["loss_mask"].sum()) for mb in mbs),
+        mbs = [mb for mb in mbs if not mb.is_padding and mb.num_tokens > 0]  # grads are all-reduced after the loop
+        counts = torch.tensor([sum(int(mb.loss_mask.sum()) for mb in mbs),
                                sum(_num_loss_seqs(mb) for mb in mbs)], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         total, total_seqs = max(int(counts[0]), 1), max(int(counts[1]), 1)
         self.optimizer.zero_grad(set_to_none=False)
+        if self.world_size > 1:  # a rank with only padding still joins every gradient all-reduce
+            for p in self.model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         loss_sum = kl_num = ent_num = 0.0
         n_tok = n_loss = 0
         extra: dict[str, float] = {}
@@ -129,7 +134,7 @@ class Trainer:
             lp, ent = shifted_logprobs(self.model, mb, replay=replay)
             loss, m = _rl.policy_loss(lp, mb, t.loss, total_tokens=total, total_seqs=total_seqs, entropy=ent)
             loss.backward()
-            k = int(mb["loss_mask"].sum())
+            k = int(mb.loss_mask.sum())
             loss_sum += float(loss.detach())
             kl_num += m["mismatch_kl"] * k
             ent_num += m.get("entropy", 0.0) * k
@@ -137,8 +142,7 @@ class Trainer:
                 extra[key] = extra.get(key, 0.0) + m.get(key, 0.0) * k
             extra["ratio_max"] = max(extra.get("ratio_max", 0.0), m.get("ratio_max", 0.0))
             n_loss += k
-            if not mb.get("is_padding", False):
-                n_tok += int(mb["input_ids"].numel())
+            n_tok += mb.num_real_tokens or mb.num_tokens
         stats = torch.tensor([loss_sum, kl_num, ent_num, float(n_loss), float(n_tok),
                               *(extra.get(k, 0.0) for k in ("clip_frac_low", "clip_frac_high", "ess"))], dtype=torch.float64)
         if self.world_size > 1:
@@ -178,8 +182,8 @@ class Trainer:
         return metrics
 
 
-def _num_loss_seqs(mb: dict) -> int:
-    cu, mask = mb["cu_seqlens"].tolist(), mb["loss_mask"]
+def _num_loss_seqs(mb) -> int:
+    cu, mask = mb.cu_seqlens.tolist(), mb.loss_mask
     return sum(bool(mask[a:b].any()) for a, b in zip(cu[:-1], cu[1:]))
 
 

@@ -85,8 +85,8 @@ def test_async_level_bounds_the_policy_lag(tmp_path, level):
         assert all(m["off_policy/max"] == 0 for _, m in seen)
     payload = FileTransport(cfg.output_dir).get_batch(3, 0, timeout=1)
     mb = payload["micro_batches"][0]
-    T = mb["input_ids"].numel()
-    assert mb["cu_seqlens"][-1] == T and mb["loss_mask"].shape == (T,) and payload["num_loss_tokens"] > 0
+    T = mb.input_ids.numel()
+    assert mb.cu_seqlens[-1] == T and mb.loss_mask.shape == (T,) and payload["num_loss_tokens"] > 0
 
 
 def test_stale_groups_are_discarded_counted_and_resampled(tmp_path):
@@ -163,4 +163,4 @@ def test_resumed_orchestrator_replays_the_same_prompts_and_seeds(tmp_path):
     Orchestrator(cfg, env, FakeClient(), tr, start_step=3).run()
     b = tr.get_batch(3, 0, timeout=1)
     for k in ("input_ids", "advantages", "loss_mask"):
-        assert torch.equal(a["micro_batches"][0][k], b["micro_batches"][0][k])
+        assert torch.equal(getattr(a["micro_batches"][0], k), getattr(b["micro_batches"][0], k))
