@@ -141,7 +141,7 @@ class ContextShardPlan:
 
     # -- helpers used by the ops below --------------------------------------------------------
     def _select(self, x_full: torch.Tensor, rank: int) -> torch.Tensor:
-        idx = self._index[rank]
+        idx = self._index[rank].to(x_full.device)
         out = x_full.new_zeros((idx.numel(),) + tuple(x_full.shape[1:]))
         valid = idx >= 0
         out[valid] = x_full[idx[valid]]
@@ -158,8 +158,8 @@ class ContextShardPlan:
         parts = self._gather(x_local)
         full = x_local.new_zeros((self.total_tokens,) + tuple(x_local.shape[1:]))
         for r, part in enumerate(parts):
-            valid = self._index[r] >= 0
-            full[self._index[r][valid]] = part[valid]
+            idx = self._index[r].to(x_local.device)
+            full[idx[idx >= 0]] = part[idx >= 0]
         return full
 
     def _global_rank(self, rank: int) -> int:
@@ -210,6 +210,9 @@ def _check_qkv(op, q, k, v, plan):
                              f"(from plan.shard), got {tuple(getattr(t, 'shape', ()))}")
     if k.shape != v.shape:
         raise ValueError(f"{op}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.device != plan.device:
+        raise ValueError(f"{op}: q is on {q.device} but the plan on {plan.device}; build the plan from "
+                         f"cu_seqlens on the attention's device")
 
 
 def _local_attention(q, k, v, plan, causal, softmax_scale, backend):
@@ -324,7 +327,7 @@ class _AllGatherPadded(torch.autograd.Function):
         parts = plan._gather(x_local)
         full = x_local.new_zeros((int(plan.padded_cu_seqlens[-1]),) + tuple(x_local.shape[1:]))
         for r, part in enumerate(parts):
-            full[plan._padded_index[r]] = part
+            full[plan._padded_index[r].to(full.device)] = part
         return full
 
     @staticmethod
@@ -333,7 +336,7 @@ class _AllGatherPadded(torch.autograd.Function):
         grad = grad.contiguous()
         if plan.world_size > 1:
             dist.all_reduce(grad, group=plan.group)
-        return grad[plan._padded_index[plan.rank]], None
+        return grad[plan._padded_index[plan.rank].to(grad.device)], None
 
 
 def allgather_attention(q, k, v, plan: ContextShardPlan, *, causal: bool = True, softmax_scale: float | None = None,
