@@ -268,13 +268,14 @@ def test_m_grouped_fp8_masked(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("counts", [[5], [0, 130, 1, 0], [128, 3]])
-def test_quant_per_group_colwise(backend, counts):
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_quant_per_group_colwise(backend, counts, ue8m0):
     total, tail, cols = sum(counts), 4, 96
     x = _randn(total + tail, cols, seed=total, scale=3.0)
     x[total:] = NAN
     offs = _offsets(counts)
-    q, sf = G.quant_per_group_colwise(x, offs, backend=backend)
-    q_ref, sf_ref = R.quant_per_group_colwise(x, offs, torch.float8_e4m3fn, False)
+    q, sf = G.quant_per_group_colwise(x, offs, ue8m0=ue8m0, backend=backend)
+    q_ref, sf_ref = R.quant_per_group_colwise(x, offs, torch.float8_e4m3fn, ue8m0)
     assert sf.shape == (G.max_group_blocks(total + tail, len(counts)), cols)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(sf, sf_ref)
@@ -416,6 +417,9 @@ ksig = dict(zip(kptrs, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*i32
 ksig.update({n: "i32" for n in ["N", "K", "G", "num_progs", "stride_a", "stride_b", "stride_sa", "stride_sb"]})
 check(T._k_grouped_gemm_tn_kernel, ksig, dict(SCALED=True, ROW_MASK=False, BN=128, BK=128, BT=128, PRECISION="tf32"),
       kptrs + ["N", "K", "stride_a", "stride_b", "stride_sa", "stride_sb"], 3, 8)
+qsig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", sf_ptr="*fp32", offsets_ptr="*i32", block_start_ptr="*i32", T="i32",
+            C="i32", G="i32", used_blocks_ptr="*i32")
+check(T._quant_group_colwise_kernel, qsig, dict(FMAX=448.0, UE8M0=True, BT=128, BC=64, G_P2=8), [], 1, 4)
 '''
 
 
@@ -436,4 +440,4 @@ def test_triton_kernels_lower_for_hopper():
     lines = dict((ln.split()[0], ln.split()[1:]) for ln in res.stdout.strip().splitlines())
     shared, wgmma = lines["_m_grouped_gemm_nt_kernel"]
     assert wgmma == "True" and int(shared) >= 3 * (128 + 128) * 128  # >= 3 pipelined stages of A+B
-    assert lines["_k_grouped_gemm_tn_kernel"][1] == "True"
+    assert lines["_k_grouped_gemm_tn_kernel"][1] == "True" and "_quant_group_colwise_kernel" in lines

@@ -151,32 +151,35 @@ def _k_grouped_gemm_tn_kernel(
 
 @triton.jit
 def _quant_group_colwise_kernel(
-    x_ptr, q_ptr, sf_ptr, offsets_ptr, block_start_ptr, T, C, G,
-    FMAX: tl.constexpr, UE8M0: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    x_ptr, q_ptr, sf_ptr, offsets_ptr, block_start_ptr, T, C, G, used_blocks_ptr,
+    FMAX: tl.constexpr, UE8M0: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, G_P2: tl.constexpr,
 ):
-    """Program (g, column tile): quantize group g's rows in BT-row blocks; g == G zeroes the tail."""
-    g = tl.program_id(0)
+    """Program (scale block b, column tile). Blocks below the used count quantize BT rows of one
+    group (found by comparing b against every group's block range); the next programs zero the
+    rows past offsets[-1]; the rest exit (their scale rows were pre-filled)."""
+    blk = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     c_ok = cols < C
-    last = tl.load(offsets_ptr + G - 1)
-    if g < G:
+    used = tl.load(used_blocks_ptr)
+    if blk < used:
+        ent = tl.arange(0, G_P2)
+        starts = tl.load(block_start_ptr + ent, mask=ent < G, other=2**30)
+        g = tl.sum((starts <= blk).to(tl.int32), axis=0) - 1
+        # an empty group shares its start with the next one: take the last group starting here
         end = tl.load(offsets_ptr + g)
-        start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0)
-        blk0 = tl.load(block_start_ptr + g)
-        for t in range(start, end, BT):
-            rows = t + tl.arange(0, BT)
-            ok = (rows < end)[:, None] & c_ok[None, :]
-            ptrs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-            x = tl.load(x_ptr + ptrs, mask=ok, other=0.0).to(tl.float32)
-            sf = _scale_from_amax(tl.max(tl.abs(x), axis=0), FMAX, UE8M0)
-            tl.store(sf_ptr + (blk0 + (t - start) // BT).to(tl.int64) * C + cols, sf, mask=c_ok)
-            tl.store(q_ptr + ptrs, _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty), mask=ok)
+        row0 = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0) + (blk - tl.load(block_start_ptr + g)) * BT
+        rows = row0 + tl.arange(0, BT)
+        ok = (rows < end)[:, None] & c_ok[None, :]
+        ptrs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        x = tl.load(x_ptr + ptrs, mask=ok, other=0.0).to(tl.float32)
+        sf = _scale_from_amax(tl.max(tl.abs(x), axis=0), FMAX, UE8M0)
+        tl.store(sf_ptr + blk.to(tl.int64) * C + cols, sf, mask=c_ok)
+        tl.store(q_ptr + ptrs, _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty), mask=ok)
     else:
-        for t in range(last, T, BT):
-            rows = t + tl.arange(0, BT)
-            ok = (rows < T)[:, None] & c_ok[None, :]
-            zero = tl.zeros((BT, BC), dtype=tl.float32).to(q_ptr.dtype.element_ty)
-            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], zero, mask=ok)
+        rows = tl.load(offsets_ptr + G - 1) + (blk - used) * BT + tl.arange(0, BT)
+        ok = (rows < T)[:, None] & c_ok[None, :]
+        zero = tl.zeros((BT, BC), dtype=tl.float32).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], zero, mask=ok)
 
 
 # ------------------------------------------------------------------------------ tile heuristics
@@ -347,11 +350,17 @@ def quant_per_group_colwise(x, offsets, dtype, ue8m0):
     q = torch.empty_like(x, dtype=dtype)
     # spare scale rows get the scale of an all-zero block, as in the reference
     zero_block_sf = fp8_ref.scale_from_amax(torch.zeros(1, device=x.device), dtype, ue8m0)
-    sf = zero_block_sf.expand(off.max_group_blocks(t, groups), c).contiguous()
+    bound = off.max_group_blocks(t, groups)
+    sf = zero_block_sf.expand(bound, c).contiguous()
+    counts = off.offsets_to_counts(offsets)
+    nblocks = (counts + BLOCK - 1) // BLOCK
+    block_start = torch.cumsum(nblocks, 0, dtype=torch.int32) - nblocks
+    used = nblocks.sum(dtype=torch.int32).reshape(1)
     bc = 128 if triton_interpreter_enabled() else 64
-    _quant_group_colwise_kernel[(groups + 1, triton.cdiv(c, bc))](
-        x, q, sf, offsets, off.group_block_starts(offsets), t, c, groups,
-        FMAX=fp8_max(dtype), UE8M0=ue8m0, BT=BLOCK, BC=bc, num_warps=4,
+    # used blocks + ceil(tail / 128) tail chunks <= bound + 1 (see max_group_blocks)
+    _quant_group_colwise_kernel[(bound + 1, triton.cdiv(c, bc))](
+        x, q, sf, offsets, block_start, t, c, groups, used,
+        FMAX=fp8_max(dtype), UE8M0=ue8m0, BT=BLOCK, BC=bc, G_P2=triton.next_power_of_2(groups), num_warps=4,
     )
     return q, sf
 
