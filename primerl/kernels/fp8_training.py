@@ -229,10 +229,10 @@ class Fp8Linear(nn.Linear):
 
 
 def convert_to_fp8(model: nn.Module, recipe: str = "blockwise",
-                   filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+                   filter_fn: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
     """Switch ``model`` to FP8 training in place and return it.
 
-    Every exact ``nn.Linear`` for which ``filter_fn(module, fqn)`` is true (all when None) becomes
+    Every exact ``nn.Linear`` for which ``filter_fn(fqn, module)`` is true (all when None) becomes
     an :class:`Fp8Linear` with ``recipe``; every module exposing ``enable_fp8(recipe)`` (grouped
     experts) is asked to switch itself and is not descended into. All selected modules are checked
     before anything changes: a Linear whose dims are not multiples of 128 raises ``ValueError``
@@ -243,7 +243,7 @@ def convert_to_fp8(model: nn.Module, recipe: str = "blockwise",
     for fqn, module in model.named_modules():
         if any(fqn.startswith(prefix + ".") or prefix == "" for prefix in owned):
             continue
-        selected = filter_fn is None or filter_fn(module, fqn)
+        selected = filter_fn is None or filter_fn(fqn, module)
         if callable(getattr(module, "enable_fp8", None)):
             owned.append(fqn)
             if selected:

@@ -155,7 +155,7 @@ def test_convert_to_fp8():
     params = list(model.parameters())
     x = torch.randn(24, 256)
     y_ref = model[:3](x)
-    convert_to_fp8(model, "blockwise_fp8_wgrad", filter_fn=lambda mod, fqn: fqn != "3")
+    convert_to_fp8(model, "blockwise_fp8_wgrad", filter_fn=lambda fqn, mod: fqn != "3")
     assert isinstance(model[0], Fp8Linear) and isinstance(model[2], Fp8Linear) and type(model[3]) is nn.Linear
     assert model[0].recipe == "blockwise_fp8_wgrad" and model.experts.recipe == "blockwise_fp8_wgrad"
     assert type(model.experts.inner) is nn.Linear
