@@ -186,17 +186,22 @@ class AllToAllDispatcher:
         in_range = (ids >= 0) & (ids < E)
         counts = torch.zeros(E, dtype=torch.int64, device=device)
         counts.index_add_(0, ids.clamp(0, E - 1), in_range.long())
-        n_bad = ids.numel() - in_range.sum()
+        n_bad = (ids.numel() - in_range.sum()).view(1, 1)
         if W > 1:
-            recv_counts = _exchange(counts, [L] * W, [L] * W, self.group)  # [W*L] src-major
+            # Each peer also learns how many bad ids every rank has, so all ranks raise together
+            # instead of some waiting forever in the payload exchange.
+            send = torch.cat([counts.view(W, L), n_bad.expand(W, 1)], dim=1).reshape(-1)
+            recv = _exchange(send, [L + 1] * W, [L + 1] * W, self.group).view(W, L + 1)  # src-major
+            recv_counts_WL, bad_WL = recv[:, :L], recv[:, L]
         else:
-            recv_counts = counts
-        recv_counts_WL = recv_counts.view(W, L)
+            recv_counts_WL, bad_WL = counts.view(1, L), n_bad.view(1)
         local_counts = recv_counts_WL.sum(0)
-        # The one host sync of the layer: split sizes, local counts and the id check together.
-        meta = torch.cat([counts.view(W, L).sum(1), recv_counts_WL.sum(1), local_counts, n_bad.view(1)]).tolist()
-        if meta[-1]:
-            raise ValueError(f"dispatch: {meta[-1]} of topk_ids are outside [0, num_experts={E})")
+        # The one host sync of the layer: split sizes, local counts and the id checks together.
+        meta = torch.cat([counts.view(W, L).sum(1), recv_counts_WL.sum(1), local_counts, bad_WL]).tolist()
+        bad = meta[2 * W + L:]
+        if any(bad):
+            where = ", ".join(f"ep rank {r}: {b}" for r, b in enumerate(bad) if b)
+            raise ValueError(f"dispatch: topk_ids outside [0, num_experts={E}) ({where})")
         send_splits, recv_splits, local_counts_list = meta[:W], meta[W:2 * W], meta[2 * W:2 * W + L]
 
         slot_order = torch.argsort(ids, stable=True)
@@ -219,7 +224,7 @@ class AllToAllDispatcher:
 
         regroup = regroup_inverse = None
         if W > 1 and L > 1:
-            regroup = _src_major_to_expert_major(recv_counts_WL, sum(recv_splits))
+            regroup = _src_major_to_expert_major(recv_counts_WL.contiguous(), sum(recv_splits))
             regroup_inverse = torch.empty_like(regroup)
             regroup_inverse[regroup] = torch.arange(regroup.numel(), device=device)
             x_recv = x_recv.index_select(0, regroup)

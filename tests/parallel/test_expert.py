@@ -176,8 +176,21 @@ CASES = {
 }
 
 
+def _bad_ids_raise_on_every_rank(rank):
+    """Rank 2 routes to a non-existent expert: every rank raises (none is left waiting), naming rank 2."""
+    disp = AllToAllDispatcher(None, 8)
+    ids = torch.tensor([[0, 8 if rank == 2 else 1]])
+    try:
+        disp.dispatch(torch.randn(1, 4), ids, torch.rand(1, 2))
+    except ValueError as e:
+        return [] if "ep rank 2: 1" in str(e) else [f"unexpected message: {e}"]
+    return ["no error raised"]
+
+
 def _worker(rank, world_size, log):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    # first, so that the cases after it show the group is still usable
+    log.run("bad_ids_raise_on_every_rank", _bad_ids_raise_on_every_rank, rank)
     for i, (name, (grp, counts, D, E, K, pool, fp8)) in enumerate(CASES.items()):
         group, ep_rank, ep_size = (None, rank, world_size) if grp == "world" else (pairs[rank // 2], rank % 2, 2)
         # the two pairs run different data, so a mix-up between groups cannot pass
@@ -200,7 +213,7 @@ def dist_results(tmp_path_factory):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ["bad_ids_raise_on_every_rank", *CASES])
 def test_dispatch_combine_on_gloo(dist_results, case):
     assert case in dist_results, f"case {case} did not run"
     assert dist_results[case] == [], "\n".join(dist_results[case])
