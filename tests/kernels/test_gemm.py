@@ -441,3 +441,18 @@ def test_triton_kernels_lower_for_hopper():
     shared, wgmma = lines["_m_grouped_gemm_nt_kernel"]
     assert wgmma == "True" and int(shared) >= 3 * (128 + 128) * 128  # >= 3 pipelined stages of A+B
     assert lines["_k_grouped_gemm_tn_kernel"][1] == "True" and "_quant_group_colwise_kernel" in lines
+
+
+@pytest.mark.parametrize("scaled,elt", [(True, 1), (False, 2), (False, 4)])
+def test_gpu_tile_table(scaled, elt):
+    """Every GPU tile config fits Hopper's shared memory, keeps BM dividing the 128-row alignment
+    (m_indices tiles stay in one group) and BK = 128 for FP8 (one scale block per K step)."""
+    from primerl.kernels.gemm.triton import pick_tiles
+
+    for m in [1, 17, 64, 65, 256, 8192]:
+        for n, k in [(16, 128), (2112, 7168), (24576, 1536), (7168, 2048), (4096, 7168)]:
+            cfg = pick_tiles(m, n, k, scaled, elt, interpreter=False)
+            assert 128 % cfg["BM"] == 0 and cfg["BN"] <= 128 and cfg["BN"] & (cfg["BN"] - 1) == 0
+            assert (cfg["BK"] == 128) if scaled else (cfg["BK"] * elt <= 128)
+            assert cfg["num_stages"] * (cfg["BM"] + cfg["BN"]) * cfg["BK"] * elt <= 227 * 1024
+            assert cfg["num_stages"] >= 2 and cfg["num_warps"] in (4, 8)

@@ -155,6 +155,11 @@ def _check_m_indices_content(op: str, m_indices: torch.Tensor, num_groups: int, 
             raise ValueError(f"{op}: groups in m_indices must appear in ascending order (pad_to_contiguous's layout)")
 
 
+def _fp8_preference(out_dtype: torch.dtype) -> tuple[str, ...]:
+    # DeepGEMM writes bf16 only: with another output dtype the automatic choice skips it
+    return ("deep_gemm", "triton", "torch") if out_dtype == torch.bfloat16 else ("triton", "torch")
+
+
 def _impl(backend: str):
     if backend == "triton":
         from . import triton as impl
@@ -177,7 +182,7 @@ def fp8_gemm_nt(a, b, *, out_dtype: torch.dtype = torch.bfloat16, backend: str |
         raise ValueError(f"{op}: K mismatch, a is {tuple(aq.shape)} and b is {tuple(bq.shape)}")
     _check_out_dtype(op, out_dtype)
     dev = _check_same_device(op, aq=aq, asf=asf, bq=bq, bsf=bsf)
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=("deep_gemm", "triton", "torch"))
+    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype))
     return _impl(be).fp8_gemm_nt((aq, asf), (bq, bsf), out_dtype)
 
 
@@ -205,7 +210,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices: torch.Tensor, *, out_dtype
     _check_m_indices_content(op, m_indices, b[0].shape[0])
     _check_out_dtype(op, out_dtype)
     dev = _check_same_device(op, aq=a[0], bq=b[0], m_indices=m_indices)
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=("deep_gemm", "triton", "torch"))
+    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype))
     return _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, out_dtype)
 
 
@@ -242,7 +247,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m: torch.Tensor, expected_m: int, 
         raise ValueError(f"{op}: masked_m {masked_m.tolist()} exceeds max_m={a[0].shape[1]}")
     _check_out_dtype(op, out_dtype)
     dev = _check_same_device(op, aq=a[0], bq=b[0], masked_m=masked_m)
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=("deep_gemm", "triton", "torch"))
+    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype))
     if be == "torch":
         return reference.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype)
     return _impl(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out_dtype)

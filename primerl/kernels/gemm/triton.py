@@ -196,7 +196,8 @@ def _pow2_clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(int(x), 1))))
 
 
-def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: int = 2) -> dict:
+def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: int = 2,
+               interpreter: bool | None = None) -> dict:
     """Tile table (BM, BN, BK, warps, stages) keyed on the rows each group holds, N and K.
 
     Interpreter: the largest blocks the shape allows (each program costs Python overhead).
@@ -204,7 +205,7 @@ def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: 
     tile never straddles two B scales); BK 128 for FP8 (one scale block) and 64 for 16-bit;
     stages sized so A+B stages fit in ~200 KB of shared memory.
     """
-    if triton_interpreter_enabled():
+    if triton_interpreter_enabled() if interpreter is None else interpreter:
         return dict(BM=_pow2_clamp(rows_per_group, 16, 128), BN=_pow2_clamp(n, 16, 128),
                     BK=BLOCK if scaled else _pow2_clamp(k, 16, 128), num_warps=4, num_stages=1)
     if rows_per_group <= 64:
