@@ -85,6 +85,9 @@ def run(args) -> list[Row]:
         for be in _fp8_backends(dev):
             s = time_fn(lambda: G.m_grouped_fp8_gemm_nt_contiguous(a, b, m_idx, backend=be), **rep)
             rows.append(_row("m_grouped_fp8_contiguous", shape, be, s, flops, base, "bf16 _grouped_mm"))
+        if not cpu:  # the bf16 twin the MoE bf16 path uses
+            s = time_fn(lambda: G.grouped_gemm_nt(x, w, offs, backend="triton"), **rep)
+            rows.append(_row("bf16_grouped_gemm_nt", shape, "triton", s, flops, base, "bf16 _grouped_mm"))
         # weight gradient of the same experts: dW[g] = dY_g^T X_g
         dy = torch.randn(groups * m_, n_, device=dev, dtype=torch.bfloat16)
         qa, qb = G.quant_per_group_colwise(dy, offs), G.quant_per_group_colwise(x, offs)
