@@ -129,8 +129,8 @@ def combine_rows(y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Ten
     for j in range(k):
         term = y_perm[row_map[:, j].long()].float()
         if weights is not None:
-            term = term * weights[:, j : j + 1]
-        acc = acc + term
+            term.mul_(weights[:, j : j + 1])  # term is a fresh gather: safe to overwrite
+        acc.add_(term)
     return acc.to(y_perm.dtype)
 
 
@@ -142,26 +142,31 @@ def combine_weight_grad(dy: torch.Tensor, y_perm: torch.Tensor, row_map: torch.T
 
 # ------------------------------------------------------------------------------------------ SwiGLU
 def _sigmoid(g: torch.Tensor) -> torch.Tensor:
-    # a tensor numerator: `1.0 / t` is `reciprocal(t) * 1.0` in torch, not the quotient kernels take
-    return torch.ones_like(g) / (1.0 + torch.exp(-g))
+    """1 / (1 + exp(-g)) in float32 (reciprocal is the IEEE quotient 1/x on CPU and CUDA)."""
+    return torch.neg(g).exp_().add_(1.0).reciprocal_()
 
 
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
     """gu [M, 2I] (gate columns first, then up) -> h [M, I] = silu(gate) * up, float32 math."""
     i = gu.shape[1] // 2
     g, u = gu[:, :i].float(), gu[:, i:].float()
-    return (g * _sigmoid(g) * u).to(gu.dtype)
+    # in place where possible: on CPU fresh large buffers cost more than the arithmetic
+    return _sigmoid(g).mul_(g).mul_(u).to(gu.dtype)
 
 
 def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
-    """d gu [M, 2I] (gu dtype) from dh [M, I]."""
+    """d gu [M, 2I] (gu dtype) from dh [M, I]:
+    d gate = dh * up * sig * (1 + gate * (1 - sig)), d up = dh * gate * sig (sig = sigmoid(gate))."""
     i = gu.shape[1] // 2
     g, u, d = gu[:, :i].float(), gu[:, i:].float(), dh.float()
     sig = _sigmoid(g)
     silu = g * sig
-    dg = d * u * sig * (1.0 + g * (1.0 - sig))
-    du = d * silu
-    return torch.cat([dg, du], dim=1).to(gu.dtype)
+    dg = (d * u).mul_(sig)
+    dg.mul_(sig.neg_().add_(1.0).mul_(g).add_(1.0))
+    out = torch.empty_like(gu)
+    out[:, :i] = dg
+    out[:, i:] = silu.mul_(d)
+    return out
 
 
 def swiglu_quant(gu: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool):
@@ -171,7 +176,7 @@ def swiglu_quant(gu: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: b
     """
     i = gu.shape[1] // 2
     g, u = gu[:, :i].float(), gu[:, i:].float()
-    h = g * _sigmoid(g) * u
+    h = _sigmoid(g).mul_(g).mul_(u)
     groups = h.reshape(h.shape[0], i // group_size, group_size)
     sf = scale_from_amax(groups.abs().amax(dim=-1), dtype, ue8m0)
     fmax = fp8_max(dtype)
