@@ -83,20 +83,24 @@ def _(x, weight, recipe, backend):
 
 
 @torch.library.custom_op("primerl::fp8_linear_bwd", mutates_args=())
-def _fp8_linear_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str,
-                    backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_linear_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str, backend: Optional[str],
+                    need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [M, K], dw [N, K]); a gradient that is not needed comes back as an empty tensor."""
     qb = _quant_backend(backend)
-    g = quant_per_token_group(grad, BLOCK, backend=qb)
-    wt = _transposed_blocks(*quant_per_block(weight, backend=qb))
-    dx = _gemm.fp8_gemm_nt(g, wt, out_dtype=x.dtype, backend=backend)
-    offsets = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-    dw = _wgrad(grad, x, offsets, recipe, backend, weight.dtype)[0]
+    dx, dw = x.new_zeros(0), weight.new_zeros(0)
+    if need_dx:
+        g = quant_per_token_group(grad, BLOCK, backend=qb)
+        wt = _transposed_blocks(*quant_per_block(weight, backend=qb))
+        dx = _gemm.fp8_gemm_nt(g, wt, out_dtype=x.dtype, backend=backend)
+    if need_dw:
+        offsets = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        dw = _wgrad(grad, x, offsets, recipe, backend, weight.dtype)[0]
     return dx, dw
 
 
 @_fp8_linear_bwd.register_fake
-def _(grad, x, weight, recipe, backend):
-    return torch.empty_like(x), torch.empty_like(weight)
+def _(grad, x, weight, recipe, backend, need_dx, need_dw):
+    return (torch.empty_like(x) if need_dx else x.new_empty(0)), (torch.empty_like(weight) if need_dw else weight.new_empty(0))
 
 
 def _linear_setup(ctx, inputs, output):
@@ -108,8 +112,10 @@ def _linear_setup(ctx, inputs, output):
 def _linear_backward(ctx, grad):
     x, weight = ctx.saved_tensors
     # torch._grouped_mm (and our kernels) need a real strided gradient, not an expanded one
-    dx, dw = torch.ops.primerl.fp8_linear_bwd(grad.contiguous().to(x.dtype), x, weight, ctx.recipe, ctx.backend)
-    return dx, dw, None, None
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = torch.ops.primerl.fp8_linear_bwd(grad.contiguous().to(x.dtype), x, weight, ctx.recipe, ctx.backend,
+                                              need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None
 
 
 _fp8_linear_fwd.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -164,17 +170,22 @@ def _(x, weight, offsets, recipe, backend):
 
 @torch.library.custom_op("primerl::fp8_grouped_linear_bwd", mutates_args=())
 def _fp8_grouped_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, recipe: str,
-                     backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                     backend: Optional[str], need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [M, K], dw [G, N, K]); a gradient that is not needed comes back as an empty tensor."""
     qb = _quant_backend(backend)
-    g = quant_per_token_group(grad, BLOCK, backend=qb)
-    wt = _transposed_blocks(*quant_per_block(weight, backend=qb))
-    dx = _gemm.m_grouped_fp8_gemm_nt_offsets(g, wt, offsets, out_dtype=x.dtype, backend=_plain_backend(backend))
-    return dx, _wgrad(grad, x, offsets, recipe, backend, weight.dtype)
+    dx, dw = x.new_zeros(0), weight.new_zeros(0)
+    if need_dx:
+        g = quant_per_token_group(grad, BLOCK, backend=qb)
+        wt = _transposed_blocks(*quant_per_block(weight, backend=qb))
+        dx = _gemm.m_grouped_fp8_gemm_nt_offsets(g, wt, offsets, out_dtype=x.dtype, backend=_plain_backend(backend))
+    if need_dw:
+        dw = _wgrad(grad, x, offsets, recipe, backend, weight.dtype)
+    return dx, dw
 
 
 @_fp8_grouped_bwd.register_fake
-def _(grad, x, weight, offsets, recipe, backend):
-    return torch.empty_like(x), torch.empty_like(weight)
+def _(grad, x, weight, offsets, recipe, backend, need_dx, need_dw):
+    return (torch.empty_like(x) if need_dx else x.new_empty(0)), (torch.empty_like(weight) if need_dw else weight.new_empty(0))
 
 
 def _grouped_setup(ctx, inputs, output):
@@ -185,9 +196,10 @@ def _grouped_setup(ctx, inputs, output):
 
 def _grouped_backward(ctx, grad):
     x, weight, offsets = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dx, dw = torch.ops.primerl.fp8_grouped_linear_bwd(grad.contiguous().to(x.dtype), x, weight, offsets,
-                                                      ctx.recipe, ctx.backend)
-    return dx, dw, None, None, None
+                                                      ctx.recipe, ctx.backend, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None
 
 
 _fp8_grouped_fwd.register_autograd(_grouped_backward, setup_context=_grouped_setup)

@@ -85,6 +85,15 @@ def test_recipes_differ_only_in_wgrad():
     assert sqnr_db(exact, out["blockwise"][1]) > sqnr_db(exact, out["blockwise_fp8_wgrad"][1])
 
 
+def test_frozen_weight_skips_wgrad():
+    x, w = _leaf(_randn(40, 128, seed=0)), _randn(128, 128, seed=1, scale=0.05)
+    fp8_linear(x, w, backend="torch").sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape and w.grad is None
+    xg, wg = _randn(40, 128, seed=2), _leaf(_randn(2, 128, 128, seed=3, scale=0.05))
+    fp8_grouped_linear(xg, wg, torch.tensor([10, 40], dtype=torch.int32, device=DEV), backend="torch").sum().backward()
+    assert wg.grad is not None and wg.grad.shape == wg.shape and not wg.grad.isnan().any()
+
+
 def test_input_errors():
     x, w = _randn(4, 256, seed=0), _randn(100, 256, seed=1)
     with pytest.raises(ValueError, match="multiples of 128"):
