@@ -216,6 +216,17 @@ def test_fp8_gemm_nt(backend, m, n, k, out_dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_gemm_nt_e5m2_activations_fp16_out(backend):
+    """Gradients are often quantized to e5m2: mixed e5m2 x e4m3 operands, fp16 output."""
+    x, w = _randn(37, 256, seed=3), _randn(128, 256, seed=4, scale=0.05)
+    a, b = quant_per_token_group(x, 128, dtype=torch.float8_e5m2), quant_per_block(w)
+    out = G.fp8_gemm_nt(a, b, out_dtype=torch.float16, backend=backend)
+    assert out.dtype == torch.float16
+    deq = R.fp8_gemm_nt(a, b, torch.float32)
+    assert calc_diff(out, deq) < 1e-5 and calc_diff(out, x.double() @ w.double().t()) < 5e-3  # 2 mantissa bits
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("counts", [[0, 3, 0], [1, 1, 1], [37, 0, 130, 2]])
 def test_m_grouped_fp8_contiguous(backend, counts):
     n, k = 160, 256
