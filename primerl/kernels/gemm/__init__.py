@@ -71,6 +71,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_BACKENDS = ("torch", "triton", "deep_gemm")
 _PLAIN_BACKENDS = ("torch", "triton")
+# bf16 dense / M-grouped GEMMs default to torch (cuBLAS, torch._grouped_mm) on CUDA: the Triton
+# kernels are chosen explicitly until `python -m bench gemm` measures them faster on a GPU.
+_CUBLAS_FIRST = ("torch", "triton")
 
 
 # ------------------------------------------------------------------------------ validation
@@ -320,7 +323,7 @@ def gemm_nt(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None =
         raise ValueError(f"{op}: K mismatch, a is {tuple(a.shape)} and b is {tuple(b.shape)}")
     out_dtype = a.dtype if out_dtype is None else out_dtype
     dev = _check_same_device(op, a=a, b=b)
-    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
+    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=_CUBLAS_FIRST)
     if be == "triton":
         from . import triton as impl
 
@@ -367,7 +370,7 @@ def grouped_gemm_nt(a: torch.Tensor, b: torch.Tensor, offsets_or_m_indices: torc
         raise ValueError(f"{op}: m_indices values must be in [-1, {b.shape[0]})")
     out_dtype = a.dtype if out_dtype is None else out_dtype
     dev = _check_same_device(op, a=a, b=b, index=index)
-    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
+    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=_CUBLAS_FIRST)
     if be == "triton":
         from . import triton as impl
 
