@@ -139,7 +139,9 @@ class MoE(nn.Module):
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"MoE: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
         if n_groups < 1 or num_experts % n_groups or not 1 <= topk_groups <= n_groups:
-            raise ValueError(f"MoE: n_groups={n_groups} must divide E={num_experts}; topk_groups={topk_groups} in [1, n_groups]")
+            raise ValueError(
+                f"MoE: n_groups={n_groups} must divide E={num_experts}; topk_groups={topk_groups} in [1, n_groups]"
+            )
         self.dim, self.moe_dim, self.num_experts, self.top_k = dim, moe_dim, num_experts, top_k
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, float(route_scale)
         self.n_groups, self.topk_groups = n_groups, topk_groups
@@ -147,9 +149,9 @@ class MoE(nn.Module):
         self.load_balance_coeff = load_balance_coeff
         self.gate = Router(dim, num_experts, fp32=router_fp32, device=device, dtype=dtype)
         self.experts = GroupedExperts(dim, moe_dim, num_experts, backend=backend, device=device, dtype=dtype)
-        self.shared_experts = (
-            SharedExperts(dim, moe_dim * num_shared_experts, device=device, dtype=dtype) if num_shared_experts > 0 else None
-        )
+        self.shared_experts = None
+        if num_shared_experts > 0:
+            self.shared_experts = SharedExperts(dim, moe_dim * num_shared_experts, device=device, dtype=dtype)
         if use_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
             self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device, dtype=torch.float32))
@@ -164,7 +166,9 @@ class MoE(nn.Module):
     @classmethod
     def from_hf_config(cls, config, **kwargs) -> "MoE":
         """Build from a transformers Qwen3-MoE / GLM-4.5-MoE (or similar) config."""
-        num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or config.num_local_experts
+        num_experts = (
+            getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or config.num_local_experts
+        )
         n_shared = getattr(config, "n_shared_experts", 0) or 0
         is_sigmoid = hasattr(config, "routed_scaling_factor") or hasattr(config, "n_group")
         args = dict(
@@ -237,7 +241,8 @@ class MoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if replay_ids is not None:
-            if tuple(replay_ids.shape[:-1]) != tuple(shape[:-1]) and tuple(replay_ids.shape) != (x2.shape[0], self.top_k):
+            flat_ok = tuple(replay_ids.shape) == (x2.shape[0], self.top_k)
+            if tuple(replay_ids.shape[:-1]) != tuple(shape[:-1]) and not flat_ok:
                 raise ValueError(
                     f"MoE.forward: replay_ids must have shape {tuple(shape[:-1]) + (self.top_k,)} "
                     f"or {(x2.shape[0], self.top_k)}, got {tuple(replay_ids.shape)}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8.reference import fp8_max, round_scale_ue8m0, scale_from_amax
+from ..fp8.reference import fp8_max, scale_from_amax
 
 NORM_EPS = 1e-20
 
@@ -190,7 +190,6 @@ __all__ = [
     "combine_weight_grad",
     "expert_counts",
     "max_padded_rows",
-    "round_scale_ue8m0",
     "scatter_rows",
     "select_experts",
     "swiglu",
