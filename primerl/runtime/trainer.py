@@ -62,8 +62,11 @@ def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int = 1024):
     targets = torch.roll(ids, -1)
     temperature = 1.0 if mb.temperatures is None else torch.roll(mb.temperatures, -1)
     lp, ent = fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    starts[mb.cu_seqlens[:-1].long().clamp(max=ids.numel() - 1)] = True
     zero = lp.new_zeros(1)
-    return torch.cat([zero, lp[:-1]]), torch.cat([zero, ent[:-1]])
+    lp, ent = torch.cat([zero, lp[:-1]]), torch.cat([zero, ent[:-1]])
+    return torch.where(starts, torch.zeros_like(lp), lp), torch.where(starts, torch.zeros_like(ent), ent)
 
 
 class Trainer:
