@@ -467,3 +467,15 @@ def test_gpu_tile_table(scaled, elt):
             assert (cfg["BK"] == 128) if scaled else (cfg["BK"] * elt <= 128)
             assert cfg["num_stages"] * (cfg["BM"] + cfg["BN"]) * cfg["BK"] * elt <= 227 * 1024
             assert cfg["num_stages"] >= 2 and cfg["num_warps"] in (4, 8)
+
+
+@pytest.mark.parametrize("shape", [(3, 256, 384), (200, 256), (1, 128)])
+def test_reference_dequant_matches_fp8_dequant(shape):
+    """The GEMM reference's reshaping dequantizers are bitwise the fp8 package's dequant."""
+    from primerl.kernels.fp8 import dequant
+
+    w = torch.randn(*shape, generator=_gen(0))
+    assert torch.equal(R.dequant_block(*quant_per_block(w)),
+                       dequant(*quant_per_block(w), group_shape=(128, 128), out_dtype=torch.float32))
+    assert torch.equal(R.dequant_token_group(*quant_per_token_group(w, 128)),
+                       dequant(*quant_per_token_group(w, 128), group_shape=(1, 128), out_dtype=torch.float32))

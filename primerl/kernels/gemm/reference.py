@@ -109,11 +109,16 @@ def k_grouped_gemm_tn(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, o
 
 
 def dequant_token_group(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
-    return fp8_ref.dequant(q, sf, (1, BLOCK), torch.float32)
+    """q [..., K] * sf [..., K/128] broadcast over each 128-run (the same product as fp8.dequant,
+    without materializing the expanded scales)."""
+    return (q.float().unflatten(-1, (-1, BLOCK)) * sf.unsqueeze(-1)).flatten(-2)
 
 
 def dequant_block(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
-    return fp8_ref.dequant(q, sf, (BLOCK, BLOCK), torch.float32)
+    if q.shape[-2] % BLOCK:
+        return fp8_ref.dequant(q, sf, (BLOCK, BLOCK), torch.float32)
+    blocks = q.float().unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, BLOCK))  # [.., nb, 128, kb, 128]
+    return (blocks * sf[..., :, None, :, None]).flatten(-2).flatten(-3, -2)
 
 
 def fp8_gemm_nt(a, b, out_dtype):

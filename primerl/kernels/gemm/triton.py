@@ -39,9 +39,6 @@ from . import offsets as off
 BLOCK = 128
 MODE_DENSE, MODE_TABLE, MODE_M_INDICES = 0, 1, 2
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
-              torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
-
 
 @triton.jit
 def _m_grouped_gemm_nt_kernel(
