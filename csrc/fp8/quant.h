@@ -9,7 +9,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include <cuda_runtime.h>
+// cudaStream_t is `CUstream_st*`; declaring the struct keeps CUDA headers out of the bindings, which
+// CI syntax-checks against a CPU torch.
+struct CUstream_st;
 
 namespace primerl {
 namespace fp8 {
@@ -17,22 +19,25 @@ namespace fp8 {
 enum class InDType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 enum class OutDType : int { kE4M3 = 0, kE5M2 = 1 };
 
+// Every launcher returns a cudaError_t value (0 = cudaSuccess); error_string names it.
+const char* error_string(int err);
+
 // x, q: [rows, row_len] contiguous; sf: [rows]. Serves per-token-group (row_len = group size on the
 // [numel / group, group] view) and rowwise (row_len = K).
-cudaError_t quant_rows(const void* x, InDType in_dtype, void* q, OutDType out_dtype, float* sf,
-                       int64_t rows, int64_t row_len, bool ue8m0, cudaStream_t stream);
+int quant_rows(const void* x, InDType in_dtype, void* q, OutDType out_dtype, float* sf,
+                       int64_t rows, int64_t row_len, bool ue8m0, CUstream_st* stream);
 
 // w, q: [batch, n, k] contiguous; sf: [batch, ceil(n / bn), ceil(k / bk)]; edge blocks may be ragged.
-cudaError_t quant_blocks(const void* w, InDType in_dtype, void* q, OutDType out_dtype, float* sf,
+int quant_blocks(const void* w, InDType in_dtype, void* q, OutDType out_dtype, float* sf,
                          int64_t batch, int64_t n, int64_t k, int64_t bn, int64_t bk, bool ue8m0,
-                         cudaStream_t stream);
+                         CUstream_st* stream);
 
 // Number of floats of workspace quant_tensorwise needs for numel elements.
 int64_t quant_tensorwise_workspace(int64_t numel);
 
 // x, q: numel contiguous elements; sf: one float; workspace: quant_tensorwise_workspace(numel) floats.
-cudaError_t quant_tensorwise(const void* x, InDType in_dtype, void* q, OutDType out_dtype, float* sf,
-                             float* workspace, int64_t numel, cudaStream_t stream);
+int quant_tensorwise(const void* x, InDType in_dtype, void* q, OutDType out_dtype, float* sf,
+                             float* workspace, int64_t numel, CUstream_st* stream);
 
 }  // namespace fp8
 }  // namespace primerl

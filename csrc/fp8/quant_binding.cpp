@@ -40,13 +40,13 @@ void check_input(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.numel() > 0, op, ": input is empty");
 }
 
-cudaStream_t current_stream(const at::Tensor& x) {
+CUstream_st* current_stream(const at::Tensor& x) {
   const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  return static_cast<cudaStream_t>(impl->getStream(x.device()).native_handle());
+  return static_cast<CUstream_st*>(impl->getStream(x.device()).native_handle());
 }
 
-void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+void check_launch(int err, const char* op) {
+  TORCH_CHECK(err == 0, op, ": kernel launch failed: ", error_string(err));
 }
 
 std::tuple<at::Tensor, at::Tensor> quant_rows_op(const at::Tensor& x, int64_t row_len, at::ScalarType dtype,

@@ -7,7 +7,9 @@ for sm_90 without a GPU and checks the PTX for IEEE division and the satfinite f
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -257,6 +259,123 @@ def test_triton_kernels_compile_for_hopper():
     assert set(got) == {"rows", "rows_chunked", "blocks", "tensorwise"}, res.stdout
     for name, (div_rn, approx, satfinite) in got.items():
         assert (div_rn, approx, satfinite) == ("True", "False", "True"), f"{name}: {res.stdout}"
+
+
+# ---------------------------------------------------------------- CUDA sources, emulated on CPU
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cuda_include_dir():
+    candidates = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for root in candidates:
+        if root and os.path.exists(os.path.join(root, "include", "cuda_fp8.h")):
+            return os.path.join(root, "include")
+    return None
+
+
+@pytest.fixture(scope="module")
+def cuda_emulation(tmp_path_factory):
+    """csrc/fp8/quant.cu compiled for the CPU by tests/kernels/fp8_cuda_emulation.cpp (ctypes)."""
+    include = _cuda_include_dir()
+    if include is None or shutil.which("g++") is None:
+        pytest.skip("needs g++ and the CUDA headers (cuda_fp8.h)")
+    lib = tmp_path_factory.mktemp("fp8_emulation") / "libfp8emu.so"
+    cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-I{include}", f"-I{REPO}/csrc",
+           os.path.join(REPO, "tests", "kernels", "fp8_cuda_emulation.cpp"), "-o", str(lib)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return ctypes.CDLL(str(lib))
+
+
+_EMU_IN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_EMU_OUT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+
+
+def _ptr(t):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _emu_rows(lib, x, row_len, dtype, ue8m0, sf_shape):
+    q, sf = torch.empty(x.shape, dtype=dtype), torch.empty(sf_shape)
+    rc = lib.emu_quant_rows(_ptr(x), _EMU_IN[x.dtype], _ptr(q), _EMU_OUT[dtype], _ptr(sf),
+                            ctypes.c_long(x.numel() // row_len), ctypes.c_long(row_len), int(ue8m0))
+    assert rc == 0
+    return q, sf
+
+
+@pytest.mark.parametrize(
+    "in_dtype,dtype,ue8m0,shape,group,offset",
+    [
+        (torch.bfloat16, torch.float8_e4m3fn, False, (5, 256), 128, 0),  # 16-byte vectors, team of 8
+        (torch.float32, torch.float8_e5m2, True, (3, 13), 13, 0),  # scalar path (13 % 4 != 0)
+        (torch.float16, torch.float8_e4m3fn, True, (2, 2048), 2048, 0),  # team of 128: cross-warp reduction
+        (torch.float32, torch.float8_e4m3fn, False, (1,), 1, 0),  # team of 1
+        (torch.bfloat16, torch.float8_e5m2, False, (4, 128), 64, 1),  # misaligned input: scalar fallback
+    ],
+)
+def test_cuda_source_rows_emulated_bitwise(cuda_emulation, in_dtype, dtype, ue8m0, shape, group, offset):
+    base = make_input((shape[0] * shape[-1] + offset,), in_dtype, seed=31)
+    x = base[offset:].reshape(shape)
+    got = _emu_rows(cuda_emulation, x, group, dtype, ue8m0, (*shape[:-1], shape[-1] // group))
+    want = fp8.quant_per_token_group(x, group, dtype=dtype, ue8m0=ue8m0, backend="torch")
+    assert_bitwise_equal(got[1], want[1], "sf")
+    assert_bitwise_equal(got[0], want[0], "q")
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_cuda_source_rowwise_and_ties_emulated_bitwise(cuda_emulation, dtype):
+    x = make_input((3, 1000), torch.float32, seed=32)
+    got = _emu_rows(cuda_emulation, x, 1000, dtype, False, (3, 1))
+    want = fp8.quant_rowwise(x, dtype=dtype, backend="torch")
+    assert_bitwise_equal(got[1], want[1], "rowwise sf")
+    assert_bitwise_equal(got[0], want[0], "rowwise q")
+    x = _ties_input()
+    got = _emu_rows(cuda_emulation, x, 16, dtype, False, (2, 1))
+    want = fp8.quant_per_token_group(x, 16, dtype=dtype, backend="torch")
+    assert_bitwise_equal(got[0], want[0], "ties q")
+
+
+@pytest.mark.parametrize(
+    "in_dtype,dtype,ue8m0,shape,block",
+    [
+        (torch.bfloat16, torch.float8_e4m3fn, True, (130, 259), (128, 128)),  # ragged edges, scalar path
+        (torch.float32, torch.float8_e5m2, False, (2, 67, 136), (32, 64)),  # 3D, vectors, ragged rows
+        (torch.float16, torch.float8_e4m3fn, False, (3, 300), (1, 100)),  # one-row blocks
+    ],
+)
+def test_cuda_source_blocks_emulated_bitwise(cuda_emulation, in_dtype, dtype, ue8m0, shape, block):
+    w = make_input(shape, in_dtype, seed=33)
+    n, k = shape[-2:]
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    q, sf = torch.empty(shape, dtype=dtype), torch.empty(*shape[:-2], nb, kb)
+    rc = cuda_emulation.emu_quant_blocks(_ptr(w), _EMU_IN[in_dtype], _ptr(q), _EMU_OUT[dtype], _ptr(sf),
+                                         ctypes.c_long(w.numel() // (n * k)), ctypes.c_long(n), ctypes.c_long(k),
+                                         ctypes.c_long(block[0]), ctypes.c_long(block[1]), int(ue8m0))
+    assert rc == 0
+    want = fp8.quant_per_block(w, block, dtype=dtype, ue8m0=ue8m0, backend="torch")
+    assert_bitwise_equal(sf, want[1], "sf")
+    assert_bitwise_equal(q, want[0], "q")
+
+
+@pytest.mark.parametrize(
+    "in_dtype,dtype,shape",
+    [(torch.bfloat16, torch.float8_e4m3fn, (33, 64)), (torch.float32, torch.float8_e5m2, (97,)),
+     (torch.float16, torch.float8_e4m3fn, ()), (torch.float32, torch.float8_e4m3fn, (20000,))],
+)
+def test_cuda_source_tensorwise_emulated_bitwise(cuda_emulation, in_dtype, dtype, shape):
+    x = make_input(shape, in_dtype, seed=34)
+    workspace = torch.empty(cuda_emulation.emu_quant_tensorwise_workspace(ctypes.c_long(x.numel())))
+    q, sf = torch.empty(shape, dtype=dtype), torch.empty(())
+    rc = cuda_emulation.emu_quant_tensorwise(_ptr(x), _EMU_IN[in_dtype], _ptr(q), _EMU_OUT[dtype], _ptr(sf),
+                                             _ptr(workspace), ctypes.c_long(x.numel()))
+    assert rc == 0
+    want = fp8.quant_tensorwise(x, dtype=dtype, backend="torch")
+    assert_bitwise_equal(sf, want[1], "sf")
+    assert_bitwise_equal(q, want[0], "q")
 
 
 # ---------------------------------------------------------------- validation
