@@ -39,10 +39,15 @@ def test_fp8_logits_sqnr():
     fp8 = convert_to_fp8(copy.deepcopy(ref), "blockwise")
     assert type(fp8.layers[0].attention.q_proj) is not torch.nn.Linear
     assert type(fp8.lm_head) is torch.nn.Linear
-    ids, pos, cu = packed_batch(256, seq_lens=(40, 17, 71))
+    assert all(layer.ffn.experts.fp8_recipe == "blockwise" for layer in fp8.moe_layers)
+    for module in fp8.modules():  # the reference backend: the Triton kernels are the GEMM tests' business,
+        if hasattr(module, "backend") and module.backend is None:  # and slow under the CPU interpreter
+            module.backend = "torch"
+    ids, pos, cu = packed_batch(256, seq_lens=(20, 7, 37))
     with torch.no_grad():
         want = ref(ids, pos, cu, return_logits=True).float()
     got = fp8(ids, pos, cu, return_logits=True)
-    assert sqnr_db(want, got.float()) >= 20.0
+    sqnr = sqnr_db(want, got.detach().float())
+    assert sqnr >= 20.0, f"logits SQNR {sqnr:.1f} dB"
     got.float().square().mean().backward()
     assert all(p.grad is not None for n, p in fp8.named_parameters() if n.startswith("layers.") and p.requires_grad)
