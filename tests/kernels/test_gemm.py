@@ -140,6 +140,18 @@ def test_grouped_gemm_nt_forward_backward(backend, counts, layout):
         assert calc_diff(b_in.grad, ref_b) < 1e-5
 
 
+@pytest.mark.parametrize("n,k", [(5, 16), (16, 12)])
+def test_grouped_gemm_unaligned_dims_backward(n, k):
+    """torch._grouped_mm needs 16-byte strides (forward and backward): other dims take the loop."""
+    a = _randn(10, k, seed=0).requires_grad_()
+    b = _randn(3, n, k, seed=1).requires_grad_()
+    offs = _offsets([2, 0, 5])
+    out = G.grouped_gemm_nt(a, b, offs, backend="torch")
+    out.sum().backward()
+    assert calc_diff(out[:7].detach(), _grouped_ref(a.detach(), b.detach(), [2, 0, 5])) < 1e-5
+    assert not a.grad.isnan().any() and bool((a.grad[7:] == 0).all()) and bool((b.grad[1] == 0).all())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grouped_gemm_gradcheck_fp64(backend):
     """Finite differences of the bf16 path's math in float64 (float32 for the Triton kernels)."""

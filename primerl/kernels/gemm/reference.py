@@ -52,7 +52,8 @@ def grouped_gemm_nt_offsets(a: torch.Tensor, b: torch.Tensor, offsets: torch.Ten
         a, b = a.float(), b.float()
     valid = torch.arange(a.shape[0], device=a.device) < offsets[-1]
     a_in = torch.where(_row_mask(valid, a), a, torch.zeros((), dtype=a.dtype, device=a.device))
-    if _grouped_mm_supported(a_in) and a.shape[1] * a.element_size() % 16 == 0:
+    aligned = (a.shape[1] * a.element_size()) % 16 == 0 and (b.shape[1] * b.element_size()) % 16 == 0
+    if _grouped_mm_supported(a_in) and aligned:  # its forward and backward need 16-byte strides
         # torch._grouped_mm leaves rows past offsets[-1] (and their gradient) uninitialised
         out = torch._grouped_mm(a_in, b.transpose(-2, -1), offs=offsets)
     else:
