@@ -108,7 +108,7 @@ LENS = {"one": [37], "ragged": [1, 5, 17, 1, 9], "with_empty": [3, 0, 1, 12]}
 )
 def test_error_within_twice_torch_at_input_dtype(backend, dtype, lens, hq, hkv, d, causal):
     lens = LENS[lens]
-    q, k, v, dout, dlse = _inputs(lens, hq, hkv, d, dtype, seed=hash((dtype, tuple(lens), d)) % 1000)
+    q, k, v, dout, dlse = _inputs(lens, hq, hkv, d, dtype, seed=sum(lens) * 7 + d + hq + len(str(dtype)))
     cu = _cu(lens)
     got = _run(backend, q, k, v, dout, dlse, cu_seqlens=cu, causal=causal)
     ref32 = _reference_at(torch.float32, q, k, v, dout, dlse, cu, causal)

@@ -17,6 +17,9 @@ def _call(q, k, v, spec):
         q, k, v, spec.cu_seqlens_q, spec.cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k,
         softmax_scale=spec.softmax_scale, causal=spec.causal, return_attn_probs=True,
     )
+    if lse.shape != (q.shape[1], q.shape[0]):  # flash-attn < 2.5 returned a padded [B, H, max_seqlen] lse
+        raise ValueError(f"flash_attn backend: softmax_lse has shape {tuple(lse.shape)}, expected "
+                         f"{(q.shape[1], q.shape[0])}; upgrade flash-attn (>= 2.5)")
     return out, lse.float()
 
 
