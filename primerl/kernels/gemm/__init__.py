@@ -7,6 +7,11 @@ FP8 operands are ``(q, sf)`` pairs from :mod:`primerl.kernels.fp8`: A quantized 
 Grouped layouts (see :mod:`.offsets`): ``offsets[G]`` cumulative end rows, ``m_indices[M]`` the
 group of each row (-1 = padding, 128-row aligned groups), or masked ``[G, max_m, K]``.
 
+Backends (``backend=None`` picks): CPU tensors -> ``"torch"`` (the reference: dequantize, fp32
+GEMM). CUDA -> FP8 ops ``"deep_gemm"`` when importable and the output is bf16, else ``"triton"``;
+bf16 ``gemm_nt`` / ``grouped_gemm_nt`` -> ``"torch"`` (cuBLAS, ``torch._grouped_mm``);
+k-grouped ops and the colwise quantizer -> ``"triton"``.
+
 >>> import torch
 >>> from primerl.kernels.fp8 import quant_per_token_group, quant_per_block
 >>> from primerl.kernels.gemm import fp8_gemm_nt, grouped_gemm_nt
