@@ -103,7 +103,11 @@ def _quant_blocks_kernel(
 ):
     """w, q: [G, N, K] contiguous; sf: [G, n_blocks_n, n_blocks_k]. One program: one bn x bk block,
     visited in BLOCK_N x BLOCK_K chunks (a single chunk when the block fits)."""
-    pid_k, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # one flat grid axis (axes 1 and 2 are limited to 65535 programs on CUDA)
+    pid = tl.program_id(0)
+    pid_k = pid % n_blocks_k
+    pid_n = (pid // n_blocks_k) % n_blocks_n
+    g = pid // (n_blocks_k * n_blocks_n)
     n0 = pid_n * bn
     k0 = pid_k * bk
     n_end = tl.minimum(n0 + bn, N)
@@ -138,7 +142,7 @@ def _quant_blocks_kernel(
                 offs = base + rows.to(tl.int64) * K + cols
                 x = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(q_ptr + offs, _cast_scaled(x, sf, FMAX, out_dtype), mask=mask)
-    tl.store(sf_ptr + (g * n_blocks_n + pid_n) * n_blocks_k + pid_k, sf)
+    tl.store(sf_ptr + pid, sf)
 
 
 @triton.jit
@@ -220,7 +224,7 @@ def quant_per_block(w: torch.Tensor, block_size: tuple[int, int], dtype: torch.d
     tile = _tile_elems(block=True)
     block_k = min(triton.next_power_of_2(bk), tile)
     block_n = max(1, min(triton.next_power_of_2(bn), tile // block_k))
-    grid = (kb, nb, g)
+    grid = (g * nb * kb,)
     _quant_blocks_kernel[grid](
         w, q, sf, n, k, bn, bk, nb, kb,
         BLOCK_N=block_n, BLOCK_K=block_k,
