@@ -515,3 +515,20 @@ def test_gpu_non_contiguous_and_offset_inputs(backend):
     _gpu_check(fp8.quant_rowwise, y, backend=backend)
     _gpu_check(fp8.quant_tensorwise, y, backend=backend)
     _gpu_check(fp8.quant_per_block, y, (128, 128), backend=backend)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_chunked_paths_bitwise(monkeypatch):
+    """The multi-chunk code paths (long rows, large blocks, strided partial maxima) on the GPU."""
+    from primerl.kernels.fp8 import triton as fp8_triton
+
+    monkeypatch.setattr(fp8_triton, "_GPU_TILE", 64)
+    monkeypatch.setattr(fp8_triton, "_GPU_BLOCK_TILE", 64)
+    monkeypatch.setattr(fp8_triton, "_MAX_PARTIALS", 3)
+    x = make_input((6, 300), torch.bfloat16, seed=26).cuda()
+    _gpu_check(fp8.quant_rowwise, x, backend="triton")
+    _gpu_check(fp8.quant_per_token_group, x, 150, ue8m0=True, backend="triton")
+    _gpu_check(fp8.quant_tensorwise, x, dtype=torch.float8_e5m2, backend="triton")
+    w = make_input((2, 45, 270), torch.float32, seed=27).cuda()
+    _gpu_check(fp8.quant_per_block, w, (20, 33), backend="triton")
+    _gpu_check(fp8.quant_per_block, w, (5, 100), ue8m0=True, backend="triton")
