@@ -474,11 +474,14 @@ def test_gpu_tile_table(scaled, elt):
 
     for m in [1, 17, 64, 65, 256, 8192]:
         for n, k in [(16, 128), (2112, 7168), (24576, 1536), (7168, 2048), (4096, 7168)]:
-            cfg = pick_tiles(m, n, k, scaled, elt, interpreter=False)
+            cfg = pick_tiles(m, n, k, scaled, elt, interpreter=False, num_sms=132)
             assert 128 % cfg["BM"] == 0 and cfg["BN"] <= 128 and cfg["BN"] & (cfg["BN"] - 1) == 0
             assert (cfg["BK"] == 128) if scaled else (cfg["BK"] * elt <= 128)
             assert cfg["num_stages"] * (cfg["BM"] + cfg["BN"]) * cfg["BK"] * elt <= 227 * 1024
             assert cfg["num_stages"] >= 2 and cfg["num_warps"] in (4, 8)
+            assert cfg["BM"] == pick_tiles(m, n, k, scaled, elt, interpreter=False, num_groups=8, num_sms=132)["BM"]
+    # a short wide dense GEMM would fill 17 of 132 SMs with 128-wide tiles
+    assert pick_tiles(128, 2112, 7168, True, 1, interpreter=False, num_sms=132)["BN"] == 64
 
 
 @pytest.mark.parametrize("shape", [(3, 256, 384), (200, 256), (1, 128)])
@@ -491,3 +494,27 @@ def test_reference_dequant_matches_fp8_dequant(shape):
                        dequant(*quant_per_block(w), group_shape=(128, 128), out_dtype=torch.float32))
     assert torch.equal(R.dequant_token_group(*quant_per_token_group(w, 128)),
                        dequant(*quant_per_token_group(w, 128), group_shape=(1, 128), out_dtype=torch.float32))
+
+
+def test_triton_small_tiles(monkeypatch):
+    """GPU tile shapes under the interpreter: BN = 32 tiles start inside a 128-column B-scale
+    block and BM = 32 tiles split a 128-row aligned group, so scale gathers and group lookup
+    are exercised at sub-block granularity."""
+    from primerl.kernels.gemm import triton as T
+
+    real = T.pick_tiles
+    monkeypatch.setattr(T, "pick_tiles", lambda *a, **kw: {**real(*a, **kw), "BM": 32, "BN": 32})
+    x, w = _randn(70, 256, seed=0), _randn(200, 256, seed=1, scale=0.05)
+    a, b = _quant_a(x), quant_per_block(w)
+    assert calc_diff(G.fp8_gemm_nt(a, b, backend="triton"), R.fp8_gemm_nt(a, b, torch.float32)) < 1e-5
+    counts = [37, 0, 2]
+    offs = _offsets(counts)
+    wg = quant_per_block(_randn(3, 96, 256, seed=2, scale=0.05))
+    xs = _randn(sum(counts), 256, seed=3)
+    xp, m_idx, _ = G.pad_to_contiguous(xs, offs)
+    ap = _poison_rows(_quant_a(xp), m_idx < 0)
+    out = G.m_grouped_fp8_gemm_nt_contiguous(ap, wg, m_idx, backend="triton")
+    assert calc_diff(out, R.m_grouped_fp8_gemm_nt_contiguous(ap, wg, m_idx, torch.float32)) < 1e-5
+    xa = _quant_a(xs)
+    out = G.m_grouped_fp8_gemm_nt_offsets(xa, wg, offs, backend="triton")
+    assert calc_diff(out, R.m_grouped_fp8_gemm_nt_offsets(xa, wg, offs, torch.float32)) < 1e-5

@@ -194,13 +194,14 @@ def _pow2_clamp(x: int, lo: int, hi: int) -> int:
 
 
 def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: int = 2,
-               interpreter: bool | None = None) -> dict:
+               interpreter: bool | None = None, num_groups: int = 1, num_sms: int | None = None) -> dict:
     """Tile table (BM, BN, BK, warps, stages) keyed on the rows each group holds, N and K.
 
     Interpreter: the largest blocks the shape allows (each program costs Python overhead).
-    GPU (Hopper): BM 64 for decode-sized groups, else 128; BN 128 (one FP8 B-scale block, so a
-    tile never straddles two B scales); BK 128 for FP8 (one scale block) and 64 for 16-bit;
-    stages sized so A+B stages fit in ~200 KB of shared memory.
+    GPU (Hopper): BM 64 for decode-sized groups, else 128; BN 128 (one FP8 B-scale block), or 64
+    when 128-wide tiles would leave SMs idle (e.g. M=128, N=2112: 17 tiles for 132 SMs); BK 128
+    for FP8 (one scale block per K step) and 64 for 16-bit; stages sized so A+B stages fit in
+    ~200 KB of shared memory. BM depends on ``rows_per_group`` only (callers size tables with it).
     """
     if triton_interpreter_enabled() if interpreter is None else interpreter:
         return dict(BM=_pow2_clamp(rows_per_group, 16, 128), BN=_pow2_clamp(n, 16, 128),
@@ -210,6 +211,9 @@ def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: 
     else:
         bm, warps = 128, 8
     bn = 128 if n > 64 else _pow2_clamp(n, 16, 128)
+    sms = _num_sms() if num_sms is None else num_sms
+    if bn == 128 and num_groups * triton.cdiv(rows_per_group, bm) * triton.cdiv(n, 128) < sms:
+        bn = 64
     bk = BLOCK if scaled else (64 if element_size == 2 else 32)
     stage_bytes = (bm + bn) * bk * element_size
     stages = max(2, min(5, (200 * 1024) // stage_bytes))
@@ -229,7 +233,7 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
     m, k = a.shape
     n = b.shape[1]
     scaled = sa is not None
-    cfg = pick_tiles(rows_per_group, n, k, scaled, a.element_size())
+    cfg = pick_tiles(rows_per_group, n, k, scaled, a.element_size(), num_groups=b.shape[0])
     if mode == MODE_M_INDICES:
         cfg["BM"] = min(cfg["BM"], BLOCK)
     bm = cfg.pop("BM")
