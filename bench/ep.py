@@ -22,7 +22,7 @@ from .harness import Row, time_fn
 
 def _shapes(quick: bool):
     # (tokens per rank, hidden, experts, top-k)
-    return [(256, 256, 16, 4)] if quick else [(2048, 1024, 64, 8), (4096, 2048, 64, 8)]
+    return [(256, 256, 16, 4)] if quick else [(1024, 1024, 64, 8), (4096, 512, 64, 8)]
 
 
 def _worker(rank: int, world: int, tmp: str, quick: bool) -> None:

@@ -78,28 +78,48 @@ def _unpack_fp8(packed: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Ten
     return q, sf
 
 
-class _FP8AllToAll(torch.autograd.Function):
-    """Forward exchanges the FP8 payload and dequantizes; backward exchanges the gradient as is."""
+class _SendTokens(torch.autograd.Function):
+    """Gather each slot's token row in expert order and exchange it; optionally in FP8.
+
+    Forward: x [T, D] -> rows [N_recv, D] (x's dtype; dequantized when FP8, and the FP8 rows and
+    scales as two extra non-differentiable outputs). FP8 quantizes each token once, before the
+    k-fold gather. Backward: the reverse exchange in x's dtype (straight-through for FP8), then
+    each token's k slot gradients summed in float32 in slot order: no scatter-add, so the
+    result does not depend on atomics.
+    """
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, group_size, local):
-        ctx.splits, ctx.group, ctx.local = (out_splits, in_splits), group, local
-        dim = x.shape[1]
-        if x.shape[0] > 0:
-            packed = _pack_fp8(x, group_size)
-        else:
-            packed = torch.zeros(0, dim + 4 * (dim // group_size), dtype=torch.uint8, device=x.device)
-        recv = packed if local else _exchange(packed, out_splits, in_splits, group)
+    def forward(ctx, x, slot_order, slot_inverse, top_k, recv_splits, send_splits, group, fp8_group_size):
+        ctx.save_for_backward(slot_inverse)
+        ctx.top_k, ctx.splits, ctx.group = top_k, (recv_splits, send_splits), group
+        dim, local = x.shape[1], group is _LOCAL
+        src_token = torch.div(slot_order, top_k, rounding_mode="floor")
+        if fp8_group_size is None:
+            send = x.index_select(0, src_token)
+            recv = send if local else _exchange(send, recv_splits, send_splits, group)
+            return recv, None, None
+        width = dim + 4 * (dim // fp8_group_size)
+        packed = _pack_fp8(x, fp8_group_size) if x.shape[0] else x.new_zeros(0, width, dtype=torch.uint8)
+        send = packed.index_select(0, src_token)
+        recv = send if local else _exchange(send, recv_splits, send_splits, group)
         q, sf = _unpack_fp8(recv, dim)
-        x_recv = (q.float().view(-1, dim // group_size, group_size) * sf.unsqueeze(-1)).view(-1, dim)
+        x_recv = (q.float().view(-1, dim // fp8_group_size, fp8_group_size) * sf.unsqueeze(-1)).view(-1, dim)
         ctx.mark_non_differentiable(q, sf)
         return x_recv.to(x.dtype), q, sf
 
     @staticmethod
-    def backward(ctx, grad, _gq, _gsf):
-        out_splits, in_splits = ctx.splits
-        grad_x = grad if ctx.local else _exchange(grad, in_splits, out_splits, ctx.group)
-        return grad_x, None, None, None, None, None
+    def backward(ctx, grad, _gq=None, _gsf=None):
+        (slot_inverse,) = ctx.saved_tensors
+        recv_splits, send_splits = ctx.splits
+        g = grad if ctx.group is _LOCAL else _exchange(grad, send_splits, recv_splits, ctx.group)
+        g = g.index_select(0, slot_inverse).view(-1, ctx.top_k, g.shape[1])
+        grad_x = g[:, 0].float()
+        for j in range(1, ctx.top_k):
+            grad_x = grad_x + g[:, j].float()
+        return grad_x.to(grad.dtype), None, None, None, None, None, None, None
+
+
+_LOCAL = object()  # stands for "no exchange" (one ep rank)
 
 
 @dataclass
@@ -207,20 +227,10 @@ class AllToAllDispatcher:
         slot_order = torch.argsort(ids, stable=True)
         slot_inverse = torch.empty_like(slot_order)
         slot_inverse[slot_order] = torch.arange(slot_order.numel(), device=device)
-        # Expanding then permuting (not gathering token rows) keeps the backward free of
-        # scatter-adds: the k slot gradients of a token are summed by expand's backward, in order.
-        x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[1]).reshape(num_tokens * top_k, x.shape[1])
-        x_send = x_slots.index_select(0, slot_order)
-
-        recv_fp8 = None
-        if self.fp8_dispatch:
-            x_recv, q, sf = _FP8AllToAll.apply(x_send, recv_splits, send_splits, self.group,
-                                               self.fp8_group_size, W == 1)
-            recv_fp8 = (q, sf)
-        elif W > 1:
-            x_recv = all_to_all_single_autograd(x_send, recv_splits, send_splits, self.group)
-        else:
-            x_recv = x_send
+        group = self.group if W > 1 else _LOCAL
+        x_recv, q, sf = _SendTokens.apply(x, slot_order, slot_inverse, top_k, recv_splits, send_splits, group,
+                                          self.fp8_group_size if self.fp8_dispatch else None)
+        recv_fp8 = (q, sf) if self.fp8_dispatch else None
 
         regroup = regroup_inverse = None
         if W > 1 and L > 1:
