@@ -221,7 +221,9 @@ def load_pretrained(cls, path, *, dtype: torch.dtype | None = None, device="cpu"
                     slot = layout.get(key)
                     if slot is None:
                         m = _MTP_LAYER.match(key)
-                        if m and int(m.group(1)) >= config.n_layers:
+                        if key == "lm_head.weight" and config.tie_word_embeddings:
+                            skipped.append(key)  # a tied head saved anyway: the embedding is the head
+                        elif m and int(m.group(1)) >= config.n_layers:
                             skipped.append(key)  # multi-token-prediction layers: not part of the model
                         else:
                             unexpected.append(key)
