@@ -244,6 +244,11 @@ def test_bad_input_is_rejected_with_a_named_error():
         attention(q, k, v, k_positions=torch.arange(3))
     with pytest.raises(ValueError, match="not implemented"):
         attention(q, k, v, backend="cuda")
+    cu = _cu([4, 4])
+    attention(q, k, v, cu_seqlens=cu)  # checked values are cached per tensor (no host sync per layer)...
+    cu[1] = 9  # ...but an in-place change is seen
+    with pytest.raises(ValueError, match=r"got \[0, 9, 8\]"):
+        attention(q, k, v, cu_seqlens=cu)
     with pytest.raises(ValueError, match="lse_b must be float32"):
         merge_attn_states(q, torch.zeros(4, 8), q, torch.zeros(4, 8, dtype=torch.float16))
 

@@ -27,6 +27,7 @@ differentiable).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,23 @@ class AttentionSpec:
         return reference.default_positions(self.cu_seqlens_q, self.cu_seqlens_k)
 
 
+# Checked cu_seqlens by tensor identity and version: reading the values is a host sync on CUDA,
+# and every layer of a model (every step of a ring) passes the same tensor again.
+_CU_CACHE: dict[int, tuple[weakref.ref, int, int, torch.Tensor, int]] = {}
+
+
 def _check_cu(op: str, name: str, cu: torch.Tensor, total: int, device) -> tuple[torch.Tensor, int]:
+    hit = _CU_CACHE.get(id(cu)) if isinstance(cu, torch.Tensor) else None
+    if hit is not None and hit[0]() is cu and hit[1] == cu._version and hit[2] == total and cu.device == device:
+        return hit[3], hit[4]
+    checked = _check_cu_values(op, name, cu, total, device)
+    if len(_CU_CACHE) > 256:
+        _CU_CACHE.clear()
+    _CU_CACHE[id(cu)] = (weakref.ref(cu), cu._version, total, *checked)
+    return checked
+
+
+def _check_cu_values(op: str, name: str, cu: torch.Tensor, total: int, device) -> tuple[torch.Tensor, int]:
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{op}: {name} must be a 1-D tensor [B+1] with B >= 1, got {getattr(cu, 'shape', type(cu))}")
     if cu.dtype not in (torch.int32, torch.int64):
