@@ -95,6 +95,41 @@ def test_load_dtype_keeps_router_fp32(hf_checkpoint):
         assert model(ids, pos, cu, return_logits=True).dtype == torch.bfloat16
 
 
+def _peak_alloc_bytes(fn) -> int:
+    """Peak live bytes of torch allocations in ``fn``, from the profiler's self allocations. The
+    memory-mapped safetensors files show up as "[memory]" events of a whole file's size: they are
+    private read-only mappings backed by the page cache, not copies, and are left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                    if e.self_cpu_memory_usage and e.name != "[memory]")
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.no_poison  # the poisoning wrappers allocate too
+def test_loading_allocates_the_weights_once(hf_checkpoint):
+    """Meta-device construction, one allocation of the parameters, then an in-place fill tensor by
+    tensor: the peak is one copy of the weights (building a model and then load_state_dict of a
+    loaded state dict would need two)."""
+    _, _, path = hf_checkpoint
+    weights = sum(t.numel() * t.element_size() for t in _read_all(path).values())
+    MoETransformer.from_pretrained(path)  # warm: first-call allocations of lazily built state
+    peak = _peak_alloc_bytes(lambda: MoETransformer.from_pretrained(path))
+    assert weights <= peak < 1.1 * weights, f"peak {peak} bytes for {weights} bytes of weights"
+
+    def two_copies():
+        model = MoETransformer(MoETransformerConfig.from_hf(path))
+        model.load_state_dict(MoETransformer.from_pretrained(path).state_dict())
+
+    assert _peak_alloc_bytes(two_copies) >= 1.9 * weights  # the measure does see a second copy
+
+
 # --- errors ----------------------------------------------------------------------------------------
 def _copy_checkpoint(src, dst, edit_tensors=None, edit_config=None):
     os.makedirs(dst, exist_ok=True)
