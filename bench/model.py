@@ -12,6 +12,7 @@ during one forward+backward (the harness's CPU tracker, same measure for both) d
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 
 import torch
@@ -69,9 +70,15 @@ def run(args) -> list[Row]:
         hf.zero_grad(set_to_none=True)
         _next_token_loss(hf(input_ids=ids).logits, targets).backward()
 
-    repeats = 3 if args.quick else 2
-    t_hf = time_fn(step_hf, device=device, warmup=1, repeats=repeats)
-    t_ours = time_fn(step_ours, device=device, warmup=1, repeats=repeats)
+    # Interleaved single runs: on a shared machine the load drifts, and measuring one model after
+    # the other would charge the drift to one of them.
+    repeats = 5 if args.quick else 3
+    step_hf(), step_ours()
+    times_hf, times_ours = [], []
+    for _ in range(repeats):
+        times_hf.append(time_fn(step_hf, device=device, warmup=0, repeats=1))
+        times_ours.append(time_fn(step_ours, device=device, warmup=0, repeats=1))
+    t_hf, t_ours = statistics.median(times_hf), statistics.median(times_ours)
     mem_hf = peak_memory(step_hf, device)
     mem_ours = peak_memory(step_ours, device)
     shape = f"{name} ({n_params / 1e6:.0f}M params) B={B} S={S} E={kw['num_experts']} k={kw['num_experts_per_tok']}"
