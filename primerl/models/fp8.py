@@ -39,7 +39,8 @@ def convert_to_fp8(model: nn.Module, recipe: str = "blockwise",
 
     ``recipe``: a recipe name of ``primerl.kernels.fp8_training`` (``"blockwise"``,
     ``"blockwise_fp8_wgrad"``). ``filter_fn(name, module)``: which modules to convert
-    (default :func:`default_fp8_filter`).
+    (default :func:`default_fp8_filter`). Call it before :func:`primerl.models.parallelize`
+    (FSDP wraps the modules as they are then).
     """
     try:
         from primerl.kernels.fp8_training import convert_to_fp8 as _convert
