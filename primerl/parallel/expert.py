@@ -258,11 +258,11 @@ class AllToAllDispatcher:
         else:
             y_back = y_recv
         T, K, D = handle.num_tokens, handle.top_k, y_recv.shape[1]
-        y_slots = y_back.index_select(0, handle.slot_inverse).view(T, K, D).float()
+        y_slots = y_back.index_select(0, handle.slot_inverse).view(T, K, D)
         w = handle.topk_weights.float()
-        out = y_slots[:, 0] * w[:, 0:1]
+        out = y_slots[:, 0].float() * w[:, 0:1]
         for j in range(1, K):
-            out = out + y_slots[:, j] * w[:, j:j + 1]
+            out = out + y_slots[:, j].float() * w[:, j:j + 1]
         return out.to(out_dtype or y_recv.dtype)
 
 
