@@ -117,6 +117,9 @@ class TrainerConfig:
     min_lr_ratio: float = 0.0
     router_replay: bool = True
     mini_batches: int = 1  # optimizer steps per rollout batch (each on a slice of its micro-batches)
+    attention: str = "auto"  # "kernel" (the model's varlen kernel), "padded" (dense SDPA) or "auto" (padded on CPU)
+    entropy_coef: float = 0.0  # minus this times the token-mean entropy is added to the loss
+    entropy_decay_steps: int = 0  # > 0: the coefficient falls linearly to 0 at this step
     loss: LossConfig = field(default_factory=LossConfig)
     batch_timeout_s: float = 300.0
     nan_retries: int = 2  # a step with a non-finite loss is skipped (counted) this many times in a row
@@ -336,6 +339,9 @@ def validate(cfg: RLConfig) -> None:
     _need(t.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0", t.warmup_steps)
     _need(0 <= t.min_lr_ratio <= 1, "trainer.min_lr_ratio", "must be in [0, 1]", t.min_lr_ratio)
     _need(t.batch_timeout_s > 0, "trainer.batch_timeout_s", "must be > 0", t.batch_timeout_s)
+    _need(t.attention in ("auto", "kernel", "padded"), "trainer.attention", "must be auto, kernel or padded", t.attention)
+    _need(t.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0", t.entropy_coef)
+    _need(t.entropy_decay_steps >= 0, "trainer.entropy_decay_steps", "must be >= 0", t.entropy_decay_steps)
     _need(t.mini_batches >= 1, "trainer.mini_batches", "must be >= 1", t.mini_batches)
     _need(t.nan_retries >= 0, "trainer.nan_retries", "must be >= 0", t.nan_retries)
     _need(cfg.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0", cfg.checkpoint.interval)

@@ -106,13 +106,13 @@ class Orchestrator:
         self.batches[step] = [self._start_group(step, g, 0) for g in range(self.o.batch_size)]
         self._batch_counters[step] = {"discarded_stale": 0, "env_errors": 0}
 
-    def _retry_group(self, st: EpisodeState, reason: str) -> None:
+    def _retry_group(self, st: EpisodeState, reason: str, error: BaseException | None = None) -> None:
         step, g = st.step, st.group
         old = self.batches[step][g]
         attempt = old[0].attempt + 1
         if reason == "env_error" and attempt > self.cfg.env.max_retries:
             raise EnvError(f"environment {self.cfg.env.id!r} failed on prompt of step {step} group {g} "
-                           f"{attempt} times (env.max_retries = {self.cfg.env.max_retries}); see the log for the traceback")
+                           f"{attempt} times (env.max_retries = {self.cfg.env.max_retries}); last error: {error!r}") from error
         live = {id(s) for s in old}
         stale_ids = [rid for rid, s in self.episodes.items() if id(s) in live]
         self.client.abort(stale_ids)
@@ -144,7 +144,7 @@ class Orchestrator:
             self._batch_counters[st.step]["env_errors"] += 1
             log.warning("environment error (step %d group %d attempt %d): %r; resampling the group",
                         st.step, st.group, st.attempt, e)
-            self._retry_group(st, "env_error")
+            self._retry_group(st, "env_error", e)
 
     # ---------------------------------------------------------------- hand-over
     def _batch_done(self, step: int) -> bool:

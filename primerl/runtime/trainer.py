@@ -27,6 +27,7 @@ from primerl.kernels.logprobs import fused_logprobs
 from . import _rl
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import RLConfig
+from .padded_attention import padded_forward
 from .policy import build_model
 from .transport import FileTransport
 
@@ -53,12 +54,15 @@ def lr_lambda(cfg: RLConfig) -> Callable[[int], float]:
     return f
 
 
-def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int = 1024):
+def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int = 1024, padded: bool = False):
     """Per-token log-probs aligned with ``mb.input_ids`` (token t from the hidden state at t-1;
     0 at each sequence's first token) and entropies, both [T] float32."""
     ids = mb.input_ids
     replay_ids = mb.replay_ids if replay else None
-    hidden = model(ids, mb.position_ids, mb.cu_seqlens, replay_ids=replay_ids)
+    if padded:
+        hidden = padded_forward(model, ids, mb.position_ids, mb.cu_seqlens, replay_ids=replay_ids)
+    else:
+        hidden = model(ids, mb.position_ids, mb.cu_seqlens, replay_ids=replay_ids)
     targets = torch.roll(ids, -1)
     temperature = 1.0 if mb.temperatures is None else torch.roll(mb.temperatures, -1)
     lp, ent = fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
@@ -78,6 +82,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                            weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.padded = t.attention == "padded" or (t.attention == "auto" and self.model.embed.weight.device.type == "cpu")
         self.step = 0
         self.nan_streak = 0
         self.nan_skipped = 0
@@ -97,6 +102,12 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.nan_skipped, self.nan_streak = state["nan_skipped"], state["nan_streak"]
         self.step = step
+
+    def entropy_coef(self) -> float:
+        t = self.cfg.trainer
+        if not t.entropy_decay_steps:
+            return t.entropy_coef
+        return t.entropy_coef * max(0.0, 1.0 - self.step / t.entropy_decay_steps)
 
     # ---------------------------------------------------------------- one step
     def train_step(self, payload: dict) -> dict:
@@ -134,8 +145,11 @@ class Trainer:
         n_tok = n_loss = 0
         extra: dict[str, float] = {}
         for mb in mbs:
-            lp, ent = shifted_logprobs(self.model, mb, replay=replay)
+            lp, ent = shifted_logprobs(self.model, mb, replay=replay, padded=self.padded)
             loss, m = _rl.policy_loss(lp, mb, t.loss, total_tokens=total, total_seqs=total_seqs, entropy=ent)
+            coef = self.entropy_coef()
+            if coef:
+                loss = loss - coef * (ent * mb.loss_mask).sum() / total
             loss.backward()
             k = int(mb.loss_mask.sum())
             loss_sum += float(loss.detach())

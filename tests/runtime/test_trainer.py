@@ -130,3 +130,24 @@ def test_checkpoint_restores_the_exact_training_state(tmp_path):
     assert b.step == 2
     for p, q in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_padded_attention_path_matches_the_kernel_path():
+    from primerl.runtime.padded_attention import padded_forward
+
+    t = Trainer(_cfg("--model.n_layers", "2"), V)
+    mb = _payload(_samples(7), 64)["micro_batches"][0]
+    w = torch.linspace(-1, 1, mb.num_tokens * t.model.config.dim).view(mb.num_tokens, -1)
+    grads = []
+    for fwd in (lambda: t.model(mb.input_ids, mb.position_ids, mb.cu_seqlens),
+                lambda: padded_forward(t.model, mb.input_ids, mb.position_ids, mb.cu_seqlens)):
+        t.model.zero_grad(set_to_none=True)
+        h = fwd()
+        (h * w).sum().backward()
+        grads.append((h.detach(), {n: p.grad for n, p in t.model.named_parameters() if p.grad is not None}))
+    (h0, g0), (h1, g1) = grads
+    assert torch.allclose(h0, h1, atol=1e-5)
+    assert g0.keys() == g1.keys() and len(g0) > 10
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], rtol=1e-4, atol=1e-6 * float(g0[n].abs().max())), n
+    assert t.model.layers[0].attention.context_attention is None  # the hook is removed again

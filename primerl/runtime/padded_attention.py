@@ -1,0 +1,64 @@
+"""A dense fast path for training on many short packed sequences (CPU).
+
+The model's attention kernel walks a packed batch sequence by sequence, which dominates the
+trainer's time when a micro-batch holds hundreds of 10-token rollouts. Here the sequences are
+padded into one ``[B, H, Lmax, Dh]`` batch and ``torch.nn.functional.scaled_dot_product_attention``
+runs once with a causal + key-padding mask (autograd through SDPA). It plugs into the model's
+``Attention.context_attention`` hook: the batch's ``cu_seqlens`` travel as a :class:`PaddedPlan`.
+
+Use through :func:`padded_forward`; the result equals the kernel path up to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class PaddedPlan:
+    """Stands in for ``cu_seqlens`` so the model routes attention to :func:`padded_attention`."""
+
+    def __init__(self, cu_seqlens: torch.Tensor):
+        cu = cu_seqlens.long()
+        self.cu_seqlens = cu_seqlens
+        self.lengths = cu[1:] - cu[:-1]
+        self.max_len = int(self.lengths.max()) if self.lengths.numel() else 0
+        T = int(cu[-1])
+        seq = torch.repeat_interleave(torch.arange(len(self.lengths)), self.lengths)
+        pos = torch.arange(T) - cu[:-1][seq]
+        self.index = (seq, pos)  # token t -> (sequence, position) in the padded layout
+
+    def shard(self, *args, **kwargs):  # the model checks for a plan object by this attribute
+        raise NotImplementedError("PaddedPlan is not a context-parallel plan")
+
+
+def padded_attention(q, k, v, plan: PaddedPlan, *, causal: bool = True, softmax_scale: float | None = None):
+    """q ``[T, H, Dh]``, k/v ``[T, Hkv, Dh]`` -> ``[T, H, Dh]`` (per-sequence causal attention)."""
+    B, L = len(plan.lengths), plan.max_len
+    seq, pos = plan.index
+
+    def pad(x):
+        out = x.new_zeros(B, L, *x.shape[1:])
+        out[seq, pos] = x
+        return out.transpose(1, 2)  # [B, H, L, Dh]
+
+    keep = torch.arange(L)[None, :] < plan.lengths[:, None]  # [B, L] real keys
+    mask = keep[:, None, None, :]
+    if causal:
+        mask = mask & torch.ones(L, L, dtype=torch.bool).tril()[None, None]
+    o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask, scale=softmax_scale,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return o.transpose(1, 2)[seq, pos]
+
+
+def padded_forward(model, input_ids, position_ids, cu_seqlens, *, replay_ids=None):
+    """``model(...)`` with every attention layer on the padded SDPA path (hidden states ``[T, D]``)."""
+    layers = [layer.attention for layer in model.layers]
+    saved = [a.context_attention for a in layers]
+    for a in layers:
+        a.context_attention = padded_attention
+    try:
+        return model(input_ids, position_ids, PaddedPlan(cu_seqlens), replay_ids=replay_ids)
+    finally:
+        for a, s in zip(layers, saved):
+            a.context_attention = s

@@ -1,0 +1,84 @@
+"""The whole job: trainer + orchestrator processes, kill-and-resume, failures surfacing, torchrun."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from primerl.runtime.config import load_config, to_toml
+from primerl.runtime.job import run_rl, run_threads
+from primerl.runtime.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--max_steps", "6", "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
+         "--orchestrator.max_async_level", "0", "--checkpoint.interval", "2", "--log.plot", "false",
+         "--orchestrator.weights_timeout_s", "120", "--trainer.batch_timeout_s", "120"]
+
+
+def _cfg(out, *over):
+    return load_config(ROOT / "examples" / "reverse_text.toml", ["--output_dir", str(out), *SMALL, *over])
+
+
+def _cli(cfg_path, *args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(cfg_path), *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), **kw)
+
+
+def _same_run(a, b, steps):
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(steps))
+    for x, y in zip(a, b):
+        assert x["reward/mean"] == y["reward/mean"], (x["step"], x["reward/mean"], y["reward/mean"])
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-6)
+        assert x["mismatch_kl/mean"] == pytest.approx(y["mismatch_kl/mean"], rel=1e-3, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_kill_trainer_then_resume_matches_uninterrupted_run(tmp_path):
+    full = run_threads(_cfg(tmp_path / "full"))
+    cfg = _cfg(tmp_path / "killed")
+    cfg_path = tmp_path / "killed.toml"
+    cfg_path.write_text(to_toml(cfg))
+    proc = _cli(cfg_path)
+    ckpt = tmp_path / "killed" / "checkpoints" / "step_000002"
+    deadline = time.monotonic() + 180
+    while not ckpt.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint within 180 s"
+        time.sleep(0.05)
+    pids = dict(line.split() for line in (tmp_path / "killed" / "pids").read_text().splitlines())
+    os.kill(int(pids["trainer"]), signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "trainer exited with code -9" in err, err
+    killed_at = max(r["step"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl"))
+    assert killed_at < 5
+    cfg.checkpoint.resume = True
+    resumed = run_threads(cfg)
+    _same_run(full, resumed, 6)
+
+
+@pytest.mark.slow
+def test_failing_environment_stops_the_job_with_its_error(tmp_path):
+    cfg = _cfg(tmp_path / "run", "--env.id", "tests.runtime._envs:AlwaysRaises", "--env.max_retries", "1")
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(to_toml(cfg))
+    proc = _cli(cfg_path)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 1
+    assert "orchestrator exited with code 1" in err and "grader crashed" in err and "env.max_retries = 1" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_torchrun_trainer_with_two_gloo_ranks_trains_the_same_job(tmp_path):
+    steps = 3
+    single = run_threads(_cfg(tmp_path / "one", "--max_steps", str(steps)))
+    two = run_rl(_cfg(tmp_path / "two", "--max_steps", str(steps), "--num_trainer_ranks", "2"), quiet=True)
+    _same_run(single, two, steps)
+    log = (tmp_path / "two" / "logs" / "trainer.log").read_text()
+    assert "torch.distributed" in log or "WORLD_SIZE" in log or (tmp_path / "two" / "metrics.jsonl").exists()
