@@ -9,7 +9,9 @@ if [ ${#cu_files[@]} -eq 0 ] && [ ${#cpp_files[@]} -eq 0 ]; then echo "check_cud
 command -v nvcc >/dev/null || { echo "check_cuda: nvcc not found but csrc/ has CUDA sources" >&2; exit 1; }
 TORCH_INC=$(python -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I'+p for p in include_paths()))")
 PY_INC=$(python -c "import sysconfig; print('-I' + sysconfig.get_paths()['include'])")
-CUDA_INC="-I$(dirname "$(dirname "$(command -v nvcc)")")/include"
+# /usr/local/bin/nvcc may be a wrapper script, so do not derive the toolkit root from its path.
+CUDA_ROOT=${CUDA_HOME:-/usr/local/cuda}
+CUDA_INC="-I$CUDA_ROOT/include"
 tmp=$(mktemp -d)
 fail=0
 for f in "${cu_files[@]}"; do
