@@ -10,6 +10,7 @@ Layouts (ParallelDims on 4 ranks; expert parallelism borrows from dp_shard x cp,
   hsdp            dp_replicate=2, dp_shard=2
   ep4             dp_shard=4, ep=4 (one expert shard per rank, efsdp=1)
   cp2_ep2         dp_shard=2, cp=2, ep=2
+  cp2_ep4         dp_shard=2, cp=2, ep=4 (an ep group spans both dp_shard and cp ranks)
   hsdp_ep2_ac     dp_replicate=2, dp_shard=2, ep=2, full activation checkpointing
   glm_cp2_ep2     cp2_ep2 with a GLM-4.5-style config (dense first layer, shared expert, sigmoid
                   group-limited routing)
@@ -62,6 +63,7 @@ LAYOUTS = {
     "hsdp": dict(dp_replicate=2, dp_shard=2),
     "ep4": dict(dp_shard=4, ep=4),
     "cp2_ep2": dict(dp_shard=2, cp=2, ep=2),
+    "cp2_ep4": dict(dp_shard=2, cp=2, ep=4),
     "hsdp_ep2_ac": dict(dp_replicate=2, dp_shard=2, ep=2),
     "glm_cp2_ep2": dict(dp_shard=2, cp=2, ep=2),
 }
