@@ -1,8 +1,12 @@
 """fused_logprobs (chunked torch and Triton per-chunk kernels) against the full-logits reference.
 
-Metric: max_rel_err = max|a - e| / max|e|; threshold 1e-5 in float32 for values and for the
-gradients w.r.t. hidden and weight (the chunked path only reorders float32 sums).
+Oracle: ``logprobs_reference`` evaluated in float64 on the same float32 inputs (the float32
+reference itself is off by up to 1e-2 relative on peaked distributions, where 1 - p and
+lse - E[z] cancel; the chunked path avoids both). Metric: max_rel_err = max|a - e| / max|e|;
+threshold 1e-5 for logprobs, entropies and the gradients w.r.t. hidden and weight.
 """
+
+import zlib
 
 import pytest
 import torch
@@ -29,12 +33,33 @@ def _inputs(T, V, D, seed, scale=1.0, dtype=torch.float32):
     return hidden, weight, targets, g
 
 
-def _grads(logp, ent, hidden, weight, g):
-    g_lp = torch.randn(logp.shape, generator=g)
-    loss = (logp * g_lp).sum()
+def _grads(logp, ent, hidden, weight, g_lp, g_ent):
+    loss = (logp * g_lp.to(logp.dtype)).sum()
     if ent is not None:
-        loss = loss + (ent * torch.randn(ent.shape, generator=g)).sum()
+        loss = loss + (ent * g_ent.to(ent.dtype)).sum()
     return torch.autograd.grad(loss, (hidden, weight))
+
+
+def _check_against_oracle(logp, ent, hidden, weight, targets, temperature, seed, tol=1e-5):
+    """Values and grads (of a random linear loss in logp and entropy) vs the float64 reference."""
+    h64 = hidden.detach().double().requires_grad_(hidden.requires_grad)
+    w64 = weight.detach().double().requires_grad_(weight.requires_grad)
+    t64 = temperature.double() if isinstance(temperature, torch.Tensor) else temperature
+    ref_lp, ref_ent = logprobs_reference(h64, w64, targets, t64, return_entropy=ent is not None)
+    assert logp.dtype == torch.float32 and logp.shape == targets.shape
+    assert max_rel_err(logp.detach(), ref_lp.detach()) < tol
+    if ent is not None:
+        assert ent.dtype == torch.float32
+        assert max_rel_err(ent.detach(), ref_ent.detach()) < tol
+    g = torch.Generator().manual_seed(seed)
+    g_lp, g_ent = torch.randn(targets.shape, generator=g), torch.randn(targets.shape, generator=g)
+    wrt = [x for x in (hidden, weight) if x.requires_grad]
+    wrt64 = [x for x in (h64, w64) if x.requires_grad]
+    got = torch.autograd.grad((logp * g_lp).sum() + (0 if ent is None else (ent * g_ent).sum()), wrt)
+    want = torch.autograd.grad((ref_lp * g_lp.double()).sum() + (0 if ent is None else (ref_ent * g_ent.double()).sum()), wrt64)
+    for a, e in zip(got, want):
+        assert a.dtype == hidden.dtype
+        assert max_rel_err(a, e) < tol
 
 
 # The interpreter is slow: Triton runs the per-token temperature (the general case) only.
@@ -45,21 +70,12 @@ VALUE_CASES += [("triton", c, "per_token") for c in CASES]
 @pytest.mark.parametrize("backend,case,temperature", VALUE_CASES)
 def test_values_and_grads_match_reference(backend, case, temperature):
     T, V, D, tc, vc = case
-    seed = hash((T, V, D, temperature)) % 2**31
+    seed = zlib.crc32(repr((T, V, D, temperature)).encode())
     hidden, weight, targets, g = _inputs(T, V, D, seed, scale=3.0)
     temp = {"one": 1.0, "scalar": 0.7, "per_token": torch.rand(T, generator=g) + 0.3}[temperature]
     logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, chunk_size=tc,
                                vocab_chunk_size=vc, backend=backend)
-    ref_lp, ref_ent = logprobs_reference(hidden, weight, targets, temp)
-    assert logp.dtype == ent.dtype == torch.float32 and logp.shape == (T,)
-    assert max_rel_err(logp.detach(), ref_lp.detach()) < 1e-5
-    assert max_rel_err(ent.detach(), ref_ent.detach()) < 1e-5
-    g_state = g.get_state()
-    gh, gw = _grads(logp, ent, hidden, weight, g)
-    g.set_state(g_state)
-    rh, rw = _grads(ref_lp, ref_ent, hidden, weight, g)
-    assert max_rel_err(gh, rh) < 1e-5
-    assert max_rel_err(gw, rw) < 1e-5
+    _check_against_oracle(logp, ent, hidden, weight, targets, temp, seed)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -68,25 +84,17 @@ def test_without_entropy_gradient_of_logprobs_only(backend):
     logp, ent = fused_logprobs(hidden, weight, targets, return_entropy=False, chunk_size=4,
                                vocab_chunk_size=16, backend=backend)
     assert ent is None
-    ref_lp, _ = logprobs_reference(hidden, weight, targets, return_entropy=False)
-    assert max_rel_err(logp.detach(), ref_lp.detach()) < 1e-5
-    gh, gw = _grads(logp, None, hidden, weight, torch.Generator().manual_seed(1))
-    rh, rw = _grads(ref_lp, None, hidden, weight, torch.Generator().manual_seed(1))
-    assert max_rel_err(gh, rh) < 1e-5 and max_rel_err(gw, rw) < 1e-5
+    _check_against_oracle(logp, None, hidden, weight, targets, 1.0, seed=1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_peaked_logits_stay_finite_and_accurate(backend):
-    # Logit scale ~ 60: probabilities saturate to one-hot, the entropy is tiny; exercises the
-    # rescaling of the running sums and the cancellation-free entropy.
+    # Logit scale ~ 60: probabilities near one-hot, entropies down to 1e-20, 1 - p cancels in a
+    # naive float32 computation; exercises the rescaling and the cancellation-free forms.
     hidden, weight, targets, g = _inputs(9, 40, 8, seed=5, scale=150.0)
     logp, ent = fused_logprobs(hidden, weight, targets, chunk_size=4, vocab_chunk_size=8, backend=backend)
-    ref_lp, ref_ent = logprobs_reference(hidden, weight, targets)
     assert torch.isfinite(logp).all() and torch.isfinite(ent).all()
-    assert max_rel_err(logp.detach(), ref_lp.detach()) < 1e-5
-    assert (ent.detach() - ref_ent.detach()).abs().max() < 1e-4
-    gh, gw = _grads(logp, ent, hidden, weight, torch.Generator().manual_seed(2))
-    assert torch.isfinite(gh).all() and torch.isfinite(gw).all()
+    _check_against_oracle(logp, ent, hidden, weight, targets, 1.0, seed=2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -94,10 +102,7 @@ def test_only_one_input_requires_grad(backend):
     hidden, weight, targets, _ = _inputs(6, 30, 8, seed=7)
     hidden.requires_grad_(False)
     logp, ent = fused_logprobs(hidden, weight, targets, chunk_size=4, vocab_chunk_size=8, backend=backend)
-    (gw,) = torch.autograd.grad(logp.sum() + ent.sum(), (weight,))
-    ref_lp, ref_ent = logprobs_reference(hidden, weight, targets)
-    (rw,) = torch.autograd.grad(ref_lp.sum() + ref_ent.sum(), (weight,))
-    assert max_rel_err(gw, rw) < 1e-5
+    _check_against_oracle(logp, ent, hidden, weight, targets, 1.0, seed=3)
 
 
 def test_triton_kernels_with_many_small_tiles(monkeypatch):
@@ -109,12 +114,16 @@ def test_triton_kernels_with_many_small_tiles(monkeypatch):
     temp = torch.rand(7, generator=g) + 0.5
     logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, chunk_size=5, vocab_chunk_size=13,
                                backend="triton")
-    ref_lp, ref_ent = logprobs_reference(hidden, weight, targets, temp)
-    assert max_rel_err(logp.detach(), ref_lp.detach()) < 1e-5
-    assert max_rel_err(ent.detach(), ref_ent.detach()) < 1e-5
-    gh, gw = _grads(logp, ent, hidden, weight, torch.Generator().manual_seed(6))
-    rh, rw = _grads(ref_lp, ref_ent, hidden, weight, torch.Generator().manual_seed(6))
-    assert max_rel_err(gh, rh) < 1e-5 and max_rel_err(gw, rw) < 1e-5
+    _check_against_oracle(logp, ent, hidden, weight, targets, temp, seed=6)
+
+
+def test_gradient_of_entropy_alone():
+    hidden, weight, targets, _ = _inputs(5, 20, 8, seed=9)
+    logp, ent = fused_logprobs(hidden, weight, targets, chunk_size=2, vocab_chunk_size=8)
+    (gh,) = torch.autograd.grad(ent.sum(), (hidden,), retain_graph=True)  # entropy only
+    ref_lp, ref_ent = logprobs_reference(hidden, weight, targets)
+    (rh,) = torch.autograd.grad(ref_ent.sum(), (hidden,))
+    assert max_rel_err(gh, rh) < 1e-4
 
 
 def test_bf16_inputs_match_reference_and_keep_dtype():
@@ -124,8 +133,9 @@ def test_bf16_inputs_match_reference_and_keep_dtype():
     # both upcast the same bf16 values to float32, so the values agree to float32 accuracy
     assert max_rel_err(logp.detach(), ref_lp.detach()) < 1e-5
     assert max_rel_err(ent.detach(), ref_ent.detach()) < 1e-5
-    gh, gw = _grads(logp, ent, hidden, weight, torch.Generator().manual_seed(4))
-    rh, rw = _grads(ref_lp, ref_ent, hidden, weight, torch.Generator().manual_seed(4))
+    g_lp, g_ent = torch.randn(10, generator=g), torch.randn(10, generator=g)
+    gh, gw = _grads(logp, ent, hidden, weight, g_lp, g_ent)
+    rh, rw = _grads(ref_lp, ref_ent, hidden, weight, g_lp, g_ent)
     assert gh.dtype == gw.dtype == torch.bfloat16
     assert max_rel_err(gh, rh) < 1e-2 and max_rel_err(gw, rw) < 1e-2  # one bf16 rounding each
 

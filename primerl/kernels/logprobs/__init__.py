@@ -92,13 +92,14 @@ def fused_logprobs(
     if int(chunk_size) < 1 or int(vocab_chunk_size) < 1:
         raise ValueError(f"fused_logprobs: chunk sizes must be >= 1, got chunk_size={chunk_size}, vocab_chunk_size={vocab_chunk_size}")
     inv_temp = _inv_temperature(temperature, T, hidden.device)
+    unit_temp = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
     name = resolve_backend("fused_logprobs", backend, hidden.device, supported=("torch", "triton"),
                            preference=("triton", "torch"))
     if name == "triton":
         from .triton import TritonChunkOps as ops
     else:
         ops = TorchChunkOps
-    logprobs, entropy, _lse = ChunkedLogprobs.apply(
-        hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), inv_temp,
+    logprobs, entropy = ChunkedLogprobs.apply(
+        hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), inv_temp, unit_temp,
         int(chunk_size), int(vocab_chunk_size), bool(return_entropy), ops)
     return logprobs, (entropy if return_entropy else None)

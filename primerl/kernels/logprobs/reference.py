@@ -7,7 +7,8 @@ Shapes: T tokens, D hidden size, V vocabulary.
     logp[t]   = z[t, targets[t]] - lse[t]
     H[t]      = -sum_v p[t, v] log p[t, v],  p = softmax(z[t])
 
-This materialises the [T, V] logits (4*T*V bytes, 2 GiB at T=8192, V=65536); it is the oracle for
+Computed in float32 (float64 when the inputs are float64: the tests' oracle). This materialises
+the [T, V] logits (4*T*V bytes, 2 GiB at T=8192, V=65536); it is the oracle for
 the chunked paths and the baseline of ``python -m bench logprobs``.
 """
 
@@ -24,10 +25,11 @@ def logprobs_reference(
     return_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [T, D], weight [V, D], targets [T] int, temperature scalar or [T] ->
-    (logprobs [T] float32, entropy [T] float32 or None); differentiable w.r.t. hidden and weight."""
-    logits = hidden.float() @ weight.float().t()
+    (logprobs [T] float32 (float64 for float64 inputs), entropy [T] or None); differentiable w.r.t. hidden and weight."""
+    dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+    logits = hidden.to(dtype) @ weight.to(dtype).t()
     if isinstance(temperature, torch.Tensor) and temperature.dim() == 1:
-        logits = logits / temperature.float().unsqueeze(1)
+        logits = logits / temperature.to(dtype).unsqueeze(1)
     else:
         logits = logits / float(temperature)
     logp_all = torch.log_softmax(logits, dim=-1)

@@ -1,6 +1,6 @@
 """Triton kernels for the per-chunk work of the chunked log-probabilities (see chunked.py).
 
-The logits block ``z[Tc, Vc]`` (float32, raw h.W) comes from a matmul; one kernel updates the
+The logits block ``z[Tc, Vc]`` (float32, already divided by the temperature) comes from a matmul; one kernel updates the
 online log-sum-exp state of each token row, the other turns the block into dL/dlogits in place.
 """
 
@@ -17,60 +17,68 @@ _M_INIT = tl.constexpr(M_INIT)
 
 
 @triton.jit
-def _lse_chunk_kernel(z_ptr, stride_z, inv_temp_ptr, targets_ptr, m_ptr, s_ptr, w_ptr, zt_ptr,
+def _lse_chunk_kernel(z_ptr, stride_z, targets_ptr, m_ptr, r_ptr, w_ptr, zt_ptr,
                       n_rows, n_cols, v0,
                       WITH_ENTROPY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    # state per row (see chunked.py): m running max, r = sum exp(z - m) - 1, w = sum exp(z - m)(z - m)
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < n_rows
-    it = tl.load(inv_temp_ptr + rows, mask=rmask, other=1.0)
     tgt = tl.load(targets_ptr + rows, mask=rmask, other=-1) - v0
     m = tl.load(m_ptr + rows, mask=rmask, other=_M_INIT)
-    s = tl.load(s_ptr + rows, mask=rmask, other=0.0)
+    r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
     w = tl.load(w_ptr + rows, mask=rmask, other=0.0)
     zt = tl.load(zt_ptr + rows, mask=rmask, other=0.0)
     for c0 in range(0, n_cols, BLOCK_V):
         cols = c0 + tl.arange(0, BLOCK_V)
         mask = rmask[:, None] & (cols[None, :] < n_cols)
-        z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0) * it[:, None]
-        z = tl.where(mask, z, _M_INIT)
+        z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=_M_INIT)
         hit = mask & (cols[None, :] == tgt[:, None])
         zt += tl.sum(tl.where(hit, z, 0.0), axis=1)
-        m_new = tl.maximum(m, tl.max(z, axis=1))
+        tile_max = tl.max(z, axis=1)
+        new_max = tile_max > m
+        m_new = tl.where(new_max, tile_max, m)
         a = tl.exp(m - m_new)
         d = z - m_new[:, None]
-        e = tl.where(mask, tl.exp(d), 0.0)
+        below = mask & (d < 0.0)
+        e = tl.where(below, tl.exp(d), 0.0)
+        ties = tl.sum(tl.where(mask & (d == 0.0), 1.0, 0.0), axis=1)
+        rest = tl.sum(e, axis=1) + (ties - tl.where(new_max, 1.0, 0.0))  # integer part first: exact
         if WITH_ENTROPY:
-            w = a * (w + (m - m_new) * s) + tl.sum(tl.where(mask, e * d, 0.0), axis=1)
-        s = a * s + tl.sum(e, axis=1)
+            w = a * (w + (m - m_new) * (1.0 + r)) + tl.sum(tl.where(below, e * d, 0.0), axis=1)
+        r = tl.where(new_max, rest + a * (1.0 + r), r + rest)
         m = m_new
     tl.store(m_ptr + rows, m, mask=rmask)
-    tl.store(s_ptr + rows, s, mask=rmask)
+    tl.store(r_ptr + rows, r, mask=rmask)
     tl.store(w_ptr + rows, w, mask=rmask)
     tl.store(zt_ptr + rows, zt, mask=rmask)
 
 
 @triton.jit
-def _dlogits_chunk_kernel(z_ptr, stride_z, inv_temp_ptr, targets_ptr, lse_ptr, ez_ptr, g_lp_ptr, g_ent_ptr,
+def _dlogits_chunk_kernel(z_ptr, stride_z, targets_ptr, m_ptr, ls_ptr, c_ptr, g_lp_ptr, g_ent_ptr, tgt_grad_ptr,
                           n_rows, n_cols, v0,
                           WITH_ENTROPY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    # dz = -p (g + h ((z - m) + c)), p = exp((z - m) - ls); the target element gets tgt_grad
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     rmask = rows < n_rows
     mask = rmask[:, None] & (cols[None, :] < n_cols)
-    it = tl.load(inv_temp_ptr + rows, mask=rmask, other=1.0)
     tgt = tl.load(targets_ptr + rows, mask=rmask, other=-1) - v0
-    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+    m = tl.load(m_ptr + rows, mask=rmask, other=0.0)
+    ls = tl.load(ls_ptr + rows, mask=rmask, other=0.0)
     g = tl.load(g_lp_ptr + rows, mask=rmask, other=0.0)
+    tg = tl.load(tgt_grad_ptr + rows, mask=rmask, other=0.0)
     ptrs = z_ptr + rows[:, None] * stride_z + cols[None, :]
-    z = tl.load(ptrs, mask=mask, other=0.0) * it[:, None]
-    p = tl.exp(z - lse[:, None])
-    dz = tl.where(cols[None, :] == tgt[:, None], g[:, None], 0.0) - g[:, None] * p
+    d = tl.load(ptrs, mask=mask, other=0.0) - m[:, None]
+    p = tl.exp(d - ls[:, None])
     if WITH_ENTROPY:
-        ez = tl.load(ez_ptr + rows, mask=rmask, other=0.0)
+        c = tl.load(c_ptr + rows, mask=rmask, other=0.0)
         h = tl.load(g_ent_ptr + rows, mask=rmask, other=0.0)
-        dz -= h[:, None] * p * (z - ez[:, None])
-    tl.store(ptrs, dz * it[:, None], mask=mask)
+        dz = -p * (g[:, None] + h[:, None] * (d + c[:, None]))
+    else:
+        dz = -p * g[:, None]
+    dz = tl.where(cols[None, :] == tgt[:, None], tg[:, None], dz)
+    tl.store(ptrs, dz, mask=mask)
 
 
 _FORCE_BLOCKS: tuple[int, int] | None = None
@@ -91,18 +99,18 @@ class TritonChunkOps:
     """Drop-in for chunked.TorchChunkOps; the logits block is contiguous float32."""
 
     @staticmethod
-    def forward_chunk(z, work, inv_temp, targets, v0, m, s, w, zt, with_entropy):
+    def forward_chunk(z, work, targets, v0, m, r, w, zt, with_entropy):
         tc, vc = z.shape
         bt, bv = _blocks(tc, vc, 4, 1024)
         _lse_chunk_kernel[(triton.cdiv(tc, bt),)](
-            z, z.stride(0), inv_temp, targets, m, s, w, zt, tc, vc, v0,
+            z, z.stride(0), targets, m, r, w, zt, tc, vc, v0,
             WITH_ENTROPY=with_entropy, BLOCK_T=bt, BLOCK_V=bv)
 
     @staticmethod
-    def backward_chunk(z, work, inv_temp, targets, v0, lse, ez, g_lp, g_ent):
+    def backward_chunk(z, work, targets, v0, m, ls, c, g_lp, g_ent, tgt_grad):
         tc, vc = z.shape
         bt, bv = _blocks(tc, vc, 16, 256)
         with_entropy = g_ent is not None
         _dlogits_chunk_kernel[(triton.cdiv(tc, bt), triton.cdiv(vc, bv))](
-            z, z.stride(0), inv_temp, targets, lse, ez, g_lp, g_ent if with_entropy else g_lp, tc, vc, v0,
+            z, z.stride(0), targets, m, ls, c, g_lp, g_ent if with_entropy else g_lp, tgt_grad, tc, vc, v0,
             WITH_ENTROPY=with_entropy, BLOCK_T=bt, BLOCK_V=bv)
