@@ -132,14 +132,15 @@ class DeepEPDispatcher:
         T, K = topk_ids.shape
         idx = topk_ids.long()
         num_per_rank, num_per_rdma_rank, num_per_expert, is_in_rank, _ = self.buffer.get_dispatch_layout(idx, self.num_experts)
-        recv_x, recv_w, recv_idx, deep_handle, _ = _Dispatch.apply(
+        recv_x, recv_w, recv_idx, deep_handle, counts_list = _Dispatch.apply(
             x, topk_weights.float(), self.buffer, idx, (num_per_rank, num_per_rdma_rank, num_per_expert, is_in_rank))
         # one row per (received token, local expert) pair, grouped by local expert, rows in order
         L = self.num_local_experts
         key = torch.where(recv_idx >= 0, recv_idx, L).reshape(-1)
         order = torch.argsort(key, stable=True)
-        local_counts = torch.bincount(key, minlength=L + 1)[:L]
-        n = int(local_counts.sum())  # the host sync of this layer
+        local_counts = torch.zeros(L + 1, dtype=torch.int64, device=key.device).index_add_(
+            0, key, torch.ones_like(key))[:L]  # bincount would sync on CUDA
+        n = sum(counts_list)  # DeepEP's host copy of the received counts: no sync of ours
         order = order[:n]
         pair_row, pair_slot = order // K, order % K
         x_recv = recv_x.index_select(0, pair_row)
