@@ -106,3 +106,21 @@ def test_activation_checkpointing_validation():
         apply_activation_checkpointing(TinyMoELM(), "ops")
     with pytest.raises(ValueError, match="every"):
         apply_activation_checkpointing(TinyMoELM(), "selective", every=0)
+
+
+def test_apply_expert_parallel_errors(fake_world):
+    fake_world(4, 1)
+    mesh = ParallelDims(dp_shard=4, ep=4, world_size=4).build_mesh("cpu")
+
+    class NoExperts(torch.nn.Module):
+        num_experts = 8
+
+        def set_dispatcher(self, d):
+            pass
+
+    with pytest.raises(ValueError, match="no `experts` child"):
+        apply_expert_parallel(torch.nn.Sequential(NoExperts()), mesh["ep"])
+    model = TinyMoELM()
+    model.layers[0].ffn.num_experts = 6  # not divisible by ep = 4
+    with pytest.raises(ValueError, match="divisible"):
+        apply_expert_parallel(model, mesh["ep"])
