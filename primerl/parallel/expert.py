@@ -290,21 +290,23 @@ def apply_expert_parallel(model: torch.nn.Module, ep_mesh, *, fp8_dispatch: bool
     group = ep_mesh.get_group() if hasattr(ep_mesh, "get_group") else ep_mesh
     ep_size = dist.get_world_size(group)
     ep_rank = dist.get_rank(group)
-    dispatchers = []
-    for name, module in model.named_modules():
+    moes = []
+    for name, module in model.named_modules():  # validate every MoE before changing any
         if not (hasattr(module, "set_dispatcher") and isinstance(getattr(module, "num_experts", None), int)):
             continue
-        experts = getattr(module, "experts", None)
-        if experts is None:
+        if getattr(module, "experts", None) is None:
             raise ValueError(f"apply_expert_parallel: MoE module {name!r} has no `experts` child holding the weights")
-        start, end = local_expert_range(module.num_experts, ep_size, ep_rank)
-        if ep_size > 1:
-            for pname, p in list(experts.named_parameters(recurse=False)):
-                if p.dim() >= 1 and p.shape[0] == module.num_experts:
-                    local = torch.nn.Parameter(p.detach()[start:end].clone(), requires_grad=p.requires_grad)
-                    setattr(experts, pname, local)
-            disp = AllToAllDispatcher(group, module.num_experts, fp8_dispatch=fp8_dispatch,
-                                      fp8_group_size=fp8_group_size)
-            module.set_dispatcher(disp)
-            dispatchers.append(disp)
+        moes.append((module, local_expert_range(module.num_experts, ep_size, ep_rank)))
+    dispatchers = []
+    if ep_size == 1:
+        return dispatchers
+    for module, (start, end) in moes:
+        experts = module.experts
+        for pname, p in list(experts.named_parameters(recurse=False)):
+            if p.dim() >= 1 and p.shape[0] == module.num_experts:
+                local = torch.nn.Parameter(p.detach()[start:end].clone(), requires_grad=p.requires_grad)
+                setattr(experts, pname, local)
+        disp = AllToAllDispatcher(group, module.num_experts, fp8_dispatch=fp8_dispatch, fp8_group_size=fp8_group_size)
+        module.set_dispatcher(disp)
+        dispatchers.append(disp)
     return dispatchers

@@ -121,6 +121,8 @@ def test_apply_expert_parallel_errors(fake_world):
     with pytest.raises(ValueError, match="no `experts` child"):
         apply_expert_parallel(torch.nn.Sequential(NoExperts()), mesh["ep"])
     model = TinyMoELM()
-    model.layers[0].ffn.num_experts = 6  # not divisible by ep = 4
+    model.layers[1].ffn.num_experts = 6  # not divisible by ep = 4
     with pytest.raises(ValueError, match="divisible"):
         apply_expert_parallel(model, mesh["ep"])
+    # nothing was changed before the error
+    assert model.layers[0].ffn.experts.w13.shape[0] == EXPERTS and model.layers[0].ffn.dispatcher is None
