@@ -218,6 +218,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
     out = Path(cfg.output_dir)
     transport = FileTransport(out / "transport")
     trainer = Trainer(cfg, vocab_size, rank=rank, world_size=world)
+    log.info("trainer rank %d/%d started (%s)", rank, world, dist.get_backend() if dist.is_initialized() else "single process")
     ckpt_root = out / "checkpoints"
     if cfg.checkpoint.resume:
         found = latest_checkpoint(ckpt_root)
