@@ -82,3 +82,24 @@ def test_torchrun_trainer_with_two_gloo_ranks_trains_the_same_job(tmp_path):
     _same_run(single, two, steps)
     log = (tmp_path / "two" / "logs" / "trainer.log").read_text()
     assert "trainer rank 0/2 started (gloo)" in log and "trainer rank 1/2 started (gloo)" in log
+
+
+@pytest.mark.slow
+def test_rl_command_trains_and_writes_metrics_and_plot(tmp_path):
+    """The README command, shortened: progress lines, metrics.jsonl with the required keys, the
+    plot, and a reward that has clearly left chance level."""
+    steps = 30
+    proc = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", "examples/reverse_text.toml",
+                           "--output_dir", str(tmp_path), "--max_steps", str(steps), "--checkpoint.interval", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(" | reward ") >= steps and "plot saved" in proc.stdout
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(steps))
+    for key in ("step", "reward/mean", "mismatch_kl/mean", "off_policy/max", "tokens_per_s"):
+        assert all(key in r for r in rows), key
+    assert all(r["off_policy/max"] <= 1 for r in rows)
+    assert (tmp_path / "metrics.png").stat().st_size > 1000
+    first = sum(r["reward/mean"] for r in rows[:5]) / 5
+    last = sum(r["reward/mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.08, (first, last)

@@ -164,3 +164,43 @@ def test_resumed_orchestrator_replays_the_same_prompts_and_seeds(tmp_path):
     b = tr.get_batch(3, 0, timeout=1)
     for k in ("input_ids", "advantages", "loss_mask"):
         assert torch.equal(getattr(a["micro_batches"][0], k), getattr(b["micro_batches"][0], k))
+
+
+@pytest.mark.parametrize("env_id", ["reverse-text", "reverse-text-feedback"])
+def test_real_engine_batches_line_up_with_the_trainer(tmp_path, env_id):
+    """Sampler log-probs and routing, as packed for the trainer, match the trainer's own forward at
+    the same weights on every model token, across environment turns too."""
+    from primerl.rl.envs import load_environment
+    from primerl.runtime.job import make_client
+    from primerl.runtime.policy import build_model, model_config
+    from primerl.runtime.trainer import shifted_logprobs
+
+    cfg = _cfg(tmp_path, "--max_steps", "1", "--orchestrator.max_async_level", "0", "--env.id", env_id,
+               "--env.args", '{"num_symbols": 4, "min_length": 2, "max_length": 5}')
+    env = load_environment(cfg.env.id, **cfg.env.args)
+    model = build_model(cfg, env.vocab_size)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.mul_(8.0)
+    tr = FileTransport(cfg.output_dir)
+    tr.publish_weights(0, model.state_dict())
+    orch = Orchestrator(cfg, env, make_client(cfg, env.vocab_size), tr, top_k=model_config(cfg, env.vocab_size).top_k)
+    orch.run()
+    payload = tr.get_batch(0, 0, timeout=1)
+    if env_id == "reverse-text-feedback":
+        assert payload["metrics"]["turns/mean"] > 1.0
+    n_model = 0
+    with torch.no_grad():
+        for mb in payload["micro_batches"]:
+            for replay in (False, True):
+                lp, _ = shifted_logprobs(model, mb, replay=replay)
+                assert torch.allclose(lp[mb.loss_mask], mb.inference_logprobs[mb.loss_mask], atol=1e-4)
+            model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+            live = model.routing().long()
+            starts = mb.cu_seqlens[1:].long() - 1  # each sequence's last token is a filler row
+            keep = torch.ones(mb.num_tokens, dtype=torch.bool)
+            keep[starts] = False
+            assert torch.equal(live[keep], mb.replay_ids.long()[keep])
+            n_model += int(mb.loss_mask.sum())
+    assert n_model == payload["num_loss_tokens"] > 0
