@@ -54,7 +54,8 @@ class TorchChunkOps:
         rows = torch.arange(tc, device=z.device)
         e[rows, c_arg] -= new_max.to(e.dtype)  # exp(0) - 1 = 0 exactly at the new maximum
         if with_entropy:
-            w.copy_(a * (w + (m - m_new) * (1 + r)) + torch.linalg.vecdot(e, d, dim=1))
+            # row-wise dot as a batched GEMV: one read of e and d, no [Tc, Vc] product temporary
+            w.copy_(a * (w + (m - m_new) * (1 + r)) + torch.bmm(e.unsqueeze(1), d.unsqueeze(2)).view(tc))
         rest = e.sum(dim=1)
         r.copy_(torch.where(new_max, rest + a * (1 + r), r + rest))
         m.copy_(m_new)
