@@ -102,7 +102,7 @@ def _segment_sum(x: torch.Tensor, seq_ids: torch.Tensor, S: int) -> torch.Tensor
 
 
 def _validate(logprobs, inference_logprobs, advantages, loss_mask, method, old_logprobs, corrections,
-              aggregation, cu_seqlens, norm_constant, global_num_tokens, hparams):
+              aggregation, cu_seqlens, norm_constant, global_num_tokens, entropy, hparams):
     if method not in METHODS:
         raise ValueError(f"policy_loss: unknown method {method!r}; choose one of {METHODS}")
     if isinstance(corrections, str):
@@ -140,15 +140,17 @@ def _validate(logprobs, inference_logprobs, advantages, loss_mask, method, old_l
         raise ValueError("policy_loss: correction 'tis' needs old_logprobs (in bypass mode the method's ratio "
                          "pi_theta/pi_inference already is the importance weight; bound it with 'mis' or 'icepop')")
 
-    T = logprobs.shape[0] if logprobs.dim() == 1 else -1
+    T = logprobs.shape[0] if isinstance(logprobs, torch.Tensor) and logprobs.dim() == 1 else -1
     named = {"logprobs": logprobs, "inference_logprobs": inference_logprobs, "advantages": advantages,
              "loss_mask": loss_mask}
     if old_logprobs is not None:
         named["old_logprobs"] = old_logprobs
+    if entropy is not None:
+        named["entropy"] = entropy
     for name, x in named.items():
         if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] != T:
             raise ValueError(f"policy_loss: {name} must be a 1-D tensor [T] matching logprobs "
-                             f"({tuple(logprobs.shape)}), got {getattr(x, 'shape', type(x))}")
+                             f"({getattr(logprobs, 'shape', type(logprobs))}), got {getattr(x, 'shape', type(x))}")
         if name != "loss_mask" and not x.dtype.is_floating_point:
             raise ValueError(f"policy_loss: {name} must be floating point, got {x.dtype}")
 
@@ -294,7 +296,7 @@ def policy_loss(
     """
     corrections, aggregation, hp = _validate(
         logprobs, inference_logprobs, advantages, loss_mask, method, old_logprobs, corrections, aggregation,
-        cu_seqlens, norm_constant, global_num_tokens, hparams)
+        cu_seqlens, norm_constant, global_num_tokens, entropy, hparams)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     mask = loss_mask.bool()
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)

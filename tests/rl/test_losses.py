@@ -284,6 +284,7 @@ def test_kl_estimators():
         (dict(corrections=("mis",), mis_level="batch"), "mis_level"),
         (dict(dual_clip_c=0.5), "dual_clip_c must be > 1"),
         (dict(old_logprobs=torch.zeros(3)), "old_logprobs must be a 1-D tensor"),
+        (dict(entropy=torch.zeros(4, 2)), "entropy must be a 1-D tensor"),
     ],
 )
 def test_bad_arguments_raise(kw, match):
