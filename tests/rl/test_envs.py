@@ -95,3 +95,13 @@ def test_async_env_methods_are_awaited_with_timeout():
 
     with pytest.raises(asyncio.TimeoutError):
         call_env(slow, None, timeout=0.05)
+
+
+def test_distinct_symbols_option():
+    env = ReverseText(num_symbols=5, min_length=3, max_length=7, distinct=True)
+    for i in range(100):
+        sym = env.prompt(i).tokens[1:-1]
+        if len(sym) <= 5:
+            assert len(set(sym)) == len(sym)
+    repeats = ReverseText(num_symbols=5, min_length=5, max_length=5)
+    assert any(len(set(repeats.prompt(i).tokens[1:-1])) < 5 for i in range(50))

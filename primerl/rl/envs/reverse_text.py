@@ -27,10 +27,14 @@ class ReverseText(Environment):
 
     Lengths: ``min_length == max_length`` gives fixed K; otherwise ``length_dist`` picks
     ``uniform`` or ``lognormal`` (a long tail toward ``max_length``: most prompts short, a few long).
+    ``distinct=True`` draws the symbols of a prompt without replacement while the length allows
+    (K <= num_symbols), so each position is identified by its symbol: a two-layer model can then
+    reverse by content (find the current token in the prompt, emit its predecessor) instead of
+    by absolute position, which rotary-only models learn far more slowly.
     """
 
     def __init__(self, num_symbols: int = 8, min_length: int = 4, max_length: int = 4,
-                 length_dist: str = "uniform", seed: int = 0):
+                 length_dist: str = "uniform", seed: int = 0, distinct: bool = False):
         if num_symbols < 2:
             raise ValueError(f"reverse-text: num_symbols must be >= 2, got {num_symbols}")
         if not 1 <= min_length <= max_length:
@@ -38,7 +42,7 @@ class ReverseText(Environment):
         if length_dist not in ("uniform", "lognormal"):
             raise ValueError(f"reverse-text: length_dist must be 'uniform' or 'lognormal', got {length_dist!r}")
         self.num_symbols, self.min_length, self.max_length = num_symbols, min_length, max_length
-        self.length_dist, self.seed = length_dist, seed
+        self.length_dist, self.seed, self.distinct = length_dist, seed, distinct
         self.vocab_size = NUM_SPECIAL + num_symbols
         self.max_new_tokens = max_length
 
@@ -55,7 +59,10 @@ class ReverseText(Environment):
     def prompt(self, index: int) -> Prompt:
         rng = random.Random(self.seed * 1_000_003 + index)
         k = self._length(rng)
-        symbols = [NUM_SPECIAL + rng.randrange(self.num_symbols) for _ in range(k)]
+        if self.distinct and k <= self.num_symbols:
+            symbols = [NUM_SPECIAL + s for s in rng.sample(range(self.num_symbols), k)]
+        else:
+            symbols = [NUM_SPECIAL + rng.randrange(self.num_symbols) for _ in range(k)]
         return Prompt(index, (BOS, *symbols, SEP), answer=symbols[::-1], max_new_tokens=k)
 
     def reward(self, episode: Episode) -> float:
@@ -70,8 +77,8 @@ class ReverseTextFeedback(ReverseText):
     max_turns = 2
 
     def __init__(self, num_symbols: int = 8, min_length: int = 4, max_length: int = 4,
-                 length_dist: str = "uniform", seed: int = 0, max_turns: int = 2):
-        super().__init__(num_symbols, min_length, max_length, length_dist, seed)
+                 length_dist: str = "uniform", seed: int = 0, distinct: bool = False, max_turns: int = 2):
+        super().__init__(num_symbols, min_length, max_length, length_dist, seed, distinct)
         self.ok, self.wrong = NUM_SPECIAL + num_symbols, NUM_SPECIAL + num_symbols + 1
         self.vocab_size = NUM_SPECIAL + num_symbols + 2
         if max_turns < 1:
