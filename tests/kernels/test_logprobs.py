@@ -52,7 +52,8 @@ def _check_against_oracle(logp, ent, hidden, weight, targets, temperature, seed,
         assert ent.dtype == torch.float32
         assert max_rel_err(ent.detach(), ref_ent.detach()) < tol
     g = torch.Generator().manual_seed(seed)
-    g_lp, g_ent = torch.randn(targets.shape, generator=g), torch.randn(targets.shape, generator=g)
+    g_lp = torch.randn(targets.shape, generator=g).to(targets.device)
+    g_ent = torch.randn(targets.shape, generator=g).to(targets.device)
     wrt = [x for x in (hidden, weight) if x.requires_grad]
     wrt64 = [x for x in (h64, w64) if x.requires_grad]
     got = torch.autograd.grad((logp * g_lp).sum() + (0 if ent is None else (ent * g_ent).sum()), wrt)
@@ -138,6 +139,21 @@ def test_bf16_inputs_match_reference_and_keep_dtype():
     rh, rw = _grads(ref_lp, ref_ent, hidden, weight, g_lp, g_ent)
     assert gh.dtype == gw.dtype == torch.bfloat16
     assert max_rel_err(gh, rh) < 1e-2 and max_rel_err(gw, rw) < 1e-2  # one bf16 rounding each
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_matches_oracle(backend, monkeypatch):
+    hidden, weight, targets, g = _inputs(300, 5000, 128, seed=21, scale=4.0)
+    temp = torch.rand(300, generator=g) + 0.5
+    hidden = hidden.detach().cuda().requires_grad_()
+    weight = weight.detach().cuda().requires_grad_()
+    targets, temp = targets.cuda(), temp.cuda()
+    # TF32 matmuls would round the logits to 10 mantissa bits
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, chunk_size=128, vocab_chunk_size=1024,
+                               backend=backend)
+    _check_against_oracle(logp, ent, hidden, weight, targets, temp, seed=8)
 
 
 def test_empty_batch():
