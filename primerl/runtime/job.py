@@ -180,7 +180,7 @@ def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[d
         trainer_cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.num_trainer_ranks}",
                        "-m", "primerl.runtime.cli", "trainer", "--config", cfg_path]
     trainer = _spawn(trainer_cmd, out / "logs" / "trainer.log",
-                     dict(base_env, PRIMERL_PEER_PID=str(orch.pid), PRIMERL_LOG_PROGRESS="0"))
+                     dict(base_env, PRIMERL_PEER_PID=str(orch.pid)))
     (out / "pids").write_text(f"trainer {trainer.pid}\norchestrator {orch.pid}\n")
     seen = start - 1
     try:
