@@ -200,6 +200,9 @@ def load_pretrained(cls, path, *, dtype: torch.dtype | None = None, device="cpu"
         model = cls(config)
     fp32 = _fp32_params(model)
     model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        # to_empty makes new Parameters when moving off the meta device, which unties them.
+        model.lm_head.weight = model.embed.weight
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.is_floating_point():
