@@ -1,1 +1,15 @@
-"""The async RL runtime: embedded inference engine, orchestrator, trainer, the primerl command."""
+"""The async RL runtime: embedded inference engine, orchestrator, trainer, the `primerl` command.
+
+Modules (imports are lazy; nothing heavy loads with the package):
+  config        typed job config (dataclasses), TOML + ``--key.sub value`` overrides, validation
+  engine        InferenceEngine: continuous batching, KV cache, sampling, log-probs, router capture, FP8 experts
+  orchestrator  Orchestrator: rollouts, async level, off-policy accounting, advantages, packing, hand-over
+  rollout       episodes in flight (multi-turn transcripts, log-probs, routing record)
+  trainer       Trainer / run_trainer: loss, AdamW, schedule, NaN handling, checkpoints, weight publication
+  transport     FileTransport: atomic rollout batches and versioned weights
+  checkpoint    atomic checkpoint save / load / latest
+  job           process entry points; run_rl (two processes) and run_threads (one process)
+  cli           the ``primerl`` command (rl, trainer, orchestrator, inference, vllm-command)
+  vllm, vllm_worker, server   vLLM client/launcher, worker-side weight updates, the engine's HTTP server
+  metrics       metrics.jsonl, progress line, plot
+"""

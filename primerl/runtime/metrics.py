@@ -107,6 +107,8 @@ def save_plot(metrics: Iterable[dict], path: str | Path, keys: tuple[str, ...] =
         pts = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
         if pts:
             ax.plot(*zip(*pts))
+            if "kl" in key and all(v > 0 for _, v in pts):
+                ax.set_yscale("log")
         ax.set_title(key)
         ax.set_xlabel("step")
     fig.tight_layout()
