@@ -155,3 +155,14 @@ def test_bad_requests_and_timeout():
         engine.generate([Request(1, [1, 2], SamplingParams(max_new_tokens=200))], timeout=0.0)
     with pytest.raises(Exception, match="missing"):
         engine.load_weights({"embed.weight": torch.zeros(V, 64)}, 1)
+
+
+def test_router_noise_changes_routing_reproducibly():
+    model = _model(8)
+    clean = _engine(model).generate(_requests(6))
+    noisy = [InferenceEngine(_model(), router_noise=1.0, noise_seed=3) for _ in range(2)]
+    for e in noisy:
+        e.load_weights(model.state_dict(), 0)
+    a, b = (e.generate(_requests(6)) for e in noisy)
+    assert all(torch.equal(x.routing, y.routing) and x.tokens == y.tokens for x, y in zip(a, b))
+    assert any(not torch.equal(x.routing, y.routing) for x, y in zip(a, clean))
