@@ -117,6 +117,7 @@ class TrainerConfig:
     min_lr_ratio: float = 0.0
     router_replay: bool = True
     mini_batches: int = 1  # optimizer steps per rollout batch (each on a slice of its micro-batches)
+    fsdp: bool = True  # with several ranks: FSDP2 from primerl.parallel (False: replicated weights + all-reduce)
     attention: str = "auto"  # "kernel" (the model's varlen kernel), "padded" (dense SDPA) or "auto" (padded on CPU)
     entropy_coef: float = 0.0  # minus this times the token-mean entropy is added to the loss
     entropy_decay_steps: int = 0  # > 0: the coefficient falls linearly to 0 at this step

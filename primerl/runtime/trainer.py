@@ -79,6 +79,15 @@ class Trainer:
         self.model = build_model(cfg, vocab_size)
         self.model.train()
         t = cfg.trainer
+        self.fsdp = world_size > 1 and t.fsdp
+        if self.fsdp:
+            from primerl.parallel.fsdp import apply_fsdp
+            from primerl.parallel.mesh import ParallelDims, build_mesh
+
+            dims = ParallelDims(dp_shard=-1, world_size=world_size, num_experts=self.model.config.num_experts)
+            self.mesh = build_mesh(dims, "cuda" if torch.cuda.is_available() else "cpu")
+            dtype = self.model.embed.weight.dtype
+            apply_fsdp(self.model, self.mesh, param_dtype=dtype, reduce_dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                            weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -89,19 +98,43 @@ class Trainer:
 
     # ---------------------------------------------------------------- state
     def state_dict_for_publish(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights. Collective under FSDP: every rank calls it; rank 0 gets them."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def train_state(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        """Optimizer/scheduler/counters (collective under FSDP, like ``state_dict_for_publish``)."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            opt = get_optimizer_state_dict(self.model, self.optimizer,
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            opt = self.optimizer.state_dict()
+        return {"optimizer": opt, "scheduler": self.scheduler.state_dict(),
                 "nan_skipped": self.nan_skipped, "nan_streak": self.nan_streak}
 
     def load(self, path) -> None:
         step, model_sd, state = load_checkpoint(path)
-        self.model.load_state_dict(model_sd)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, model_sd, options=full)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=full)
+        else:
+            self.model.load_state_dict(model_sd)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.nan_skipped, self.nan_streak = state["nan_skipped"], state["nan_streak"]
         self.step = step
+
+    def _grad_norm(self, params) -> float:
+        return _grad_norm_of(params, self.fsdp)
 
     def entropy_coef(self) -> float:
         t = self.cfg.trainer
@@ -130,14 +163,17 @@ class Trainer:
     def _optimizer_step(self, mbs: list[dict]) -> dict:
         t = self.cfg.trainer
         replay = t.router_replay
-        mbs = [mb for mb in mbs if not mb.is_padding and mb.num_tokens > 0]  # grads are all-reduced after the loop
+        if self.fsdp:  # every rank must run the same forwards/backwards: padding becomes a 2-token dummy
+            mbs = [_dummy_like(mb) if mb.is_padding or mb.num_tokens == 0 else mb for mb in mbs]
+        else:  # grads are all-reduced after the loop, so a padding micro-batch can be skipped
+            mbs = [mb for mb in mbs if not mb.is_padding and mb.num_tokens > 0]
         counts = torch.tensor([sum(int(mb.loss_mask.sum()) for mb in mbs),
                                sum(_num_loss_seqs(mb) for mb in mbs)], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         total, total_seqs = max(int(counts[0]), 1), max(int(counts[1]), 1)
         self.optimizer.zero_grad(set_to_none=False)
-        if self.world_size > 1:  # a rank with only padding still joins every gradient all-reduce
+        if self.world_size > 1 and not self.fsdp:  # a rank with only padding still joins every all-reduce
             for p in self.model.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -163,14 +199,19 @@ class Trainer:
         stats = torch.tensor([loss_sum, kl_num, ent_num, float(n_loss), float(n_tok),
                               *(extra.get(k, 0.0) for k in ("clip_frac_low", "clip_frac_high", "ess"))], dtype=torch.float64)
         if self.world_size > 1:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            if not self.fsdp:  # FSDP already reduce-scattered (summed) the gradients
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         loss_all, kl_all, ent_all, n_loss_all, n_tok_all, cl, ch, ess = stats.tolist()
         denom = max(n_loss_all, 1)
         finite = math.isfinite(loss_all) and all(
-            bool(torch.isfinite(p.grad).all()) for p in self.model.parameters() if p.grad is not None)
+            bool(torch.isfinite(_local(p.grad)).all()) for p in self.model.parameters() if p.grad is not None)
+        if self.world_size > 1:
+            flag = torch.tensor([0.0 if finite else 1.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            finite = flag.item() == 0.0
         metrics = {"loss": loss_all, "mismatch_kl/mean": kl_all / denom, "entropy/mean": ent_all / denom,
                    "clip_frac_low": cl / denom, "clip_frac_high": ch / denom, "ess": ess / denom,
                    "ratio_max": extra.get("ratio_max", 0.0), "tokens": int(n_tok_all), "loss_tokens": int(n_loss_all),
@@ -190,13 +231,40 @@ class Trainer:
             return metrics
         self.nan_streak = 0
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if t.max_grad_norm > 0:
-            gn = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
-        else:
-            gn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-        metrics["grad_norm"] = float(gn)
+        gn = self._grad_norm(params)
+        if t.max_grad_norm > 0 and gn > t.max_grad_norm:
+            for p in params:
+                p.grad.mul_(t.max_grad_norm / (gn + 1e-6))
+        metrics["grad_norm"] = gn
         self.optimizer.step()
         return metrics
+
+
+def _grad_norm_of(params, fsdp: bool) -> float:
+    # FSDP2 shards every parameter (on two meshes: dense and experts, which DTensor cannot mix in
+    # one op), so the global norm is the square root of the all-reduced sum of local squares.
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        sq += _local(p.grad).double().pow(2).sum()
+    if fsdp:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    return float(sq.sqrt())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _dummy_like(mb):
+    """A 2-token micro-batch with no loss token (keeps FSDP's collectives in step on a padding rank)."""
+    from dataclasses import replace
+
+    two = torch.zeros(2, dtype=mb.input_ids.dtype)
+    replay = None if mb.replay_ids is None else torch.arange(mb.replay_ids.shape[-1]).expand(2, *mb.replay_ids.shape[1:])
+    return replace(mb, input_ids=two, position_ids=torch.arange(2), cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
+                   loss_mask=torch.zeros(2, dtype=torch.bool), advantages=torch.zeros(2),
+                   inference_logprobs=torch.zeros(2), temperatures=None if mb.temperatures is None else torch.ones(2),
+                   replay_ids=replay, is_padding=True, num_real_tokens=0)
 
 
 def _num_loss_seqs(mb) -> int:
@@ -227,9 +295,10 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             log.info("resumed from %s (step %d)", found[1], trainer.step)
     start = trainer.step
     logger = None
+    weights = trainer.state_dict_for_publish()
     if rank == 0:
         transport.drop_weights_after(start)
-        transport.publish_weights(start, trainer.state_dict_for_publish())
+        transport.publish_weights(start, weights)
         logger = MetricsLogger(out, start_step=start, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project)
     t_prev = time.perf_counter()
@@ -240,13 +309,15 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             t1 = time.perf_counter()
             m = trainer.train_step(payload)
             t2 = time.perf_counter()
+            weights = trainer.state_dict_for_publish()
+            save_now = bool(cfg.checkpoint.interval) and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 < cfg.max_steps
+            state = trainer.train_state() if save_now else None
             if rank == 0:
-                transport.publish_weights(step + 1, trainer.state_dict_for_publish())
+                transport.publish_weights(step + 1, weights)
                 transport.drop_weights_before(step + 1 - cfg.orchestrator.max_async_level - 1)
                 transport.drop_batches_before(step)
-                if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 < cfg.max_steps:
-                    save_checkpoint(ckpt_root, step + 1, trainer.model.state_dict(), trainer.train_state(),
-                                    keep=cfg.checkpoint.keep)
+                if save_now:
+                    save_checkpoint(ckpt_root, step + 1, weights, state, keep=cfg.checkpoint.keep)
             now = time.perf_counter()
             row = {"step": step, **payload["metrics"], **m,
                    "tokens_per_s": m["tokens"] / max(now - t_prev, 1e-9),
@@ -258,9 +329,9 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
                     print(progress_line(row, cfg.max_steps), flush=True)
             if on_step is not None:
                 on_step(row)
+        weights, state = trainer.state_dict_for_publish(), trainer.train_state()
         if rank == 0:
-            save_checkpoint(ckpt_root, cfg.max_steps, trainer.model.state_dict(), trainer.train_state(),
-                            keep=cfg.checkpoint.keep)
+            save_checkpoint(ckpt_root, cfg.max_steps, weights, state, keep=cfg.checkpoint.keep)
     finally:
         if logger is not None:
             logger.close()

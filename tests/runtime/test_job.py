@@ -76,12 +76,17 @@ def test_failing_environment_stops_the_job_with_its_error(tmp_path):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_torchrun_trainer_with_two_gloo_ranks_trains_the_same_job(tmp_path):
-    steps = 3
-    single = run_threads(_cfg(tmp_path / "one", "--max_steps", str(steps)))
-    two = run_rl(_cfg(tmp_path / "two", "--max_steps", str(steps), "--num_trainer_ranks", "2"), quiet=True)
-    _same_run(single, two, steps)
+    """FSDP2 over 2 gloo ranks: same metrics as one process, and a resume from its checkpoint
+    (full state gathered from the shards, loaded back into them) continues identically."""
+    const = ["--trainer.lr_schedule", "constant"]
+    single = run_threads(_cfg(tmp_path / "one", "--max_steps", "5", *const))
+    two = run_rl(_cfg(tmp_path / "two", "--max_steps", "3", "--num_trainer_ranks", "2", *const), quiet=True)
     log = (tmp_path / "two" / "logs" / "trainer.log").read_text()
     assert "trainer rank 0/2 started (gloo)" in log and "trainer rank 1/2 started (gloo)" in log
+    resumed = run_rl(_cfg(tmp_path / "two", "--max_steps", "5", "--num_trainer_ranks", "2", "--checkpoint.resume", "true",
+                          *const), quiet=True)
+    assert two == resumed[:3]
+    _same_run(single, resumed, 5)
 
 
 @pytest.mark.slow
