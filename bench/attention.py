@@ -87,9 +87,13 @@ def _cpu_rows(args) -> list[Row]:
         q, k, v, g = (torch.randn(T, h, d, generator=gen) for h in (hq, hkv, hkv, hq))
         base = time_fn(lambda: _fwd_bwd(lambda a, b, c: attention(a, b, c, cu_seqlens=_cu(lens), backend="torch"), q, k, v, g),
                        warmup=1, repeats=repeats)
+        fused = time_fn(lambda: _fwd_bwd(lambda a, b, c: attention(a, b, c, cu_seqlens=_cu(lens), backend="sdpa"), q, k, v, g),
+                        warmup=1, repeats=repeats)
         torch.set_num_threads(threads)
         flops = 3.5 * _causal_flops(lens, hq, d)  # fwd + bwd (2.5x fwd)
         rows.append(Row("attention fwd+bwd", shape, "float32", "torch, 1 process", base, tflops=flops / base / 1e12))
+        rows.append(Row("attention fwd+bwd", shape, "float32", "sdpa, 1 process", fused, tflops=flops / fused / 1e12,
+                        ratio=base / fused, baseline="torch, 1 process"))
         for layout in LAYOUTS:
             pairs = [ContextShardPlan(_cu(lens), layout=layout, world_size=WORLD, rank=r).attention_pairs(r) for r in range(WORLD)]
             with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +129,8 @@ def _cuda_rows(args) -> list[Row]:
                 return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
 
         impls = {"sdpa flash": (lambda a, b, c: sdpa(a, b, c), (qb, kb, vb), g.view(B, L, hq, d).transpose(1, 2)),
-                 "triton": (lambda a, b, c: attention(a, b, c, cu_seqlens=cu, backend="triton"), (q, k, v), g)}
+                 "triton": (lambda a, b, c: attention(a, b, c, cu_seqlens=cu, backend="triton"), (q, k, v), g),
+                 "primerl sdpa": (lambda a, b, c: attention(a, b, c, cu_seqlens=cu, backend="sdpa"), (q, k, v), g)}
         try:
             import flash_attn  # noqa: F401
 

@@ -5,8 +5,10 @@ A ~100M-parameter Qwen3-MoE config (--quick: a ~2M one). Both models hold identi
 weights (ours loaded from the checkpoint Hugging Face saved). The batch is B sequences of equal
 length: Hugging Face runs it as a [B, S] batch with SDPA attention and its default experts
 implementation; ours runs the same tokens packed ([T] with cu_seqlens). Loss: mean of the
-logits' log-softmax at the next token (same for both). Memory per token: peak bytes allocated
-during one forward+backward (the harness's CPU tracker, same measure for both) divided by T.
+logits' log-softmax at the next token (same for both). Ours runs twice: with the attention op's
+default backend (the float32 reference on CPU) and with ``config.attn_backend = "sdpa"`` (torch's
+fused kernels). Memory per token: peak bytes allocated during one forward+backward (the harness's
+CPU tracker, same measure for both) divided by T.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def run(args) -> list[Row]:
         ours.zero_grad(set_to_none=True)
         _next_token_loss(ours(flat_ids, pos, cu, return_logits=True), flat_targets).backward()
 
+    def step_ours_sdpa():
+        ours.config.attn_backend = "sdpa"
+        try:
+            step_ours()
+        finally:
+            ours.config.attn_backend = None
+
     def step_hf():
         hf.zero_grad(set_to_none=True)
         _next_token_loss(hf(input_ids=ids).logits, targets).backward()
@@ -73,17 +82,20 @@ def run(args) -> list[Row]:
     # Interleaved single runs: on a shared machine the load drifts, and measuring one model after
     # the other would charge the drift to one of them.
     repeats = 5 if args.quick else 3
-    step_hf(), step_ours()
-    times_hf, times_ours = [], []
+    step_hf(), step_ours(), step_ours_sdpa()
+    times_hf, times_ours, times_sdpa = [], [], []
     for _ in range(repeats):
         times_hf.append(time_fn(step_hf, device=device, warmup=0, repeats=1))
         times_ours.append(time_fn(step_ours, device=device, warmup=0, repeats=1))
-    t_hf, t_ours = statistics.median(times_hf), statistics.median(times_ours)
+        times_sdpa.append(time_fn(step_ours_sdpa, device=device, warmup=0, repeats=1))
+    t_hf, t_ours, t_sdpa = (statistics.median(t) for t in (times_hf, times_ours, times_sdpa))
     mem_hf = peak_memory(step_hf, device)
     mem_ours = peak_memory(step_ours, device)
+    mem_sdpa = peak_memory(step_ours_sdpa, device)
     shape = f"{name} ({n_params / 1e6:.0f}M params) B={B} S={S} E={kw['num_experts']} k={kw['num_experts_per_tok']}"
     rows = []
-    for backend, t, mem, ratio in (("hf", t_hf, mem_hf, None), ("primerl", t_ours, mem_ours, t_hf / t_ours)):
+    for backend, t, mem, ratio in (("hf", t_hf, mem_hf, None), ("primerl", t_ours, mem_ours, t_hf / t_ours),
+                                   ("primerl attn_backend=sdpa", t_sdpa, mem_sdpa, t_hf / t_sdpa)):
         rows.append(Row(op="model fwd+bwd", shape=shape, dtype="float32", backend=backend, median_s=t, ratio=ratio,
                         baseline="hf" if ratio is not None else "",
                         extra={"tok/s": f"{T / t:.0f}", "KB/tok": f"{mem / T / 1024:.1f}"}))

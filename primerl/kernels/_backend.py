@@ -79,9 +79,18 @@ EXTERNAL_BACKENDS = {
 }
 
 
+# Backends made of torch's own fused kernels: always importable, on CPU and CUDA; only used when
+# named (never picked by backend=None). Not listed by backends(), which lists primerl's own kinds.
+TORCH_KERNEL_BACKENDS = {
+    "sdpa": "torch's scaled_dot_product_attention kernels (CPU flash, CUDA memory-efficient)",
+}
+
+
 def backend_status(name: str) -> BackendStatus:
     if name == "torch":
         return BackendStatus(True, f"plain PyTorch {torch.__version__} (the reference)")
+    if name in TORCH_KERNEL_BACKENDS:
+        return BackendStatus(True, f"{TORCH_KERNEL_BACKENDS[name]}, torch {torch.__version__}")
     if name == "triton":
         return _triton_status()
     if name == "cuda":
@@ -124,6 +133,6 @@ def resolve_backend(
         raise BackendUnavailableError(f"{op}: Triton on {device.type} tensors needs TRITON_INTERPRET=1")
     if backend == "triton" and device.type == "cuda" and triton_interpreter_enabled():
         raise BackendUnavailableError(f"{op}: TRITON_INTERPRET=1 is set but the tensors are on CUDA")
-    if backend not in ("torch", "triton") and device.type != "cuda":
+    if backend not in ("torch", "triton", *TORCH_KERNEL_BACKENDS) and device.type != "cuda":
         raise BackendUnavailableError(f"{op}: backend {backend!r} needs CUDA tensors, got {device.type}")
     return backend

@@ -75,6 +75,10 @@ class MoETransformerConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # primerl.kernels.attention backend for every layer (None: the op's default; "sdpa": torch's fused
+    # kernels, the fast choice on CPU). A runtime choice, not part of the checkpoint: never written to
+    # config.json, and settable after loading (``model.config.attn_backend = "sdpa"``).
+    attn_backend: str | None = field(default=None, compare=False)
     # Keys of the Hugging Face config this one was read from, kept so save_pretrained writes them back.
     hf_extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -94,6 +98,8 @@ class MoETransformerConfig:
         need(self.n_heads % self.n_kv_heads == 0,
              f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         need(self.head_dim % 2 == 0, f"head_dim must be even, got {self.head_dim}")
+        need(self.attn_backend is None or isinstance(self.attn_backend, str),
+             f"attn_backend must be None or a backend name such as 'sdpa', got {self.attn_backend!r}")
         need(self.score_func in ("softmax", "sigmoid"), f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
         need(0.0 < self.partial_rotary_factor <= 1.0,
              f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")

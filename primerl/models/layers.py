@@ -60,10 +60,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
-def _attention(q, k, v, cu_seqlens, softmax_scale):
+def _attention(q, k, v, cu_seqlens, softmax_scale, backend=None):
     from primerl.kernels.attention import attention
 
-    return attention(q, k, v, cu_seqlens=cu_seqlens.to(torch.int32), causal=True, softmax_scale=softmax_scale)
+    return attention(q, k, v, cu_seqlens=cu_seqlens.to(torch.int32), causal=True, softmax_scale=softmax_scale,
+                     backend=backend)
 
 
 class Attention(nn.Module):
@@ -89,6 +90,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         # Set by parallelize() for context parallelism: fn(q, k, v, plan, *, causal, softmax_scale).
         self.context_attention = None
+        self.config = c  # shared with the model: attn_backend is read at each forward
 
     def project_qkv(self, x: torch.Tensor, position_ids: torch.Tensor):
         """``x[T, D]``, ``position_ids[T]`` -> rotated ``q[T, H, Dh]``, ``k[T, Hkv, Dh]``, ``v[T, Hkv, Dh]``."""
@@ -107,7 +109,7 @@ class Attention(nn.Module):
         if self.context_attention is not None and not torch.is_tensor(cu_seqlens):
             o = self.context_attention(q, k, v, cu_seqlens, causal=True, softmax_scale=self.softmax_scale)
         else:
-            o = _attention(q, k, v, cu_seqlens, self.softmax_scale)
+            o = _attention(q, k, v, cu_seqlens, self.softmax_scale, self.config.attn_backend)
         return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.head_dim))
 
 
