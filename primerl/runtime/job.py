@@ -79,9 +79,12 @@ def make_client(cfg: RLConfig, vocab_size: int):
     from .orchestrator import EmbeddedClient
 
     if cfg.inference.backend == "vllm":
+        from .policy import model_config
         from .vllm import VLLMClient
 
-        return VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s, output_dir=cfg.output_dir)
+        mc = model_config(cfg, vocab_size)  # to decode base64 routed experts [N, L, k]
+        return VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s, output_dir=cfg.output_dir,
+                          num_layers=len(mc.moe_layer_ids), top_k=mc.top_k)
     from .engine import InferenceEngine
     from .policy import build_model
 
