@@ -45,11 +45,62 @@ def _grouped_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> to
     return torch.cat(parts)
 
 
+class _GroupedMMPerGroup(torch.autograd.Function):
+    """CPU float32/float64: one ``torch.mm`` per group written into a preallocated output, forward
+    and backward, rows past the last end never read (and their gradient zero). Bitwise what
+    ``torch._grouped_mm`` and its autograd compute on CPU (the same per-group GEMMs), without the
+    row masking around it and without the per-group slice gradients of ``b`` (a full-size zero
+    tensor each) that autograd through a Python loop would build."""
+
+    @staticmethod
+    def forward(ctx, a, b, ends: list[int]):
+        out = a.new_empty(a.shape[0], b.shape[1])
+        start = 0
+        for g, end in enumerate(ends):
+            if end > start:
+                torch.mm(a[start:end], b[g].t(), out=out[start:end])
+            start = end
+        out[start:].zero_()
+        ctx.save_for_backward(a, b)
+        ctx.ends = ends
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        a, b = ctx.saved_tensors
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = a.new_empty(a.shape)
+        if ctx.needs_input_grad[1]:
+            db = b.new_empty(b.shape)
+        start = 0
+        for g, end in enumerate(ctx.ends):
+            if da is not None and end > start:
+                torch.mm(dout[start:end], b[g], out=da[start:end])
+            if db is not None:
+                if end > start:
+                    torch.mm(dout[start:end].t(), a[start:end], out=db[g])
+                else:
+                    db[g].zero_()
+            start = end
+        if da is not None:
+            da[start:].zero_()
+        return da, db, None
+
+
 def grouped_gemm_nt_offsets(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """a [M, K], b [G, N, K], offsets [G] int32 (cumulative ends) -> [M, N]; rows past
     ``offsets[-1]`` are zero (and their input is never read, NaN included)."""
     if out_dtype != a.dtype:
         a, b = a.float(), b.float()
+    if a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64):
+        return _GroupedMMPerGroup.apply(a, b, offsets.tolist()).to(out_dtype)  # host sync: free on CPU
+    if a.device.type == "cpu" and int(offsets[-1]) == a.shape[0] and _grouped_mm_supported(a):
+        # every row is valid: the masking below is the identity (bf16/fp16 keep torch._grouped_mm,
+        # whose rounding differs from torch.mm's in these dtypes)
+        aligned = (a.shape[1] * a.element_size()) % 16 == 0 and (b.shape[1] * b.element_size()) % 16 == 0
+        out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets) if aligned else _grouped_loop(a, b, offsets)
+        return out.to(out_dtype)
     valid = torch.arange(a.shape[0], device=a.device) < offsets[-1]
     a_in = torch.where(_row_mask(valid, a), a, torch.zeros((), dtype=a.dtype, device=a.device))
     aligned = (a.shape[1] * a.element_size()) % 16 == 0 and (b.shape[1] * b.element_size()) % 16 == 0
