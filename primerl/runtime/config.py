@@ -68,7 +68,14 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0
     enable_return_routed_experts: bool = True
-    weight_update: str = "filesystem"  # "filesystem" or "broadcast"
+    weight_update: str = "filesystem"  # "filesystem" (safetensors + marker) or "broadcast" (torch.distributed)
+    update_fp8: bool = False  # expert weights sent as block-FP8 + *_scale_inv (for a block-FP8 served checkpoint)
+    # broadcast: trainer rank 0 is rank 0 of a group with the receivers (vLLM workers) after it
+    broadcast_host: str = "127.0.0.1"
+    broadcast_port: int = 29600
+    broadcast_receivers: int = 0  # receiver processes; 0: data_parallel * tensor_parallel
+    broadcast_rpc: bool = True  # ask the server (collective_rpc) to receive; False: receivers listen on their own
+    broadcast_timeout_s: float = 300.0  # joining the group, and each version's transfer
     extra_args: list = field(default_factory=list)
 
 
@@ -329,6 +336,11 @@ def validate(cfg: RLConfig) -> None:
     _need(i.router_noise >= 0, "inference.router_noise", "must be >= 0", i.router_noise)
     v = i.vllm
     _need(v.weight_update in ("filesystem", "broadcast"), "inference.vllm.weight_update", "must be filesystem or broadcast", v.weight_update)
+    _need(v.weight_update == "filesystem" or i.backend == "vllm", "inference.vllm.weight_update",
+          "'broadcast' needs inference.backend = 'vllm' (the embedded engine reads the published files)", v.weight_update)
+    _need(v.broadcast_receivers >= 0, "inference.vllm.broadcast_receivers", "must be >= 0", v.broadcast_receivers)
+    _need(0 < v.broadcast_port < 65536, "inference.vllm.broadcast_port", "must be a TCP port", v.broadcast_port)
+    _need(v.broadcast_timeout_s > 0, "inference.vllm.broadcast_timeout_s", "must be > 0", v.broadcast_timeout_s)
     _need(v.disaggregation in ("", "prefill", "decode"), "inference.vllm.disaggregation", "must be '', 'prefill' or 'decode'", v.disaggregation)
     _need(v.all2all_backend in ("", "deepep_high_throughput", "deepep_low_latency", "pplx", "naive", "allgather_reducescatter"),
           "inference.vllm.all2all_backend", "is not a known all-to-all backend", v.all2all_backend)

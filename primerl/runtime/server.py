@@ -101,10 +101,19 @@ class EngineServer:
     def update_weights_from_path(self, path: str) -> dict:
         from safetensors.torch import load_file
 
+        from .hf_weights import primerl_weights
+
         d = Path(path)
         sd = load_file(str(d / "model.safetensors"))
         version = int((d / "STABLE").read_text()) if (d / "STABLE").exists() else self.engine.policy_version + 1
-        self._call_in_engine(lambda: self.engine.load_weights(sd, version), timeout=self.request_timeout)
+
+        def load():
+            # vLLM reads the Hugging Face layout (what the trainer publishes for inference.backend = vllm);
+            # primerl's own names are accepted too
+            own = sd if "model.embed_tokens.weight" not in sd else primerl_weights(self.engine.model, sd)
+            self.engine.load_weights(own, version)
+
+        self._call_in_engine(load, timeout=self.request_timeout)
         return {"version": version}
 
     # ---------------------------------------------------------------- HTTP

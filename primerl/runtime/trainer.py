@@ -4,7 +4,7 @@ One optimizer step per batch: for every micro-batch, the model's hidden states (
 sampler's routing replayed when ``trainer.router_replay``), fused log-probs of each next token,
 the policy loss normalised by the batch's global loss-token count, backward; then gradient
 clipping, AdamW and the learning-rate schedule. Weights after step n are published as version
-n+1. A non-finite loss skips the update (counted, logged) up to ``trainer.nan_retries`` steps in
+n+1 (``weight_sync.WeightPublisher``: files, or a broadcast to vLLM workers). A non-finite loss skips the update (counted, logged) up to ``trainer.nan_retries`` steps in
 a row, then stops the run with an error.
 
 Launched as one process, or with ``torchrun --nproc-per-node N`` (gloo on CPU, nccl on GPU):
@@ -294,11 +294,14 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             trainer.load(found[1])
             log.info("resumed from %s (step %d)", found[1], trainer.step)
     start = trainer.step
-    logger = None
+    logger = publisher = None
     weights = trainer.state_dict_for_publish()
     if rank == 0:
+        from .weight_sync import WeightPublisher
+
         transport.drop_weights_after(start)
-        transport.publish_weights(start, weights)
+        publisher = WeightPublisher(cfg, transport, trainer.model)
+        publisher.publish(start, weights)
         logger = MetricsLogger(out, start_step=start, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project)
     t_prev = time.perf_counter()
@@ -313,7 +316,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             save_now = bool(cfg.checkpoint.interval) and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 < cfg.max_steps
             state = trainer.train_state() if save_now else None
             if rank == 0:
-                transport.publish_weights(step + 1, weights)
+                publisher.publish(step + 1, weights)
                 transport.drop_weights_before(step + 1 - cfg.orchestrator.max_async_level - 1)
                 transport.drop_batches_before(step)
                 if save_now:
@@ -335,4 +338,6 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
     finally:
         if logger is not None:
             logger.close()
+        if publisher is not None:
+            publisher.close()
     return trainer

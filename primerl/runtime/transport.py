@@ -5,6 +5,7 @@ Layout under ``root``::
     rollouts/step_000012/rank_0.pt       micro-batches for trainer rank 0 at step 12
     weights/step_000012/model.safetensors  policy after 12 optimizer steps
     weights/step_000012/STABLE            marker: the directory is complete
+    weights/step_000012/config.json       with the Hugging Face layout (inference.backend = vllm)
 
 Every file is written to a temporary name in the same directory and renamed into place
 (``os.replace`` is atomic on POSIX), so a reader never sees a partial file; weights are
@@ -105,15 +106,23 @@ class FileTransport:
     def weights_dir(self, version: int) -> Path:
         return self.weights / f"step_{version:06d}"
 
-    def publish_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> Path:
+    def publish_weights(self, version: int, state_dict: dict[str, torch.Tensor] | None,
+                        *, config: dict | None = None) -> Path:
+        """Write ``model.safetensors`` (and ``config.json`` when given), then the marker.
+        ``state_dict=None`` publishes the marker alone: the weights went another way (broadcast)."""
+        import json
+
         from safetensors.torch import save_file
 
         final = self.weights_dir(version)
         tmp = self.weights / f".tmp_step_{version:06d}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"version": str(version)})
+        if state_dict is not None:
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"version": str(version)})
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -140,6 +149,8 @@ class FileTransport:
         d = self.weights_dir(version)
         if not (d / STABLE).exists():
             raise FileNotFoundError(f"weights of version {version} are not published at {d}")
+        if not (d / "model.safetensors").exists():
+            raise FileNotFoundError(f"version {version} at {d} is a marker only (its weights were broadcast)")
         return load_file(str(d / "model.safetensors"))
 
     def drop_weights_before(self, version: int) -> None:

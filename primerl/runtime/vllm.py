@@ -11,9 +11,10 @@ Protocol (vLLM's OpenAI-compatible server; ``primerl inference`` serves the same
   ``{"shape": [...], "data": base64}`` (all three are decoded by :func:`decode_routed_experts`).
 - ``GET /health``; ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``) calls a method of the
   worker extension ``primerl.runtime.vllm_worker.WeightUpdateExtension`` on every worker:
-  ``update_weights_from_path(path)`` (filesystem: safetensors + ``STABLE`` marker written by
-  the trainer) or ``init_broadcast`` / ``update_weights_from_broadcast`` (a torch.distributed
-  group shared with trainer rank 0). ``POST /reset_prefix_cache`` after every update.
+  ``update_weights_from_path(path)`` (filesystem: Hugging Face-named safetensors + ``STABLE``
+  marker written by the trainer, ``hf_weights.publish_hf``) or ``init_broadcast`` /
+  ``update_weights_from_broadcast`` (a torch.distributed group shared with trainer rank 0, driven
+  by the trainer: ``weight_sync.BroadcastWeightSender``). ``POST /reset_prefix_cache`` after every update.
 
 Every HTTP call has a timeout; a dead server raises :class:`InferenceServerError` naming the URL.
 """
@@ -123,9 +124,11 @@ class VLLMClient:
         return _http(self.url + "/collective_rpc", {"method": method, "args": list(args)}, timeout or self.timeout_s)
 
     def update_weights(self, version: int, transport) -> None:
-        if self.cfg.weight_update != "filesystem":
-            raise InferenceServerError("inference.vllm.weight_update = 'broadcast' is driven by the trainer "
-                                       "(BroadcastWeightSender); the orchestrator only records the version")
+        if self.cfg.weight_update == "broadcast":
+            # the trainer broadcast this version (weight_sync.BroadcastWeightSender) and wrote its
+            # marker only after the server confirmed it: nothing to load, the version is recorded
+            self.version = version
+            return
         path = Path(transport.weights_dir(version)).resolve()
         self.collective_rpc("update_weights_from_path", str(path))
         _http(self.url + "/reset_prefix_cache", {}, timeout=self.timeout_s)

@@ -6,9 +6,11 @@ module does not need vLLM; the methods only run inside a vLLM worker.
 
 - ``update_weights_from_path(path)``: read ``<path>/model.safetensors`` (Hugging Face names;
   FP8 experts may come with ``*_scale_inv``) and hand them to the model's ``load_weights``.
-- ``init_broadcast(host, port, rank, world_size)`` then ``update_weights_from_broadcast(specs)``:
-  join a process group with trainer rank 0 (rank 0 = trainer, workers after it) and receive
-  every tensor of ``specs`` (``[(name, dtype, shape), ...]``) by broadcast from rank 0.
+- ``init_broadcast(host, port, rank, world_size)`` then ``update_weights_from_broadcast()``:
+  join a process group with trainer rank 0 (rank 0 = trainer, workers after it) and receive one
+  update by broadcast from rank 0 (:func:`send_update` / :func:`receive_update`: a header with the
+  version and the tensor specs, then every tensor); returns the version. With ``specs``
+  (``[(name, dtype, shape), ...]``) only the tensors are received (no header).
 """
 
 from __future__ import annotations
@@ -27,25 +29,44 @@ class WeightUpdateExtension:
         self.model_runner.model.load_weights(weights=list(weights.items()))
         return int((d / "STABLE").read_text())
 
-    def init_broadcast(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+    def init_broadcast(self, host: str, port: int, rank_offset: int, world_size: int,
+                       timeout_s: float = 300.0) -> None:
         import torch.distributed as dist
 
         rank = rank_offset + (dist.get_rank() if dist.is_initialized() else 0)
-        self._primerl_group = new_group(host, port, rank, world_size)
+        self._primerl_group = new_group(host, port, rank, world_size, timeout_s=timeout_s)
 
-    def update_weights_from_broadcast(self, specs: list) -> None:
-        self.model_runner.model.load_weights(weights=receive_weights(self._primerl_group, specs, self.device))
+    def update_weights_from_broadcast(self, specs: list | None = None) -> int | None:
+        if specs is not None:
+            self.model_runner.model.load_weights(weights=receive_weights(self._primerl_group, specs, self.device))
+            return None
+        version, weights = receive_update(self._primerl_group, self.device)
+        self.model_runner.model.load_weights(weights=weights)
+        return version
 
 
-def new_group(host: str, port: int, rank: int, world_size: int):
-    """A process group outside vLLM's own (its own TCPStore rendezvous; rank 0 = the trainer)."""
+def new_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float = 300.0):
+    """A process group outside vLLM's own (its own TCPStore rendezvous; rank 0 = the trainer).
+    Joining and every collective give up after ``timeout_s`` (a dead peer raises, never hangs)."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0))
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
     if torch.cuda.is_available():
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    return dist.ProcessGroupGloo(store, rank, world_size)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def _group_device(group) -> str:
+    import torch.distributed as dist
+
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    return "cuda" if nccl is not None and isinstance(group, nccl) else "cpu"
 
 
 def _broadcast(group, t) -> None:
@@ -65,8 +86,37 @@ def weight_specs(state_dict) -> list:
 
 def send_weights(group, state_dict) -> None:
     """Trainer side (rank 0): broadcast every tensor in ``weight_specs`` order."""
+    dev = _group_device(group)
     for _, v in state_dict.items():
-        _broadcast(group, v.detach().contiguous())
+        _broadcast(group, v.detach().to(dev).contiguous())
+
+
+def send_update(group, version: int, state_dict) -> None:
+    """Trainer side: a header (``version`` and the specs, as JSON bytes) then every tensor."""
+    import json
+
+    import torch
+
+    dev = _group_device(group)
+    meta = json.dumps({"version": int(version), "specs": weight_specs(state_dict)}).encode()
+    _broadcast(group, torch.tensor([len(meta)], dtype=torch.int64, device=dev))
+    _broadcast(group, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev))
+    send_weights(group, state_dict)
+
+
+def receive_update(group, device="cpu") -> tuple[int, list]:
+    """Receiver side of :func:`send_update`: ``(version, [(name, tensor), ...])``."""
+    import json
+
+    import torch
+
+    dev = _group_device(group)
+    n = torch.zeros(1, dtype=torch.int64, device=dev)
+    _broadcast(group, n)
+    meta = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
+    _broadcast(group, meta)
+    head = json.loads(bytes(meta.cpu().tolist()))
+    return int(head["version"]), receive_weights(group, head["specs"], device)
 
 
 def receive_weights(group, specs: list, device="cpu") -> list:

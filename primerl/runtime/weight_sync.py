@@ -1,0 +1,139 @@
+"""How the trainer hands each policy version to inference (``inference.backend``,
+``inference.vllm.weight_update``):
+
+- embedded engine: ``model.safetensors`` under primerl's names through the :class:`FileTransport`;
+- vLLM, ``filesystem``: the Hugging Face layout (``hf_weights.publish_hf``: safetensors +
+  ``config.json`` + marker; block-FP8 experts with ``update_fp8``), loaded by the server on the
+  orchestrator's ``update_weights_from_path``;
+- vLLM, ``broadcast``: the same Hugging Face tensors broadcast over a ``torch.distributed`` group
+  from trainer rank 0 to the receivers (:class:`BroadcastWeightSender`), then a marker-only
+  version directory, so the orchestrator learns the version only once the receivers hold it.
+
+Every step has a timeout (``inference.vllm.broadcast_timeout_s``); a receiver that is gone makes
+the send raise, never hang.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .config import RLConfig, VLLMConfig
+from .transport import FileTransport
+
+log = logging.getLogger("primerl.weight_sync")
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+class BroadcastWeightSender:
+    """Trainer rank 0's end of the broadcast group (rank 0; receivers are ranks 1..n).
+
+    With ``rpc_url`` (a vLLM server started with the worker extension), joining and every update
+    are also requested from the server by ``POST /collective_rpc`` in a background thread while
+    this side broadcasts; without it the receivers call ``receive_update`` in a loop themselves."""
+
+    def __init__(self, host: str, port: int, num_receivers: int, *, timeout_s: float = 300.0,
+                 rpc_url: str | None = None):
+        if num_receivers < 1:
+            raise ValueError(f"num_receivers must be >= 1, got {num_receivers}")
+        self.host, self.port, self.num_receivers = host, port, num_receivers
+        self.timeout_s, self.rpc_url = timeout_s, rpc_url.rstrip("/") if rpc_url else None
+        self.group = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-rpc") if self.rpc_url else None
+
+    @classmethod
+    def from_config(cls, v: VLLMConfig) -> "BroadcastWeightSender":
+        n = v.broadcast_receivers or v.data_parallel * v.tensor_parallel
+        return cls(v.broadcast_host, v.broadcast_port, n, timeout_s=v.broadcast_timeout_s,
+                   rpc_url=v.url if v.broadcast_rpc else None)
+
+    def _rpc(self, method: str, *args):
+        from .vllm import _http
+
+        if self._pool is None:
+            return None
+        t = self.timeout_s
+        url = self.rpc_url
+
+        def call():
+            out = _http(url + "/collective_rpc", {"method": method, "args": list(args)}, t)
+            if method == "update_weights_from_broadcast":
+                _http(url + "/reset_prefix_cache", {}, t)
+            return out
+
+        return self._pool.submit(call)
+
+    def _finish(self, fut, what: str) -> None:
+        if fut is None:
+            return
+        try:
+            fut.result(self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise WeightSyncError(f"{what}: the inference server did not confirm ({e})") from e
+
+    def connect(self) -> "BroadcastWeightSender":
+        from .vllm_worker import new_group
+
+        fut = self._rpc("init_broadcast", self.host, self.port, 1, self.num_receivers + 1, self.timeout_s)
+        try:
+            self.group = new_group(self.host, self.port, 0, self.num_receivers + 1, timeout_s=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 (the store raises a bare RuntimeError/DistNetworkError on timeout)
+            raise WeightSyncError(f"weight broadcast group at {self.host}:{self.port}: {self.num_receivers} "
+                                  f"receiver(s) did not join within {self.timeout_s} s ({e})") from e
+        self._finish(fut, "joining the weight broadcast group")
+        return self
+
+    def send(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        from .vllm_worker import send_update
+
+        if self.group is None:
+            self.connect()
+        fut = self._rpc("update_weights_from_broadcast")
+        try:
+            send_update(self.group, version, tensors)
+        except Exception as e:  # noqa: BLE001
+            raise WeightSyncError(f"broadcast of weights version {version} failed (a receiver died or timed out "
+                                  f"after {self.timeout_s} s): {e}") from e
+        self._finish(fut, f"weights version {version}")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.group = None
+
+
+class WeightPublisher:
+    """Trainer rank 0: ``publish(version, state_dict)`` per the config (see the module docstring)."""
+
+    def __init__(self, cfg: RLConfig, transport: FileTransport, model):
+        self.cfg, self.transport, self.model = cfg, transport, model
+        i = cfg.inference
+        self.hf = i.backend == "vllm"
+        self.sender = BroadcastWeightSender.from_config(i.vllm) if self.hf and i.vllm.weight_update == "broadcast" else None
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        from .hf_weights import hf_weights, publish_hf
+
+        v = self.cfg.inference.vllm
+        if not self.hf:
+            self.transport.publish_weights(version, state_dict)
+        elif self.sender is None:
+            publish_hf(self.transport, version, self.model, state_dict, fp8=v.update_fp8)
+        else:
+            tensors = hf_weights(self.model, state_dict)
+            if v.update_fp8:
+                from .vllm import quantize_for_transfer
+
+                tensors = quantize_for_transfer(tensors)
+            self.sender.send(version, tensors)
+            self.transport.publish_weights(version, None)
+            log.info("weights version %d broadcast to %d receiver(s)", version, self.sender.num_receivers)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
