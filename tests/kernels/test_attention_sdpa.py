@@ -148,3 +148,17 @@ def test_named_only_default_unchanged():
     q, k, v, *_ = _inputs([4], 2, 2, 8, torch.float32, seed=0)
     with pytest.raises(ValueError, match="not implemented"):
         attention(q, k, v, backend="sdpa_typo")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sequences_without_queries_or_keys(causal):
+    """Gaps between the kernel runs: queries with no keys (out 0, lse -inf) and keys with no
+    queries (zero dk, dv), next to ordinary sequences."""
+    lq, lk = [5, 0, 4, 3], [0, 6, 3, 3]
+    q, k, v, dout, dlse = _inputs(lq, 2, 1, 16, torch.float32, seed=31, tk=sum(lk))
+    kw = dict(cu_seqlens=_cu(lq), cu_seqlens_k=_cu(lk), causal=causal)
+    got, ref = (_run(be, q, k, v, dout, dlse, **kw) for be in ("sdpa", "torch"))
+    assert torch.isneginf(got[1][:, :5]).all() and (got[0][:5] == 0).all()
+    assert (got[3][:6] == 0).all() and (got[4][:6] == 0).all()
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, ref):
+        assert _max_err(a, b) < 2e-5, name

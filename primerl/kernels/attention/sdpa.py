@@ -30,10 +30,10 @@ _NEG_INF = float("-inf")
 
 
 def _groups(spec, T: int):
-    """Yield (qs, ks, n, Lq, Lk, mask_seq_ids) runs: n consecutive sequences of equal lengths.
-
-    ``mask_seq_ids`` is None when the kernel's own masking is exact for the run (default positions
-    and either not causal or Lq == Lk); else the run is a single sequence that needs a built mask.
+    """Yield (qs, ks, n, Lq, Lk, masked) runs: n consecutive sequences of equal lengths starting at
+    query row qs and key row ks. ``masked`` is False when the kernel's own masking is exact for the
+    run (default positions and either not causal or Lq == Lk); else the run is a single sequence
+    that needs a built mask. Sequences without queries or keys are skipped (left to the caller).
     """
     cq, ck = spec.cu_seqlens_q.tolist(), spec.cu_seqlens_k.tolist()
     needs_mask_always = spec.q_positions is not None
@@ -62,15 +62,22 @@ def _groups(spec, T: int):
         yield (*run, False)
 
 
-def _mask(spec, qs, ks, lq, lk, dtype):
-    """Additive mask ``[1, 1, lq, lk]`` (0 visible, -inf hidden) and the rows that see any key ``[lq]``."""
-    q_pos, k_pos = spec.positions()
-    qp, kp = q_pos[qs:qs + lq].long(), k_pos[ks:ks + lk].long()
-    vis = (kp >= 0)[None, :].expand(lq, lk)
-    if spec.causal:
-        vis = vis & (kp[None, :] <= qp[:, None])
-    bias = torch.zeros(lq, lk, dtype=dtype, device=qp.device).masked_fill_(~vis, _NEG_INF)
-    return bias[None, None], vis.any(-1)
+class _Masks:
+    """Builds the additive masks of the runs that need one; positions computed once per call."""
+
+    def __init__(self, spec):
+        self.spec, self.pos = spec, None
+
+    def __call__(self, qs, ks, lq, lk, dtype):
+        """Additive mask ``[1, 1, lq, lk]`` (0 visible, -inf hidden) and the rows that see any key ``[lq]``."""
+        if self.pos is None:
+            self.pos = self.spec.positions()
+        qp, kp = self.pos[0][qs:qs + lq].long(), self.pos[1][ks:ks + lk].long()
+        vis = (kp >= 0)[None, :].expand(lq, lk)
+        if self.spec.causal:
+            vis = vis & (kp[None, :] <= qp[:, None])
+        bias = torch.zeros(lq, lk, dtype=dtype, device=qp.device).masked_fill_(~vis, _NEG_INF)
+        return bias[None, None], vis.any(-1)
 
 
 def _heads_view(x, start, n, length):
@@ -153,9 +160,9 @@ def _rows_shape(tail, rows, dim):
 def forward(q, k, v, spec, out_dtype: torch.dtype):
     """q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[T, Hq, D]`` (out_dtype), lse ``[Hq, T]`` float32."""
     T, Hq, D = q.shape
-    outs, lses = [], []
+    outs, lses, masks = [], [], _Masks(spec)
     for qs, ks, n, lq, lk, masked in _groups(spec, T):
-        bias, seen = _mask(spec, qs, ks, lq, lk, q.dtype) if masked else (None, None)
+        bias, seen = masks(qs, ks, lq, lk, q.dtype) if masked else (None, None)
         o, l = _kernel_forward(_heads_view(q, qs, n, lq), _heads_view(k, ks, n, lk), _heads_view(v, ks, n, lk),
                                spec.causal and not masked, bias, spec.softmax_scale)
         o = o.transpose(1, 2).reshape(n * lq, Hq, D)  # a view: the kernels write [n, L, H, D] memory
@@ -196,9 +203,9 @@ def backward(dout, q, k, v, out, lse, dlse, spec):
         dout = _append_cols(dout, dlse.transpose(0, 1), extra)
     # rows whose lse is -inf saw no key anywhere: P must be 0, so exp(s - (+inf)), never exp(-inf + inf)
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.float())
-    dqs, dks, dvs = [], [], []
+    dqs, dks, dvs, masks = [], [], [], _Masks(spec)
     for qs, ks, n, lq, lk, masked in _groups(spec, T):
-        bias = _mask(spec, qs, ks, lq, lk, dt)[0] if masked else None
+        bias = masks(qs, ks, lq, lk, dt)[0] if masked else None
         lseb = lse_safe[:, qs:qs + n * lq].reshape(Hq, n, lq).transpose(0, 1).contiguous()
         gq, gk, gv = _kernel_backward(
             _heads_view(dout, qs, n, lq), _heads_view(q, qs, n, lq), _heads_view(k, ks, n, lk),
