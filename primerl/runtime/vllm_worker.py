@@ -102,6 +102,15 @@ def send_update(group, version: int, state_dict) -> None:
     _broadcast(group, torch.tensor([len(meta)], dtype=torch.int64, device=dev))
     _broadcast(group, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev))
     send_weights(group, state_dict)
+    _ack(group)
+
+
+def _ack(group) -> None:
+    """Every rank has finished receiving (a broadcast's root may return while the bytes are still in
+    flight; the trainer writes the version's marker, or tears the group down, only after this)."""
+    import torch
+
+    group.allreduce([torch.zeros(1, device=_group_device(group))]).wait()
 
 
 def receive_update(group, device="cpu") -> tuple[int, list]:
@@ -116,7 +125,9 @@ def receive_update(group, device="cpu") -> tuple[int, list]:
     meta = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
     _broadcast(group, meta)
     head = json.loads(bytes(meta.cpu().tolist()))
-    return int(head["version"]), receive_weights(group, head["specs"], device)
+    weights = receive_weights(group, head["specs"], device)
+    _ack(group)
+    return int(head["version"]), weights
 
 
 def receive_weights(group, specs: list, device="cpu") -> list:
