@@ -5,6 +5,9 @@
 >>> p = env.prompt(0)          # Prompt(index=0, tokens=(1, s1..s4, 2), answer=[...], ...)
 
 Custom environments by import path: ``load_environment("my_pkg.envs:MyEnv", **args)``.
+Optional: ``primerl.rl.envs.verifiers_env.VerifiersEnvironment`` wraps a ``verifiers``-style
+environment (duck-typed, with a tokenizer; ``verifiers`` is not a requirement and never imported
+unless ``from_verifiers`` is called).
 """
 
 from __future__ import annotations
