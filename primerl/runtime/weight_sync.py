@@ -79,6 +79,21 @@ class BroadcastWeightSender:
     def connect(self) -> "BroadcastWeightSender":
         from .vllm_worker import new_group
 
+        if self.rpc_url:  # the trainer may come up before the server: wait for it (bounded)
+            from .transport import wait_for
+            from .vllm import InferenceServerError, _http
+
+            def healthy():
+                try:
+                    _http(self.rpc_url + "/health", None, timeout=5)
+                    return True
+                except InferenceServerError:
+                    return False
+
+            try:
+                wait_for(healthy, timeout=self.timeout_s, what=f"the inference server at {self.rpc_url}", poll=0.2, max_poll=1.0)
+            except TimeoutError as e:
+                raise WeightSyncError(str(e)) from e
         fut = self._rpc("init_broadcast", self.host, self.port, 1, self.num_receivers + 1, self.timeout_s)
         try:
             self.group = new_group(self.host, self.port, 0, self.num_receivers + 1, timeout_s=self.timeout_s)

@@ -130,6 +130,11 @@ def test_rpc_driven_broadcast_reaches_the_worker_extension():
         def log_message(self, *a):
             pass
 
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             calls.append(self.path if self.path != "/collective_rpc" else body["method"])
@@ -161,10 +166,13 @@ def test_rpc_driven_broadcast_reaches_the_worker_extension():
     assert torch.equal(second["c.weight"].view(torch.uint8), sd["c.weight"].view(torch.uint8))
 
 
-def test_missing_receiver_times_out_clearly():
+def test_missing_receiver_or_server_times_out_clearly():
     sender = BroadcastWeightSender("127.0.0.1", _port(), 1, timeout_s=1)
     with pytest.raises(WeightSyncError, match="did not join within 1"):
         sender.connect()
+    url = f"http://127.0.0.1:{_port()}"  # nothing listens there
+    with pytest.raises(WeightSyncError, match=f"inference server at {url}"):
+        BroadcastWeightSender("127.0.0.1", _port(), 1, timeout_s=1, rpc_url=url).connect()
 
 
 @pytest.mark.dist
