@@ -22,7 +22,7 @@ from primerl.runtime.policy import build_model
 from primerl.runtime.trainer import run_trainer
 from primerl.runtime.transport import FileTransport
 from primerl.runtime.vllm import VLLMClient
-from primerl.runtime.vllm_worker import WeightUpdateExtension, new_group, receive_update
+from primerl.runtime.vllm_worker import WeightUpdateExtension
 from primerl.runtime.weight_sync import BroadcastWeightSender, WeightSyncError
 
 V = 12
