@@ -80,7 +80,7 @@ EXTERNAL_BACKENDS = {
 
 
 # Backends made of torch's own fused kernels: always importable, on CPU and CUDA; only used when
-# named (never picked by backend=None). Not listed by backends(), which lists primerl's own kinds.
+# named (never picked by backend=None).
 TORCH_KERNEL_BACKENDS = {
     "sdpa": "torch's scaled_dot_product_attention kernels (CPU flash, CUDA memory-efficient)",
 }
@@ -97,12 +97,15 @@ def backend_status(name: str) -> BackendStatus:
         return _cuda_status()
     if name in EXTERNAL_BACKENDS:
         return _external_status(name, EXTERNAL_BACKENDS[name])
-    raise ValueError(f"unknown backend {name!r}; known: {BUILTIN_BACKENDS + tuple(EXTERNAL_BACKENDS)}")
+    raise ValueError(f"unknown backend {name!r}; known: {_ALL_BACKENDS}")
+
+
+_ALL_BACKENDS = BUILTIN_BACKENDS + tuple(EXTERNAL_BACKENDS) + tuple(TORCH_KERNEL_BACKENDS)
 
 
 def backends() -> dict[str, BackendStatus]:
     """Every backend primerl knows, whether it can run here, and why (not)."""
-    return {name: backend_status(name) for name in BUILTIN_BACKENDS + tuple(EXTERNAL_BACKENDS)}
+    return {name: backend_status(name) for name in _ALL_BACKENDS}
 
 
 def resolve_backend(

@@ -22,7 +22,7 @@ NO_CUDA_BACKEND = not (HAS_CUDA_EXT and torch.cuda.is_available())
 
 def test_backends_lists_every_backend_with_a_reason():
     table = backends()
-    assert list(table) == ["torch", "triton", "cuda", "deep_gemm", "flash_attn"]
+    assert list(table) == ["torch", "triton", "cuda", "deep_gemm", "flash_attn", "sdpa"]
     for name, status in table.items():
         assert isinstance(status, BackendStatus)
         assert isinstance(status.available, bool)
