@@ -58,6 +58,11 @@ class Combine(torch.autograd.Function):
         y_perm, row_map, weights = ctx.saved_tensors
         grad_y = grad_y.contiguous()
         grad_perm = grad_w = None
+        if op(ctx.impl, "scatter_rows") is reference.scatter_rows and weights is not None \
+                and y_perm.shape[0] == row_map.numel():
+            grad_perm, grad_w = reference.combine_backward(
+                grad_y, y_perm, row_map, weights, ctx.needs_input_grad[0], ctx.needs_input_grad[2])
+            return grad_perm, None, grad_w, None
         if ctx.needs_input_grad[0]:
             grad_perm = op(ctx.impl, "scatter_rows")(grad_y, row_map, weights, y_perm.shape[0])
         if ctx.needs_input_grad[2]:

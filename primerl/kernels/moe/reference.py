@@ -110,9 +110,26 @@ def align(topk_ids: torch.Tensor, num_experts: int, block: int):
 
 
 # ----------------------------------------------------------------------------------- row movement
+# On CPU ``index_select`` along dim 0 copies whole rows and beats both advanced indexing
+# (``aten::index``) and ``index_put`` of an expanded source, so rows move by gathers only.
+def slot_of_rows(row_map: torch.Tensor) -> torch.Tensor:
+    """The inverse of a full layout (M == n == T*k): row r holds slot ``slot_of_rows(row_map)[r]`` [n] int64."""
+    flat = row_map.reshape(-1).long()
+    inv = torch.empty_like(flat)
+    inv[flat] = torch.arange(flat.numel(), device=flat.device)
+    return inv
+
+
 def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, scale: torch.Tensor | None, num_rows: int) -> torch.Tensor:
     """out [num_rows, D] (src dtype): ``out[row_map[t, j]] = src[t] (* scale[t, j])``, other rows 0."""
     t, k = row_map.shape
+    if num_rows == t * k:  # no padding rows: gather each row's token (same values, no zero-fill)
+        slots = slot_of_rows(row_map)
+        out = src.index_select(0, torch.div(slots, k, rounding_mode="floor"))
+        if scale is None:
+            return out
+        rows_scale = scale.reshape(-1).index_select(0, slots).unsqueeze(-1)
+        return out.float().mul_(rows_scale).to(src.dtype)  # float32: .float() is out itself
     out = torch.zeros(num_rows, src.shape[1], dtype=src.dtype, device=src.device)
     rows = src.unsqueeze(1).expand(t, k, src.shape[1])
     if scale is not None:
@@ -126,8 +143,9 @@ def combine_rows(y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Ten
     accumulated in float32 from zero."""
     t, k = row_map.shape
     acc = torch.zeros(t, y_perm.shape[1], dtype=torch.float32, device=y_perm.device)
+    idx = row_map.long().t()  # [k, T]: column j contiguous for index_select
     for j in range(k):
-        term = y_perm[row_map[:, j].long()].float()
+        term = y_perm.index_select(0, idx[j]).float()
         if weights is not None:
             term.mul_(weights[:, j : j + 1])  # term is a fresh gather: safe to overwrite
         acc.add_(term)
@@ -136,8 +154,29 @@ def combine_rows(y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Ten
 
 def combine_weight_grad(dy: torch.Tensor, y_perm: torch.Tensor, row_map: torch.Tensor) -> torch.Tensor:
     """d topk_weights [T, k] float32 = <dy[t], y_perm[row_map[t, j]]> in float32 (shared by all backends)."""
-    gathered = y_perm[row_map.long()].float()
+    t, k = row_map.shape
+    gathered = y_perm.index_select(0, row_map.reshape(-1).long()).view(t, k, -1).float()
     return (gathered * dy.float().unsqueeze(1)).sum(dim=-1)
+
+
+def combine_backward(dy: torch.Tensor, y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor,
+                     need_perm: bool, need_weights: bool):
+    """Both gradients of a weighted combine over a full layout (M == T*k), from one gather of dy
+    into row order: d y_perm [M, D] = :func:`scatter_rows` (dy, row_map, weights, M) and
+    d weights [T, k] = :func:`combine_weight_grad` (dy, y_perm, row_map), the same values (the
+    per-row products and row sums are those of the slot-order formulas, only visited by row)."""
+    t, k = row_map.shape
+    slots = slot_of_rows(row_map)
+    dy_rows = dy.index_select(0, torch.div(slots, k, rounding_mode="floor")).float()  # [M, D]
+    grad_w = None
+    if need_weights:
+        per_row = (y_perm.float() * dy_rows).sum(dim=-1)  # [M]
+        grad_w = per_row.index_select(0, row_map.reshape(-1).long()).view(t, k)
+    grad_perm = None
+    if need_perm:
+        rows_scale = weights.reshape(-1).index_select(0, slots).unsqueeze(-1)
+        grad_perm = dy_rows.mul_(rows_scale).to(dy.dtype)  # dy_rows is a fresh gather, no longer read
+    return grad_perm, grad_w
 
 
 # ------------------------------------------------------------------------------------------ SwiGLU
@@ -160,6 +199,13 @@ def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     i = gu.shape[1] // 2
     g, u, d = gu[:, :i].float(), gu[:, i:].float(), dh.float()
     sig = _sigmoid(g)
+    if gu.dtype == torch.float32:  # write both halves in place (same ops, no staging copies)
+        out = torch.empty_like(gu)
+        dg, du = out[:, :i], out[:, i:]
+        torch.mul(g, sig, out=du).mul_(d)
+        torch.mul(d, u, out=dg).mul_(sig)
+        dg.mul_(sig.neg_().add_(1.0).mul_(g).add_(1.0))
+        return out
     silu = g * sig
     dg = (d * u).mul_(sig)
     dg.mul_(sig.neg_().add_(1.0).mul_(g).add_(1.0))
@@ -186,12 +232,14 @@ def swiglu_quant(gu: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: b
 
 __all__ = [
     "align",
+    "combine_backward",
     "combine_rows",
     "combine_weight_grad",
     "expert_counts",
     "max_padded_rows",
     "scatter_rows",
     "select_experts",
+    "slot_of_rows",
     "swiglu",
     "swiglu_backward",
     "swiglu_quant",
