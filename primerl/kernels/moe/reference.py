@@ -112,6 +112,15 @@ def align(topk_ids: torch.Tensor, num_experts: int, block: int):
 # ----------------------------------------------------------------------------------- row movement
 # On CPU ``index_select`` along dim 0 copies whole rows and beats both advanced indexing
 # (``aten::index``) and ``index_put`` of an expanded source, so rows move by gathers only.
+# Chains of elementwise ops run over row chunks of about this many elements, so each chain stays
+# in cache instead of streaming whole [M, D] temporaries through memory (same ops per element).
+CHUNK_ELEMS = 1 << 18
+
+
+def chunk_rows(cols: int) -> int:
+    return max(1, CHUNK_ELEMS // max(cols, 1))
+
+
 def slot_of_rows(row_map: torch.Tensor) -> torch.Tensor:
     """The inverse of a full layout (M == n == T*k): row r holds slot ``slot_of_rows(row_map)[r]`` [n] int64."""
     flat = row_map.reshape(-1).long()
@@ -142,13 +151,19 @@ def combine_rows(y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Ten
     """y [T, D] (y_perm dtype) = sum over j in order 0..k-1 of ``y_perm[row_map[t, j]] (* w[t, j])``
     accumulated in float32 from zero."""
     t, k = row_map.shape
-    acc = torch.zeros(t, y_perm.shape[1], dtype=torch.float32, device=y_perm.device)
-    idx = row_map.long().t()  # [k, T]: column j contiguous for index_select
-    for j in range(k):
-        term = y_perm.index_select(0, idx[j]).float()
-        if weights is not None:
-            term.mul_(weights[:, j : j + 1])  # term is a fresh gather: safe to overwrite
-        acc.add_(term)
+    d = y_perm.shape[1]
+    acc = torch.zeros(t, d, dtype=torch.float32, device=y_perm.device)
+    idx = row_map.long().t().contiguous()  # [k, T]: column j contiguous for index_select
+    step = chunk_rows(d)
+    buf = y_perm.new_empty(min(step, t), d)
+    for t0 in range(0, t, step):  # a token chunk's accumulator stays in cache over the k terms
+        t1 = min(t0 + step, t)
+        part = acc[t0:t1]
+        for j in range(k):
+            term = torch.index_select(y_perm, 0, idx[j, t0:t1], out=buf[: t1 - t0]).float()
+            if weights is not None:
+                term.mul_(weights[t0:t1, j : j + 1])  # term is a scratch gather: safe to overwrite
+            part.add_(term)
     return acc.to(y_perm.dtype)
 
 
@@ -167,16 +182,31 @@ def combine_backward(dy: torch.Tensor, y_perm: torch.Tensor, row_map: torch.Tens
     per-row products and row sums are those of the slot-order formulas, only visited by row)."""
     t, k = row_map.shape
     slots = slot_of_rows(row_map)
-    dy_rows = dy.index_select(0, torch.div(slots, k, rounding_mode="floor")).float()  # [M, D]
-    grad_w = None
-    if need_weights:
-        per_row = (y_perm.float() * dy_rows).sum(dim=-1)  # [M]
-        grad_w = per_row.index_select(0, row_map.reshape(-1).long()).view(t, k)
-    grad_perm = None
-    if need_perm:
-        rows_scale = weights.reshape(-1).index_select(0, slots).unsqueeze(-1)
-        grad_perm = dy_rows.mul_(rows_scale).to(dy.dtype)  # dy_rows is a fresh gather, no longer read
-    return grad_perm, grad_w
+    tokens = torch.div(slots, k, rounding_mode="floor")
+    rows_scale = weights.reshape(-1).index_select(0, slots).unsqueeze(-1) if need_perm else None
+    m, d = y_perm.shape
+    if dy.dtype != torch.float32 or y_perm.dtype != torch.float32:
+        dy_rows = dy.index_select(0, tokens).float()  # [M, D]
+        grad_w = None
+        if need_weights:
+            per_row = (y_perm.float() * dy_rows).sum(dim=-1)  # [M]
+            grad_w = per_row.index_select(0, row_map.reshape(-1).long()).view(t, k)
+        grad_perm = dy_rows.mul_(rows_scale).to(dy.dtype) if need_perm else None  # dy_rows: fresh
+        return grad_perm, grad_w
+    # float32: gather, row dots and scaling chunk by chunk, in cache
+    dy_rows = dy.new_empty(m, d)
+    per_row = dy.new_empty(m) if need_weights else None
+    step = chunk_rows(d)
+    prod = dy.new_empty(min(step, m), d) if need_weights else None
+    for r0 in range(0, m, step):
+        r1 = min(r0 + step, m)
+        rows = torch.index_select(dy, 0, tokens[r0:r1], out=dy_rows[r0:r1])
+        if need_weights:
+            torch.sum(torch.mul(y_perm[r0:r1], rows, out=prod[: r1 - r0]), dim=-1, out=per_row[r0:r1])
+        if need_perm:
+            rows.mul_(rows_scale[r0:r1])
+    grad_w = per_row.index_select(0, row_map.reshape(-1).long()).view(t, k) if need_weights else None
+    return (dy_rows if need_perm else None), grad_w
 
 
 # ------------------------------------------------------------------------------------------ SwiGLU
@@ -188,6 +218,14 @@ def _sigmoid(g: torch.Tensor) -> torch.Tensor:
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
     """gu [M, 2I] (gate columns first, then up) -> h [M, I] = silu(gate) * up, float32 math."""
     i = gu.shape[1] // 2
+    if gu.dtype == torch.float32:  # the whole chain written in place into h, chunk by chunk
+        m = gu.shape[0]
+        h = gu.new_empty(m, i)
+        step = chunk_rows(2 * i)
+        for r0 in range(0, m, step):
+            g, u = gu[r0 : r0 + step, :i], gu[r0 : r0 + step, i:]
+            torch.neg(g, out=h[r0 : r0 + step]).exp_().add_(1.0).reciprocal_().mul_(g).mul_(u)
+        return h
     g, u = gu[:, :i].float(), gu[:, i:].float()
     # in place where possible: on CPU fresh large buffers cost more than the arithmetic
     return _sigmoid(g).mul_(g).mul_(u).to(gu.dtype)
@@ -197,15 +235,23 @@ def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     """d gu [M, 2I] (gu dtype) from dh [M, I]:
     d gate = dh * up * sig * (1 + gate * (1 - sig)), d up = dh * gate * sig (sig = sigmoid(gate))."""
     i = gu.shape[1] // 2
+    if gu.dtype == torch.float32 and dh.dtype == torch.float32:
+        # both halves written in place, chunk by chunk (same ops, no staging copies)
+        m = gu.shape[0]
+        out = torch.empty_like(gu)
+        step = chunk_rows(3 * i)
+        sig_buf = gu.new_empty(min(step, m), i)
+        for r0 in range(0, m, step):
+            r1 = min(r0 + step, m)
+            g, u, d = gu[r0:r1, :i], gu[r0:r1, i:], dh[r0:r1]
+            sig = torch.neg(g, out=sig_buf[: r1 - r0]).exp_().add_(1.0).reciprocal_()
+            dg, du = out[r0:r1, :i], out[r0:r1, i:]
+            torch.mul(g, sig, out=du).mul_(d)
+            torch.mul(d, u, out=dg).mul_(sig)
+            dg.mul_(sig.neg_().add_(1.0).mul_(g).add_(1.0))
+        return out
     g, u, d = gu[:, :i].float(), gu[:, i:].float(), dh.float()
     sig = _sigmoid(g)
-    if gu.dtype == torch.float32:  # write both halves in place (same ops, no staging copies)
-        out = torch.empty_like(gu)
-        dg, du = out[:, :i], out[:, i:]
-        torch.mul(g, sig, out=du).mul_(d)
-        torch.mul(d, u, out=dg).mul_(sig)
-        dg.mul_(sig.neg_().add_(1.0).mul_(g).add_(1.0))
-        return out
     silu = g * sig
     dg = (d * u).mul_(sig)
     dg.mul_(sig.neg_().add_(1.0).mul_(g).add_(1.0))
