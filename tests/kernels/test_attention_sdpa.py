@@ -11,43 +11,9 @@ import torch
 from primerl.kernels._backend import resolve_backend
 from primerl.kernels.attention import attention, attention_backward, attention_forward, merge_attn_states, reference
 
+from attention_testing import cu as _cu, inputs as _inputs, max_err as _max_err, reference_at as _reference_at, run as _run  # noqa: E402
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-
-
-def _inputs(lens, hq, hkv, d, dtype, seed, tk=None):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lens)
-    tk = t if tk is None else tk
-    mk = lambda *s: torch.randn(*s, generator=g).to(DEV, dtype)  # noqa: E731
-    return mk(t, hq, d), mk(tk, hkv, d), mk(tk, hkv, d), mk(t, hq, d), torch.randn(hq, t, generator=g).to(DEV)
-
-
-def _run(backend, q, k, v, dout, dlse, **kw):
-    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = attention(qq, kk, vv, return_lse=True, backend=backend, **kw)
-    torch.autograd.backward((out, lse), (dout, dlse))
-    return out, lse, qq.grad, kk.grad, vv.grad
-
-
-def _reference_at(dtype, q, k, v, dout, dlse, cu, causal):
-    """The same math done by PyTorch at ``dtype`` (inputs cast to it)."""
-    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
-    qp, kp = reference.default_positions(cu, cu)
-    scale = q.shape[-1] ** -0.5
-    out, lse = reference.attention_forward(q, k, v, cu, cu, causal, scale, qp, kp, compute_dtype=dtype)
-    dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, dlse, cu, cu, causal, scale, qp, kp, compute_dtype=dtype)
-    return out, lse, dq, dk, dv
-
-
-def _max_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    fin = torch.isfinite(b)
-    assert torch.equal(fin, torch.isfinite(a)), "non-finite pattern differs (e.g. lse = -inf rows)"
-    return float((a[fin] - b[fin]).abs().max()) if fin.any() else 0.0
 
 
 LENS = {
