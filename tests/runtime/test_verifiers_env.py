@@ -11,6 +11,8 @@ import torch
 from primerl.rl.envs import Episode, Turn, call_env, load_environment
 from primerl.rl.envs.verifiers_env import VerifiersEnvironment, from_verifiers
 
+from orchestrator_testing import run_orchestrator_with_stub_trainer
+
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<system>", "<user>", "<assistant>"]
 CHARS = "abcdefghijklmnopqrstuvwxyz ?"
 
@@ -167,8 +169,6 @@ def test_orchestrator_runs_a_verifiers_environment(tmp_path):
     from primerl.models.config import MoETransformerConfig
     from primerl.models.transformer import MoETransformer
     from primerl.runtime.config import load_config
-    from primerl.runtime.job import make_client
-    from primerl.runtime.orchestrator import Orchestrator
     from primerl.runtime.transport import FileTransport
 
     env = _env()
@@ -177,18 +177,7 @@ def test_orchestrator_runs_a_verifiers_environment(tmp_path):
                              "--model.dim", "32", "--model.moe_dim", "16", "--model.n_layers", "1"])
     model = MoETransformer(MoETransformerConfig.tiny(vocab_size=env.vocab_size, dim=32, moe_dim=16, n_layers=1))
     tr = FileTransport(tmp_path)
-    seen = []
-
-    def trainer():
-        for v in range(3):
-            tr.publish_weights(v, model.state_dict())
-            if v < 2:
-                seen.append(tr.get_batch(v, 0, timeout=60))
-
-    th = threading.Thread(target=trainer, daemon=True)
-    th.start()
-    Orchestrator(cfg, env, make_client(cfg, env.vocab_size), tr, top_k=2).run()
-    th.join(30)
+    seen = run_orchestrator_with_stub_trainer(cfg, env, model, tr)
     assert [p["step"] for p in seen] == [0, 1]
     mbs = seen[0]["micro_batches"]
     assert sum(int(mb.loss_mask.sum()) for mb in mbs) > 0

@@ -21,6 +21,8 @@ from primerl.runtime.transport import FileTransport
 from primerl.runtime.vllm import (InferenceServerError, VLLMClient, decode_routed_experts, quantize_for_transfer,
                                   vllm_env, vllm_serve_command)
 
+from orchestrator_testing import run_orchestrator_with_stub_trainer
+
 V = 11
 
 
@@ -209,8 +211,6 @@ def test_orchestrator_runs_on_the_http_backend(tmp_path):
     """The orchestrator with inference.backend = vllm, against the engine's HTTP server: batches are
     produced, weights are pushed by the filesystem update, routing comes back for replay."""
     from primerl.rl.envs import ReverseText
-    from primerl.runtime.job import make_client
-    from primerl.runtime.orchestrator import Orchestrator
 
     env = ReverseText(num_symbols=4, min_length=2, max_length=4)
     model = MoETransformer(MoETransformerConfig.tiny(vocab_size=env.vocab_size))
@@ -221,18 +221,7 @@ def test_orchestrator_runs_on_the_http_backend(tmp_path):
                                  "3", "--orchestrator.max_async_level", "0", "--model.dim", "64", "--model.n_heads", "4",
                                  "--model.n_kv_heads", "2", "--model.moe_dim", "32"])
         tr = FileTransport(tmp_path)
-        seen = []
-
-        def trainer():
-            for v in range(3):
-                tr.publish_weights(v, model.state_dict())
-                if v < 2:
-                    seen.append(tr.get_batch(v, 0, timeout=60))
-
-        th = threading.Thread(target=trainer, daemon=True)
-        th.start()
-        Orchestrator(cfg, env, make_client(cfg, env.vocab_size), tr, top_k=2).run()
-        th.join(30)
+        seen = run_orchestrator_with_stub_trainer(cfg, env, model, tr)
         assert [p["step"] for p in seen] == [0, 1] and srv.engine.policy_version == 1
         assert all(p["micro_batches"][0].replay_ids is not None for p in seen)
     finally:
