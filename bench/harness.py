@@ -57,6 +57,25 @@ def time_fn(fn: Callable[[], object], *, device: str = "cpu", warmup: int = 2, r
     return statistics.median(times)
 
 
+def time_interleaved(fns: dict[str, Callable[[], object]], *, device: str = "cpu", warmup: int = 1,
+                     repeats: int = 7) -> dict[str, float]:
+    """Median wall time of each of ``fns`` in seconds, the functions run in turn within each
+    repeat, so that a slow phase of a shared CPU (other tenants, frequency) hits all of them alike
+    and their ratios stay meaningful. On CUDA each is timed by :func:`time_fn`."""
+    if device == "cuda":
+        return {name: time_fn(fn, device=device) for name, fn in fns.items()}
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def peak_memory(fn: Callable[[], object], device: str = "cpu") -> int:
     """Peak bytes allocated while running ``fn`` (CUDA allocator stats, or the CPU tracker)."""
     if device == "cuda":

@@ -360,6 +360,77 @@ def test_fused_experts_float32_fwd_bwd(torch_exp, name, ids, e, backend):
         assert max_rel_err(g, r) < 1e-5, name_
 
 
+def composed_experts(x, w13, w2, ids, w):
+    """fused_experts as the op-by-op chain of autograd Functions (what every non-CPU path runs)."""
+    from primerl.kernels.moe import _functions as FN
+
+    t, k = ids.shape
+    row_of_slot, _, _, _, ends = R.align(ids, w13.shape[0], 1)
+    row_map = row_of_slot.view(t, k)
+    x_perm = FN.Permute.apply(x, row_map, t * k, R)
+    h = FN.SwiGLU.apply(FN.grouped_mm(x_perm, w13, ends), R)
+    return FN.Combine.apply(FN.grouped_mm(h, w2, ends), row_map, w, R)
+
+
+# (T, k, E, D, I): I of 8, 24 and 40 rows of a 16-wide vector register, a full one, uneven groups
+BY_EXPERT_CASES = [(1, 1, 1, 8, 8), (9, 1, 5, 16, 24), (13, 3, 11, 24, 40), (40, 4, 4, 32, 16), (300, 8, 16, 64, 32)]
+
+
+@pytest.mark.parametrize("t,k,e,d,i", BY_EXPERT_CASES)
+@pytest.mark.parametrize("needs", ["all", "no_x", "only_weights", "only_w2"])
+def test_cpu_expert_by_expert_path_is_bitwise_the_composition(t, k, e, d, i, needs):
+    """The CPU float32 path of fused_experts (primerl.kernels.moe.cpu_experts, one expert at a time,
+    its intermediates in reused scratch) gives the bits of the op-by-op chain for y, d w13, d w2 and
+    d weights, with empty experts and with only some inputs requiring grad. d x sums a token's k
+    row gradients in expert order (accumulated in place, no [T*k, D] buffer) instead of the
+    chain's k order: float32 rounding of a reordered sum, held to max_rel_err < 1e-6."""
+    from primerl.kernels.moe import cpu_experts
+
+    torch.manual_seed(16)
+    # the last expert gets no token whenever k leaves room for it
+    ids = random_ids(t, k, e - 1 if k < e - 1 else e, torch.Generator().manual_seed(t + e))
+    x, w = torch.randn(t, d), torch.rand(t, k)
+    w13, w2 = torch.randn(e, 2 * i, d) / d**0.5, torch.randn(e, d, i) / i**0.5
+    wants = {"all": (1, 1, 1, 1), "no_x": (0, 1, 1, 1), "only_weights": (0, 0, 0, 1), "only_w2": (0, 0, 1, 0)}[needs]
+    gy = torch.randn(t, d)
+    outs = []
+    for fn in (fused_experts, composed_experts):
+        leaves = [v.clone().requires_grad_(bool(want)) for v, want in zip((x, w13, w2, w), wants)]
+        assert cpu_experts.supported(*leaves[:3], None)
+        y = fn(*leaves[:3], ids, leaves[3])
+        grads = torch.autograd.grad(y, [v for v in leaves if v.requires_grad], gy)
+        outs.append(dict(zip(["y"] + [n for n, want in zip(("dx", "dw13", "dw2", "dweights"), wants) if want],
+                             (y,) + grads)))
+    fast, chain = outs
+    assert fast.keys() == chain.keys()
+    for name in fast:
+        if name == "dx":
+            assert max_rel_err(fast[name], chain[name].double()) < 1e-6
+        else:
+            assert_bitwise_equal(fast[name], chain[name], name)
+
+
+def test_cpu_grouped_rows_path_is_bitwise_the_composition():
+    """experts_on_grouped_rows (the expert-parallel seam) takes the same per-expert path on CPU."""
+    from primerl.kernels.moe import _functions as FN
+
+    torch.manual_seed(17)
+    e, d, i = 5, 24, 40
+    ends = torch.tensor([3, 3, 10, 30, 31], dtype=torch.int32)  # expert 1 empty
+    x_perm, w13, w2 = torch.randn(31, d), torch.randn(e, 2 * i, d) / 5, torch.randn(e, d, i) / 6
+    gy = torch.randn(31, d)
+    outs = []
+    for fast in (True, False):
+        leaves = [v.clone().requires_grad_() for v in (x_perm, w13, w2)]
+        if fast:
+            y = FN.experts_on_grouped_rows(*leaves, ends, R)
+        else:
+            y = FN.grouped_mm(FN.SwiGLU.apply(FN.grouped_mm(leaves[0], leaves[1], ends), R), leaves[2], ends)
+        outs.append((y,) + torch.autograd.grad(y, leaves, gy))
+    for a, b in zip(*outs):
+        assert_bitwise_equal(a, b)
+
+
 @needs_interpreter
 def test_fused_experts_backends_bitwise_bf16(torch_exp):
     torch.manual_seed(12)

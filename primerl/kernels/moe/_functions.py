@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import cpu_experts, reference
 
 
 def backend_impl(backend: str):
@@ -100,6 +100,10 @@ def experts_on_grouped_rows(x_perm, w13, w2, ends, impl, fp8_recipe=None):
         from .fp8 import FP8GroupedExperts, recipe_name
 
         return FP8GroupedExperts.apply(x_perm, w13, w2, ends, recipe_name(fp8_recipe), impl)
+    if impl is reference and cpu_experts.supported(x_perm, w13, w2, fp8_recipe):
+        ends_list = ends.tolist()  # host sync: free on CPU
+        if ends_list and ends_list[-1] == x_perm.shape[0]:
+            return cpu_experts.grouped_experts(x_perm, w13, w2, ends_list)
     gu = grouped_mm(x_perm, w13, ends)
     h = SwiGLU.apply(gu, impl)
     return grouped_mm(h, w2, ends)
@@ -110,6 +114,8 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, impl, fp8_recipe=None):
     with torch.no_grad():
         row_of_slot, _, _, _, ends = op(impl, "align")(topk_ids, w13.shape[0], 1)
     row_map = row_of_slot.view(t, k)
+    if impl is reference and cpu_experts.supported(x, w13, w2, fp8_recipe):
+        return cpu_experts.routed_experts(x, w13, w2, topk_weights, row_map, ends)
     x_perm = Permute.apply(x, row_map, t * k, impl)
     y_perm = experts_on_grouped_rows(x_perm, w13, w2, ends, impl, fp8_recipe)
     return Combine.apply(y_perm, row_map, topk_weights, impl)

@@ -215,12 +215,16 @@ def _sigmoid(g: torch.Tensor) -> torch.Tensor:
     return torch.neg(g).exp_().add_(1.0).reciprocal_()
 
 
-def swiglu(gu: torch.Tensor) -> torch.Tensor:
-    """gu [M, 2I] (gate columns first, then up) -> h [M, I] = silu(gate) * up, float32 math."""
+def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gu [M, 2I] (gate columns first, then up) -> h [M, I] = silu(gate) * up, float32 math.
+
+    ``out`` (float32 only): a contiguous [M, I] buffer to write h into."""
     i = gu.shape[1] // 2
+    if out is not None and (gu.dtype != torch.float32 or out.dtype != torch.float32):
+        raise ValueError(f"swiglu: out= needs float32 gu and out, got {gu.dtype} and {out.dtype}")
     if gu.dtype == torch.float32:  # the whole chain written in place into h, chunk by chunk
         m = gu.shape[0]
-        h = gu.new_empty(m, i)
+        h = gu.new_empty(m, i) if out is None else out
         step = chunk_rows(2 * i)
         for r0 in range(0, m, step):
             g, u = gu[r0 : r0 + step, :i], gu[r0 : r0 + step, i:]
