@@ -9,6 +9,7 @@ meaningful with the device and date, which the table header prints.
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import statistics
 import time
@@ -76,6 +77,17 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device: str = "cpu
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def first_touch_mb(fn: Callable[[], object]) -> float:
+    """MB of memory pages the OS had to map in (minor page faults x page size) during one call of
+    ``fn`` on CPU: fresh large tensors that glibc's malloc hands back to the OS on free are
+    faulted in again on every call, a cost (kernel time) that is not arithmetic."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * resource.getpagesize() / 1e6
+
+
 def peak_memory(fn: Callable[[], object], device: str = "cpu") -> int:
     """Peak bytes allocated while running ``fn`` (CUDA allocator stats, or the CPU tracker)."""
     if device == "cuda":
@@ -98,7 +110,9 @@ def header() -> str:
         tv = triton.__version__
     except ImportError:
         tv = "-"
-    return f"# {datetime.date.today().isoformat()}  device: {dev}  torch {torch.__version__}  triton {tv}"
+    malloc = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "LD_PRELOAD"]
+    alloc = "  allocator: " + (" ".join(malloc) if malloc else "default")
+    return f"# {datetime.date.today().isoformat()}  device: {dev}  torch {torch.__version__}  triton {tv}{alloc}"
 
 
 def _fmt(v, spec):

@@ -4,13 +4,20 @@ experts implementation and its eager per-expert loop) and a dense matmul pair of
 Rows per (T, D, I, E, k): the baselines, then primerl with ``ratio`` against each baseline
 (> 1 = primerl faster). FLOPs counted: 3 x forward = 3 * T*k * 6*D*I (the router is left out).
 Goals: ratio >= 1 vs hf_default, >= 3 vs hf_eager_loop, >= 0.7 vs dense_same_flops.
+
+On CPU ``faulted_MB`` is the memory the OS mapped in during one step. glibc's malloc returns
+every freed block of 32 MB or more to the OS, so each step faults its large tensors in again; the
+block writes E times the dense baseline's weight gradients (all experts' w13 and w2), which at
+the large shape is most of its extra time. Run with ``MALLOC_MMAP_MAX_=0
+MALLOC_TRIM_THRESHOLD_=100000000000`` (glibc keeps freed memory, as jemalloc / tcmalloc do) to
+time the arithmetic alone; the header names the allocator settings of the run.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .harness import Row, time_fn, time_interleaved
+from .harness import Row, first_touch_mb, time_fn, time_interleaved
 
 SHAPES = [(2048, 512, 256, 64, 8), (4096, 1024, 512, 128, 8)]
 QUICK_SHAPES = [(256, 128, 64, 16, 4)]
@@ -103,6 +110,7 @@ def run(args) -> list[Row]:
         measured = time_interleaved(fns, device=device, repeats=repeats)
         measured["hf_eager_loop"] = time_fn(eager, device=device, warmup=1, repeats=min(repeats, 3))
         del hf_blocks
+        touched = {name: first_touch_mb(fn) for name, fn in fns.items()} if device == "cpu" else {}
         baselines = {name: measured[name] for name in baseline_names}
         timings = {be: measured[be] for be in backends}
         if device == "cuda" and d % 128 == 0 and i % 128 == 0:  # FP8 is a GPU figure (CPU runs the reference)
@@ -111,11 +119,17 @@ def run(args) -> list[Row]:
             timings["triton,fp8"] = time_fn(_fwd_bwd(ours, x, gy), device=device, warmup=1, repeats=repeats)
             ours.experts.enable_fp8(None)
         dt = str(dtype).replace("torch.", "")
+
+        def extra(name, s):
+            out = {"tok/s": f"{t / s:.0f}"}
+            if name in touched:
+                out["faulted_MB"] = f"{touched[name]:.0f}"
+            return out
+
         for name, s in baselines.items():
-            rows.append(Row("moe_block_fwd_bwd", shape, dt, name, s, tflops=flops / s / 1e12,
-                            extra={"tok/s": f"{t / s:.0f}"}))
+            rows.append(Row("moe_block_fwd_bwd", shape, dt, name, s, tflops=flops / s / 1e12, extra=extra(name, s)))
         for be, s in timings.items():
             for name, base in baselines.items():
                 rows.append(Row("moe_block_fwd_bwd", shape, dt, f"primerl[{be}]", s, tflops=flops / s / 1e12,
-                                ratio=base / s, baseline=name, extra={"tok/s": f"{t / s:.0f}"}))
+                                ratio=base / s, baseline=name, extra=extra(be, s)))
     return rows

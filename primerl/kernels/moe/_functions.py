@@ -100,7 +100,8 @@ def experts_on_grouped_rows(x_perm, w13, w2, ends, impl, fp8_recipe=None):
         from .fp8 import FP8GroupedExperts, recipe_name
 
         return FP8GroupedExperts.apply(x_perm, w13, w2, ends, recipe_name(fp8_recipe), impl)
-    if impl is reference and cpu_experts.supported(x_perm, w13, w2, fp8_recipe):
+    if impl is reference and cpu_experts.supported(x_perm, w13, w2, fp8_recipe) \
+            and cpu_experts.worthwhile(x_perm.shape[0], w13):
         ends_list = ends.tolist()  # host sync: free on CPU
         if ends_list and ends_list[-1] == x_perm.shape[0]:
             return cpu_experts.grouped_experts(x_perm, w13, w2, ends_list)
@@ -114,7 +115,7 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, impl, fp8_recipe=None):
     with torch.no_grad():
         row_of_slot, _, _, _, ends = op(impl, "align")(topk_ids, w13.shape[0], 1)
     row_map = row_of_slot.view(t, k)
-    if impl is reference and cpu_experts.supported(x, w13, w2, fp8_recipe):
+    if impl is reference and cpu_experts.supported(x, w13, w2, fp8_recipe) and cpu_experts.worthwhile(t * k, w13):
         return cpu_experts.routed_experts(x, w13, w2, topk_weights, row_map, ends)
     x_perm = Permute.apply(x, row_map, t * k, impl)
     y_perm = experts_on_grouped_rows(x_perm, w13, w2, ends, impl, fp8_recipe)
