@@ -85,14 +85,12 @@ def run(args) -> list[Row]:
         ours = MoE(d, i, e, k, route_norm=True, device=device, dtype=dtype)
         _init(ours, 0)
         fns = {}
-        hf_blocks = []
         for impl in ("grouped_mm", "eager"):
             hf = _hf_block(d, i, e, k, impl, dtype, device)
             with torch.no_grad():
                 hf.gate.weight.copy_(ours.gate.weight)
                 hf.experts.gate_up_proj.copy_(ours.experts.w13)
                 hf.experts.down_proj.copy_(ours.experts.w2)
-            hf_blocks.append(hf)
             fns["hf_default" if impl == "grouped_mm" else "hf_eager_loop"] = _fwd_bwd(hf, x, gy)
         w1 = torch.randn(2 * i, d, device=device, dtype=dtype, requires_grad=True)
         w2 = torch.randn(d, i, device=device, dtype=dtype, requires_grad=True)
@@ -103,13 +101,11 @@ def run(args) -> list[Row]:
         backends = ["torch"] if device == "cpu" else ["triton", "torch"]
         for be in backends:
             fns[be] = _fwd_bwd(_with_backend(ours, be), x, gy)
-        # the block and its baselines run in turn within each repeat (CPU): their ratios then
-        # compare the same machine state
-        # (the per-expert loop is 7-16x slower than the block: timed on its own, 3 times)
+        # the block and its baselines run in turn within each repeat (CPU), so their ratios compare
+        # the same machine state; the per-expert loop (7-16x slower) is timed on its own, 3 times
         eager = fns.pop("hf_eager_loop")
         measured = time_interleaved(fns, device=device, repeats=repeats)
         measured["hf_eager_loop"] = time_fn(eager, device=device, warmup=1, repeats=min(repeats, 3))
-        del hf_blocks
         touched = {name: first_touch_mb(fn) for name, fn in fns.items()} if device == "cpu" else {}
         baselines = {name: measured[name] for name in baseline_names}
         timings = {be: measured[be] for be in backends}

@@ -66,20 +66,9 @@ class _Scratch:
         return self.bufs[name][:rows]
 
 
-def _swiglu_backward_from_sigmoid(g, u, sig, dh, out):
-    """:func:`.reference.swiglu_backward` (same ops, same bits) given ``sig = sigmoid(g)``, which
-    it overwrites. g, u, sig, dh [n, I] -> out [n, 2I]."""
-    i = g.shape[1]
-    dg, du = out[:, :i], out[:, i:]
-    torch.mul(g, sig, out=du).mul_(dh)
-    torch.mul(dh, u, out=dg).mul_(sig)
-    dg.mul_(sig.neg_().add_(1.0).mul_(g).add_(1.0))
-    return out
-
-
 class ExpertsByExpert(torch.autograd.Function):
-    """x [T, D] (``tokens`` given: row r of the expert layout is token ``tokens[r]``) or
-    x_perm [M, D] (``tokens`` None: rows already grouped by expert), w13 [E, 2I, D],
+    """x [T, D] (``slots`` [M] given: row r of the expert layout is slot ``slots[r]``, token
+    ``slots[r] // k``) or x_perm [M, D] (``slots`` None: rows already grouped by expert), w13 [E, 2I, D],
     w2 [E, D, I], ``ends`` (Python list, cumulative row ends per expert, ends[-1] == M).
 
     With ``row_map`` [T, k] and ``weights`` [T, k] float32: returns y [T, D] =
@@ -88,8 +77,9 @@ class ExpertsByExpert(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w13, w2, weights, tokens, row_map, ends: list[int]):
+    def forward(ctx, x, w13, w2, weights, slots, row_map, ends: list[int]):
         m, i = ends[-1], w2.shape[2]
+        tokens = None if slots is None else torch.div(slots, row_map.shape[1], rounding_mode="floor")
         bounds = _group_bounds(ends)
         rows_max = max((b - a for _, a, b in bounds), default=0)
         scratch = _Scratch(x, rows_max, {"x": x.shape[1], "h": i})
@@ -102,7 +92,7 @@ class ExpertsByExpert(torch.autograd.Function):
             torch.mm(xs, w13[e].t(), out=gu[s:t])
             h = R.swiglu(gu[s:t], out=scratch("h", t - s))
             torch.mm(h, w2[e].t(), out=y_perm[s:t])
-        ctx.save_for_backward(x, w13, w2, weights, tokens, row_map, gu, y_perm)
+        ctx.save_for_backward(x, w13, w2, weights, slots, tokens, row_map, gu, y_perm)
         ctx.bounds, ctx.rows_max = bounds, rows_max
         if row_map is None:
             return y_perm
@@ -110,7 +100,7 @@ class ExpertsByExpert(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, w13, w2, weights, tokens, row_map, gu, y_perm = ctx.saved_tensors
+        x, w13, w2, weights, slots, tokens, row_map, gu, y_perm = ctx.saved_tensors
         need_x, need_w13, need_w2, need_weights = ctx.needs_input_grad[:4]
         dy = dy.contiguous()
         m, d, i = gu.shape[0], x.shape[1], w2.shape[2]
@@ -124,7 +114,6 @@ class ExpertsByExpert(torch.autograd.Function):
         dw2 = torch.empty_like(w2) if need_w2 else None
         per_row = x.new_empty(m) if need_weights else None
         if routed:
-            slots = R.slot_of_rows(row_map)
             rows_scale = weights.reshape(-1).index_select(0, slots).unsqueeze(-1)  # [M, 1]
         for e, s, t in ctx.bounds:
             n = t - s
@@ -144,12 +133,13 @@ class ExpertsByExpert(torch.autograd.Function):
                 continue
             dh = torch.mm(dys, w2[e], out=scratch("dh", n))
             g, u = gu[s:t, :i], gu[s:t, i:]
-            sig = torch.neg(g, out=scratch("sig", n)).exp_().add_(1.0).reciprocal_()
+            sig = R._sigmoid(g, out=scratch("sig", n))
             if need_w2:
                 h = torch.mul(sig, g, out=scratch("h", n)).mul_(u)  # swiglu's ops: the forward's bits
                 torch.mm(dys.t(), h, out=dw2[e])
             if need_x or need_w13:
-                dgu = _swiglu_backward_from_sigmoid(g, u, sig, dh, scratch("dgu", n))
+                dgu = scratch("dgu", n)
+                R.swiglu_backward_rows(g, u, sig, dh, dgu[:, :i], dgu[:, i:])
                 if need_x and routed:
                     dx.index_add_(0, tokens[s:t], torch.mm(dgu, w13[e], out=scratch("x", n)))
                 elif need_x:
@@ -166,8 +156,7 @@ class ExpertsByExpert(torch.autograd.Function):
 def routed_experts(x, w13, w2, topk_weights, row_map, ends: torch.Tensor) -> torch.Tensor:
     """x [T, D] -> y [T, D]: the fused_experts of :mod:`._functions` with ``row_map`` [T, k]
     from :func:`.reference.align` (block 1) and its ``ends`` [E]."""
-    tokens = torch.div(R.slot_of_rows(row_map), row_map.shape[1], rounding_mode="floor")
-    return ExpertsByExpert.apply(x, w13, w2, topk_weights, tokens, row_map, ends.tolist())
+    return ExpertsByExpert.apply(x, w13, w2, topk_weights, R.slot_of_rows(row_map), row_map, ends.tolist())
 
 
 def grouped_experts(x_perm, w13, w2, ends: list[int]) -> torch.Tensor:

@@ -210,9 +210,18 @@ def combine_backward(dy: torch.Tensor, y_perm: torch.Tensor, row_map: torch.Tens
 
 
 # ------------------------------------------------------------------------------------------ SwiGLU
-def _sigmoid(g: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-g)) in float32 (reciprocal is the IEEE quotient 1/x on CPU and CUDA)."""
-    return torch.neg(g).exp_().add_(1.0).reciprocal_()
+def _sigmoid(g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """1 / (1 + exp(-g)) in float32 (reciprocal is the IEEE quotient 1/x on CPU and CUDA), into
+    ``out`` when given."""
+    return torch.neg(g, out=out).exp_().add_(1.0).reciprocal_()
+
+
+def swiglu_backward_rows(g, u, sig, dh, dg, du) -> None:
+    """The float32 SwiGLU backward of a block of rows, in place: g, u, dh [n, I] and
+    ``sig = sigmoid(g)`` (overwritten) -> dg, du [n, I] (views into d gu)."""
+    torch.mul(g, sig, out=du).mul_(dh)
+    torch.mul(dh, u, out=dg).mul_(sig)
+    dg.mul_(sig.neg_().add_(1.0).mul_(g).add_(1.0))
 
 
 def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,12 +256,9 @@ def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
         sig_buf = gu.new_empty(min(step, m), i)
         for r0 in range(0, m, step):
             r1 = min(r0 + step, m)
-            g, u, d = gu[r0:r1, :i], gu[r0:r1, i:], dh[r0:r1]
-            sig = torch.neg(g, out=sig_buf[: r1 - r0]).exp_().add_(1.0).reciprocal_()
-            dg, du = out[r0:r1, :i], out[r0:r1, i:]
-            torch.mul(g, sig, out=du).mul_(d)
-            torch.mul(d, u, out=dg).mul_(sig)
-            dg.mul_(sig.neg_().add_(1.0).mul_(g).add_(1.0))
+            g, u = gu[r0:r1, :i], gu[r0:r1, i:]
+            sig = _sigmoid(g, out=sig_buf[: r1 - r0])
+            swiglu_backward_rows(g, u, sig, dh[r0:r1], out[r0:r1, :i], out[r0:r1, i:])
         return out
     g, u, d = gu[:, :i].float(), gu[:, i:].float(), dh.float()
     sig = _sigmoid(g)
