@@ -1,0 +1,123 @@
+"""Streaming the trainer's full weights to one rank, one parameter at a time.
+
+``iter_full_weights(model)`` is collective: every rank iterates it in step. For each entry of
+``model.state_dict()`` it gathers that one tensor (an FSDP2 DTensor over its mesh; an expert
+-parallel slice ``[E/ep, ...]`` also over its ep group, into one ``[E, ...]`` tensor) and yields
+``(name, full tensor)`` on the destination rank and ``(name, None)`` on the others. The
+destination thus holds its own shard plus one full parameter at a time, never a second copy of
+the model, provided the consumer does not keep what it gets: :func:`write_safetensors_stream`
+writes each tensor to disk as it arrives (the header comes first, from :func:`weight_specs`,
+which knows every global shape without gathering anything).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["iter_full_weights", "weight_specs", "write_safetensors_stream"]
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def _ep_slices(model: nn.Module) -> dict[str, tuple]:
+    """state-dict name -> (ep group, ep size, E) of every expert-parallel weight slice."""
+    from .dcp_checkpoint import _ep_expert_params
+
+    return {name: (group, dist.get_world_size(group), num_experts)
+            for name, (group, num_experts) in _ep_expert_params(model).items()}
+
+
+def weight_specs(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``[(name, dtype, global shape)]`` of ``model.state_dict()`` in order; no communication."""
+    ep = _ep_slices(model)
+    out = []
+    for name, t in model.state_dict().items():
+        shape = tuple(t.shape)
+        if name in ep:
+            shape = (ep[name][2], *shape[1:])
+        out.append((name, t.dtype, shape))
+    return out
+
+
+def iter_full_weights(model: nn.Module, *, dst: int = 0) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Yield ``(name, full CPU tensor)`` on rank ``dst`` (``(name, None)`` elsewhere) for every
+    entry of ``model.state_dict()``, in order. Collective: all ranks must exhaust the iterator.
+    Without torch.distributed it yields the model's own tensors (detached, on CPU)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    ep = _ep_slices(model) if distributed else {}
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()  # every rank of the tensor's mesh holds it until the next one
+        if name in ep:
+            t = _gather_experts(t, *ep[name], rank=rank, dst=dst)
+        yield name, (t.cpu() if rank == dst else None)
+        del t
+
+
+def _gather_experts(block: torch.Tensor, group, ep_size: int, num_experts: int, *, rank: int, dst: int):
+    """The ep group that holds ``dst`` sends its ``[E/ep, ...]`` blocks there; ``dst`` gets ``[E, ...]``."""
+    ranks = dist.get_process_group_ranks(group)
+    if dst not in ranks:
+        return None
+    if rank != dst:
+        dist.gather(block.contiguous(), None, group_dst=ranks.index(dst), group=group)
+        return None
+    full = block.new_empty((num_experts, *block.shape[1:]))
+    dist.gather(block.contiguous(), list(full.chunk(ep_size)), group_dst=ranks.index(dst), group=group)
+    return full
+
+
+def write_safetensors_stream(path: str | os.PathLike, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                             tensors: Iterable[tuple[str, torch.Tensor | None]], *,
+                             metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file from ``tensors`` (``(name, tensor)`` in the order of ``specs``)
+    without holding more than one of them: the header is computed from ``specs`` up front. Call
+    it on the receiving rank of :func:`iter_full_weights` (the other ranks exhaust the iterator)."""
+    header: dict = {"__metadata__": dict(metadata or {})} if metadata else {}
+    offset = 0
+    for name, dtype, shape in specs:
+        if dtype not in _ST_DTYPES:
+            raise ValueError(f"write_safetensors_stream: {name} has dtype {dtype}, which safetensors cannot store")
+        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    expected = iter(specs)
+    path = Path(path)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, t in tensors:
+            want = next(expected, None)
+            if want is None or want[0] != name:
+                raise ValueError(f"write_safetensors_stream: got {name!r}, expected {want and want[0]!r}")
+            if t is None or t.dtype != want[1] or tuple(t.shape) != want[2]:
+                got = None if t is None else (t.dtype, tuple(t.shape))
+                raise ValueError(f"write_safetensors_stream: {name} is {got}, the header says {want[1:]}")
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # the buffer, not a copy
+        left = next(expected, None)
+        if left is not None:
+            raise ValueError(f"write_safetensors_stream: the stream ended before {left[0]!r}")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
