@@ -1,6 +1,7 @@
 """Layer 2: thin, composable RL modules: advantages, policy losses, packing, environments."""
 
-from .advantages import Advantages, drgrpo, grpo, linear_length_penalty, rloo  # noqa: E402,F401
-from .losses import AGGREGATIONS, CORRECTIONS, DEFAULT_HPARAMS, METHODS, policy_loss  # noqa: E402,F401
+from .advantages import Advantages, drgrpo, grpo, linear_length_penalty, max_rl, rloo  # noqa: E402,F401
+from .loss_terms import LossInputs  # noqa: E402,F401
+from .losses import AGGREGATIONS, CORRECTIONS, DEFAULT_HPARAMS, LOSS_METHODS, METHODS, policy_loss  # noqa: E402,F401
 from .metrics import effective_sample_size, kl_estimate, kl_k1, kl_k2, kl_k3, masked_mean  # noqa: E402,F401
 from .packing import MicroBatch, Sample, pack, packing_stats  # noqa: E402,F401

@@ -3,11 +3,17 @@
 Rewards are laid out group-major: ``rewards[g * group_size + i]`` is the i-th sample of prompt g.
 Every estimator returns :class:`Advantages` ``(advantages [N] float32, uniform_groups [G] bool)``;
 a group whose rewards are all equal carries no learning signal, gets exactly zero advantage, and
-is flagged so a caller can drop it (DAPO's dynamic sampling) or log the fraction.
+is flagged so a caller can drop it (DAPO's dynamic sampling) or log the fraction (``max_rl`` also
+flags, and zeroes, a group whose mean reward is <= 0).
 
 - :func:`grpo`   A_i = (r_i - mean_g) / (std_g + eps)                 (Shao et al. 2024, DeepSeekMath)
 - :func:`drgrpo` A_i = r_i - mean_g, no std division                  (Liu et al. 2025, Dr. GRPO)
-- :func:`rloo`   A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean_g) (Ahmadian et al. 2024, RLOO)
+- :func:`rloo`   A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean_g) (Ahmadian et al. 2024, RLOO);
+  ``std_normalize="group"`` divides by (std_g + eps), ``"batch"`` by (std of every reward in the
+  call + eps) (prime-rl's leave_one_out with global_std_norm)
+- :func:`max_rl` A_i = (r_i - mean_g) / mean_g, 0 for a group with mean_g <= 0 (MaxRL,
+  arXiv 2602.02710: the gradient of the order-G truncation of the maximum-likelihood objective;
+  it upweights hard prompts like 1/p). Rewards are meant to be >= 0 (canonically 0/1).
 - :func:`linear_length_penalty` r_i - coef * len_i / max_len, applied before any estimator when
   ``lengths`` and ``length_coef`` are given.
 """
@@ -18,7 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Advantages", "grpo", "drgrpo", "rloo", "linear_length_penalty"]
+from primerl.kernels._args import check_int
+
+__all__ = ["Advantages", "grpo", "drgrpo", "rloo", "max_rl", "linear_length_penalty"]
 
 
 class Advantages(NamedTuple):
@@ -50,6 +58,7 @@ def _groups(op: str, rewards, group_size: int, lengths, length_coef: float, max_
     rewards = torch.as_tensor(rewards)
     if rewards.dim() != 1 or rewards.dtype == torch.bool:
         raise ValueError(f"{op}: rewards must be a 1-D numeric tensor [N], got {rewards.dtype} {tuple(rewards.shape)}")
+    check_int(op, "group_size", group_size)
     if int(group_size) < min_group:
         raise ValueError(f"{op}: group_size must be >= {min_group}, got {group_size}")
     n = rewards.numel()
@@ -97,10 +106,28 @@ def drgrpo(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | No
     return _finish(r_g - r_g.mean(dim=1, keepdim=True), uniform)
 
 
-def rloo(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | None = None,
-         length_coef: float = 0.0, max_length: int | None = None) -> Advantages:
-    """RLOO: A_i = r_i - (sum_g - r_i) / (G - 1), the leave-one-out baseline (needs G >= 2)."""
+def rloo(rewards: torch.Tensor, group_size: int, *, std_normalize: str | None = None, eps: float = 1e-6,
+         lengths: torch.Tensor | None = None, length_coef: float = 0.0, max_length: int | None = None) -> Advantages:
+    """RLOO: A_i = r_i - (sum_g - r_i) / (G - 1), the leave-one-out baseline (needs G >= 2), divided
+    by (std + eps) when ``std_normalize`` is "group" (each group's unbiased std) or "batch" (the
+    unbiased std of all N rewards)."""
+    if std_normalize not in (None, "group", "batch"):
+        raise ValueError(f"rloo: std_normalize must be None, 'group' or 'batch', got {std_normalize!r}")
     r_g, uniform = _groups("rloo", rewards, group_size, lengths, length_coef, max_length, min_group=2)
     G = r_g.shape[1]
-    baseline = (r_g.sum(dim=1, keepdim=True) - r_g) / (G - 1)
-    return _finish(r_g - baseline, uniform)
+    adv = r_g - (r_g.sum(dim=1, keepdim=True) - r_g) / (G - 1)
+    if std_normalize == "group":
+        adv = adv / (r_g.std(dim=1, keepdim=True) + eps)
+    elif std_normalize == "batch":
+        adv = adv / ((r_g.std() if r_g.numel() > 1 else torch.zeros(())) + eps)
+    return _finish(adv, uniform)
+
+
+def max_rl(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | None = None,
+           length_coef: float = 0.0, max_length: int | None = None) -> Advantages:
+    """MaxRL: A_i = (r_i - mean_g) / mean_g; a group with mean_g <= 0 gets 0 and is flagged."""
+    r_g, uniform = _groups("max_rl", rewards, group_size, lengths, length_coef, max_length)
+    mean = r_g.mean(dim=1, keepdim=True)
+    no_signal = uniform | (mean.squeeze(1) <= 0)
+    adv = (r_g - mean) / torch.where(mean > 0, mean, torch.ones_like(mean))
+    return _finish(adv, no_signal)

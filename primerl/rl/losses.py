@@ -18,6 +18,9 @@ Methods (``method=``), per-token loss l_t before corrections and aggregation:
   p - p_b < -delta_low when A < 0 (p = exp(lp), p_b = exp(b)). Binary-TV DPPO ("Rethinking the
   trust region in LLM RL", arXiv 2602.04879) with Kimi-K2.5's squared-log-ratio KL term; prime-rl's
   default loss (delta 0.2/0.2, KL 1e-3).
+- ``ipo``       l = -keep r A + kl_coef (lp - b)^2 with a symmetric trust region: keep drops a token
+  whose probability moved more than ipo_threshold in either direction, |p - p_b| > ipo_threshold
+  (0.1); the KL term stays on dropped tokens. prime-rl's IPO loss.
 - ``gspo``      s_i = exp(mean_{t in i} (lp - b)) the sequence's geometric-mean ratio, gradient
   through every token of i; l = -min(s_i A, clip(s_i, 1-eps_low, 1+eps_high) A).
   GSPO (Zheng et al. 2025, Qwen3), eps 3e-4 / 4e-4; aggregation defaults to seq_mean_token_mean.
@@ -27,6 +30,9 @@ Methods (``method=``), per-token loss l_t before corrections and aggregation:
   constant and every token keeps its gradient. CISPO (MiniMax-M1, 2025): no lower bound
   (eps_low = 1) and eps_high = 0.28 by default.
 - ``reinforce`` l = -r A: the importance-weighted policy gradient, unclipped (r = 1 on policy).
+- ``"package.module:function"`` (or a callable): a custom method, ``fn(inputs: LossInputs,
+  **hparams) -> [T] per-token loss`` or ``([T] loss, {name: scalar})`` (see
+  :mod:`primerl.rl.loss_terms`); the hparams that no correction or term uses go to ``fn``.
 
 On policy (lp = b) every method has REINFORCE's gradient -A grad(lp) (for gspo with an advantage
 that is constant within each sequence).
@@ -45,35 +51,54 @@ exp(lp - inference_logprobs) (in bypass mode the method's own ratio already is p
   [geo_rs_low, geo_rs_high] = [0.999, 1.001] (verl's geometric rejection sampling).
 - ``veto``    drop a sequence containing any token with rho < veto_threshold = 1e-4 (verl's
   catastrophic-token veto).
+- ``sequence_mask`` the two-sided veto: drop a sequence when any token's rho is below
+  sequence_mask_low (0) or above sequence_mask_high (100) (prime-rl's sequence_mask_low/high).
 With old_logprobs, tis / mis / icepop also weight the kept tokens by rho (truncated at tis_cap
 when tis is on), applied once however many of them are on. Dropped tokens still count in the
 aggregation's denominator (the normalisation is a property of the batch, not of the filters).
 
-Aggregations (``aggregation=``), all over M (the loss mask):
-``token_mean`` sum l / sum M;  ``seq_mean_token_mean`` mean over sequences with loss tokens of
-(sum_{t in i} l / n_i);  ``token_sum_norm`` sum l / norm_constant (Dr. GRPO's constant, e.g.
-batch size x max generation length);  ``global_token_sum`` sum l / global_num_tokens, the loss-token
-count over all data/context-parallel ranks, so that summing the ranks' gradients gives the global
-token mean.
+The policy-gradient term's tokens M are the loss mask, less the tokens whose ``loss_weights`` is
+0 and, with ``drop_zero_advantage=True``, less the tokens whose advantage is exactly 0 (prime-rl's
+default: a uniform group then leaves the loss and its denominator instead of diluting it; its KL
+term goes with it). Each token's loss is multiplied by its weight w (1 without ``loss_weights``).
+
+Aggregations (``aggregation=``) of the policy-gradient term, over M:
+``token_mean`` sum w l / sum w;  ``seq_mean_token_mean`` mean over sequences with tokens in M of
+(sum_{t in i} w l / sum_{t in i} w) (divided by ``global_num_seqs`` instead of the local count when
+given);  ``token_sum_norm`` sum w l / norm_constant (Dr. GRPO's constant, e.g. batch size x max
+generation length);  ``global_token_sum`` sum w l / global_num_tokens, the term's weight sum over
+all data/context-parallel ranks, so that summing the ranks' gradients gives the global token mean.
+
+Further terms (:mod:`primerl.rl.loss_terms`), each normalised on its own tokens and added with its
+coefficient: ``ref_logprobs`` adds ref_kl_coef (1) x the reference-KL term on the loss tokens
+(``ref_weights`` to weight or select them); ``sft_weights`` adds sft_coef (1) x the cross-entropy on
+the tokens with non-zero weight (loss mask or not). Their denominators default to their local
+weight sums; ``global_term_tokens={"ref_kl": n, "sft": n}`` gives global ones.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from .loss_terms import LossInputs, load_custom_loss, ref_kl_metric, ref_kl_per_token, term_mean
 from .metrics import effective_sample_size, kl_k3, masked_mean
 
-__all__ = ["policy_loss", "METHODS", "CORRECTIONS", "AGGREGATIONS", "DEFAULT_HPARAMS", "seq_ids_from_cu_seqlens"]
+__all__ = ["policy_loss", "LOSS_METHODS", "METHODS", "CORRECTIONS", "SEQUENCE_LEVEL_CORRECTIONS", "AGGREGATIONS",
+           "TERMS", "DEFAULT_HPARAMS", "check_loss_spec", "resolve_method", "seq_ids_from_cu_seqlens"]
 
-METHODS = ("ppo_clip", "dppo_tv", "gspo", "gspo_token", "cispo", "reinforce")
-CORRECTIONS = ("tis", "mis", "icepop", "geo_rs", "veto")
+LOSS_METHODS = ("ppo_clip", "dppo_tv", "ipo", "gspo", "gspo_token", "cispo", "reinforce")
+METHODS = LOSS_METHODS  # the older name
+CORRECTIONS = ("tis", "mis", "icepop", "geo_rs", "veto", "sequence_mask")
+SEQUENCE_LEVEL_CORRECTIONS = ("geo_rs", "veto", "sequence_mask")  # and "mis" with mis_level="sequence"
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "token_sum_norm", "global_token_sum")
+TERMS = ("ref_kl", "sft")
 
 _METHOD_HPARAMS = {
     "ppo_clip": {"eps_low": 0.2, "eps_high": 0.28, "dual_clip_c": None, "kl_coef": 0.0},
     "dppo_tv": {"delta_low": 0.2, "delta_high": 0.2, "kl_coef": 1e-3},
+    "ipo": {"ipo_threshold": 0.1, "kl_coef": 1e-3},
     "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "kl_coef": 0.0},
     "gspo_token": {"eps_low": 3e-4, "eps_high": 4e-4, "kl_coef": 0.0},
     "cispo": {"eps_low": 1.0, "eps_high": 0.28, "kl_coef": 0.0},
@@ -85,10 +110,31 @@ _CORRECTION_HPARAMS = {
     "icepop": {"icepop_alpha": 0.5, "icepop_beta": 5.0},
     "geo_rs": {"geo_rs_low": 0.999, "geo_rs_high": 1.001},
     "veto": {"veto_threshold": 1e-4},
+    "sequence_mask": {"sequence_mask_low": 0.0, "sequence_mask_high": 100.0},
 }
-DEFAULT_HPARAMS = {**{m: dict(h) for m, h in _METHOD_HPARAMS.items()}, **{c: dict(h) for c, h in _CORRECTION_HPARAMS.items()}}
+_TERM_HPARAMS = {
+    "ref_kl": {"ref_kl_coef": 1.0, "ref_kl_delta": 0.2, "ref_kl_drift": 1e-3},
+    "sft": {"sft_coef": 1.0},
+}
+DEFAULT_HPARAMS = {name: dict(h) for table in (_METHOD_HPARAMS, _CORRECTION_HPARAMS, _TERM_HPARAMS)
+                   for name, h in table.items()}
 _ALL_HPARAMS = sorted({k for h in DEFAULT_HPARAMS.values() for k in h})
 _DEFAULT_AGGREGATION = {"gspo": "seq_mean_token_mean"}
+
+
+def resolve_method(method: str | Callable) -> tuple[str, Callable | None]:
+    """A built-in method name, ``"package.module:function"`` or a callable -> (name, custom function
+    or None for a built-in). ValueError when the name is unknown or the import fails."""
+    if callable(method):
+        return getattr(method, "__qualname__", repr(method)), method
+    if not isinstance(method, str):
+        raise ValueError(f"policy_loss: method must be a name or a callable, got {type(method).__name__}")
+    if ":" in method:
+        return method, load_custom_loss(method)
+    if method not in LOSS_METHODS:
+        raise ValueError(f"policy_loss: unknown method {method!r}; choose one of {LOSS_METHODS} "
+                         "or name a custom one as 'package.module:function'")
+    return method, None
 
 
 def seq_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -101,10 +147,54 @@ def _segment_sum(x: torch.Tensor, seq_ids: torch.Tensor, S: int) -> torch.Tensor
     return torch.zeros(S, dtype=x.dtype, device=x.device).index_add(0, seq_ids, x)
 
 
-def _validate(logprobs, inference_logprobs, advantages, loss_mask, method, old_logprobs, corrections,
-              aggregation, cu_seqlens, norm_constant, global_num_tokens, entropy, hparams):
-    if method not in METHODS:
-        raise ValueError(f"policy_loss: unknown method {method!r}; choose one of {METHODS}")
+def _positive(x: torch.Tensor) -> torch.Tensor:
+    """x where x > 0, else 1 (the denominator of an empty term)."""
+    return torch.where(x > 0, x, torch.ones_like(x))
+
+
+def _check_hparams(method, custom, corrections, terms, hparams):
+    """-> (hparams with defaults for the parts in use, the custom method's kwargs)."""
+    used = {} if custom else dict(_METHOD_HPARAMS[method])
+    for c in corrections:
+        used.update(_CORRECTION_HPARAMS[c])
+    for t in terms:
+        used.update(_TERM_HPARAMS[t])
+    fn_kwargs = {}
+    for name in hparams:
+        if name in used:
+            continue
+        if custom:
+            fn_kwargs[name] = hparams[name]
+        elif name not in _ALL_HPARAMS:
+            raise ValueError(f"policy_loss: unknown hyperparameter {name!r}; known: {_ALL_HPARAMS}")
+        else:
+            raise ValueError(f"policy_loss: hyperparameter {name!r} is not used by method={method!r} with "
+                             f"corrections={corrections} and terms={terms}; it uses {sorted(used)}")
+    hp = {**used, **{k: v for k, v in hparams.items() if k in used}}
+    if hp.get("mis_level", "token") not in ("token", "sequence"):
+        raise ValueError(f"policy_loss: mis_level must be 'token' or 'sequence', got {hp['mis_level']!r}")
+    for lo, hi in (("eps_low", "eps_high"), ("delta_low", "delta_high"), ("mis_low", "mis_high"),
+                   ("icepop_alpha", "icepop_beta"), ("geo_rs_low", "geo_rs_high"),
+                   ("sequence_mask_low", "sequence_mask_high")):
+        if lo in hp and not (hp[lo] >= 0 and hp[hi] >= 0):
+            raise ValueError(f"policy_loss: {lo}/{hi} must be >= 0, got {hp[lo]}/{hp[hi]}")
+    for name in ("ipo_threshold", "kl_coef", "ref_kl_coef", "ref_kl_delta", "ref_kl_drift", "sft_coef"):
+        if name in hp and not (isinstance(hp[name], (int, float)) and 0 <= hp[name] < float("inf")):
+            raise ValueError(f"policy_loss: {name} must be a finite number >= 0, got {hp[name]!r}")
+    if hp.get("dual_clip_c") is not None and not hp["dual_clip_c"] > 1:
+        raise ValueError(f"policy_loss: dual_clip_c must be > 1 (or None), got {hp['dual_clip_c']}")
+    if "tis_cap" in hp and not hp["tis_cap"] > 0:
+        raise ValueError(f"policy_loss: tis_cap must be > 0, got {hp['tis_cap']}")
+    return hp, fn_kwargs
+
+
+def check_loss_spec(method, corrections: Sequence[str] | str = (), aggregation: str | None = None,
+                    hparams: dict | None = None, terms: Sequence[str] = ()):
+    """Check a loss configuration without tensors (what a config validator calls): ValueError naming
+    the bad method, correction, aggregation or hyperparameter. ``terms`` lists the extra terms in use
+    ("ref_kl", "sft"). -> (method name, custom function or None, the custom method's kwargs,
+    corrections tuple, aggregation, hyperparameters with defaults)."""
+    name, custom = resolve_method(method)
     if isinstance(corrections, str):
         corrections = (corrections,)
     corrections = tuple(corrections)
@@ -113,67 +203,82 @@ def _validate(logprobs, inference_logprobs, advantages, loss_mask, method, old_l
             raise ValueError(f"policy_loss: unknown correction {c!r}; choose from {CORRECTIONS}")
     if len(set(corrections)) != len(corrections):
         raise ValueError(f"policy_loss: corrections repeat a name: {corrections}")
-    aggregation = aggregation or _DEFAULT_AGGREGATION.get(method, "token_mean")
+    aggregation = aggregation or _DEFAULT_AGGREGATION.get(name, "token_mean")
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"policy_loss: unknown aggregation {aggregation!r}; choose one of {AGGREGATIONS}")
-    used = dict(_METHOD_HPARAMS[method])
-    for c in corrections:
-        used.update(_CORRECTION_HPARAMS[c])
-    for name in hparams:
-        if name not in _ALL_HPARAMS:
-            raise ValueError(f"policy_loss: unknown hyperparameter {name!r}; known: {_ALL_HPARAMS}")
-        if name not in used:
-            raise ValueError(f"policy_loss: hyperparameter {name!r} is not used by method={method!r} with "
-                             f"corrections={corrections}; it uses {sorted(used)}")
-    hp = {**used, **hparams}
-    if hp.get("mis_level", "token") not in ("token", "sequence"):
-        raise ValueError(f"policy_loss: mis_level must be 'token' or 'sequence', got {hp['mis_level']!r}")
-    for lo, hi in (("eps_low", "eps_high"), ("delta_low", "delta_high"), ("mis_low", "mis_high"),
-                   ("icepop_alpha", "icepop_beta"), ("geo_rs_low", "geo_rs_high")):
-        if lo in hp and not (hp[lo] >= 0 and hp[hi] >= 0):
-            raise ValueError(f"policy_loss: {lo}/{hi} must be >= 0, got {hp[lo]}/{hp[hi]}")
-    if hp.get("dual_clip_c") is not None and not hp["dual_clip_c"] > 1:
-        raise ValueError(f"policy_loss: dual_clip_c must be > 1 (or None), got {hp['dual_clip_c']}")
-    if "tis_cap" in hp and not hp["tis_cap"] > 0:
-        raise ValueError(f"policy_loss: tis_cap must be > 0, got {hp['tis_cap']}")
+    for t in terms:
+        if t not in TERMS:
+            raise ValueError(f"policy_loss: unknown term {t!r}; choose from {TERMS}")
+    hp, fn_kwargs = _check_hparams(name, custom, corrections, tuple(terms), dict(hparams or {}))
+    return name, custom, fn_kwargs, corrections, aggregation, hp
+
+
+def _check_tensors(logprobs, named, weights):
+    T = logprobs.shape[0] if isinstance(logprobs, torch.Tensor) and logprobs.dim() == 1 else -1
+    for name, x in {"logprobs": logprobs, **named, **weights}.items():
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] != T:
+            raise ValueError(f"policy_loss: {name} must be a 1-D tensor [T] matching logprobs "
+                             f"({getattr(logprobs, 'shape', type(logprobs))}), got {getattr(x, 'shape', type(x))}")
+        if x.device != logprobs.device:
+            raise ValueError(f"policy_loss: {name} is on {x.device} but logprobs is on {logprobs.device}")
+        if name == "loss_mask":
+            if x.dtype != torch.bool:
+                raise ValueError(f"policy_loss: loss_mask must be a bool tensor, got {x.dtype}")
+        elif not x.dtype.is_floating_point:
+            raise ValueError(f"policy_loss: {name} must be floating point, got {x.dtype}")
+    for name, x in weights.items():
+        if not bool((torch.isfinite(x) & (x >= 0)).all()):
+            raise ValueError(f"policy_loss: {name} must be finite and >= 0")
+    return T
+
+
+def _validate(logprobs, inference_logprobs, advantages, loss_mask, method, old_logprobs, corrections, aggregation,
+              cu_seqlens, norm_constant, global_num_tokens, global_num_seqs, entropy, ref_logprobs, weights,
+              global_term_tokens, hparams):
+    terms = tuple(t for t, on in (("ref_kl", ref_logprobs is not None), ("sft", "sft_weights" in weights)) if on)
+    if "ref_weights" in weights and ref_logprobs is None:
+        raise ValueError("policy_loss: ref_weights weight the reference-KL term, which needs ref_logprobs")
+    name, custom, fn_kwargs, corrections, aggregation, hp = check_loss_spec(method, corrections, aggregation,
+                                                                           hparams, terms)
     if "tis" in corrections and old_logprobs is None:
         raise ValueError("policy_loss: correction 'tis' needs old_logprobs (in bypass mode the method's ratio "
                          "pi_theta/pi_inference already is the importance weight; bound it with 'mis' or 'icepop')")
 
-    T = logprobs.shape[0] if isinstance(logprobs, torch.Tensor) and logprobs.dim() == 1 else -1
-    named = {"logprobs": logprobs, "inference_logprobs": inference_logprobs, "advantages": advantages,
-             "loss_mask": loss_mask}
-    if old_logprobs is not None:
-        named["old_logprobs"] = old_logprobs
-    if entropy is not None:
-        named["entropy"] = entropy
-    for name, x in named.items():
-        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] != T:
-            raise ValueError(f"policy_loss: {name} must be a 1-D tensor [T] matching logprobs "
-                             f"({getattr(logprobs, 'shape', type(logprobs))}), got {getattr(x, 'shape', type(x))}")
-        if name != "loss_mask" and not x.dtype.is_floating_point:
-            raise ValueError(f"policy_loss: {name} must be floating point, got {x.dtype}")
+    named = {"inference_logprobs": inference_logprobs, "advantages": advantages, "loss_mask": loss_mask}
+    for key, x in (("old_logprobs", old_logprobs), ("entropy", entropy), ("ref_logprobs", ref_logprobs)):
+        if x is not None:
+            named[key] = x
+    T = _check_tensors(logprobs, named, weights)
 
-    needs_seqs = (method in ("gspo", "gspo_token") or aggregation == "seq_mean_token_mean"
-                  or "geo_rs" in corrections or "veto" in corrections
+    needs_seqs = (name in ("gspo", "gspo_token") or aggregation == "seq_mean_token_mean"
+                  or any(c in corrections for c in SEQUENCE_LEVEL_CORRECTIONS)
                   or ("mis" in corrections and hp["mis_level"] == "sequence"))
     if needs_seqs and cu_seqlens is None:
-        raise ValueError(f"policy_loss: method={method!r}, corrections={corrections}, aggregation={aggregation!r} "
+        raise ValueError(f"policy_loss: method={name!r}, corrections={corrections}, aggregation={aggregation!r} "
                          "work per sequence and need cu_seqlens")
     if cu_seqlens is not None:
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype.is_floating_point:
-            raise ValueError(f"policy_loss: cu_seqlens must be a 1-D integer tensor [S+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 \
+                or cu_seqlens.dtype.is_floating_point:
+            raise ValueError(f"policy_loss: cu_seqlens must be a 1-D integer tensor [S+1], got "
+                             f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} {tuple(getattr(cu_seqlens, 'shape', ()))}")
         if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
             raise ValueError(f"policy_loss: cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cu_seqlens.tolist()}")
     if aggregation == "token_sum_norm" and not (norm_constant is not None and float(norm_constant) > 0):
         raise ValueError(f"policy_loss: aggregation 'token_sum_norm' needs norm_constant > 0, got {norm_constant}")
     if aggregation == "global_token_sum" and not (global_num_tokens is not None and float(global_num_tokens) > 0):
         raise ValueError(f"policy_loss: aggregation 'global_token_sum' needs global_num_tokens > 0, got {global_num_tokens}")
-    return corrections, aggregation, hp
+    if global_num_seqs is not None and (aggregation != "seq_mean_token_mean" or not float(global_num_seqs) > 0):
+        raise ValueError(f"policy_loss: global_num_seqs ({global_num_seqs}) must be > 0 and is used only by "
+                         f"aggregation 'seq_mean_token_mean', got aggregation {aggregation!r}")
+    for key, n in (global_term_tokens or {}).items():
+        if key not in terms or not float(n) > 0:
+            raise ValueError(f"policy_loss: global_term_tokens[{key!r}] = {n}: keys must name a term in use "
+                             f"{terms} and values must be > 0")
+    return name, custom, fn_kwargs, corrections, aggregation, hp
 
 
 def _method_loss(method, lp, b, adv, mask, log_ratio, seq, hp):
-    """-> (per-token loss [T], method ratio [T] detached, clip/mask flags low/high [T] bool, extra metrics)."""
+    """-> (per-token loss [T], method ratio [T] detached, clip/mask flags low/high [T] bool, extra flags)."""
     extra = {}
     if method in ("gspo", "gspo_token"):
         seq_ids, S, n_i = seq
@@ -195,9 +300,12 @@ def _method_loss(method, lp, b, adv, mask, log_ratio, seq, hp):
             obj = torch.where(dual, c * adv, obj)
             extra["dual_clip_frac"] = dual
         loss = -obj
-    elif method == "dppo_tv":
+    elif method in ("dppo_tv", "ipo"):
         diff = torch.exp(lp.detach()) - torch.exp(b)
-        high, low = (adv > 0) & (diff > hp["delta_high"]), (adv < 0) & (diff < -hp["delta_low"])
+        if method == "dppo_tv":  # only the move in the advantage's direction leaves the trust region
+            high, low = (adv > 0) & (diff > hp["delta_high"]), (adv < 0) & (diff < -hp["delta_low"])
+        else:
+            high, low = diff > hp["ipo_threshold"], diff < -hp["ipo_threshold"]
         loss = -torch.where(high | low, torch.zeros_like(ratio), ratio * adv)
     elif method == "cispo":
         lo, hi = 1.0 - hp["eps_low"], 1.0 + hp["eps_high"]
@@ -207,6 +315,24 @@ def _method_loss(method, lp, b, adv, mask, log_ratio, seq, hp):
         loss = -(ratio * adv)
         low = high = torch.zeros_like(mask)
     return loss, r, low & mask, high & mask, extra
+
+
+def _custom_loss(fn, name, inputs: LossInputs, kwargs, dtype):
+    """-> (per-token loss [T], ratio [T] detached, no flags, the function's scalar metrics)."""
+    out = fn(inputs, **kwargs)
+    metrics = {}
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise ValueError(f"policy_loss: custom method {name} must return a [T] tensor or ([T] tensor, dict), "
+                             f"got a tuple of {len(out)}")
+        out, metrics = out
+    T = inputs.logprobs.shape[0]
+    if not isinstance(out, torch.Tensor) or out.shape != (T,) or not out.dtype.is_floating_point:
+        raise ValueError(f"policy_loss: custom method {name} must return the per-token loss as a float tensor [{T}], "
+                         f"got {getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
+    r = torch.exp(inputs.logprobs - inputs.behaviour_logprobs).detach()
+    no = torch.zeros_like(inputs.loss_mask)
+    return out.to(dtype), r, no, no, {f"custom/{k}": torch.as_tensor(v).detach() for k, v in metrics.items()}
 
 
 def _corrections(corrections, hp, rho_log, mask, seq, weighted):
@@ -228,10 +354,13 @@ def _corrections(corrections, hp, rho_log, mask, seq, weighted):
         seq_ids, S, n_i = seq
         geo = torch.exp(_segment_sum(rho_log, seq_ids, S) / n_i.clamp_min(1))
         dropped["geo_rs"] = ((geo < hp["geo_rs_low"]) | (geo > hp["geo_rs_high"]))[seq_ids] & mask
-    if "veto" in corrections:
-        seq_ids, S, _ = seq
-        tiny = ((rho < hp["veto_threshold"]) & mask).to(torch.int32)
-        dropped["veto"] = (_segment_sum(tiny, seq_ids, S) > 0)[seq_ids] & mask
+    for name, lo, hi in (("veto", "veto_threshold", None), ("sequence_mask", "sequence_mask_low", "sequence_mask_high")):
+        if name in corrections:
+            seq_ids, S, _ = seq
+            bad = rho < hp[lo]
+            if hi is not None:
+                bad = bad | (rho > hp[hi])
+            dropped[name] = (_segment_sum((bad & mask).to(torch.int32), seq_ids, S) > 0)[seq_ids] & mask
     for d in dropped.values():
         keep &= ~d
     weight = torch.ones_like(rho)
@@ -240,17 +369,19 @@ def _corrections(corrections, hp, rho_log, mask, seq, weighted):
     return weight, keep, dropped
 
 
-def _aggregate(loss, mask, aggregation, seq, norm_constant, global_num_tokens):
-    masked = torch.where(mask, loss, torch.zeros_like(loss))
+def _aggregate(loss, w, aggregation, seq_w, norm_constant, global_num_tokens, global_num_seqs):
+    """The policy-gradient term from per-token losses [T] and weights [T] (0 off the term's tokens)."""
+    weighted = torch.where(w != 0, w * loss, torch.zeros_like(loss))
     if aggregation == "token_mean":
-        return masked.sum() / mask.sum().clamp_min(1)
+        return weighted.sum() / _positive(w.sum())
     if aggregation == "token_sum_norm":
-        return masked.sum() / float(norm_constant)
+        return weighted.sum() / float(norm_constant)
     if aggregation == "global_token_sum":
-        return masked.sum() / global_num_tokens
-    seq_ids, S, n_i = seq
-    per_seq = _segment_sum(masked, seq_ids, S) / n_i.clamp_min(1)
-    return per_seq.sum() / (n_i > 0).sum().clamp_min(1)
+        return weighted.sum() / global_num_tokens
+    seq_ids, S, w_i = seq_w
+    per_seq = _segment_sum(weighted, seq_ids, S) / _positive(w_i)
+    n = global_num_seqs if global_num_seqs is not None else (w_i > 0).sum().clamp_min(1)
+    return per_seq.sum() / n
 
 
 def policy_loss(
@@ -259,88 +390,156 @@ def policy_loss(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     *,
-    method: str = "ppo_clip",
+    method: str | Callable = "ppo_clip",
     old_logprobs: torch.Tensor | None = None,
     corrections: Sequence[str] | str = (),
     aggregation: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
     norm_constant: float | None = None,
     global_num_tokens: float | torch.Tensor | None = None,
+    global_num_seqs: float | None = None,
     entropy: torch.Tensor | None = None,
+    drop_zero_advantage: bool = False,
+    loss_weights: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    ref_weights: torch.Tensor | None = None,
+    sft_weights: torch.Tensor | None = None,
+    global_term_tokens: dict[str, float] | None = None,
     **hparams,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The policy loss of a packed batch and its metrics (see the module docstring for formulas).
+    """The loss of a packed batch and its metrics (see the module docstring for formulas).
 
     Args:
         logprobs: [T] trainer log-probs of the sampled tokens (differentiable).
         inference_logprobs: [T] the sampler's log-probs of the same tokens.
         advantages: [T] per-token advantages (a sequence's advantage repeated over its tokens).
         loss_mask: [T] bool, True on trained tokens (completions); other positions may hold anything.
-        method / corrections / aggregation: see the module docstring; aggregation None picks the
-            method's source default (gspo: seq_mean_token_mean, else token_mean).
+        method: a name in LOSS_METHODS, or a custom method: ``"package.module:function"`` or a
+            callable ``fn(inputs: LossInputs, **hparams) -> [T] loss | ([T] loss, metrics)``.
+        corrections / aggregation: see the module docstring; aggregation None picks the method's
+            source default (gspo: seq_mean_token_mean, else token_mean).
         old_logprobs: [T] pi_old log-probs (recomputed by the trainer before the update), or None
             for bypass mode.
         cu_seqlens: [S+1] int offsets of the packed sequences (needed by the sequence-level parts).
-        norm_constant / global_num_tokens: the denominators of token_sum_norm / global_token_sum.
+        norm_constant / global_num_tokens / global_num_seqs: the denominators of token_sum_norm /
+            global_token_sum / seq_mean_token_mean (the last defaults to the local sequence count).
         entropy: [T] optional per-token entropy, only logged.
-        **hparams: eps_low, eps_high, dual_clip_c, delta_low, delta_high, kl_coef, tis_cap, mis_low,
-            mis_high, mis_level, icepop_alpha, icepop_beta, geo_rs_low, geo_rs_high, veto_threshold;
-            defaults per method/correction in DEFAULT_HPARAMS. A name the chosen method and
-            corrections do not use raises ValueError.
+        drop_zero_advantage: remove tokens with advantage exactly 0 from the policy-gradient term
+            and its denominator.
+        loss_weights: [T] float >= 0, per-token weights of the policy-gradient term (0 removes a
+            token from it and from its denominator).
+        ref_logprobs: [T] reference-model log-probs: adds the reference-KL term on the loss tokens
+            (``ref_weights`` [T] weights or selects them).
+        sft_weights: [T] float >= 0: adds the cross-entropy term on the tokens with weight > 0.
+        global_term_tokens: {"ref_kl": n, "sft": n}, the denominators of those terms over all
+            ranks (default: their local weight sums).
+        **hparams: eps_low, eps_high, dual_clip_c, delta_low, delta_high, ipo_threshold, kl_coef,
+            tis_cap, mis_low, mis_high, mis_level, icepop_alpha, icepop_beta, geo_rs_low,
+            geo_rs_high, veto_threshold, sequence_mask_low, sequence_mask_high, ref_kl_coef,
+            ref_kl_delta, ref_kl_drift, sft_coef; defaults per method/correction/term in
+            DEFAULT_HPARAMS. A name that the method, corrections and terms in use do not use raises
+            ValueError, except that a custom method receives every name the others do not use.
 
     Returns: (loss, metrics): a scalar loss and a dict of detached scalars — mismatch_kl (k3,
     trainer vs inference), policy_kl (k3, trainer vs behaviour), ratio_mean/ratio_max (the method's
     importance ratio), ess (normalised effective sample size of pi_theta/pi_inference),
     clip_frac_low/clip_frac_high (tokens clipped or masked by the method), dual_clip_frac,
-    correction_drop_frac and <correction>_drop_frac, entropy, num_tokens.
+    correction_drop_frac and <correction>_drop_frac, zero_adv_frac (loss tokens with advantage 0),
+    pg_loss, pg_tokens (the policy-gradient term and its weight sum), ref_kl (k3 KL to the
+    reference), ref_kl_loss, ref_kl_drop_frac, sft_nll, entropy, num_tokens, custom/<name>.
+    Fractions are over the loss tokens; mismatch_kl, ess and num_tokens over every loss token.
     """
-    corrections, aggregation, hp = _validate(
+    weights = {k: v for k, v in (("loss_weights", loss_weights), ("ref_weights", ref_weights),
+                                 ("sft_weights", sft_weights)) if v is not None}
+    name, custom, fn_kwargs, corrections, aggregation, hp = _validate(
         logprobs, inference_logprobs, advantages, loss_mask, method, old_logprobs, corrections, aggregation,
-        cu_seqlens, norm_constant, global_num_tokens, entropy, hparams)
+        cu_seqlens, norm_constant, global_num_tokens, global_num_seqs, entropy, ref_logprobs, weights,
+        global_term_tokens, hparams)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    mask = loss_mask.bool()
+    mask = loss_mask
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
     # Positions outside the mask may hold placeholders (prompt tokens): zero their log-ratios so a
     # wild value there cannot overflow into inf * 0 = NaN.
     lp = torch.where(mask, logprobs.to(dtype), zero)
     ilp = torch.where(mask, inference_logprobs.to(dtype), zero)
     b = ilp if old_logprobs is None else torch.where(mask, old_logprobs.to(dtype), zero)
-    adv = torch.where(mask, advantages.to(dtype), zero)
-    log_ratio = lp - b
+    raw_adv = torch.where(mask, advantages.to(dtype), zero)
 
-    seq = None
+    zero_adv = mask & (raw_adv == 0)
+    pg_mask = mask
+    if loss_weights is not None:
+        pg_mask = pg_mask & (loss_weights != 0)
+    if drop_zero_advantage:
+        pg_mask = pg_mask & ~zero_adv
+    w = torch.where(pg_mask, zero + 1 if loss_weights is None else loss_weights.to(dtype), zero)
+    # the policy-gradient term sees its own tokens only: a dropped token contributes no value or gradient
+    lp_pg, b_pg, ilp_pg, adv = (torch.where(pg_mask, x, zero) for x in (lp, b, ilp, raw_adv))
+    log_ratio = lp_pg - b_pg
+
+    seq = seq_w = None
     if cu_seqlens is not None:
         T = lp.shape[0]
         seq_ids = seq_ids_from_cu_seqlens(cu_seqlens.to(lp.device), T)
         S = cu_seqlens.numel() - 1
-        seq = (seq_ids, S, _segment_sum(mask.to(dtype), seq_ids, S))
+        seq = (seq_ids, S, _segment_sum(pg_mask.to(dtype), seq_ids, S))
+        seq_w = (seq_ids, S, _segment_sum(w, seq_ids, S))
 
-    pg, ratio, low, high, extra = _method_loss(method, lp, b, adv, mask, log_ratio, seq, hp)
-    rho_log = (b - ilp) if old_logprobs is not None else (lp.detach() - ilp)
-    weight, keep, dropped = _corrections(corrections, hp, rho_log, mask, seq, weighted=old_logprobs is not None)
+    if custom is None:
+        pg, ratio, low, high, extra = _method_loss(name, lp_pg, b_pg, adv, pg_mask, log_ratio, seq, hp)
+        custom_metrics = {}
+    else:
+        inputs = LossInputs(lp_pg, b_pg, ilp_pg, adv, pg_mask, cu_seqlens)
+        pg, ratio, low, high, custom_metrics = _custom_loss(custom, name, inputs, fn_kwargs, dtype)
+        extra = {}
+    rho_log = (b_pg - ilp_pg) if old_logprobs is not None else (lp_pg.detach() - ilp_pg)
+    weight, keep, dropped = _corrections(corrections, hp, rho_log, pg_mask, seq, weighted=old_logprobs is not None)
     per_token = torch.where(keep, weight * pg, torch.zeros_like(pg))
-    if hp["kl_coef"]:
+    if hp.get("kl_coef"):
         per_token = per_token + hp["kl_coef"] * log_ratio * log_ratio
-    loss = _aggregate(per_token, mask, aggregation, seq, norm_constant, global_num_tokens)
+    pg_loss = _aggregate(per_token, w, aggregation, seq_w, norm_constant, global_num_tokens, global_num_seqs)
+    loss = pg_loss
+    term_tokens = global_term_tokens or {}
+    term_metrics = {}
+    if ref_logprobs is not None:
+        ref_mask = mask if ref_weights is None else mask & (ref_weights != 0)
+        w_ref = torch.where(ref_mask, zero + 1 if ref_weights is None else ref_weights.to(dtype), zero)
+        ref = torch.where(ref_mask, ref_logprobs.to(dtype), zero)
+        lp_ref, b_ref = torch.where(ref_mask, lp, zero), torch.where(ref_mask, b, zero)
+        per_ref, ref_dropped = ref_kl_per_token(lp_ref, b_ref, ref, ref_mask, hp["ref_kl_delta"], hp["ref_kl_drift"])
+        ref_loss = term_mean(per_ref, w_ref, term_tokens.get("ref_kl"))
+        loss = loss + hp["ref_kl_coef"] * ref_loss
+        term_metrics.update(ref_kl=ref_kl_metric(lp_ref, ref, ref_mask), ref_kl_loss=ref_loss.detach(),
+                            ref_kl_drop_frac=masked_mean(ref_dropped.to(dtype), ref_mask))
+    if sft_weights is not None:
+        w_sft = sft_weights.to(dtype)
+        nll = torch.where(w_sft != 0, -logprobs.to(dtype), zero)
+        sft_loss = term_mean(nll, w_sft, term_tokens.get("sft"))
+        loss = loss + hp["sft_coef"] * sft_loss
+        term_metrics["sft_nll"] = (w_sft * nll).sum().detach() / _positive(w_sft.sum())
 
     with torch.no_grad():
         train_vs_inf = lp.detach() - ilp
-        ratio_on_mask = torch.where(mask, ratio, torch.zeros_like(ratio))
+        ratio_on_mask = torch.where(pg_mask, ratio, torch.zeros_like(ratio))
         metrics = {
             "mismatch_kl": masked_mean(kl_k3(train_vs_inf), mask),
-            "policy_kl": masked_mean(kl_k3(log_ratio.detach()), mask),
-            "ratio_mean": masked_mean(ratio, mask),
+            "policy_kl": masked_mean(kl_k3(log_ratio.detach()), pg_mask),
+            "ratio_mean": masked_mean(ratio, pg_mask),
             "ratio_max": ratio_on_mask.max() if ratio.numel() else zero,
             "ess": effective_sample_size(torch.exp(train_vs_inf), mask),
             "clip_frac_low": masked_mean(low.to(dtype), mask),
             "clip_frac_high": masked_mean(high.to(dtype), mask),
-            "correction_drop_frac": masked_mean((mask & ~keep).to(dtype), mask),
+            "correction_drop_frac": masked_mean((pg_mask & ~keep).to(dtype), mask),
+            "zero_adv_frac": masked_mean(zero_adv.to(dtype), mask),
+            "pg_loss": pg_loss.detach(),
+            "pg_tokens": w.sum(),
             "num_tokens": mask.sum().to(dtype),
+            **term_metrics,
+            **custom_metrics,
         }
-        for name, flags in extra.items():
-            metrics[name] = masked_mean(flags.to(dtype), mask)
-        for name, d in dropped.items():
-            metrics[f"{name}_drop_frac"] = masked_mean(d.to(dtype), mask)
+        for key, flags in extra.items():
+            metrics[key] = masked_mean(flags.to(dtype), mask)
+        for key, d in dropped.items():
+            metrics[f"{key}_drop_frac"] = masked_mean(d.to(dtype), mask)
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.detach().to(dtype), mask)
         metrics = {k: v.detach() for k, v in metrics.items()}
