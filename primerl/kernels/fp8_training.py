@@ -142,6 +142,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{op}: need x [..., K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     _check_dims(op, "weight", *weight.shape)
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)
+                             or bias.device != x.device):
+        raise ValueError(f"{op}: bias must be a tensor of shape [N] = ({weight.shape[0]},) on {x.device}, got "
+                         f"{tuple(getattr(bias, 'shape', ()))} on {getattr(bias, 'device', type(bias).__name__)}")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         y = x2 @ weight.to(x.dtype).t()

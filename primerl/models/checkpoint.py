@@ -9,6 +9,7 @@ the weights. Saving writes views of the parameters, one shard at a time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,6 +27,24 @@ _SINGLE = "model.safetensors"
 
 class CheckpointError(ValueError):
     """A checkpoint does not match the model its config describes (missing/unexpected tensors, shapes)."""
+
+
+@contextlib.contextmanager
+def open_safetensors(path, device: str = "cpu"):
+    """``safetensors.safe_open`` whose read errors (a truncated or corrupt file) name the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), "pt", device=device) as st:
+            yield st
+    except SafetensorError as e:
+        raise CheckpointError(f"{os.fspath(path)}: not a readable safetensors file ({e})") from e
+
+
+def read_safetensors(path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (``safetensors.torch.load_file``; errors name the file)."""
+    with open_safetensors(path, device) as st:
+        return {k: st.get_tensor(k) for k in st.keys()}
 
 
 @dataclass(frozen=True)
@@ -144,11 +163,9 @@ def _checkpoint_files(path: str) -> tuple[list[str], dict[str, str] | None]:
 
 
 def _all_keys(files: list[str]) -> list[str]:
-    from safetensors import safe_open
-
     keys = []
     for f in files:
-        with safe_open(f, "pt") as st:
+        with open_safetensors(f) as st:
             keys.extend(st.keys())
     return keys
 
@@ -185,8 +202,6 @@ def _fp32_params(model) -> set[str]:
 
 
 def load_pretrained(cls, path, *, dtype: torch.dtype | None = None, device="cpu"):
-    from safetensors import safe_open
-
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -219,7 +234,7 @@ def load_pretrained(cls, path, *, dtype: torch.dtype | None = None, device="cpu"
     unexpected, skipped = [], []
     with torch.no_grad():
         for f in files:
-            with safe_open(f, "pt", device="cpu") as st:
+            with open_safetensors(f) as st:
                 for key in st.keys():
                     slot = layout.get(key)
                     if slot is None:

@@ -146,12 +146,40 @@ class MoETransformer(nn.Module):
                 raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {cu_seqlens.tolist()}")
         elif cu_seqlens is None or not hasattr(cu_seqlens, "shard"):
             raise ValueError(f"cu_seqlens must be an int32 tensor [B+1] or a ContextShardPlan, got {type(cu_seqlens)}")
+        self._validate_values(input_ids, position_ids, cu_seqlens if torch.is_tensor(cu_seqlens) else None)
         if replay_ids is not None:
             L, k = len(self.config.moe_layer_ids), self.config.top_k
             if replay_ids.shape != (T, L, k):
                 raise ValueError(f"replay_ids must have shape [T, L, k]=({T}, {L}, {k}), got {tuple(replay_ids.shape)}")
             if replay_ids.dtype.is_floating_point:
                 raise ValueError(f"replay_ids must be an integer tensor, got {replay_ids.dtype}")
+
+    def _validate_values(self, input_ids, position_ids, cu_seqlens) -> None:
+        """Token ids in [0, vocab_size), and (with a tensor ``cu_seqlens``) position t of a sequence
+        equal to t: positions that contradict the boundaries would silently shift RoPE.
+
+        Costs O(T) elementwise work and one host sync per forward on a GPU (the checks of
+        ``cu_seqlens`` above already sync; they are free when it lives on the CPU). Under context
+        parallelism (a ``ContextShardPlan``) or the trainer's padded path the positions come from
+        the packer and are not re-checked."""
+        V, T = self.config.vocab_size, input_ids.shape[0]
+        if T == 0:
+            return
+        flags = [((input_ids < 0) | (input_ids >= V)).any()]
+        if cu_seqlens is not None:
+            cu = cu_seqlens.to(position_ids.device, torch.long)
+            starts = torch.repeat_interleave(cu[:-1], cu.diff(), output_size=T)
+            expected = torch.arange(T, device=position_ids.device) - starts
+            flags.append((position_ids.long() != expected).any())
+        bad = torch.stack(flags).tolist()
+        if bad[0]:
+            raise ValueError(f"input_ids must be in [0, vocab_size={V}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if len(bad) > 1 and bad[1]:
+            i = int((position_ids.long() != expected).nonzero()[0])
+            raise ValueError(f"position_ids contradict cu_seqlens {cu_seqlens.tolist()}: positions must restart at 0 "
+                             f"at every sequence start and count up by 1; index {i} has {int(position_ids[i])}, "
+                             f"expected {int(expected[i])}")
 
     def routing(self) -> torch.Tensor:
         """Top-k expert ids of the last forward, ``[T, L, k]`` in the smallest unsigned dtype that holds

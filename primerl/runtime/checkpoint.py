@@ -29,6 +29,30 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+TMP_PREFIX = ".tmp_step_"  # a checkpoint being written: <root>/.tmp_step_<step>.<writer pid>
+
+
+def remove_stale_tmp_dirs(root: str | Path) -> list[Path]:
+    """Delete the temp directories of checkpoint writes that can no longer finish: those of a
+    process that is gone, or of this process (called at start, and after a failed save). Returns
+    what was removed. A failed save (ENOSPC, a crash) would otherwise leave them forever, filling
+    the disk and making the next save fail too. Any checkpoint writer names its temp directory
+    ``TMP_PREFIX + <anything>.<pid>`` so this finds it."""
+    from .lifetime import pid_alive
+
+    removed = []
+    for d in Path(root).glob(TMP_PREFIX + "*"):
+        pid = d.name.rpartition(".")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
+            continue  # another live writer's save in progress
+        if d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+        else:
+            d.unlink(missing_ok=True)
+        removed.append(d)
+    return removed
+
+
 def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
     dirs = _step_dirs(Path(root))
     return dirs[-1] if dirs else None
@@ -42,28 +66,32 @@ def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Te
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}.{os.getpid()}"
+    tmp = root / f"{TMP_PREFIX}{step:06d}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
-    with open(tmp / "model.safetensors", "rb+") as f:
-        os.fsync(f.fileno())
-    atomic_torch_save(train_state, tmp / "state.pt")
-    atomic_write_bytes(tmp / "meta.json", json.dumps({"step": step, **(meta or {})}).encode())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    try:
+        tmp.mkdir()
+        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+        with open(tmp / "model.safetensors", "rb+") as f:
+            os.fsync(f.fileno())
+        atomic_torch_save(train_state, tmp / "state.pt")
+        atomic_write_bytes(tmp / "meta.json", json.dumps({"step": step, **(meta or {})}).encode())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        remove_stale_tmp_dirs(root)
+        raise
     for _, old in _step_dirs(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def load_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
-    from safetensors.torch import load_file
+    from primerl.models.checkpoint import read_safetensors
 
     path = Path(path)
     meta_file = path / "meta.json"
     if not meta_file.exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
     meta = json.loads(meta_file.read_text())
-    return int(meta["step"]), load_file(str(path / "model.safetensors")), torch.load(path / "state.pt", weights_only=False)
+    return int(meta["step"]), read_safetensors(path / "model.safetensors"), torch.load(path / "state.pt", weights_only=False)

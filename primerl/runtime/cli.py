@@ -42,11 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(cfg), end="")
         return 0
     from . import job
+    from .output_dir import OutputDirError
 
     if args.command == "rl":
         try:
             job.run_rl(cfg)
-        except job.JobFailed as e:
+        except (job.JobFailed, OutputDirError) as e:
             print(f"primerl rl: FAILED: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class EnvConfig:
     args: dict = field(default_factory=dict)
     timeout_s: float = 30.0  # per reward / env-turn call
     max_retries: int = 2  # an episode whose env call raises is resampled this many times, then fails
+    max_concurrent_calls: int = 64  # env calls (reward / respond) running at once, each on its own thread
+    max_abs_reward: float = 1e6  # larger |reward| is clipped to +-this (counted: rewards/clipped)
 
 
 @dataclass
@@ -152,6 +155,7 @@ class LogConfig:
 @dataclass
 class RLConfig:
     output_dir: str = "outputs/run"
+    overwrite: bool = False  # a non-empty output_dir is refused unless this or checkpoint.resume is true
     seed: int = 0
     max_steps: int = 50
     threads: int = 1  # torch threads per process
@@ -315,6 +319,7 @@ def _need(cond: bool, key: str, msg: str, value: Any) -> None:
 
 def validate(cfg: RLConfig) -> None:
     """Range and choice checks; raises ``ConfigError`` naming the key."""
+    validate_finite(cfg)
     o, i, t, m = cfg.orchestrator, cfg.inference, cfg.trainer, cfg.model
     _need(cfg.max_steps >= 1, "max_steps", "must be >= 1", cfg.max_steps)
     _need(cfg.threads >= 1, "threads", "must be >= 1", cfg.threads)
@@ -364,6 +369,73 @@ def validate(cfg: RLConfig) -> None:
     _need(bool(cfg.env.id), "env.id", "must be set", cfg.env.id)
     _need(cfg.env.timeout_s > 0, "env.timeout_s", "must be > 0", cfg.env.timeout_s)
     _need(cfg.env.max_retries >= 0, "env.max_retries", "must be >= 0", cfg.env.max_retries)
+    _need(cfg.env.max_concurrent_calls >= 1, "env.max_concurrent_calls", "must be >= 1", cfg.env.max_concurrent_calls)
+    _need(cfg.env.max_abs_reward > 0, "env.max_abs_reward", "must be > 0", cfg.env.max_abs_reward)
+    validate_names(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# values that would only fail seconds into a run: non-finite numbers, names that resolve nowhere
+
+
+def validate_finite(cfg) -> None:
+    """Every float in the config (free-form tables included) must be finite: ``trainer.lr = inf``
+    would turn the weights into NaN at the first update."""
+
+    def walk(v: Any, key: str) -> None:
+        if dataclasses.is_dataclass(v):
+            for f in dataclasses.fields(v):
+                walk(getattr(v, f.name), f"{key}.{f.name}" if key else f.name)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{key}.{k}")
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                walk(x, f"{key}[{i}]")
+        elif isinstance(v, float):
+            _need(math.isfinite(v), key, "must be a finite number", v)
+
+    walk(cfg, "")
+
+
+def _import_path(path: str, key: str):
+    import importlib
+
+    mod_name, _, attr = path.partition(":")
+    try:
+        obj = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{key}: cannot import {path!r} ({e})") from None
+    _need(callable(obj), key, "must name a callable", path)
+    return obj
+
+
+def validate_names(cfg: RLConfig) -> None:
+    """Loss method / corrections / aggregation against ``primerl.rl.losses``' lists, the
+    environment factory and its arguments, and ``model.path``: resolved now, so ``--dry-run`` fails."""
+    from primerl.rl import losses
+    from primerl.rl.envs import resolve_environment
+
+    loss = cfg.trainer.loss
+    if ":" in loss.method:
+        _import_path(loss.method, "trainer.loss.method")
+    else:
+        _need(loss.method in losses.METHODS, "trainer.loss.method",
+              f"must be one of {losses.METHODS} or an import path 'package.module:function'", loss.method)
+    bad = [c for c in loss.corrections if c not in losses.CORRECTIONS]
+    _need(not bad, "trainer.loss.corrections", f"has unknown entries {bad}; choose from {losses.CORRECTIONS}",
+          loss.corrections)
+    _need(loss.aggregation in losses.AGGREGATIONS, "trainer.loss.aggregation",
+          f"must be one of {losses.AGGREGATIONS}", loss.aggregation)
+    try:
+        resolve_environment(cfg.env.id, cfg.env.args)
+    except ValueError as e:
+        raise ConfigError(f"env.id / env.args: {e}") from None
+    m = cfg.model
+    if m.path:
+        _need(Path(m.path).is_dir(), "model.path", "must be an existing directory (a Hugging Face checkpoint)", m.path)
+        _need((Path(m.path) / "config.json").is_file(), "model.path", "has no config.json (not a Hugging Face "
+              "checkpoint directory)", m.path)
 
 
 def _toml_value(v: Any) -> str:

@@ -80,8 +80,19 @@ class _Active:
         self.fed = 0  # positions already in the cache
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The policy produced NaN/inf logits (its weights are almost certainly non-finite)."""
+
+
 def sample_next(logits_BV: torch.Tensor, temperature: list[float], top_p: list[float], uniforms: list[float]):
-    """Inverse-CDF sampling per row: -> (token ids [B] int64, log-probs [B] float32)."""
+    """Inverse-CDF sampling per row: -> (token ids [B] int64, log-probs [B] float32).
+
+    Raises NonFiniteLogitsError on a row with NaN/inf logits (there is no distribution to sample)."""
+    finite = torch.isfinite(logits_BV).all(dim=-1)
+    if not bool(finite.all()):
+        rows = (~finite).nonzero().flatten().tolist()
+        raise NonFiniteLogitsError(f"sample_next: the logits of {len(rows)} of {logits_BV.shape[0]} rows are not finite "
+                                   f"(NaN/inf; rows {rows[:8]}): the sampler's policy weights are probably non-finite")
     logits = logits_BV.float() / torch.tensor(temperature, dtype=torch.float32)[:, None]
     logp = torch.log_softmax(logits, dim=-1)
     probs_sorted, idx_sorted = logp.exp().sort(dim=-1, descending=True)
@@ -213,8 +224,11 @@ class InferenceEngine:
             return []
         active = list(self.running.values())
         logits, routing = (self._forward_cached if self.kv_cache else self._forward_full)(active)
-        tokens, logps = sample_next(logits, [a.req.params.temperature for a in active],
-                                    [a.req.params.top_p for a in active], [a.rng.random() for a in active])
+        try:
+            tokens, logps = sample_next(logits, [a.req.params.temperature for a in active],
+                                        [a.req.params.top_p for a in active], [a.rng.random() for a in active])
+        except NonFiniteLogitsError as e:
+            raise NonFiniteLogitsError(f"{e} (policy version {self.policy_version})") from None
         finished = []
         for i, a in enumerate(active):
             if routing is not None:

@@ -21,28 +21,18 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import latest_checkpoint
+from .checkpoint import latest_checkpoint, remove_stale_tmp_dirs
 from .config import RLConfig, to_toml
+from .lifetime import LAUNCHER_PID_ENV, die_with_parent, pid_alive, watch_launcher
 from .metrics import ascii_curve, progress_line, read_metrics, save_plot
+from .output_dir import claim_output_dir
 from .transport import FileTransport
 
 log = logging.getLogger("primerl")
 
 
 def _pid_alive(pid: int | None):
-    if not pid:
-        return None
-
-    def alive() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    return alive
+    return (lambda: pid_alive(pid)) if pid else None
 
 
 def start_step(cfg: RLConfig) -> int:
@@ -63,6 +53,7 @@ def trainer_main(cfg: RLConfig) -> None:
     from .trainer import run_trainer
 
     setup_logging("trainer")
+    watch_launcher()
     torch.set_num_threads(cfg.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():
@@ -102,6 +93,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
     from .policy import model_config
 
     setup_logging("orchestrator")
+    watch_launcher()
     torch.set_num_threads(cfg.threads)
     env = load_environment(cfg.env.id, **cfg.env.args)
     start = start_step(cfg)
@@ -134,6 +126,7 @@ def _tail(path: Path, n: int = 15) -> str:
 def prepare_output(cfg: RLConfig) -> int:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp_dirs(out / "checkpoints")
     step = start_step(cfg)
     if not cfg.checkpoint.resume:
         for name in ("transport", "checkpoints"):
@@ -149,7 +142,8 @@ def prepare_output(cfg: RLConfig) -> int:
 
 def _spawn(args: list[str], log_path: Path, env: dict) -> subprocess.Popen:
     f = open(log_path, "ab")
-    return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=die_with_parent(os.getpid()))
 
 
 def _stop(p: subprocess.Popen | None, grace: float = 5.0) -> None:
@@ -167,12 +161,19 @@ def _stop(p: subprocess.Popen | None, grace: float = 5.0) -> None:
 
 
 def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[dict]:
-    """Run trainer + orchestrator as two processes until ``max_steps``; return the metrics rows."""
+    """Run trainer + orchestrator as two processes until ``max_steps``; return the metrics rows.
+
+    Holds ``output_dir``'s lock for the job's life (``output_dir.claim_output_dir``)."""
+    with claim_output_dir(cfg):
+        return _run_rl(cfg, quiet=quiet, poll_s=poll_s)
+
+
+def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:
     out = Path(cfg.output_dir)
     start = prepare_output(cfg)
     cfg_path = str(out / "config.toml")
     py = sys.executable
-    base_env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1")
+    base_env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())})
     t0 = time.perf_counter()
     if not quiet:
         print(f"primerl rl: output_dir {out} | start step {start} | logs in {out / 'logs'}", flush=True)
@@ -222,7 +223,13 @@ def run_threads(cfg: RLConfig, *, quiet: bool = True) -> list[dict]:
     """The same job in ONE process: trainer in a thread, orchestrator + engine in this one.
 
     For tests, notebooks and experiments; each side still talks only through the transport.
+    Holds ``output_dir``'s lock for the job's life, as ``run_rl`` does.
     """
+    with claim_output_dir(cfg):
+        return _run_threads(cfg, quiet=quiet)
+
+
+def _run_threads(cfg: RLConfig, *, quiet: bool) -> list[dict]:
     import threading
 
     from primerl.rl.envs import load_environment

@@ -2,7 +2,9 @@
 and optional TensorBoard / Weights & Biases sinks.
 
 One JSON object per step with at least ``step``, ``reward/mean``, ``mismatch_kl/mean``,
-``off_policy/max`` and ``tokens_per_s``.
+``off_policy/max`` and ``tokens_per_s``. Every line is strict JSON: a NaN or infinite value is
+written as ``null`` (Python's ``json`` would write the bare ``NaN``/``Infinity`` that jq and most
+parsers reject), so a skipped update's ``grad_norm`` reads back as None.
 """
 
 from __future__ import annotations
@@ -14,6 +16,17 @@ from pathlib import Path
 from typing import Iterable
 
 REQUIRED = ("step", "reward/mean", "mismatch_kl/mean", "off_policy/max", "tokens_per_s")
+
+
+def json_safe(v):
+    """``v`` with every non-finite float (nested in dicts/lists too) replaced by None."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    return v
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -40,7 +53,7 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [m for m in read_metrics(self.path) if m.get("step", -1) < start_step]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        tmp.write_text("".join(json.dumps(json_safe(m), allow_nan=False) + "\n" for m in kept))
         os.replace(tmp, self.path)
         self._f = open(self.path, "a")
         self._tb = self._wandb = None
@@ -61,8 +74,7 @@ class MetricsLogger:
         missing = [k for k in REQUIRED if k not in metrics]
         if missing:
             raise ValueError(f"metrics for a step must contain {REQUIRED}; missing {missing}")
-        clean = {k: (float(v) if isinstance(v, float) and math.isfinite(v) else v) for k, v in metrics.items()}
-        self._f.write(json.dumps(clean) + "\n")
+        self._f.write(json.dumps(json_safe(metrics), allow_nan=False) + "\n")
         self._f.flush()
         step = int(metrics["step"])
         if self._tb is not None:

@@ -16,17 +16,15 @@ replays the same episodes as an uninterrupted one.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
 import torch
 
-from primerl.rl.envs import Environment, call_env, check_tokens
+from primerl.rl.envs import Environment, check_tokens
 
 from .config import RLConfig
+from .env_calls import EnvCalls, EnvCallTimeout, RewardRejected, check_reward
 from .rollout import EpisodeState, mix_seed
 from .transport import FileTransport, ProducerDied, TransportTimeout
 
@@ -35,6 +33,11 @@ log = logging.getLogger("primerl.orchestrator")
 
 class EnvError(RuntimeError):
     pass
+
+
+# counted per batch and in total: stale groups resampled, env calls that failed (of which timed
+# out), rewards rejected (not a finite real number) and rewards clipped to env.max_abs_reward
+COUNTS = ("discarded_stale", "env_errors", "env_timeouts", "rewards_rejected", "rewards_clipped")
 
 
 class Orchestrator:
@@ -51,23 +54,51 @@ class Orchestrator:
         self.episodes: dict[int, EpisodeState] = {}  # request id -> episode waiting on the engine
         self.batches: dict[int, list[list[EpisodeState]]] = {}
         self._rid = 0
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="env")
-        self.counters = {"discarded_stale": 0, "env_errors": 0}
+        e = cfg.env
+        self._env_calls = EnvCalls(e.id, e.timeout_s, e.max_concurrent_calls)
+        self.counters = dict.fromkeys(COUNTS, 0)
         self._batch_counters: dict[int, dict] = {}
         self._t_last_write = time.perf_counter()
         self._tokens_since_write = 0
 
-    # ---------------------------------------------------------------- env calls (timeout + retry)
-    def _env_call(self, fn, *args):
-        timeout = self.cfg.env.timeout_s
-        fut = self._pool.submit(call_env, fn, *args, timeout=timeout)
+    # ---------------------------------------------------------------- env calls (concurrent, timeout + retry)
+    def _submit_env(self, st: EpisodeState, name: str) -> None:
+        self._env_calls.submit(st, name, getattr(self.env, name), st.episode)
+
+    def _count(self, step: int, key: str) -> None:
+        self.counters[key] += 1
+        self._batch_counters[step][key] += 1
+
+    def _live(self, st: EpisodeState) -> bool:
+        groups = self.batches.get(st.step)
+        return groups is not None and any(s is st for s in groups[st.group])
+
+    def _on_env_result(self, st: EpisodeState, name: str, ok: bool, value) -> None:
+        if not self._live(st):  # its group was resampled while the call ran
+            return
         try:
-            return fut.result(timeout=timeout)
-        except FutureTimeout:
-            # the worker thread may be stuck: replace the pool so later calls still run
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="env")
-            raise TimeoutError(f"environment call {getattr(fn, '__name__', fn)} took more than {timeout} s")
+            if not ok:
+                raise value
+            if name == "respond":
+                if value:
+                    st.add_env_turn(check_tokens(value, self.env.vocab_size, "environment reply"))
+                    self._submit(st)
+                else:
+                    self._submit_env(st, "reward")
+                return
+            st.reward, clipped = check_reward(value, self.cfg.env.max_abs_reward, f"environment {self.cfg.env.id!r}")
+            if clipped:
+                self._count(st.step, "rewards_clipped")
+            st.done = True
+        except Exception as e:  # noqa: BLE001 - any env failure is counted and retried
+            if isinstance(e, RewardRejected):
+                self._count(st.step, "rewards_rejected")
+            if isinstance(e, EnvCallTimeout):
+                self._count(st.step, "env_timeouts")
+            self._count(st.step, "env_errors")
+            log.warning("environment error (step %d group %d attempt %d): %s; resampling the group",
+                        st.step, st.group, st.attempt, e)
+            self._retry_group(st, "env_error", e)
 
     # ---------------------------------------------------------------- weights
     def _refresh_weights(self, *, block_for: int | None = None) -> None:
@@ -104,7 +135,7 @@ class Orchestrator:
 
     def _submit_batch(self, step: int) -> None:
         self.batches[step] = [self._start_group(step, g, 0) for g in range(self.o.batch_size)]
-        self._batch_counters[step] = {"discarded_stale": 0, "env_errors": 0}
+        self._batch_counters[step] = dict.fromkeys(COUNTS, 0)
 
     def _retry_group(self, st: EpisodeState, reason: str, error: BaseException | None = None) -> None:
         step, g = st.step, st.group
@@ -127,24 +158,7 @@ class Orchestrator:
             return
         self._tokens_since_write += len(c.tokens)
         st.add_model_turn(c)
-        try:
-            reply = None
-            if st.turn < self.env.max_turns:
-                reply = self._env_call(self.env.respond, st.episode)
-            if reply:
-                st.add_env_turn(check_tokens(reply, self.env.vocab_size, "environment reply"))
-                self._submit(st)
-                return
-            st.reward = float(self._env_call(self.env.reward, st.episode))
-            if not math.isfinite(st.reward):
-                raise ValueError(f"reward is not finite: {st.reward}")
-            st.done = True
-        except Exception as e:  # noqa: BLE001 - any env failure is counted and retried
-            self.counters["env_errors"] += 1
-            self._batch_counters[st.step]["env_errors"] += 1
-            log.warning("environment error (step %d group %d attempt %d): %r; resampling the group",
-                        st.step, st.group, st.attempt, e)
-            self._retry_group(st, "env_error", e)
+        self._submit_env(st, "respond" if st.turn < self.env.max_turns else "reward")
 
     # ---------------------------------------------------------------- hand-over
     def _batch_done(self, step: int) -> bool:
@@ -174,7 +188,9 @@ class Orchestrator:
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "reward/max": float(rewards.max()), "off_policy/max": max(off), "off_policy/mean": sum(off) / len(off),
             "policy_version": self.version, "samples/discarded_stale": self._batch_counters[step]["discarded_stale"],
-            "env/errors": self._batch_counters[step]["env_errors"], "seq_len/mean": sum(lens) / len(lens),
+            "env/errors": self._batch_counters[step]["env_errors"], "env/timeouts": self._batch_counters[step]["env_timeouts"],
+            "rewards/rejected": self._batch_counters[step]["rewards_rejected"],
+            "rewards/clipped": self._batch_counters[step]["rewards_clipped"], "seq_len/mean": sum(lens) / len(lens),
             "seq_len/max": max(lens), "inference/tokens_per_s": self._tokens_since_write / dt,
             "turns/mean": sum(st.turn for grp in groups for st in grp) / len(off), **adv_metrics,
         }
@@ -197,31 +213,36 @@ class Orchestrator:
     def run(self, max_steps: int | None = None, on_batch: Callable[[int, dict], None] | None = None) -> None:
         max_steps = self.cfg.max_steps if max_steps is None else max_steps
         a = self.o.max_async_level
-        try:
-            while self.next_write < max_steps:
-                self._refresh_weights()
-                while self.next_submit < max_steps and self.next_submit - self.version <= a \
-                        and self.next_submit <= self.next_write + a:
-                    self._submit_batch(self.next_submit)
-                    self.next_submit += 1
-                if self._batch_done(self.next_write):
-                    out = self._finalize(self.next_write)
-                    if out is not None:
-                        self._write(self.next_write, *out)
-                        if on_batch is not None:
-                            on_batch(self.next_write, out[1])
-                        self.next_write += 1
+        while self.next_write < max_steps:
+            self._refresh_weights()
+            while self.next_submit < max_steps and self.next_submit - self.version <= a \
+                    and self.next_submit <= self.next_write + a:
+                self._submit_batch(self.next_submit)
+                self.next_submit += 1
+            if self._batch_done(self.next_write):
+                out = self._finalize(self.next_write)
+                if out is not None:
+                    self._write(self.next_write, *out)
+                    if on_batch is not None:
+                        on_batch(self.next_write, out[1])
+                    self.next_write += 1
+                continue
+            engine_busy = self.client.has_pending()
+            # results of env calls that finished meanwhile (wait briefly when there is nothing else to do)
+            for st, name, ok, value in self._env_calls.poll(wait_s=0.0 if engine_busy else 0.05):
+                self._on_env_result(st, name, ok, value)
+            if not engine_busy:
+                if self._env_calls.pending() or self.client.has_pending():
                     continue
-                if not self.client.has_pending():
-                    if self.next_write not in self.batches:
-                        # nothing to sample until the trainer publishes a newer policy
-                        self._refresh_weights(block_for=self.next_submit - a)
-                        continue
-                    raise RuntimeError(f"orchestrator stalled: batch {self.next_write} is incomplete with no request in flight")
-                for c in self.client.poll():
-                    self._on_completion(c)
-        finally:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+                if self.next_write not in self.batches:
+                    # nothing to sample until the trainer publishes a newer policy
+                    self._refresh_weights(block_for=self.next_submit - a)
+                    continue
+                if self._batch_done(self.next_write):
+                    continue
+                raise RuntimeError(f"orchestrator stalled: batch {self.next_write} is incomplete with no request in flight")
+            for c in self.client.poll():
+                self._on_completion(c)
 
 
 class EmbeddedClient:

@@ -99,12 +99,12 @@ class EngineServer:
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens)}}
 
     def update_weights_from_path(self, path: str) -> dict:
-        from safetensors.torch import load_file
+        from primerl.models.checkpoint import read_safetensors
 
         from .hf_weights import primerl_weights
 
         d = Path(path)
-        sd = load_file(str(d / "model.safetensors"))
+        sd = read_safetensors(d / "model.safetensors")
         version = int((d / "STABLE").read_text()) if (d / "STABLE").exists() else self.engine.policy_version + 1
 
         def load():

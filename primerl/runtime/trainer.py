@@ -27,6 +27,7 @@ from primerl.kernels.logprobs import fused_logprobs
 from . import _rl
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import RLConfig
+from .guards import check_finite_parameters
 from .padded_attention import padded_forward
 from .policy import build_model
 from .transport import FileTransport
@@ -237,6 +238,7 @@ class Trainer:
                 p.grad.mul_(t.max_grad_norm / (gn + 1e-6))
         metrics["grad_norm"] = gn
         self.optimizer.step()
+        check_finite_parameters(self.model, self.step, distributed=self.world_size > 1)
         return metrics
 
 

@@ -144,14 +144,14 @@ class FileTransport:
         return wait_for(ready, timeout=timeout, what=f"policy weights of version >= {min_version}", alive=alive)[0]
 
     def load_weights(self, version: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
+        from primerl.models.checkpoint import read_safetensors
 
         d = self.weights_dir(version)
         if not (d / STABLE).exists():
             raise FileNotFoundError(f"weights of version {version} are not published at {d}")
         if not (d / "model.safetensors").exists():
             raise FileNotFoundError(f"version {version} at {d} is a marker only (its weights were broadcast)")
-        return load_file(str(d / "model.safetensors"))
+        return read_safetensors(d / "model.safetensors")
 
     def drop_weights_before(self, version: int) -> None:
         for d in self.weights.glob("step_*"):

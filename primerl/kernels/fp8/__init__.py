@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .._args import check_int
 from .._backend import resolve_backend
 from . import reference
 
@@ -67,6 +68,7 @@ def quant_per_token_group(
     """
     op = "quant_per_token_group"
     _check_input(op, x, dtype, 1)
+    check_int(op, "group_size", group_size)
     if group_size <= 0 or x.shape[-1] % group_size != 0:
         raise ValueError(f"{op}: K={x.shape[-1]} (last dim) must be divisible by group_size={group_size}")
     be = resolve_backend(op, backend, x.device)
@@ -87,7 +89,11 @@ def quant_per_block(
     """
     op = "quant_per_block"
     _check_input(op, w, dtype, 2, 3)
-    if len(block_size) != 2 or min(block_size) <= 0:
+    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
+        raise TypeError(f"{op}: block_size must be a pair of ints, got {block_size!r}")
+    for v in block_size:
+        check_int(op, "block_size", v)
+    if min(block_size) <= 0:
         raise ValueError(f"{op}: block_size must be two positive ints, got {block_size}")
     be = resolve_backend(op, backend, w.device)
     return _impl(be).quant_per_block(w.contiguous(), tuple(block_size), dtype, ue8m0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .._args import check_int
 from .._backend import resolve_backend
 from . import _functions, reference
 
@@ -85,6 +86,9 @@ def topk_route(
     """
     op = "topk_route"
     _check_tensor(op, "logits", logits, 2, _FLOAT_DTYPES)
+    check_int(op, "top_k", top_k)
+    check_int(op, "n_groups", n_groups)
+    check_int(op, "topk_groups", topk_groups)
     t, e = logits.shape
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"{op}: score_func must be one of {SCORE_FUNCS}, got {score_func!r}")

@@ -24,7 +24,7 @@ BUILTIN = {
 }
 
 __all__ = ["Environment", "Episode", "Prompt", "Turn", "call_env", "check_tokens", "load_environment",
-           "ReverseText", "ReverseTextFeedback", "BUILTIN"]
+           "resolve_environment", "ReverseText", "ReverseTextFeedback", "BUILTIN"]
 
 
 def _resolve(env_id: str):
@@ -44,9 +44,11 @@ def _resolve(env_id: str):
         raise ValueError(f"environment {env_id!r}: module {mod_name!r} has no attribute {attr!r}") from None
 
 
-def load_environment(env_id: str, **args) -> Environment:
-    """Build an environment from a built-in name or ``module:attr``; bad arguments name the key."""
+def resolve_environment(env_id: str, args: dict | None = None):
+    """The factory ``env_id`` names, with ``args`` checked against its signature, without building
+    the environment (``primerl.runtime.config.validate`` calls it). ValueError names the problem."""
     factory = _resolve(env_id)
+    args = args or {}
     try:
         sig = inspect.signature(factory)
     except (TypeError, ValueError):
@@ -56,7 +58,12 @@ def load_environment(env_id: str, **args) -> Environment:
         if unknown:
             raise ValueError(f"environment {env_id!r}: unknown argument(s) {unknown}; "
                              f"accepted: {sorted(sig.parameters)}")
-    env = factory(**args)
+    return factory
+
+
+def load_environment(env_id: str, **args) -> Environment:
+    """Build an environment from a built-in name or ``module:attr``; bad arguments name the key."""
+    env = resolve_environment(env_id, args)(**args)
     for attr in ("prompt", "reward"):
         if not callable(getattr(env, attr, None)):
             raise TypeError(f"environment {env_id!r}: built object has no callable {attr}()")

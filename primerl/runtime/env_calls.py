@@ -1,0 +1,137 @@
+"""Environment calls (``reward``, ``respond``) run concurrently, each with its own deadline.
+
+The orchestrator submits a call when an episode's model turn completes and collects results
+between engine steps, so one slow or hanging grader holds up only its own episode: the others'
+rewards keep arriving, and the hanging call fails at its deadline with an error that names the
+environment and the call (:class:`EnvCallTimeout`, :class:`EnvCallError`).
+
+Each call runs on a daemon thread of its own (a hung thread cannot be killed in Python; one that
+passed its deadline is abandoned, its result ignored, and no longer counts against
+``max_concurrent``). Calls beyond ``max_concurrent`` wait in order. An environment's methods are
+therefore called from several threads at once; set ``env.max_concurrent_calls = 1`` for one that
+is not thread-safe. ``async def`` methods run on an event loop of their calling thread.
+
+Rewards are checked where they enter (:func:`check_reward`): a value that is not a real number
+(a string, None, a list) or is NaN/inf raises :class:`RewardRejected` (the orchestrator counts it
+and resamples the group); a finite reward beyond ``max_abs`` is clipped to +-max_abs and
+reported as clipped, so advantages stay representable in float32.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import numbers
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from primerl.rl.envs import call_env
+
+__all__ = ["EnvCalls", "EnvCallError", "EnvCallTimeout", "RewardRejected", "check_reward"]
+
+
+class EnvCallError(RuntimeError):
+    """An environment call raised; the message names the environment and the call."""
+
+
+class EnvCallTimeout(EnvCallError, TimeoutError):
+    """An environment call passed its deadline."""
+
+
+class RewardRejected(EnvCallError, ValueError):
+    """A reward that cannot be used (not a real number, or NaN/inf)."""
+
+
+def check_reward(value: Any, max_abs: float, env_name: str = "environment") -> tuple[float, bool]:
+    """-> (reward as a float in [-max_abs, max_abs], whether it was clipped)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise RewardRejected(f"{env_name}: reward() returned {type(value).__name__} {value!r:.80}, expected a real "
+                             "number (int or float)")
+    r = float(value)
+    if not math.isfinite(r):
+        raise RewardRejected(f"{env_name}: reward() returned {r}, expected a finite number")
+    if abs(r) > max_abs:
+        return math.copysign(max_abs, r), True
+    return r, False
+
+
+class EnvCalls:
+    """Concurrent environment calls with per-call deadlines.
+
+    >>> calls = EnvCalls("reverse-text", timeout_s=30, max_concurrent=64)
+    >>> calls.submit(key, "reward", env.reward, episode)
+    >>> for key, name, ok, value in calls.poll(wait_s=0.01): ...   # value: result or EnvCallError
+    """
+
+    def __init__(self, env_name: str, timeout_s: float, max_concurrent: int):
+        if max_concurrent < 1:
+            raise ValueError(f"EnvCalls: max_concurrent must be >= 1, got {max_concurrent}")
+        self.env_name, self.timeout_s, self.max_concurrent = env_name, timeout_s, max_concurrent
+        self._waiting: collections.deque = collections.deque()
+        self._running: dict[int, tuple[Any, str, float]] = {}  # call id -> (key, name, deadline)
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self.timeouts = 0
+
+    def submit(self, key: Any, name: str, fn: Callable, *args) -> None:
+        self._waiting.append((key, name, fn, args))
+        self._start()
+
+    def pending(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def _start(self) -> None:
+        while self._waiting and len(self._running) < self.max_concurrent:
+            key, name, fn, args = self._waiting.popleft()
+            cid = next(self._ids)
+            self._running[cid] = (key, name, time.monotonic() + self.timeout_s)
+            threading.Thread(target=self._work, args=(cid, name, fn, args), name=f"env-{name}-{cid}",
+                             daemon=True).start()
+
+    def _work(self, cid: int, name: str, fn: Callable, args: tuple) -> None:
+        try:
+            out = (True, call_env(fn, *args, timeout=self.timeout_s))
+        except Exception as e:  # noqa: BLE001 - handed to the orchestrator, attributed to the env
+            err = EnvCallError(f"environment {self.env_name!r}: {name}() raised {type(e).__name__}: {e}")
+            err.__cause__ = e
+            out = (False, err)
+        self._done.put((cid, out))
+
+    def poll(self, wait_s: float = 0.0) -> list[tuple[Any, str, bool, Any]]:
+        """Finished and timed-out calls as ``(key, name, ok, result_or_error)``; waits up to
+        ``wait_s`` (not past the nearest deadline) for the first one when none is ready."""
+        out = []
+        if wait_s > 0 and self._running and self._done.empty():
+            nearest = min(d for _, _, d in self._running.values())
+            try:
+                item = self._done.get(timeout=max(0.0, min(wait_s, nearest - time.monotonic())))
+                self._collect(item, out)
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                self._collect(self._done.get_nowait(), out)
+            except queue.Empty:
+                break
+        now = time.monotonic()
+        for cid, (key, name, deadline) in list(self._running.items()):
+            if now > deadline:
+                del self._running[cid]
+                self.timeouts += 1
+                out.append((key, name, False, EnvCallTimeout(
+                    f"environment {self.env_name!r}: {name}() did not return within env.timeout_s = {self.timeout_s} s")))
+        self._start()
+        return out
+
+    def _collect(self, item, out: list) -> None:
+        cid, (ok, value) = item
+        entry = self._running.pop(cid, None)
+        if entry is not None:  # None: it already timed out
+            out.append((entry[0], entry[1], ok, value))
