@@ -107,7 +107,8 @@ class Attention(nn.Module):
         """``x[T, D]`` -> ``[T, D]``; ``cu_seqlens`` int32 ``[B+1]`` or a context-parallel shard plan."""
         q, k, v = self.project_qkv(x, position_ids)
         if self.context_attention is not None and not torch.is_tensor(cu_seqlens):
-            o = self.context_attention(q, k, v, cu_seqlens, causal=True, softmax_scale=self.softmax_scale)
+            o = self.context_attention(q, k, v, cu_seqlens, causal=True, softmax_scale=self.softmax_scale,
+                                       backend=self.config.attn_backend)
         else:
             o = _attention(q, k, v, cu_seqlens, self.softmax_scale, self.config.attn_backend)
         return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.head_dim))

@@ -81,20 +81,20 @@ class _ExpertMeshes:
     def __init__(self):
         self._cache: dict[tuple, Any] = {}
 
-    def get(self, group, local_mesh):
+    def get(self, group, local_mesh, device: torch.device):
         from torch.distributed.device_mesh import DeviceMesh
 
         key = (id(group), None if local_mesh is None else id(local_mesh))
         if key not in self._cache:
-            ranks = torch.tensor([_rank()]) if local_mesh is None else local_mesh.mesh.reshape(-1)
-            parts = [torch.empty_like(ranks) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, ranks.contiguous(), group=group)  # every ep peer's own mesh, ep order
-            shape = (len(parts),) + (() if local_mesh is None else tuple(local_mesh.mesh.shape))
-            names = ("_ckpt_ep",) + (() if local_mesh is None else
-                                     tuple(f"_ckpt_{n}" for n in (local_mesh.mesh_dim_names or
-                                                                  [str(i) for i in range(local_mesh.ndim)])))
-            self._cache[key] = DeviceMesh("cpu" if local_mesh is None else local_mesh.device_type,
-                                          torch.stack(parts).reshape(shape), mesh_dim_names=names, _init_backend=False)
+            if local_mesh is None:
+                ranks, shape, names = torch.tensor([_rank()]), (), ()
+            else:
+                ranks, shape = local_mesh.mesh.reshape(-1), tuple(local_mesh.mesh.shape)
+                names = tuple(f"_ckpt_{n}" for n in local_mesh.mesh_dim_names or range(local_mesh.ndim))
+            parts = [torch.empty_like(ranks, device=device) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, ranks.to(device), group=group)  # every ep peer's own mesh, in ep order
+            mesh = torch.stack(parts).cpu().reshape((len(parts), *shape))
+            self._cache[key] = DeviceMesh(device.type, mesh, mesh_dim_names=("_ckpt_ep", *names), _init_backend=False)
         return self._cache[key]
 
 
@@ -108,7 +108,7 @@ def _global_experts(value: torch.Tensor, group, num_experts: int, meshes: _Exper
     else:
         local, mesh, placements = value, None, ()
     shape = torch.Size((num_experts, *value.shape[1:]))
-    return DTensor.from_local(local, meshes.get(group, mesh), (Shard(0), *placements), run_check=False,
+    return DTensor.from_local(local, meshes.get(group, mesh, local.device), (Shard(0), *placements), run_check=False,
                               shape=shape, stride=_contiguous_stride(shape))
 
 
