@@ -1,7 +1,7 @@
 // FP8 quantization kernels: per-token-group / rowwise (one row kernel), per-block, tensorwise.
-// Bitwise equal to primerl/kernels/fp8/reference.py: IEEE division (__fdiv_rn, which stays exact
-// even under --use_fast_math), ue8m0 rounding on the exponent bits, clamp, then the hardware
-// round-to-nearest-even satfinite conversion. Device code lives in quant_kernels.cuh.
+// Bitwise equal to primerl/kernels/fp8/reference.py: IEEE division and reciprocal (__fdiv_rn and
+// __fmul_rn, which stay exact even under --use_fast_math), NaN-propagating maxima on the bits,
+// ue8m0 rounding on the exponent bits, clamp, then the round-to-nearest-even satfinite conversion. Device code lives in quant_kernels.cuh.
 #include "fp8/quant.h"
 #include "fp8/quant_kernels.cuh"
 
@@ -54,7 +54,7 @@ void launch(Kernel kernel, int64_t grid, CUstream_st* stream, Args... args) {
 const char* error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
 
 int quant_rows(const void* x, InDType in_dtype, void* q, OutDType out_dtype, float* sf, int64_t rows,
-               int64_t row_len, bool ue8m0, CUstream_st* stream) {
+               int64_t row_len, bool ue8m0, bool reciprocal, CUstream_st* stream) {
   if (rows <= 0 || row_len <= 0) return cudaSuccess;
   return dispatch(in_dtype, out_dtype, [&](auto tin, auto tout) -> cudaError_t {
     using TIn = decltype(tin);
@@ -67,16 +67,16 @@ int quant_rows(const void* x, InDType in_dtype, void* q, OutDType out_dtype, flo
     const auto* xp = static_cast<const TIn*>(x);
     auto* qp = static_cast<__nv_fp8_storage_t*>(q);
     if (vec) {
-      launch(quant_rows_kernel<TIn, OUT, V>, grid, stream, xp, qp, sf, rows, row_len, team, ue8m0);
+      launch(quant_rows_kernel<TIn, OUT, V>, grid, stream, xp, qp, sf, rows, row_len, team, ue8m0, reciprocal);
     } else {
-      launch(quant_rows_kernel<TIn, OUT, 1>, grid, stream, xp, qp, sf, rows, row_len, team, ue8m0);
+      launch(quant_rows_kernel<TIn, OUT, 1>, grid, stream, xp, qp, sf, rows, row_len, team, ue8m0, reciprocal);
     }
     return cudaGetLastError();
   });
 }
 
 int quant_blocks(const void* w, InDType in_dtype, void* q, OutDType out_dtype, float* sf, int64_t batch,
-                 int64_t n, int64_t k, int64_t bn, int64_t bk, bool ue8m0, CUstream_st* stream) {
+                 int64_t n, int64_t k, int64_t bn, int64_t bk, bool ue8m0, bool reciprocal, CUstream_st* stream) {
   if (batch <= 0 || n <= 0 || k <= 0) return cudaSuccess;
   if (bn <= 0 || bk <= 0 || bn * bk > (int64_t{1} << 30)) return cudaErrorInvalidValue;
   const int64_t nb = cdiv(n, bn), kb = cdiv(k, bk);
@@ -90,9 +90,9 @@ int quant_blocks(const void* w, InDType in_dtype, void* q, OutDType out_dtype, f
     const auto* wp = static_cast<const TIn*>(w);
     auto* qp = static_cast<__nv_fp8_storage_t*>(q);
     if (vec) {
-      launch(quant_blocks_kernel<TIn, OUT, V>, grid, stream, wp, qp, sf, n, k, bn, bk, nb, kb, ue8m0);
+      launch(quant_blocks_kernel<TIn, OUT, V>, grid, stream, wp, qp, sf, n, k, bn, bk, nb, kb, ue8m0, reciprocal);
     } else {
-      launch(quant_blocks_kernel<TIn, OUT, 1>, grid, stream, wp, qp, sf, n, k, bn, bk, nb, kb, ue8m0);
+      launch(quant_blocks_kernel<TIn, OUT, 1>, grid, stream, wp, qp, sf, n, k, bn, bk, nb, kb, ue8m0, reciprocal);
     }
     return cudaGetLastError();
   });
@@ -103,7 +103,7 @@ int64_t quant_tensorwise_workspace(int64_t numel) {
 }
 
 int quant_tensorwise(const void* x, InDType in_dtype, void* q, OutDType out_dtype, float* sf,
-                     float* workspace, int64_t numel, CUstream_st* stream) {
+                     float* workspace, int64_t numel, bool reciprocal, CUstream_st* stream) {
   if (numel <= 0) return cudaSuccess;
   const int n_partials = static_cast<int>(quant_tensorwise_workspace(numel));
   return dispatch(in_dtype, out_dtype, [&](auto tin, auto tout) -> cudaError_t {
@@ -117,10 +117,12 @@ int quant_tensorwise(const void* x, InDType in_dtype, void* q, OutDType out_dtyp
     const int cast_grid = static_cast<int>(std::min<int64_t>(cdiv(n_vec, kThreads), kMaxCastBlocks));
     if (vec) {
       launch(amax_partials_kernel<TIn, V>, n_partials, stream, xp, workspace, numel);
-      launch(cast_tensorwise_kernel<TIn, OUT, V>, cast_grid, stream, xp, qp, workspace, n_partials, sf, numel);
+      launch(cast_tensorwise_kernel<TIn, OUT, V>, cast_grid, stream, xp, qp, workspace, n_partials, sf, numel,
+             reciprocal);
     } else {
       launch(amax_partials_kernel<TIn, 1>, n_partials, stream, xp, workspace, numel);
-      launch(cast_tensorwise_kernel<TIn, OUT, 1>, cast_grid, stream, xp, qp, workspace, n_partials, sf, numel);
+      launch(cast_tensorwise_kernel<TIn, OUT, 1>, cast_grid, stream, xp, qp, workspace, n_partials, sf, numel,
+             reciprocal);
     }
     return cudaGetLastError();
   });

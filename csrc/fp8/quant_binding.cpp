@@ -50,18 +50,19 @@ void check_launch(int err, const char* op) {
 }
 
 std::tuple<at::Tensor, at::Tensor> quant_rows_op(const at::Tensor& x, int64_t row_len, at::ScalarType dtype,
-                                                 bool ue8m0, std::vector<int64_t> sf_shape, const char* op) {
+                                                 bool ue8m0, bool reciprocal, std::vector<int64_t> sf_shape,
+                                                 const char* op) {
   const c10::DeviceGuard guard(x.device());
   auto q = at::empty(x.sizes(), x.options().dtype(dtype));
   auto sf = at::empty(sf_shape, x.options().dtype(at::kFloat));
   check_launch(quant_rows(x.data_ptr(), in_dtype_of(x), q.data_ptr(), out_dtype_of(dtype), sf.data_ptr<float>(),
-                          x.numel() / row_len, row_len, ue8m0, current_stream(x)),
+                          x.numel() / row_len, row_len, ue8m0, reciprocal, current_stream(x)),
                op);
   return {q, sf};
 }
 
 std::tuple<at::Tensor, at::Tensor> quant_per_token_group_op(const at::Tensor& x, int64_t group_size,
-                                                            at::ScalarType dtype, bool ue8m0) {
+                                                            at::ScalarType dtype, bool ue8m0, bool reciprocal) {
   const char* op = "fp8_quant_per_token_group";
   check_input(x, op);
   TORCH_CHECK(x.dim() >= 1, op, ": input must have at least 1 dim");
@@ -69,20 +70,20 @@ std::tuple<at::Tensor, at::Tensor> quant_per_token_group_op(const at::Tensor& x,
               " must be divisible by group_size=", group_size);
   auto sf_shape = x.sizes().vec();
   sf_shape.back() /= group_size;
-  return quant_rows_op(x, group_size, dtype, ue8m0, sf_shape, op);
+  return quant_rows_op(x, group_size, dtype, ue8m0, reciprocal, sf_shape, op);
 }
 
-std::tuple<at::Tensor, at::Tensor> quant_rowwise_op(const at::Tensor& x, at::ScalarType dtype) {
+std::tuple<at::Tensor, at::Tensor> quant_rowwise_op(const at::Tensor& x, at::ScalarType dtype, bool reciprocal) {
   const char* op = "fp8_quant_rowwise";
   check_input(x, op);
   TORCH_CHECK(x.dim() >= 1, op, ": input must have at least 1 dim");
   auto sf_shape = x.sizes().vec();
   sf_shape.back() = 1;
-  return quant_rows_op(x, x.size(-1), dtype, false, sf_shape, op);
+  return quant_rows_op(x, x.size(-1), dtype, false, reciprocal, sf_shape, op);
 }
 
 std::tuple<at::Tensor, at::Tensor> quant_per_block_op(const at::Tensor& w, int64_t block_n, int64_t block_k,
-                                                   at::ScalarType dtype, bool ue8m0) {
+                                                   at::ScalarType dtype, bool ue8m0, bool reciprocal) {
   const char* op = "fp8_quant_per_block";
   check_input(w, op);
   TORCH_CHECK(w.dim() == 2 || w.dim() == 3, op, ": w must be [N, K] or [G, N, K], got ", w.sizes());
@@ -97,12 +98,12 @@ std::tuple<at::Tensor, at::Tensor> quant_per_block_op(const at::Tensor& w, int64
   auto q = at::empty(w.sizes(), w.options().dtype(dtype));
   auto sf = at::empty(sf_shape, w.options().dtype(at::kFloat));
   check_launch(quant_blocks(w.data_ptr(), in_dtype_of(w), q.data_ptr(), out_dtype_of(dtype), sf.data_ptr<float>(),
-                            batch, n, k, block_n, block_k, ue8m0, current_stream(w)),
+                            batch, n, k, block_n, block_k, ue8m0, reciprocal, current_stream(w)),
                op);
   return {q, sf};
 }
 
-std::tuple<at::Tensor, at::Tensor> quant_tensorwise_op(const at::Tensor& x, at::ScalarType dtype) {
+std::tuple<at::Tensor, at::Tensor> quant_tensorwise_op(const at::Tensor& x, at::ScalarType dtype, bool reciprocal) {
   const char* op = "fp8_quant_tensorwise";
   check_input(x, op);
   const c10::DeviceGuard guard(x.device());
@@ -110,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> quant_tensorwise_op(const at::Tensor& x, at::
   auto sf = at::empty({}, x.options().dtype(at::kFloat));
   auto workspace = at::empty({quant_tensorwise_workspace(x.numel())}, x.options().dtype(at::kFloat));
   check_launch(quant_tensorwise(x.data_ptr(), in_dtype_of(x), q.data_ptr(), out_dtype_of(dtype), sf.data_ptr<float>(),
-                                workspace.data_ptr<float>(), x.numel(), current_stream(x)),
+                                workspace.data_ptr<float>(), x.numel(), reciprocal, current_stream(x)),
                op);
   return {q, sf};
 }
@@ -120,10 +121,10 @@ std::tuple<at::Tensor, at::Tensor> quant_tensorwise_op(const at::Tensor& x, at::
 }  // namespace primerl
 
 TORCH_LIBRARY_FRAGMENT(primerl, m) {
-  m.def("fp8_quant_per_token_group(Tensor x, int group_size, ScalarType dtype, bool ue8m0) -> (Tensor, Tensor)");
-  m.def("fp8_quant_per_block(Tensor w, int block_n, int block_k, ScalarType dtype, bool ue8m0) -> (Tensor, Tensor)");
-  m.def("fp8_quant_rowwise(Tensor x, ScalarType dtype) -> (Tensor, Tensor)");
-  m.def("fp8_quant_tensorwise(Tensor x, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def("fp8_quant_per_token_group(Tensor x, int group_size, ScalarType dtype, bool ue8m0, bool reciprocal) -> (Tensor, Tensor)");
+  m.def("fp8_quant_per_block(Tensor w, int block_n, int block_k, ScalarType dtype, bool ue8m0, bool reciprocal) -> (Tensor, Tensor)");
+  m.def("fp8_quant_rowwise(Tensor x, ScalarType dtype, bool reciprocal) -> (Tensor, Tensor)");
+  m.def("fp8_quant_tensorwise(Tensor x, ScalarType dtype, bool reciprocal) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(primerl, CUDA, m) {

@@ -5,8 +5,9 @@
 //
 // Model: a block is kThreads std::threads; __syncthreads is a barrier; a warp shuffle writes to a
 // shared buffer between two barriers (every kernel calls its shuffles from all threads of the block);
-// __shared__ becomes a function-local static (blocks run one after another); __fdiv_rn is the host's
-// IEEE division; the fp8 conversion is cuda_fp8.h's host path (round to nearest even, satfinite).
+// __shared__ becomes a function-local static (blocks run one after another); __fdiv_rn / __fmul_rn are
+// the host's IEEE division / multiplication (no FMA contraction in ISO C++ mode); the fp8 conversion
+// is cuda_fp8.h's host path (round to nearest even, satfinite).
 // What it cannot show: races between blocks, memory-model and alignment faults, the hardware cvt.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -40,6 +41,7 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
   return r;
 }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline unsigned __float_as_uint(float f) {
   unsigned u;
   std::memcpy(&u, &f, sizeof u);
@@ -50,6 +52,7 @@ inline float __uint_as_float(unsigned u) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+using std::max;
 using std::min;
 
 #undef __global__
@@ -90,22 +93,25 @@ void launch(Kernel kernel, long grid, CUstream_st*, Args... args) {
 
 extern "C" {
 int emu_quant_rows(const void* x, int in_dtype, void* q, int out_dtype, float* sf, long rows, long row_len,
-                   int ue8m0) {
+                   int ue8m0, int reciprocal) {
   using namespace primerl::fp8;
-  return quant_rows(x, InDType(in_dtype), q, OutDType(out_dtype), sf, rows, row_len, ue8m0 != 0, nullptr);
+  return quant_rows(x, InDType(in_dtype), q, OutDType(out_dtype), sf, rows, row_len, ue8m0 != 0, reciprocal != 0,
+                    nullptr);
 }
 
 int emu_quant_blocks(const void* w, int in_dtype, void* q, int out_dtype, float* sf, long batch, long n, long k,
-                     long bn, long bk, int ue8m0) {
+                     long bn, long bk, int ue8m0, int reciprocal) {
   using namespace primerl::fp8;
-  return quant_blocks(w, InDType(in_dtype), q, OutDType(out_dtype), sf, batch, n, k, bn, bk, ue8m0 != 0, nullptr);
+  return quant_blocks(w, InDType(in_dtype), q, OutDType(out_dtype), sf, batch, n, k, bn, bk, ue8m0 != 0,
+                      reciprocal != 0, nullptr);
 }
 
 long emu_quant_tensorwise_workspace(long numel) { return primerl::fp8::quant_tensorwise_workspace(numel); }
 
 int emu_quant_tensorwise(const void* x, int in_dtype, void* q, int out_dtype, float* sf, float* workspace,
-                         long numel) {
+                         long numel, int reciprocal) {
   using namespace primerl::fp8;
-  return quant_tensorwise(x, InDType(in_dtype), q, OutDType(out_dtype), sf, workspace, numel, nullptr);
+  return quant_tensorwise(x, InDType(in_dtype), q, OutDType(out_dtype), sf, workspace, numel, reciprocal != 0,
+                          nullptr);
 }
 }

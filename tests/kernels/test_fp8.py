@@ -238,13 +238,17 @@ def test_triton_kernels_compile_for_hopper():
         rows = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "sf_ptr": "*fp32", "n_rows": "i32", "row_len": "i32"}
         blocks = {"w_ptr": "*fp16", "q_ptr": "*fp8e5", "sf_ptr": "*fp32", "N": "i32", "K": "i32", "bn": "i32",
                   "bk": "i32", "n_blocks_n": "i32", "n_blocks_k": "i32"}
-        cast = {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "partial_ptr": "*fp32", "sf_ptr": "*fp32", "numel": "i32",
+        cast = {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "partial_ptr": "*i32", "sf_ptr": "*fp32", "numel": "i32",
                 "n_partials": "i32"}
         out = {
-            "rows": ptx(T._quant_rows_kernel, rows, dict(BLOCK_R=32, BLOCK_C=128, NUM_CHUNKS=1, FMAX=448.0, UE8M0=True)),
-            "rows_chunked": ptx(T._quant_rows_kernel, rows, dict(BLOCK_R=1, BLOCK_C=1024, NUM_CHUNKS=3, FMAX=448.0, UE8M0=False)),
-            "blocks": ptx(T._quant_blocks_kernel, blocks, dict(BLOCK_N=32, BLOCK_K=128, CHUNKS_N=4, CHUNKS_K=1, FMAX=57344.0, UE8M0=True)),
-            "tensorwise": ptx(T._cast_tensorwise_kernel, cast, dict(BLOCK=4096, PARTIALS_BLOCK=1024, FMAX=448.0)),
+            "rows": ptx(T._quant_rows_kernel, rows, dict(BLOCK_R=32, BLOCK_C=128, NUM_CHUNKS=1, FMAX=448.0, UE8M0=True,
+                                                         RECIPROCAL=True)),
+            "rows_chunked": ptx(T._quant_rows_kernel, rows, dict(BLOCK_R=1, BLOCK_C=1024, NUM_CHUNKS=3, FMAX=448.0,
+                                                                 UE8M0=False, RECIPROCAL=False)),
+            "blocks": ptx(T._quant_blocks_kernel, blocks, dict(BLOCK_N=32, BLOCK_K=128, CHUNKS_N=4, CHUNKS_K=1,
+                                                               FMAX=57344.0, UE8M0=True, RECIPROCAL=True)),
+            "tensorwise": ptx(T._cast_tensorwise_kernel, cast, dict(BLOCK=4096, PARTIALS_BLOCK=1024, FMAX=448.0,
+                                                                    RECIPROCAL=False)),
         }
         for name, text in out.items():
             print(name, "div.rn.f32" in text, "div.full" in text or "div.approx" in text, "cvt.rn.satfinite.e" in text)
@@ -299,10 +303,31 @@ def _ptr(t):
     return ctypes.c_void_p(t.data_ptr())
 
 
-def _emu_rows(lib, x, row_len, dtype, ue8m0, sf_shape):
+def _emu_rows(lib, x, row_len, dtype, ue8m0, sf_shape, rounding="divide"):
     q, sf = torch.empty(x.shape, dtype=dtype), torch.empty(sf_shape)
     rc = lib.emu_quant_rows(_ptr(x), _EMU_IN[x.dtype], _ptr(q), _EMU_OUT[dtype], _ptr(sf),
-                            ctypes.c_long(x.numel() // row_len), ctypes.c_long(row_len), int(ue8m0))
+                            ctypes.c_long(x.numel() // row_len), ctypes.c_long(row_len), int(ue8m0),
+                            int(rounding == "reciprocal"))
+    assert rc == 0
+    return q, sf
+
+
+def _emu_blocks(lib, w, block, dtype, ue8m0, rounding):
+    n, k = w.shape[-2:]
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    q, sf = torch.empty(w.shape, dtype=dtype), torch.empty(*w.shape[:-2], nb, kb)
+    rc = lib.emu_quant_blocks(_ptr(w), _EMU_IN[w.dtype], _ptr(q), _EMU_OUT[dtype], _ptr(sf),
+                              ctypes.c_long(w.numel() // (n * k)), ctypes.c_long(n), ctypes.c_long(k),
+                              ctypes.c_long(block[0]), ctypes.c_long(block[1]), int(ue8m0), int(rounding == "reciprocal"))
+    assert rc == 0
+    return q, sf
+
+
+def _emu_tensorwise(lib, x, dtype, rounding):
+    workspace = torch.empty(lib.emu_quant_tensorwise_workspace(ctypes.c_long(x.numel())))
+    q, sf = torch.empty(x.shape, dtype=dtype), torch.empty(())
+    rc = lib.emu_quant_tensorwise(_ptr(x), _EMU_IN[x.dtype], _ptr(q), _EMU_OUT[dtype], _ptr(sf), _ptr(workspace),
+                                  ctypes.c_long(x.numel()), int(rounding == "reciprocal"))
     assert rc == 0
     return q, sf
 
@@ -320,7 +345,7 @@ def _emu_rows(lib, x, row_len, dtype, ue8m0, sf_shape):
 def test_cuda_source_rows_emulated_bitwise(cuda_emulation, in_dtype, dtype, ue8m0, shape, group, offset):
     base = make_input((shape[0] * shape[-1] + offset,), in_dtype, seed=31)
     x = base[offset:].reshape(shape)
-    got = _emu_rows(cuda_emulation, x, group, dtype, ue8m0, (*shape[:-1], shape[-1] // group))
+    got = _emu_rows(cuda_emulation, x, group, dtype, ue8m0, (*shape[:-1], shape[-1] // group), "reciprocal")
     want = fp8.quant_per_token_group(x, group, dtype=dtype, ue8m0=ue8m0, backend="torch")
     assert_bitwise_equal(got[1], want[1], "sf")
     assert_bitwise_equal(got[0], want[0], "q")
@@ -349,13 +374,7 @@ def test_cuda_source_rowwise_and_ties_emulated_bitwise(cuda_emulation, dtype):
 )
 def test_cuda_source_blocks_emulated_bitwise(cuda_emulation, in_dtype, dtype, ue8m0, shape, block):
     w = make_input(shape, in_dtype, seed=33)
-    n, k = shape[-2:]
-    nb, kb = -(-n // block[0]), -(-k // block[1])
-    q, sf = torch.empty(shape, dtype=dtype), torch.empty(*shape[:-2], nb, kb)
-    rc = cuda_emulation.emu_quant_blocks(_ptr(w), _EMU_IN[in_dtype], _ptr(q), _EMU_OUT[dtype], _ptr(sf),
-                                         ctypes.c_long(w.numel() // (n * k)), ctypes.c_long(n), ctypes.c_long(k),
-                                         ctypes.c_long(block[0]), ctypes.c_long(block[1]), int(ue8m0))
-    assert rc == 0
+    q, sf = _emu_blocks(cuda_emulation, w, block, dtype, ue8m0, "reciprocal")
     want = fp8.quant_per_block(w, block, dtype=dtype, ue8m0=ue8m0, backend="torch")
     assert_bitwise_equal(sf, want[1], "sf")
     assert_bitwise_equal(q, want[0], "q")
@@ -368,11 +387,7 @@ def test_cuda_source_blocks_emulated_bitwise(cuda_emulation, in_dtype, dtype, ue
 )
 def test_cuda_source_tensorwise_emulated_bitwise(cuda_emulation, in_dtype, dtype, shape):
     x = make_input(shape, in_dtype, seed=34)
-    workspace = torch.empty(cuda_emulation.emu_quant_tensorwise_workspace(ctypes.c_long(x.numel())))
-    q, sf = torch.empty(shape, dtype=dtype), torch.empty(())
-    rc = cuda_emulation.emu_quant_tensorwise(_ptr(x), _EMU_IN[in_dtype], _ptr(q), _EMU_OUT[dtype], _ptr(sf),
-                                             _ptr(workspace), ctypes.c_long(x.numel()))
-    assert rc == 0
+    q, sf = _emu_tensorwise(cuda_emulation, x, dtype, "divide")
     want = fp8.quant_tensorwise(x, dtype=dtype, backend="torch")
     assert_bitwise_equal(sf, want[1], "sf")
     assert_bitwise_equal(q, want[0], "q")
@@ -532,3 +547,232 @@ def test_gpu_triton_chunked_paths_bitwise(monkeypatch):
     w = make_input((2, 45, 270), torch.float32, seed=27).cuda()
     _gpu_check(fp8.quant_per_block, w, (20, 33), backend="triton")
     _gpu_check(fp8.quant_per_block, w, (5, 100), ue8m0=True, backend="triton")
+
+
+# ---------------------------------------------------------------- rounding modes and the NaN / inf policy
+
+ROUNDING = ["reciprocal", "divide"]
+
+
+def rounding_sensitive_groups(n_groups: int, size: int, in_dtype, dtype, seed: int) -> torch.Tensor:
+    """[n_groups, size] values where ``x / sf`` and ``x * (1 / sf)`` round to different fp8 bytes
+    (quotients within a few ulps of an fp8 rounding midpoint), each group led by its own amax."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = grid[grid.isfinite() & (grid > 0)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    ibits = torch.int32 if in_dtype == torch.float32 else torch.int16
+    rows = []
+    while len(rows) < n_groups:  # some scales separate the modes far more often than others: retry
+        amax = (torch.rand(1, generator=g) * 10 + 0.5).to(in_dtype).float()
+        sf = reference.scale_from_amax(amax, dtype, False)
+        x = (mids[torch.randint(len(mids), (8 * size,), generator=g)] * sf).to(in_dtype)
+        x = (x.view(ibits) + torch.randint(-3, 4, x.shape, generator=g).to(ibits)).view(in_dtype).float()
+        x = x[(x.abs() < amax) & x.isfinite()]
+        differs = reference.cast_scaled(x, sf, dtype, "divide").view(torch.uint8) != \
+            reference.cast_scaled(x, sf, dtype, "reciprocal").view(torch.uint8)
+        if int(differs.sum()) < 2:
+            continue
+        row = torch.cat([amax, x[differs], x[~differs]])[:size]
+        rows.append(row * torch.where(torch.rand(size, generator=g) < 0.5, -1.0, 1.0))
+    return torch.stack(rows).to(in_dtype)
+
+
+def _blocks_to_weight(groups: torch.Tensor, nb: int, kb: int, bn: int, bk: int) -> torch.Tensor:
+    return groups.reshape(nb, kb, bn, bk).permute(0, 2, 1, 3).reshape(nb * bn, kb * bk)
+
+
+def _sensitive(op: str, in_dtype, dtype, seed: int = 0):
+    """(input, call(x, backend, rounding)) for every quantizer, laid out so that each scale group
+    is one rounding-sensitive group."""
+    from primerl.kernels import gemm
+
+    if op == "per_token_group":
+        x = rounding_sensitive_groups(6, 128, in_dtype, dtype, seed).reshape(3, 256)
+        return x, lambda x, be, r: fp8.quant_per_token_group(x, 128, dtype=dtype, rounding=r, backend=be)
+    if op == "per_block":
+        x = _blocks_to_weight(rounding_sensitive_groups(4, 128, in_dtype, dtype, seed), 2, 2, 4, 32)
+        return x, lambda x, be, r: fp8.quant_per_block(x, (4, 32), dtype=dtype, rounding=r, backend=be)
+    if op == "rowwise":
+        x = rounding_sensitive_groups(3, 200, in_dtype, dtype, seed)
+        return x, lambda x, be, r: fp8.quant_rowwise(x, dtype=dtype, rounding=r, backend=be)
+    if op == "tensorwise":
+        x = rounding_sensitive_groups(1, 300, in_dtype, dtype, seed).reshape(20, 15)
+        return x, lambda x, be, r: fp8.quant_tensorwise(x, dtype=dtype, rounding=r, backend=be)
+    assert op == "per_group_colwise"  # two groups along T: 128 + 40 rows (column scales per block)
+    x = torch.cat([rounding_sensitive_groups(16, 128, in_dtype, dtype, seed).t(),
+                   rounding_sensitive_groups(16, 40, in_dtype, dtype, seed + 1).t()])
+    offs = torch.tensor([128, 168], dtype=torch.int32)
+    return x, lambda x, be, r: gemm.quant_per_group_colwise(x, offs, dtype=dtype, rounding=r, backend=be)
+
+
+QUANT_OPS = ["per_token_group", "per_block", "rowwise", "tensorwise", "per_group_colwise"]
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", FP8)
+def test_reference_rounding_modes_are_the_named_formulas(in_dtype, dtype):
+    """reciprocal = DeepGEMM's per_token_cast_to_fp8 / per_block_cast_to_fp8 formula on CPU
+    (``(x * (1.0 / sf)).to(fp8)``, sf = amax.clamp(1e-4) / fmax), divide = ``(x / sf)``; the inputs
+    are chosen so the two differ, and ue8m0 scales (powers of two) make them equal."""
+    x = rounding_sensitive_groups(4, 128, in_dtype, dtype, seed=1).reshape(2, 256)
+    fmax = float(torch.finfo(dtype).max)
+    groups = x.reshape(2, 2, 128)
+    sf = groups.abs().float().amax(dim=2).clamp(1e-4) / fmax
+    want = {"reciprocal": (groups * (1.0 / sf.unsqueeze(2))).to(dtype).reshape(2, 256),
+            "divide": (groups.float() / sf.unsqueeze(2)).to(dtype).reshape(2, 256)}
+    got = {r: fp8.quant_per_token_group(x, 128, dtype=dtype, rounding=r, backend="torch") for r in ROUNDING}
+    for r in ROUNDING:
+        assert_bitwise_equal(got[r][1], sf, f"{r} sf")
+        assert_bitwise_equal(got[r][0], want[r], f"{r} q")
+    assert not torch.equal(got["reciprocal"][0].view(torch.uint8), got["divide"][0].view(torch.uint8))
+    assert_bitwise_equal(fp8.quant_per_token_group(x, 128, dtype=dtype, backend="torch")[0], want["reciprocal"], "default")
+    ue = [fp8.quant_per_token_group(x, 128, dtype=dtype, ue8m0=True, rounding=r, backend="torch") for r in ROUNDING]
+    assert_bitwise_equal(ue[0][0], ue[1][0], "ue8m0 q, reciprocal vs divide")
+    # per block: DeepGEMM's block formula on 4 x 32 blocks
+    w = _blocks_to_weight(rounding_sensitive_groups(4, 128, in_dtype, dtype, seed=2), 2, 2, 4, 32)
+    view = w.reshape(2, 4, 2, 32)
+    bsf = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4) / fmax
+    q, s = fp8.quant_per_block(w, (4, 32), dtype=dtype, backend="torch")
+    assert_bitwise_equal(q, (view * (1.0 / bsf)).to(dtype).reshape(8, 64), "per block q")
+    assert_bitwise_equal(s, bsf.reshape(2, 2), "per block sf")
+
+
+def test_rounding_defaults_and_validation():
+    import inspect
+
+    from primerl.kernels import gemm
+
+    defaults = {f.__name__: inspect.signature(f).parameters["rounding"].default
+                for f in (fp8.quant_per_token_group, fp8.quant_per_block, fp8.quant_rowwise, fp8.quant_tensorwise,
+                          gemm.quant_per_group_colwise)}
+    assert defaults == {"quant_per_token_group": "reciprocal", "quant_per_block": "reciprocal",
+                        "quant_rowwise": "divide", "quant_tensorwise": "divide", "quant_per_group_colwise": "reciprocal"}
+    with pytest.raises(ValueError, match=r"rounding must be one of \('reciprocal', 'divide'\), got 'mul'"):
+        fp8.quant_per_token_group(torch.randn(2, 128), rounding="mul")
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        gemm.quant_per_group_colwise(torch.randn(4, 8), torch.tensor([4], dtype=torch.int32), rounding="div")
+
+
+@CPU_TRITON
+@pytest.mark.parametrize("op", QUANT_OPS)
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rounding", ROUNDING)
+def test_triton_rounding_bitwise(op, in_dtype, rounding):
+    dtype = torch.float8_e4m3fn if in_dtype == torch.float32 else torch.float8_e5m2
+    x, call = _sensitive(op, in_dtype, dtype)
+    q_ref, sf_ref = call(x, "torch", rounding)
+    other = call(x, "torch", "divide" if rounding == "reciprocal" else "reciprocal")[0]
+    assert not torch.equal(q_ref.view(torch.uint8), other.view(torch.uint8)), "input does not separate the modes"
+    q, sf = call(x, "triton", rounding)
+    assert_bitwise_equal(sf, sf_ref, f"{op} sf")
+    assert_bitwise_equal(q, q_ref, f"{op} q")
+
+
+@pytest.mark.parametrize("op", ["per_token_group", "per_block", "rowwise", "tensorwise"])
+@pytest.mark.parametrize("rounding", ROUNDING)
+def test_cuda_source_rounding_emulated_bitwise(cuda_emulation, op, rounding):
+    dtype = torch.float8_e4m3fn
+    x, call = _sensitive(op, torch.bfloat16, dtype, seed=3)
+    q_ref, sf_ref = call(x, "torch", rounding)
+    assert not torch.equal(q_ref.view(torch.uint8), call(x, "torch", "divide" if rounding == "reciprocal"
+                                                         else "reciprocal")[0].view(torch.uint8))
+    if op == "per_token_group":
+        q, sf = _emu_rows(cuda_emulation, x, 128, dtype, False, sf_ref.shape, rounding)
+    elif op == "rowwise":
+        q, sf = _emu_rows(cuda_emulation, x, x.shape[-1], dtype, False, sf_ref.shape, rounding)
+    elif op == "per_block":
+        q, sf = _emu_blocks(cuda_emulation, x, (4, 32), dtype, False, rounding)
+    else:
+        q, sf = _emu_tensorwise(cuda_emulation, x, dtype, rounding)
+    assert_bitwise_equal(sf, sf_ref, f"{op} sf")
+    assert_bitwise_equal(q, q_ref, f"{op} q")
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _special_groups(in_dtype) -> torch.Tensor:
+    """Four 32-wide groups: one NaN, one +inf (and a -inf), both, and a finite control group."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 32, generator=g) * 3
+    x[0, 7] = NAN
+    x[1, 3], x[1, 9] = INF, -INF
+    x[2, 0], x[2, 31] = INF, NAN
+    return x.to(in_dtype)
+
+
+def assert_same_with_nan(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Bitwise equal except that NaN must meet NaN (the sign / payload of a NaN is not specified)."""
+    a_nan, e_nan = actual.float().isnan(), expected.float().isnan()
+    assert torch.equal(a_nan, e_nan), f"{name}: NaN positions differ: {a_nan.nonzero().tolist()} vs {e_nan.nonzero().tolist()}"
+    if actual.element_size() == 1:  # fp8: compare the bytes
+        actual, expected = actual.view(torch.uint8), expected.view(torch.uint8)
+    a, e = actual.clone(), expected.clone()
+    a[a_nan], e[e_nan] = 0, 0
+    assert_bitwise_equal(a, e, name)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_reference_nan_inf_policy(dtype):
+    x = _special_groups(torch.float32)
+    fmax = float(torch.finfo(dtype).max)
+    q, sf = fp8.quant_per_token_group(x, 32, dtype=dtype, backend="torch")
+    assert sf[:3].flatten().isnan().tolist() == [True, False, True] and sf[1] == INF and sf[3].isfinite()
+    qf = q.float()
+    assert qf[0].isnan().all() and qf[2].isnan().all()  # NaN group: every q NaN
+    assert qf[1, 3].isnan() and qf[1, 9].isnan() and bool((qf[1].nan_to_num(0) == 0).all())  # inf / inf
+    qu, su = fp8.quant_per_token_group(x, 32, dtype=dtype, ue8m0=True, backend="torch")
+    two127 = torch.tensor(2.0 ** 127)
+    assert_bitwise_equal(su[:3, 0], two127.expand(3).contiguous(), "ue8m0 sf of NaN / inf groups")
+    # DeepGEMM's ceil_to_ue8m0 formula gives the same clamped exponent for inf and NaN
+    bits = torch.tensor([INF, NAN, 3e38, 1e-45, 0.0]).view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).bool().int()
+    assert_bitwise_equal(reference.round_scale_ue8m0(torch.tensor([INF, NAN, 3e38, 1e-45, 0.0])),
+                         (exp.clamp(1, 254) << 23).view(torch.float32), "ue8m0 vs DeepGEMM's formula")
+    quf = qu.float()
+    assert quf[0].isnan().tolist() == (x[0].isnan()).tolist()  # ue8m0: NaN only where x is NaN
+    assert quf[1, 3] == fmax and quf[1, 9] == -fmax  # inf saturates
+    assert quf[2, 0] == fmax and quf[2, 31].isnan()
+
+
+@CPU_TRITON
+@pytest.mark.parametrize("op", QUANT_OPS)
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_triton_nan_inf_policy(op, ue8m0):
+    """The Triton kernels follow the reference's NaN / inf policy (a max that drops NaN would not)."""
+    from primerl.kernels import gemm
+
+    x = _special_groups(torch.bfloat16)
+    calls = {
+        "per_token_group": lambda be: fp8.quant_per_token_group(x, 32, ue8m0=ue8m0, backend=be),
+        "per_block": lambda be: fp8.quant_per_block(x, (2, 16), ue8m0=ue8m0, backend=be),
+        "rowwise": lambda be: fp8.quant_rowwise(x, backend=be),
+        "tensorwise": lambda be: fp8.quant_tensorwise(x[1:], backend=be),
+        "per_group_colwise": lambda be: gemm.quant_per_group_colwise(x.t().contiguous(), torch.tensor([20, 32], dtype=torch.int32),
+                                                                     ue8m0=ue8m0, backend=be),
+    }
+    q_ref, sf_ref = calls[op]("torch")
+    assert sf_ref.isnan().any() or ue8m0 or op == "tensorwise"
+    q, sf = calls[op]("triton")
+    assert_same_with_nan(sf, sf_ref, f"{op} sf")
+    assert_same_with_nan(q, q_ref, f"{op} q")
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_cuda_source_nan_inf_policy_emulated(cuda_emulation, ue8m0):
+    x = _special_groups(torch.float32)
+    dtype = torch.float8_e4m3fn
+    q_ref, sf_ref = fp8.quant_per_token_group(x, 32, ue8m0=ue8m0, backend="torch")
+    q, sf = _emu_rows(cuda_emulation, x, 32, dtype, ue8m0, sf_ref.shape, "reciprocal")
+    assert_same_with_nan(sf, sf_ref, "rows sf")
+    assert_same_with_nan(q, q_ref, "rows q")
+    q_ref, sf_ref = fp8.quant_per_block(x, (2, 16), ue8m0=ue8m0, backend="torch")
+    q, sf = _emu_blocks(cuda_emulation, x, (2, 16), dtype, ue8m0, "reciprocal")
+    assert_same_with_nan(sf, sf_ref, "blocks sf")
+    assert_same_with_nan(q, q_ref, "blocks q")
+    for part in (x, x[1:]):  # with and without a NaN
+        q_ref, sf_ref = fp8.quant_tensorwise(part.contiguous(), backend="torch")
+        q, sf = _emu_tensorwise(cuda_emulation, part.contiguous(), dtype, "divide")
+        assert_same_with_nan(sf, sf_ref, "tensorwise sf")
+        assert_same_with_nan(q, q_ref, "tensorwise q")

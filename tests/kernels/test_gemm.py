@@ -442,7 +442,7 @@ check(T._k_grouped_gemm_tn_kernel, ksig, dict(SCALED=True, ROW_MASK=False, BN=12
       kptrs + ["N", "K", "stride_a", "stride_b", "stride_sa", "stride_sb"], 3, 8)
 qsig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", sf_ptr="*fp32", offsets_ptr="*i32", block_start_ptr="*i32", T="i32",
             C="i32", G="i32", used_blocks_ptr="*i32")
-check(T._quant_group_colwise_kernel, qsig, dict(FMAX=448.0, UE8M0=True, BT=128, BC=64, G_P2=8), [], 1, 4)
+check(T._quant_group_colwise_kernel, qsig, dict(FMAX=448.0, UE8M0=True, RECIPROCAL=True, BT=128, BC=64, G_P2=8), [], 1, 4)
 '''
 
 

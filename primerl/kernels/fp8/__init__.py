@@ -1,6 +1,11 @@
 """FP8 quantization in the layouts DeepGEMM, DeepEP and vLLM use.
 
-Convention: ``x ≈ q.float() * sf`` (sf is the dequantization factor, float32).
+Convention: ``x ≈ q.float() * sf`` (sf is the dequantization factor, float32). The exact
+arithmetic, the ``rounding`` choice (``"reciprocal"``: ``x * (1 / sf)`` as DeepGEMM / DeepEP,
+``"divide"``: ``x / sf`` as vLLM / SGLang) and the NaN / inf policy are defined in
+:mod:`primerl.kernels.fp8.reference`; every backend is bitwise equal to it. The DeepGEMM-layout
+ops (per token group, per block) default to ``"reciprocal"``, the ``torch._scaled_mm`` layouts
+(rowwise, tensorwise) to ``"divide"``.
 
 >>> import torch
 >>> from primerl.kernels.fp8 import quant_per_token_group, dequant
@@ -16,18 +21,25 @@ import torch
 from .._args import check_int
 from .._backend import resolve_backend
 from . import reference
+from .reference import ROUNDINGS
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 __all__ = [
     "FP8_DTYPES",
+    "ROUNDINGS",
     "quant_per_token_group",
     "quant_per_block",
     "quant_rowwise",
     "quant_tensorwise",
     "dequant",
 ]
+
+
+def _check_rounding(op: str, rounding) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{op}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
 
 
 def _check_input(op: str, x: torch.Tensor, dtype: torch.dtype, min_dim: int, max_dim: int | None = None) -> None:
@@ -60,19 +72,22 @@ def quant_per_token_group(
     *,
     dtype: torch.dtype = torch.float8_e4m3fn,
     ue8m0: bool = False,
+    rounding: str = "reciprocal",
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each run of ``group_size`` elements along the last dim (1 x group_size scales).
 
     x ``[..., K]`` (float32/bf16/fp16) -> q ``[..., K]`` fp8, sf ``[..., K // group_size]`` float32.
+    ``rounding="reciprocal"`` (default) is bitwise DeepGEMM's ``per_token_cast_to_fp8``.
     """
     op = "quant_per_token_group"
     _check_input(op, x, dtype, 1)
     check_int(op, "group_size", group_size)
+    _check_rounding(op, rounding)
     if group_size <= 0 or x.shape[-1] % group_size != 0:
         raise ValueError(f"{op}: K={x.shape[-1]} (last dim) must be divisible by group_size={group_size}")
     be = resolve_backend(op, backend, x.device)
-    return _impl(be).quant_per_token_group(x.contiguous(), group_size, dtype, ue8m0)
+    return _impl(be).quant_per_token_group(x.contiguous(), group_size, dtype, ue8m0, rounding)
 
 
 def quant_per_block(
@@ -81,14 +96,17 @@ def quant_per_block(
     *,
     dtype: torch.dtype = torch.float8_e4m3fn,
     ue8m0: bool = False,
+    rounding: str = "reciprocal",
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``block_size`` tiles of a weight (ragged edge tiles allowed).
 
     w ``[N, K]`` or ``[G, N, K]`` -> q like w, sf ``[(G,) ceil(N/bn), ceil(K/bk)]`` float32.
+    ``rounding="reciprocal"`` (default) is bitwise DeepGEMM's ``per_block_cast_to_fp8``.
     """
     op = "quant_per_block"
     _check_input(op, w, dtype, 2, 3)
+    _check_rounding(op, rounding)
     if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
         raise TypeError(f"{op}: block_size must be a pair of ints, got {block_size!r}")
     for v in block_size:
@@ -96,27 +114,31 @@ def quant_per_block(
     if min(block_size) <= 0:
         raise ValueError(f"{op}: block_size must be two positive ints, got {block_size}")
     be = resolve_backend(op, backend, w.device)
-    return _impl(be).quant_per_block(w.contiguous(), tuple(block_size), dtype, ue8m0)
+    return _impl(be).quant_per_block(w.contiguous(), tuple(block_size), dtype, ue8m0, rounding)
 
 
 def quant_rowwise(
-    x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn, backend: str | None = None
+    x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn, rounding: str = "divide",
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per row: x ``[..., K]`` -> q, sf ``[..., 1]`` (torch._scaled_mm's rowwise layout)."""
     op = "quant_rowwise"
     _check_input(op, x, dtype, 1)
+    _check_rounding(op, rounding)
     be = resolve_backend(op, backend, x.device)
-    return _impl(be).quant_rowwise(x.contiguous(), dtype)
+    return _impl(be).quant_rowwise(x.contiguous(), dtype, rounding)
 
 
 def quant_tensorwise(
-    x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn, backend: str | None = None
+    x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn, rounding: str = "divide",
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale for the whole tensor: x -> q, sf ``[]`` (0-dim float32)."""
     op = "quant_tensorwise"
     _check_input(op, x, dtype, 0)
+    _check_rounding(op, rounding)
     be = resolve_backend(op, backend, x.device)
-    return _impl(be).quant_tensorwise(x.contiguous(), dtype)
+    return _impl(be).quant_tensorwise(x.contiguous(), dtype, rounding)
 
 
 def dequant(

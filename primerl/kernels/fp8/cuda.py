@@ -15,21 +15,24 @@ if not HAS_CUDA_EXT:  # resolve_backend never routes here then; fail loudly for 
     raise ImportError("primerl.kernels.fp8.cuda needs the CUDA extension primerl._C, which is not built")
 
 
-def quant_per_token_group(x: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool):
+def quant_per_token_group(x: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool,
+                          rounding: str = "reciprocal"):
     """x [..., K] contiguous CUDA -> q [..., K] fp8, sf [..., K // group_size] float32."""
-    return torch.ops.primerl.fp8_quant_per_token_group(x, group_size, dtype, ue8m0)
+    return torch.ops.primerl.fp8_quant_per_token_group(x, group_size, dtype, ue8m0, rounding == "reciprocal")
 
 
-def quant_per_block(w: torch.Tensor, block_size: tuple[int, int], dtype: torch.dtype, ue8m0: bool):
+def quant_per_block(w: torch.Tensor, block_size: tuple[int, int], dtype: torch.dtype, ue8m0: bool,
+                    rounding: str = "reciprocal"):
     """w [(G,) N, K] contiguous CUDA -> q like w, sf [(G,) ceil(N/bn), ceil(K/bk)] float32."""
-    return torch.ops.primerl.fp8_quant_per_block(w, block_size[0], block_size[1], dtype, ue8m0)
+    return torch.ops.primerl.fp8_quant_per_block(w, block_size[0], block_size[1], dtype, ue8m0,
+                                                 rounding == "reciprocal")
 
 
-def quant_rowwise(x: torch.Tensor, dtype: torch.dtype):
+def quant_rowwise(x: torch.Tensor, dtype: torch.dtype, rounding: str = "divide"):
     """x [..., K] contiguous CUDA -> q [..., K] fp8, sf [..., 1] float32."""
-    return torch.ops.primerl.fp8_quant_rowwise(x, dtype)
+    return torch.ops.primerl.fp8_quant_rowwise(x, dtype, rounding == "reciprocal")
 
 
-def quant_tensorwise(x: torch.Tensor, dtype: torch.dtype):
+def quant_tensorwise(x: torch.Tensor, dtype: torch.dtype, rounding: str = "divide"):
     """x contiguous CUDA -> q like x, sf [] float32."""
-    return torch.ops.primerl.fp8_quant_tensorwise(x, dtype)
+    return torch.ops.primerl.fp8_quant_tensorwise(x, dtype, rounding == "reciprocal")

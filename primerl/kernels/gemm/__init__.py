@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from ..fp8.reference import ROUNDINGS
 from . import reference
 from .offsets import (
     align_counts,
@@ -262,14 +263,17 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m: torch.Tensor, expected_m: int, 
 
 
 def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn,
-                            ue8m0: bool = False, backend: str | None = None):
+                            ue8m0: bool = False, rounding: str = "reciprocal", backend: str | None = None):
     """Column-wise FP8 quantization in 128-row blocks that never cross a group boundary.
 
     x ``[T, C]``, ``offsets[G]`` along T -> q ``[T, C]`` fp8, sf ``[max_group_blocks(T, G), C]``
     float32. Group g's blocks start at scale row ``group_block_starts(offsets)[g]``; spare scale
     rows are finite; rows past ``offsets[-1]`` quantize to zero. The operand layout of
-    :func:`k_grouped_fp8_gemm_tn_contiguous`."""
+    :func:`k_grouped_fp8_gemm_tn_contiguous`. ``rounding`` and the NaN / inf policy are those of
+    :mod:`primerl.kernels.fp8` (default ``"reciprocal"``, DeepGEMM's ``per_channel_cast_to_fp8``)."""
     op = "quant_per_group_colwise"
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{op}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
     _check_tensor(op, "x", x, 2, (torch.bfloat16, torch.float16, torch.float32))
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{op}: x is empty (shape {tuple(x.shape)})")
@@ -281,7 +285,7 @@ def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor, *, dtype: to
     _check_offsets_content(op, offsets, x.shape[0])
     dev = _check_same_device(op, x=x, offsets=offsets)
     be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
-    return _impl(be).quant_per_group_colwise(x.contiguous(), offsets, dtype, ue8m0)
+    return _impl(be).quant_per_group_colwise(x.contiguous(), offsets, dtype, ue8m0, rounding)
 
 
 def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,

@@ -201,7 +201,8 @@ def _row_blocks(offsets: torch.Tensor, num_rows: int, block: int = BLOCK) -> tor
     return torch.where(group >= 0, blk, -1)
 
 
-def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, ue8m0: bool):
+def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, ue8m0: bool,
+                            rounding: str = "reciprocal"):
     """x [T, C] -> q [T, C] fp8, sf [max_group_blocks(T, G), C] float32.
 
     Column-wise scales over 128-row blocks that restart at every group's first row (a block never
@@ -216,7 +217,7 @@ def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor, dtype: torch
     idx = torch.where(valid, blk, nblocks).long()[:, None].expand(num_rows, cols)
     amax = torch.zeros(nblocks + 1, cols, device=x.device).scatter_reduce(0, idx, xa.abs(), "amax", include_self=True)
     sf = fp8_ref.scale_from_amax(amax[:nblocks], dtype, ue8m0)
-    q = fp8_ref.cast_scaled(xa, sf[idx[:, 0].clamp_max(nblocks - 1)], dtype)
+    q = fp8_ref.cast_scaled(xa, sf[idx[:, 0].clamp_max(nblocks - 1)], dtype, rounding)
     return q, sf.contiguous()
 
 

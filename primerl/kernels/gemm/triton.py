@@ -33,7 +33,7 @@ import triton.language as tl
 from .._backend import triton_interpreter_enabled
 from ..fp8 import reference as fp8_ref
 from ..fp8.reference import fp8_max
-from ..fp8.triton import _cast_scaled, _scale_from_amax
+from ..fp8.triton import _abs_bits, _cast_scaled, _scale_from_amax
 from . import offsets as off
 
 BLOCK = 128
@@ -149,7 +149,8 @@ def _k_grouped_gemm_tn_kernel(
 @triton.jit
 def _quant_group_colwise_kernel(
     x_ptr, q_ptr, sf_ptr, offsets_ptr, block_start_ptr, T, C, G, used_blocks_ptr,
-    FMAX: tl.constexpr, UE8M0: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, G_P2: tl.constexpr,
+    FMAX: tl.constexpr, UE8M0: tl.constexpr, RECIPROCAL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    G_P2: tl.constexpr,
 ):
     """Program (scale block b, column tile). Blocks below the used count quantize BT rows of one
     group (found by comparing b against every group's block range); the next programs zero the
@@ -169,9 +170,9 @@ def _quant_group_colwise_kernel(
         ok = (rows < end)[:, None] & c_ok[None, :]
         ptrs = rows.to(tl.int64)[:, None] * C + cols[None, :]
         x = tl.load(x_ptr + ptrs, mask=ok, other=0.0).to(tl.float32)
-        sf = _scale_from_amax(tl.max(tl.abs(x), axis=0), FMAX, UE8M0)
+        sf = _scale_from_amax(tl.max(_abs_bits(x), axis=0), FMAX, UE8M0)
         tl.store(sf_ptr + blk.to(tl.int64) * C + cols, sf, mask=c_ok)
-        tl.store(q_ptr + ptrs, _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_ptr + ptrs, _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty, RECIPROCAL), mask=ok)
     else:
         rows = tl.load(offsets_ptr + G - 1) + (blk - used) * BT + tl.arange(0, BT)
         ok = (rows < T)[:, None] & c_ok[None, :]
@@ -346,7 +347,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out_dtype):
     return out
 
 
-def quant_per_group_colwise(x, offsets, dtype, ue8m0):
+def quant_per_group_colwise(x, offsets, dtype, ue8m0, rounding="reciprocal"):
     t, c = x.shape
     groups = offsets.numel()
     q = torch.empty_like(x, dtype=dtype)
@@ -362,7 +363,8 @@ def quant_per_group_colwise(x, offsets, dtype, ue8m0):
     # used blocks + ceil(tail / 128) tail chunks <= bound + 1 (see max_group_blocks)
     _quant_group_colwise_kernel[(bound + 1, triton.cdiv(c, bc))](
         x, q, sf, offsets, block_start, t, c, groups, used,
-        FMAX=fp8_max(dtype), UE8M0=ue8m0, BT=BLOCK, BC=bc, G_P2=triton.next_power_of_2(groups), num_warps=4,
+        FMAX=fp8_max(dtype), UE8M0=ue8m0, RECIPROCAL=rounding == "reciprocal", BT=BLOCK, BC=bc,
+        G_P2=triton.next_power_of_2(groups), num_warps=4,
     )
     return q, sf
 
