@@ -398,18 +398,6 @@ def validate_finite(cfg) -> None:
     walk(cfg, "")
 
 
-def _import_path(path: str, key: str):
-    import importlib
-
-    mod_name, _, attr = path.partition(":")
-    try:
-        obj = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{key}: cannot import {path!r} ({e})") from None
-    _need(callable(obj), key, "must name a callable", path)
-    return obj
-
-
 def validate_names(cfg: RLConfig) -> None:
     """Loss method / corrections / aggregation against ``primerl.rl.losses``' lists, the
     environment factory and its arguments, and ``model.path``: resolved now, so ``--dry-run`` fails."""
@@ -417,11 +405,10 @@ def validate_names(cfg: RLConfig) -> None:
     from primerl.rl.envs import resolve_environment
 
     loss = cfg.trainer.loss
-    if ":" in loss.method:
-        _import_path(loss.method, "trainer.loss.method")
-    else:
-        _need(loss.method in losses.METHODS, "trainer.loss.method",
-              f"must be one of {losses.METHODS} or an import path 'package.module:function'", loss.method)
+    try:
+        losses.resolve_method(loss.method)  # a built-in name, or imports 'package.module:function'
+    except ValueError as e:
+        raise ConfigError(f"trainer.loss.method: {e}") from None
     bad = [c for c in loss.corrections if c not in losses.CORRECTIONS]
     _need(not bad, "trainer.loss.corrections", f"has unknown entries {bad}; choose from {losses.CORRECTIONS}",
           loss.corrections)

@@ -1,0 +1,81 @@
+"""Trainer checkpoints: stale temp directories are removed at start and after a failed save; a
+corrupt weights file is reported by name."""
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from primerl.models.checkpoint import CheckpointError
+from primerl.runtime import checkpoint as ckpt
+from primerl.runtime.config import load_config
+from primerl.runtime.job import prepare_output
+from primerl.runtime.transport import FileTransport
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _save(root, step):
+    return ckpt.save_checkpoint(root, step, {"w": torch.full((3,), float(step))}, {"opt": step})
+
+
+def test_stale_temp_dirs_go_and_a_live_writers_stays(tmp_path):
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        dead = tmp_path / f".tmp_step_000002.{_dead_pid()}"
+        mine = tmp_path / f".tmp_step_000003.{os.getpid()}"
+        other = tmp_path / f".tmp_step_000004.{live.pid}"
+        for d in (dead, mine, other):
+            (d / "junk").mkdir(parents=True)
+        removed = ckpt.remove_stale_tmp_dirs(tmp_path)
+        assert sorted(removed) == sorted([dead, mine]) and other.is_dir() and not dead.exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_failed_save_leaves_no_temp_dir_and_the_previous_checkpoint(tmp_path, monkeypatch):
+    _save(tmp_path, 2)
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "atomic_torch_save", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        _save(tmp_path, 4)
+    assert not list(tmp_path.glob(".tmp_step_*"))
+    step, path = ckpt.latest_checkpoint(tmp_path)
+    assert step == 2 and ckpt.load_checkpoint(path)[1]["w"].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_job_start_removes_stale_temp_dirs_before_resuming(tmp_path):
+    cfg = load_config(None, ["--output_dir", str(tmp_path), "--checkpoint.resume", "true"])
+    _save(tmp_path / "checkpoints", 2)
+    stale = tmp_path / "checkpoints" / f".tmp_step_000004.{_dead_pid()}"
+    stale.mkdir()
+    assert prepare_output(cfg) == 2 and not stale.exists()
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 7])
+
+
+def test_corrupt_weights_are_reported_with_the_file_name(tmp_path):
+    final = _save(tmp_path, 2)
+    _truncate(final / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{final / 'model.safetensors'}: not a readable safetensors file"):
+        ckpt.load_checkpoint(final)
+    tr = FileTransport(tmp_path / "transport")
+    tr.publish_weights(1, {"w": torch.ones(4)})
+    f = tr.weights_dir(1) / "model.safetensors"
+    _truncate(f)
+    with pytest.raises(CheckpointError, match=f"{f}: not a readable"):
+        tr.load_weights(1)
