@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import latest_checkpoint
+from .checkpoint import TMP_PREFIX, _step_dirs, latest_checkpoint, remove_stale_tmp_dirs
 from .transport import atomic_torch_save, atomic_write_bytes
 
 log = logging.getLogger("primerl.checkpoint")
@@ -208,11 +208,15 @@ def save_dcp_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer
         dist.broadcast_object_list(tag, src=0)
         rngs = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, _rng_state())
-    tmp = root / f".tmp_step_{step:06d}.{tag[0]}"
+    tmp = root / f"{TMP_PREFIX}{step:06d}.{tag[0]}"  # remove_stale_tmp_dirs knows the pattern
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        atomic_torch_save({**train_state, "rng": rngs, "step": step}, tmp / TRAIN_STATE)
+        try:
+            atomic_torch_save({**train_state, "rng": rngs, "step": step}, tmp / TRAIN_STATE)
+        except BaseException:
+            remove_stale_tmp_dirs(root)
+            raise
     state, _ = _dcp_state(model, optimizer)
     world = dist.get_world_size() if distributed else 1
     info = {"step": step, "format": FORMAT, "world_size": world, **(meta or {})}
@@ -224,13 +228,18 @@ def save_dcp_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for _, old in _step_dirs_except(root, keep):
+        for _, old in _step_dirs(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     kwargs = dict(checkpoint_id=str(tmp), process_group=process_group, no_dist=not distributed)
     if not async_save:
-        dcp.save(state, **kwargs)
-        finish()
+        try:
+            dcp.save(state, **kwargs)
+            finish()
+        except BaseException:
+            if rank == 0:
+                remove_stale_tmp_dirs(root)
+            raise
         if distributed:
             dist.barrier(group=process_group)  # nobody looks for the directory before it is renamed
         return final
@@ -243,17 +252,13 @@ def save_dcp_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer
             finish()
             done.set_result(final)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            if rank == 0:
+                remove_stale_tmp_dirs(root)
             done.set_exception(e)
 
     fut.add_done_callback(on_written)
     _pending.append(done)
     return final
-
-
-def _step_dirs_except(root: Path, keep: int) -> list:
-    from .checkpoint import _step_dirs
-
-    return _step_dirs(root)[:-keep]
 
 
 def load_dcp_checkpoint(path: str | Path, model: nn.Module, optimizer, *, process_group=None) -> tuple[int, dict]:

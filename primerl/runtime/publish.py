@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["iter_full_weights", "weight_specs", "write_safetensors_stream"]
+__all__ = ["iter_full_weights", "publish_streamed", "weight_specs", "write_safetensors_stream"]
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -114,6 +114,55 @@ def write_safetensors_stream(path: str | os.PathLike, specs: list[tuple[str, tor
             raise ValueError(f"write_safetensors_stream: the stream ended before {left[0]!r}")
         f.flush()
         os.fsync(f.fileno())
+
+
+def _hf_stream(model: nn.Module, stream) -> tuple[list, Iterator]:
+    """``(specs, stream)`` of ``stream`` renamed and sliced into ``model``'s Hugging Face layout
+    (``hf_weights``'s names), in the order the primerl tensors arrive."""
+    from primerl.models.checkpoint import hf_layout
+
+    from .hf_weights import _expert_format
+
+    slots: dict[str, list] = {}
+    for key, slot in hf_layout(model, _expert_format(model, None)).items():
+        slots.setdefault(slot.param, []).append((key, slot.index))
+    specs = []
+    for name, dtype, shape in weight_specs(model):
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+        specs += [(key, dtype, tuple((meta[index] if index else meta).shape)) for key, index in slots.get(name, ())]
+
+    def renamed():
+        for name, t in stream:
+            for key, index in slots.get(name, ()):
+                yield key, (t[index] if index else t) if t is not None else None
+
+    return specs, renamed()
+
+
+def publish_streamed(publisher, version: int, model: nn.Module) -> None:
+    """Publish ``model``'s weights as ``version`` through a ``weight_sync.WeightPublisher``,
+    gathered one tensor at a time. Collective: rank 0 passes its publisher, the others None.
+
+    The embedded engine's files and vLLM's filesystem updates stream to disk (rank 0 holds one
+    full tensor at a time). vLLM updates by broadcast or in FP8 collect the stream into one
+    state dict on rank 0 first (one full copy, as the sender needs every tensor's spec up front)."""
+    stream = iter_full_weights(model)
+    if publisher is None:
+        for _ in stream:
+            pass
+        return
+    meta = {"version": str(version)}
+    if not publisher.hf:
+        specs = weight_specs(model)
+        publisher.transport.publish_weights(
+            version, None, write=lambda path: write_safetensors_stream(path, specs, stream, metadata=meta))
+    elif publisher.sender is None and not publisher.cfg.inference.vllm.update_fp8:
+        specs, hf = _hf_stream(model, stream)
+        publisher.transport.publish_weights(
+            version, None, config=model.config.to_hf(),
+            write=lambda path: write_safetensors_stream(path, specs, hf, metadata=meta))
+    else:
+        publisher.publish(version, dict(stream))
 
 
 def _numel(shape) -> int:

@@ -107,9 +107,10 @@ class FileTransport:
         return self.weights / f"step_{version:06d}"
 
     def publish_weights(self, version: int, state_dict: dict[str, torch.Tensor] | None,
-                        *, config: dict | None = None) -> Path:
+                        *, config: dict | None = None, write: Callable[[Path], None] | None = None) -> Path:
         """Write ``model.safetensors`` (and ``config.json`` when given), then the marker.
-        ``state_dict=None`` publishes the marker alone: the weights went another way (broadcast)."""
+        ``state_dict=None`` publishes the marker alone: the weights went another way (broadcast).
+        ``write(path)``, instead of ``state_dict``: writes ``model.safetensors`` itself (streamed)."""
         import json
 
         from safetensors.torch import save_file
@@ -118,7 +119,9 @@ class FileTransport:
         tmp = self.weights / f".tmp_step_{version:06d}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        if state_dict is not None:
+        if write is not None:
+            write(tmp / "model.safetensors")
+        elif state_dict is not None:
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"version": str(version)})
         if config is not None:

@@ -167,12 +167,45 @@ def _case_async_save_copies(rank, world, tmp):
     return errors
 
 
+def _case_publish(rank, world, tmp):
+    """publish_streamed from the cp=2 ep=2 layout through real WeightPublishers: the embedded
+    engine's file and vLLM's Hugging Face files hold exactly the weights (and names) a
+    single-process publish of the same weights writes."""
+    import torch.distributed as dist
+
+    from primerl.runtime.config import load_config
+    from primerl.runtime.hf_weights import hf_weights
+    from primerl.runtime.publish import publish_streamed
+    from primerl.runtime.transport import FileTransport
+    from primerl.runtime.weight_sync import WeightPublisher
+
+    errors: list = []
+    model, opt, _ = _parallel(dict(dp_shard=2, cp=2, ep=2), world, seed=7)
+    load_dcp_checkpoint(Path(tmp, "ckpt", "step_000001"), model, opt)
+    ref = torch.load(Path(tmp, "ref.pt"))["weights"] if rank == 0 else None
+    for backend in ("embedded", "vllm"):
+        cfg = load_config("examples/reverse_text.toml", ["--output_dir", str(Path(tmp, backend)),
+                                                         "--inference.backend", backend])
+        transport = FileTransport(Path(tmp, backend, "transport"))
+        publish_streamed(WeightPublisher(cfg, transport, model) if rank == 0 else None, 5, model)
+        dist.barrier()
+        if rank == 0:
+            got = transport.load_weights(5)
+            single = _model(0)
+            want = ref if backend == "embedded" else hf_weights(single, {k: v for k, v in ref.items()})
+            _compare(f"publish {backend}", got, want, errors)
+            if backend == "vllm" and not Path(transport.weights_dir(5), "config.json").exists():
+                errors.append("vllm publish wrote no config.json")
+    return errors
+
+
 def _worker4(rank, world, log, tmp):
     ckpt, ref = Path(tmp, "ckpt", "step_000001"), Path(tmp, "ref.pt")
     log.run("save_cp2_ep2", _case_save, rank, world, tmp)
     log.run("load_dp_shard4", _load_and_compare, "dp_shard=4", dict(dp_shard=4), world, ckpt, ref)
     log.run("load_ep4", _load_and_compare, "ep=4", dict(dp_shard=4, ep=4), world, ckpt, ref)
     log.run("async_save", _case_async_save_copies, rank, world, tmp)
+    log.run("publish", _case_publish, rank, world, tmp)
 
 
 def _worker2(rank, world, log, tmp):
@@ -191,7 +224,8 @@ def dist_results(tmp_path_factory):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["save_cp2_ep2", "load_dp_shard4", "load_ep4", "async_save", "load_dp_shard2"])
+@pytest.mark.parametrize("case", ["save_cp2_ep2", "load_dp_shard4", "load_ep4", "async_save", "publish",
+                                  "load_dp_shard2"])
 def test_dcp_layouts(dist_results, case):
     _, results = dist_results
     assert case in results, f"case {case} did not run: {sorted(results)}"
@@ -234,6 +268,9 @@ def test_dcp_keep_and_errors(tmp_path):
         load_dcp_checkpoint(tmp_path / "step_000009", model, opt)
     with pytest.raises(ValueError, match="keep must be >= 1"):
         save_dcp_checkpoint(tmp_path, 4, model, opt, {}, keep=0)
+    with pytest.raises(Exception):  # a train state that cannot be pickled: no temp dir is left behind
+        save_dcp_checkpoint(tmp_path, 4, model, opt, {"bad": lambda: 0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
 
 
 def test_safetensors_stream_matches_save_file(tmp_path):
