@@ -1,0 +1,211 @@
+"""Representative calls of every Triton launcher, for :mod:`.aot` (compiled ahead of time for the
+GPU at the configuration the launcher picks). Each case makes its inputs with ``device="cuda"``
+(storage-less stand-ins under :func:`.aot.capture_launches`) and calls the launcher in ``<family>/triton.py``
+directly, past the public entry's device checks.
+
+Shapes: DeepGEMM's benchmark GEMMs (M in {128, 4096}, N x K in {2112 x 7168, 7168 x 2048,
+4096 x 7168}; grouped: 4-8 groups at N x K = 4096 x 7168), FP8 quantization at K = 7168, MoE with
+8 of 256 experts over 4096 tokens at hidden 7168 / intermediate 2048, attention over two causal
+4096-token sequences with GQA (32 query / 4 KV heads at head_dim 128, 16 / 2 at 64), log-probs at
+V = 152064 with the public op's default chunk sizes. ``ci=True`` marks the subset the test suite
+compiles: one case per kernel and per distinct tile configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from .aot import Case
+
+E4M3 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+F32 = torch.float32
+I32 = torch.int32
+
+GEMM_NK = [(2112, 7168), (7168, 2048), (4096, 7168)]
+GEMM_M = [128, 4096]
+CI_GEMMS = {(128, 2112, 7168), (4096, 7168, 2048)}  # one of each tile configuration (BN 64 / 128)
+GROUPED_NK = (4096, 7168)
+
+
+def _cuda(*shape, dtype=BF16, requires_grad=False):
+    return torch.empty(*shape, dtype=dtype, device="cuda", requires_grad=requires_grad)
+
+
+def _act(m, k):
+    """(q [m, k] e4m3, sf [m, k/128] float32): per-token-group FP8 activations."""
+    return _cuda(m, k, dtype=E4M3), _cuda(m, -(-k // 128), dtype=F32)
+
+
+def _weight(g, n, k):
+    """(q [g, n, k] e4m3, sf [g, n/128, k/128] float32): per-block FP8 weights."""
+    return _cuda(g, n, k, dtype=E4M3), _cuda(g, -(-n // 128), -(-k // 128), dtype=F32)
+
+
+def _offsets(groups, rows_per_group):
+    return _cuda(groups, dtype=I32)
+
+
+# ------------------------------------------------------------------------------ FP8 quantization
+
+
+def _quant_cases():
+    from .fp8 import triton as q
+    from .gemm import triton as gt
+
+    def colwise():
+        x = _cuda(4 * 2048, 7168)
+        gt.quant_per_group_colwise(x, _offsets(4, 2048), E4M3, False)
+
+    return [
+        Case("fp8 per-token-group 4096x7168 g128", lambda: q.quant_per_token_group(_cuda(4096, 7168), 128, E4M3, False), None, ci=True),
+        Case("fp8 per-token-group 4096x7168 g128 ue8m0", lambda: q.quant_per_token_group(_cuda(4096, 7168), 128, E4M3, True), None),
+        Case("fp8 rowwise 4096x7168", lambda: q.quant_rowwise(_cuda(4096, 7168), E4M3), None),
+        Case("fp8 per-block 2112x7168 128x128", lambda: q.quant_per_block(_cuda(2112, 7168), (128, 128), E4M3, False), None, ci=True),
+        Case("fp8 per-block 8x4096x7168 ue8m0", lambda: q.quant_per_block(_cuda(8, 4096, 7168), (128, 128), E4M3, True), None),
+        Case("fp8 tensorwise 4096x7168", lambda: q.quant_tensorwise(_cuda(4096, 7168), E4M3), None, ci=True),
+        Case("fp8 per-group colwise T=4x2048 C=7168", colwise, None, ci=True),
+    ]
+
+
+# ------------------------------------------------------------------------------ GEMMs
+
+
+def _bf16_dense_fwd_bwd(m, n, k):
+    from .gemm import triton as gt
+
+    a, b = _cuda(m, k, requires_grad=True), _cuda(n, k, requires_grad=True)
+    gt.gemm_nt_autograd(a, b, BF16).backward(_cuda(m, n))
+
+
+def _bf16_grouped_fwd_bwd(groups, rows, n, k):
+    from .gemm import triton as gt
+
+    a, b = _cuda(groups * rows, k, requires_grad=True), _cuda(groups, n, k, requires_grad=True)
+    gt.grouped_gemm_nt_autograd(a, b, _offsets(groups, rows), "offsets", BF16).backward(_cuda(groups * rows, n))
+
+
+def _gemm_cases():
+    from .gemm import triton as gt
+
+    cases = []
+    for m in GEMM_M:
+        for n, k in GEMM_NK:
+            ci = (m, n, k) in CI_GEMMS
+            cases.append(Case(f"fp8 gemm nt M={m} N={n} K={k}", functools.partial(
+                lambda m, n, k: gt.fp8_gemm_nt(_act(m, k), tuple(t[0] for t in _weight(1, n, k)), BF16), m, n, k), "fp8", ci))
+            cases.append(Case(f"bf16 gemm nt fwd+bwd M={m} N={n} K={k}",
+                              functools.partial(_bf16_dense_fwd_bwd, m, n, k), "bf16", ci and m == 4096))
+    n, k = GROUPED_NK
+    for groups, rows in [(4, 8192), (8, 4096)]:
+        m = groups * rows
+        cases.append(Case(f"fp8 m-grouped contiguous G={groups} M={m} N={n} K={k}", functools.partial(
+            lambda g, m: gt.m_grouped_fp8_gemm_nt_contiguous(_act(m, k), _weight(g, n, k), _cuda(m, dtype=I32), BF16),
+            groups, m), "fp8", groups == 4))
+        cases.append(Case(f"fp8 m-grouped offsets G={groups} M={m} N={n} K={k}", functools.partial(
+            lambda g, m, r: gt.m_grouped_fp8_gemm_nt_offsets(_act(m, k), _weight(g, n, k), _offsets(g, r), BF16),
+            groups, m, rows), "fp8", groups == 8))
+    for groups, max_m, expected_m in [(4, 256, 256), (8, 128, 64)]:
+        cases.append(Case(f"fp8 m-grouped masked G={groups} max_m={max_m} expected_m={expected_m} N={n} K={k}", functools.partial(
+            lambda g, mm, em: gt.m_grouped_fp8_gemm_nt_masked(
+                (_cuda(g, mm, k, dtype=E4M3), _cuda(g, mm, k // 128, dtype=F32)), _weight(g, n, k),
+                _cuda(g, dtype=I32), em, BF16), groups, max_m, expected_m), "fp8", expected_m == 64))
+    for groups, rows in [(4, 2048), (8, 1024)]:
+        t = groups * rows
+        blocks = -(-t // 128) + groups
+        cases.append(Case(f"fp8 k-grouped tn G={groups} T={t} N={n} K={k}", functools.partial(
+            lambda g, t, blocks: gt.k_grouped_fp8_gemm_tn_contiguous(
+                (_cuda(t, n, dtype=E4M3), _cuda(blocks, n, dtype=F32)), (_cuda(t, k, dtype=E4M3), _cuda(blocks, k, dtype=F32)),
+                _cuda(g, dtype=I32), F32), groups, t, blocks), "fp8", groups == 4))
+    cases.append(Case(f"bf16 m-grouped offsets fwd+bwd G=8 M={8 * 4096} N={n} K={k}",
+                      functools.partial(_bf16_grouped_fwd_bwd, 8, 4096, n, k), "bf16", True))
+    return cases
+
+
+# ------------------------------------------------------------------------------ MoE
+
+MOE_T, MOE_TOPK, MOE_E, MOE_D, MOE_I = 4096, 8, 256, 7168, 2048
+
+
+def _moe_cases():
+    from .moe import triton as mt
+    from .moe.reference import max_padded_rows
+
+    rows = max_padded_rows(MOE_T * MOE_TOPK, MOE_E, 128)
+    row_map = lambda: _cuda(MOE_T, MOE_TOPK, dtype=I32)  # noqa: E731
+    return [
+        Case(f"moe align T={MOE_T} topk={MOE_TOPK} E={MOE_E} block 128",
+             lambda: mt.align(_cuda(MOE_T, MOE_TOPK, dtype=torch.int64), MOE_E, 128), None, ci=True),
+        Case(f"moe scatter rows D={MOE_D}", lambda: mt.scatter_rows(_cuda(MOE_T, MOE_D), row_map(), None, rows), None, ci=True),
+        Case(f"moe scatter rows scaled D={MOE_D}",
+             lambda: mt.scatter_rows(_cuda(MOE_T, MOE_D), row_map(), _cuda(MOE_T, MOE_TOPK, dtype=F32), rows), None),
+        Case(f"moe combine rows weighted D={MOE_D}",
+             lambda: mt.combine_rows(_cuda(rows, MOE_D), row_map(), _cuda(MOE_T, MOE_TOPK, dtype=F32)), None, ci=True),
+        Case(f"moe swiglu rows={rows} I={MOE_I}", lambda: mt.swiglu(_cuda(rows, 2 * MOE_I)), None, ci=True),
+        Case(f"moe swiglu backward rows={rows} I={MOE_I}",
+             lambda: mt.swiglu_backward(_cuda(rows, 2 * MOE_I), _cuda(rows, MOE_I)), None, ci=True),
+        Case(f"moe swiglu+quant rows={rows} I={MOE_I} g128",
+             lambda: mt.swiglu_quant(_cuda(rows, 2 * MOE_I), 128, E4M3, False), None, ci=True),
+    ]
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def _attention_spec(seqs: int, seqlen: int):
+    from .attention import AttentionSpec
+
+    cu = _cuda(seqs + 1, dtype=I32)
+    return AttentionSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, softmax_scale=0.088, q_positions=None,
+                         k_positions=None, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
+
+
+def _attention_cases():
+    from .attention import triton as at
+
+    cases = []
+    for hq, hkv, d, ci in [(32, 4, 128, True), (16, 2, 64, False)]:
+        t = 2 * 4096
+
+        def fwd(hq=hq, hkv=hkv, d=d):
+            at.forward(_cuda(t, hq, d), _cuda(t, hkv, d), _cuda(t, hkv, d), _attention_spec(2, 4096), BF16)
+
+        def bwd(hq=hq, hkv=hkv, d=d):
+            at.backward(_cuda(t, hq, d), _cuda(t, hq, d), _cuda(t, hkv, d), _cuda(t, hkv, d), _cuda(t, hq, d),
+                        _cuda(hq, t, dtype=F32), None, _attention_spec(2, 4096))
+
+        shape = f"T=2x4096 causal Hq={hq} Hkv={hkv} D={d}"
+        cases += [Case(f"attention fwd {shape}", fwd, "bf16", ci),
+                  Case(f"attention bwd (dk/dv, dq) {shape}", bwd, "bf16", ci)]
+    cases.append(Case("attention merge states T=8192 H=32 D=128", lambda: at.merge_attn_states(
+        _cuda(8192, 32, 128), _cuda(32, 8192, dtype=F32), _cuda(8192, 32, 128), _cuda(32, 8192, dtype=F32), inplace=False),
+        None, ci=True))
+    return cases
+
+
+# ------------------------------------------------------------------------------ log-probs
+
+LP_T, LP_D, LP_V = 4096, 4096, 152064
+
+
+def _logprobs_cases():
+    from .logprobs import chunked, fused_logprobs
+    from .logprobs.triton import TritonChunkOps
+
+    params = inspect.signature(fused_logprobs).parameters
+    chunk, vchunk = params["chunk_size"].default, params["vocab_chunk_size"].default
+
+    def fwd_bwd():
+        hidden, weight, targets = _cuda(LP_T, LP_D), _cuda(LP_V, LP_D), _cuda(LP_T, dtype=torch.int64)
+        lp, ent, stats = chunked.chunked_forward(hidden, weight, targets, None, True, chunk, vchunk, True, TritonChunkOps)
+        chunked.chunked_backward(hidden, weight, targets, None, True, lp, ent, stats, _cuda(LP_T, dtype=F32),
+                                 _cuda(LP_T, dtype=F32), chunk, vchunk, True, True, TritonChunkOps)
+
+    return [Case(f"logprobs fwd+bwd T={LP_T} D={LP_D} V={LP_V} chunks {chunk}x{vchunk} entropy", fwd_bwd, None, ci=True)]
+
+
+def all_cases() -> list[Case]:
+    return _quant_cases() + _gemm_cases() + _moe_cases() + _attention_cases() + _logprobs_cases()
