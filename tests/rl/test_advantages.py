@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from primerl.rl.advantages import drgrpo, grpo, linear_length_penalty, rloo
+from primerl.rl.advantages import drgrpo, grpo, linear_length_penalty, max_rl, rloo
 
 
 def _rewards(groups, size, seed):
@@ -40,7 +40,30 @@ def test_rloo_leave_one_out_closed_form():
     torch.testing.assert_close(a[4:], 4 / 3 * (x - x.mean()))
 
 
-@pytest.mark.parametrize("fn", [grpo, drgrpo, rloo])
+def test_rloo_std_normalisation_closed_form():
+    r = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0, 2.0, 2.0])
+    plain = rloo(r, 4).advantages
+    # group 0: mean 1, unbiased std sqrt((0+1+1+4)/3) = sqrt(2); group 1 is uniform (0, flagged)
+    g = rloo(r, 4, std_normalize="group", eps=0.0)
+    torch.testing.assert_close(g.advantages[:4], plain[:4] / 2**0.5)
+    assert (g.advantages[4:] == 0).all() and g.uniform_groups.tolist() == [False, True]
+    b = rloo(r, 4, std_normalize="batch", eps=0.0)  # std of all 8 rewards: mean 1.5, sum sq dev 8 -> sqrt(8/7)
+    torch.testing.assert_close(b.advantages, plain / (8 / 7) ** 0.5)
+    with pytest.raises(ValueError, match="std_normalize must be None, 'group' or 'batch'"):
+        rloo(r, 4, std_normalize="global")
+
+
+def test_max_rl_closed_form():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 1.0, 0.0, 0.0])
+    out = max_rl(r, 4)
+    # mean 1/4: (r - 1/4) * 4 = [3, -1, -1, -1]; mean 3/4: (r - 3/4) * 4/3; all 0: uniform; mean 0 <= 0: no signal
+    torch.testing.assert_close(out.advantages[:4], torch.tensor([3.0, -1.0, -1.0, -1.0]))
+    torch.testing.assert_close(out.advantages[4:8], torch.tensor([1 / 3, 1 / 3, 1 / 3, -1.0]))
+    assert (out.advantages[8:] == 0).all()
+    assert out.uniform_groups.tolist() == [False, False, True, True]
+
+
+@pytest.mark.parametrize("fn", [grpo, drgrpo, rloo, max_rl])
 def test_uniform_groups_get_zero_and_are_reported(fn):
     r = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 1.0, 0.7, 0.7, 0.7])
     out = fn(r, 3)

@@ -294,4 +294,6 @@ def test_bad_arguments_raise(kw, match):
 
 
 def test_every_correction_name_is_exercised():
-    assert set(CORRECTIONS) == {"tis", "mis", "icepop", "geo_rs", "veto"}
+    # tis/mis/icepop/geo_rs/veto here; sequence_mask in test_loss_terms.py and test_prime_rl_parity.py
+    assert set(CORRECTIONS) == {"tis", "mis", "icepop", "geo_rs", "veto", "sequence_mask"}
+    assert set(METHODS) == {"ppo_clip", "dppo_tv", "ipo", "gspo", "gspo_token", "cispo", "reinforce"}
