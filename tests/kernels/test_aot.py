@@ -10,6 +10,8 @@ is ``python -m bench aot``.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,30 @@ def test_problems_of_a_clean_and_a_broken_report():
     assert len(got) == 5 and got[0].startswith("spills") and got[1].startswith("shared memory"), got
     assert aot.problems(aot.Report(kernel="k", case="c", target="sm_90a", config="", expected_mma=None,
                                    error="PTXASError: x")) == ["does not compile: PTXASError: x"]
+
+
+_SPILLING_CU = r"""
+// 64 float accumulators live across a loop with at most 32 registers a thread (1024 threads x 2 blocks)
+__global__ void __launch_bounds__(1024, 2) many_live(const float* x, float* y, int n) {
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = x[i * n + threadIdx.x];
+  for (int k = 0; k < n; ++k) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = acc[i] * x[k] + acc[(i + 1) % 64];
+  }
+#pragma unroll
+  for (int i = 0; i < 64; ++i) y[i * n + threadIdx.x] = acc[i];
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on the PATH")
+def test_check_cuda_fails_a_spilling_kernel(tmp_path):
+    """.ci/check_cuda.sh (what CI runs on csrc/) reads ptxas -v and fails a kernel that spills."""
+    src = tmp_path / "spill.cu"
+    src.write_text(_SPILLING_CU)
+    script = Path(__file__).resolve().parents[2] / ".ci" / "check_cuda.sh"
+    done = subprocess.run(["bash", str(script), str(src)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "spills registers" in done.stdout and "many_live" in done.stdout and "bytes spill stores" in done.stdout, done.stdout
