@@ -58,7 +58,10 @@ class EnvConfig:
 class VLLMConfig:
     url: str = "http://127.0.0.1:8000"
     model: str = ""  # served model name / path
-    launch: bool = False  # start `vllm serve` from this job
+    launch: bool = False  # start the vLLM server from this job (serving model.path or the seeded init)
+    python: str = ""  # interpreter with vLLM installed, run as `-m vllm.entrypoints.openai.api_server` ("": this one)
+    launch_timeout_s: float = 900.0  # until the launched server answers /health
+    cpu_kv_cache_gb: float = 1.0  # VLLM_CPU_KVCACHE_SPACE of a launched vLLM CPU build (GPU builds ignore it)
     host: str = "127.0.0.1"
     port: int = 8000
     data_parallel: int = 1
@@ -70,7 +73,7 @@ class VLLMConfig:
     kv_connector: str = "NixlConnector"
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0
-    enable_return_routed_experts: bool = True
+    enable_return_routed_experts: bool = True  # with inference.capture_routing; vLLM captures on GPU only
     weight_update: str = "filesystem"  # "filesystem" (safetensors + marker) or "broadcast" (torch.distributed)
     update_fp8: bool = False  # expert weights sent as block-FP8 + *_scale_inv (for a block-FP8 served checkpoint)
     # broadcast: trainer rank 0 is rank 0 of a group with the receivers (vLLM workers) after it
@@ -346,6 +349,9 @@ def validate(cfg: RLConfig) -> None:
     _need(v.broadcast_receivers >= 0, "inference.vllm.broadcast_receivers", "must be >= 0", v.broadcast_receivers)
     _need(0 < v.broadcast_port < 65536, "inference.vllm.broadcast_port", "must be a TCP port", v.broadcast_port)
     _need(v.broadcast_timeout_s > 0, "inference.vllm.broadcast_timeout_s", "must be > 0", v.broadcast_timeout_s)
+    _need(v.launch_timeout_s > 0, "inference.vllm.launch_timeout_s", "must be > 0", v.launch_timeout_s)
+    _need(v.cpu_kv_cache_gb > 0, "inference.vllm.cpu_kv_cache_gb", "must be > 0", v.cpu_kv_cache_gb)
+    _need(not v.launch or i.backend == "vllm", "inference.vllm.launch", "needs inference.backend = 'vllm'", v.launch)
     _need(v.disaggregation in ("", "prefill", "decode"), "inference.vllm.disaggregation", "must be '', 'prefill' or 'decode'", v.disaggregation)
     _need(v.all2all_backend in ("", "deepep_high_throughput", "deepep_low_latency", "pplx", "naive", "allgather_reducescatter"),
           "inference.vllm.all2all_backend", "is not a known all-to-all backend", v.all2all_backend)

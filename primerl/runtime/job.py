@@ -10,6 +10,7 @@ it, with the end of its log), and at the end prints the reward curve and saves `
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -71,11 +72,11 @@ def make_client(cfg: RLConfig, vocab_size: int):
 
     if cfg.inference.backend == "vllm":
         from .policy import model_config
-        from .vllm import VLLMClient
+        from .vllm import VLLMClient, wants_routing
 
-        mc = model_config(cfg, vocab_size)  # to decode base64 routed experts [N, L, k]
+        mc = model_config(cfg, vocab_size)  # to check routed experts [N, L, k]
         return VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s, output_dir=cfg.output_dir,
-                          num_layers=len(mc.moe_layer_ids), top_k=mc.top_k)
+                          num_layers=len(mc.moe_layer_ids), top_k=mc.top_k, expect_routing=wants_routing(cfg))
     from .engine import InferenceEngine
     from .policy import build_model
 
@@ -164,8 +165,32 @@ def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[d
     """Run trainer + orchestrator as two processes until ``max_steps``; return the metrics rows.
 
     Holds ``output_dir``'s lock for the job's life (``output_dir.claim_output_dir``)."""
-    with claim_output_dir(cfg):
+    with claim_output_dir(cfg), launched_vllm(cfg, quiet=quiet):
         return _run_rl(cfg, quiet=quiet, poll_s=poll_s)
+
+
+@contextlib.contextmanager
+def launched_vllm(cfg: RLConfig, *, quiet: bool = True):
+    """``inference.vllm.launch``: vLLM serves the job's initial policy for the job's life; its whole
+    process group is stopped when the job ends, failed or not (``vllm.launch_for_job``)."""
+    if cfg.inference.backend != "vllm" or not cfg.inference.vllm.launch:
+        yield None
+        return
+    from primerl.rl.envs import load_environment
+
+    from .vllm import InferenceServerError, launch_for_job
+
+    if not quiet:
+        print(f"primerl rl: starting vLLM on {cfg.inference.vllm.url} (log: {Path(cfg.output_dir) / 'logs' / 'vllm.log'})",
+              flush=True)
+    try:
+        server = launch_for_job(cfg, load_environment(cfg.env.id, **cfg.env.args).vocab_size)
+    except InferenceServerError as e:
+        raise JobFailed(f"launching vLLM: {e}") from None
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:
@@ -225,7 +250,7 @@ def run_threads(cfg: RLConfig, *, quiet: bool = True) -> list[dict]:
     For tests, notebooks and experiments; each side still talks only through the transport.
     Holds ``output_dir``'s lock for the job's life, as ``run_rl`` does.
     """
-    with claim_output_dir(cfg):
+    with claim_output_dir(cfg), launched_vllm(cfg):
         return _run_threads(cfg, quiet=quiet)
 
 

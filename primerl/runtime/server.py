@@ -93,7 +93,7 @@ class EngineServer:
         c = fut.result(self.request_timeout)
         choice = {"index": 0, "text": "", "token_ids": c.tokens, "finish_reason": c.finish_reason,
                   "logprobs": {"tokens": [f"token_id:{t}" for t in c.tokens], "token_logprobs": c.logprobs}}
-        if body.get("return_routed_experts") and c.routing is not None:
+        if c.routing is not None:  # as vLLM with --enable-return-routed-experts: base64 of np.save bytes
             choice["routed_experts"] = encode_routed_experts(c.routing)
         return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens)}}
@@ -150,8 +150,8 @@ class EngineServer:
                             self._send(400, {"error": f"unknown method {body.get('method')!r}"})
                             return
                         self._send(200, {"results": [server.update_weights_from_path(*body.get("args", []))]})
-                    elif self.path == "/reset_prefix_cache":
-                        self._send(200, {})
+                    elif self.path.split("?")[0] == "/reset_prefix_cache":
+                        self._send(200, {"success": True})
                     else:
                         self._send(404, {"error": f"no route {self.path}"})
                 except (ValueError, KeyError, TypeError) as e:

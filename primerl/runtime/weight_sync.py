@@ -52,8 +52,10 @@ class BroadcastWeightSender:
         return cls(v.broadcast_host, v.broadcast_port, n, timeout_s=v.broadcast_timeout_s,
                    rpc_url=v.url if v.broadcast_rpc else None)
 
-    def _rpc(self, method: str, *args):
-        from .vllm import _http
+    def _rpc(self, method: str, *args, version: int | None = None):
+        """``POST /collective_rpc`` in the background; for an update, every worker must answer
+        ``version`` (a worker whose load failed raises, HTTP 500), then the prefix cache is reset."""
+        from .vllm import InferenceServerError, _http, _rpc_versions, reset_prefix_cache
 
         if self._pool is None:
             return None
@@ -62,8 +64,11 @@ class BroadcastWeightSender:
 
         def call():
             out = _http(url + "/collective_rpc", {"method": method, "args": list(args)}, t)
-            if method == "update_weights_from_broadcast":
-                _http(url + "/reset_prefix_cache", {}, t)
+            if version is not None:
+                got = _rpc_versions(out)
+                if not got or any(v != version for v in got):
+                    raise InferenceServerError(f"the workers report weights versions {got}, expected {version}")
+                reset_prefix_cache(url, t)
             return out
 
         return self._pool.submit(call)
@@ -108,7 +113,7 @@ class BroadcastWeightSender:
 
         if self.group is None:
             self.connect()
-        fut = self._rpc("update_weights_from_broadcast")
+        fut = self._rpc("update_weights_from_broadcast", version=version)
         try:
             send_update(self.group, version, tensors)
         except Exception as e:  # noqa: BLE001

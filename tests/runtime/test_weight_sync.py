@@ -138,8 +138,10 @@ def test_rpc_driven_broadcast_reaches_the_worker_extension():
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             calls.append(self.path if self.path != "/collective_rpc" else body["method"])
-            result = getattr(worker, body["method"])(*body["args"]) if self.path == "/collective_rpc" else None
-            data = json.dumps({"results": [result]}).encode()
+            if self.path == "/collective_rpc":
+                data = json.dumps({"results": [getattr(worker, body["method"])(*body["args"])]}).encode()
+            else:
+                data = json.dumps({"success": True}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -157,8 +159,9 @@ def test_rpc_driven_broadcast_reaches_the_worker_extension():
         sender.close()
     finally:
         httpd.shutdown()
-    assert calls == ["init_broadcast", "update_weights_from_broadcast", "/reset_prefix_cache",
-                     "update_weights_from_broadcast", "/reset_prefix_cache"]
+    reset = "/reset_prefix_cache?reset_running_requests=true"
+    assert calls == ["init_broadcast", "update_weights_from_broadcast", reset, "update_weights_from_broadcast", reset]
+    assert worker.weights_version() == 4
     first, second = worker.model_runner.model.loaded
     assert torch.equal(second["a.weight"], sd["a.weight"] + 4) and torch.equal(first["a.weight"], sd["a.weight"] + 3)
     assert torch.equal(second["b"], sd["b"])
