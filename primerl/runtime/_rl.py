@@ -104,35 +104,44 @@ def policy_loss(logprobs, mb, loss_cfg, counts, *, entropy=None, ref_logprobs=No
 
 
 class LossMetrics:
-    """Loss-token-weighted means over a step's micro-batches (and ranks) of the metrics of the
-    policy-loss options: ``add`` per micro-batch, ``result`` once per step (collective when
-    distributed: every rank calls it). Keys are fixed by the config so every rank reduces the same
-    tensor; a custom method's own metrics are logged only with one rank."""
+    """Means over a step's micro-batches (and ranks) of the metrics of the policy-loss options, each
+    weighted by the tokens it is a mean over (policy_kl and a custom method's metrics: the
+    policy-gradient tokens; the rest: the loss tokens), and the terms' values (pg_loss,
+    ref_kl_loss: already normalised by the global counts) summed. ``add`` per micro-batch, ``result`` once per
+    step (collective when distributed: every rank calls it). Keys are fixed by the config so every
+    rank reduces the same tensor; a custom method's own metrics are logged only with one rank."""
 
     def __init__(self, loss_cfg, world_size: int = 1):
-        self.keys = ["zero_adv_frac", "correction_drop_frac", "policy_kl"]
+        self.keys = ["zero_adv_frac", "correction_drop_frac", "policy_kl", "pg_loss"]
         if loss_cfg.ref_kl_coef > 0:
             self.keys += ["ref_kl", "ref_kl_loss", "ref_kl_drop_frac"]
         if loss_cfg.sft_coef > 0:
             self.keys += ["sft_nll"]
         self.world_size = world_size
-        self.sums = torch.zeros(len(self.keys) + 1, dtype=torch.float64)
+        self.sums = torch.zeros(len(self.keys) + 2, dtype=torch.float64)  # + loss tokens, pg tokens
         self.custom: dict[str, float] = {}
 
     def add(self, metrics: dict[str, float], num_tokens: int) -> None:
+        pg = metrics.get("pg_tokens", 0.0)
         for i, key in enumerate(self.keys):
-            self.sums[i] += metrics.get(key, 0.0) * num_tokens
-        self.sums[-1] += num_tokens
+            self.sums[i] += metrics.get(key, 0.0) * self._weight(key, num_tokens, pg)
+        self.sums[-2] += num_tokens
+        self.sums[-1] += pg
         for key, v in metrics.items():
             if key.startswith("custom/"):
-                self.custom[key] = self.custom.get(key, 0.0) + v * num_tokens
+                self.custom[key] = self.custom.get(key, 0.0) + v * pg
+
+    @staticmethod
+    def _weight(key: str, loss_tokens: float, pg_tokens: float) -> float:
+        return 1.0 if key in ("pg_loss", "ref_kl_loss") else pg_tokens if key == "policy_kl" else loss_tokens
 
     def result(self) -> dict[str, float]:
         sums = self.sums.clone()
         if self.world_size > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        n = max(float(sums[-1]), 1.0)
-        out = {f"loss/{k}": float(sums[i]) / n for i, k in enumerate(self.keys)}
+        n, n_pg = max(float(sums[-2]), 1.0), float(sums[-1])
+        n_pg = n_pg if n_pg > 0 else 1.0
+        out = {f"loss/{k}": float(sums[i]) / self._weight(k, n, n_pg) for i, k in enumerate(self.keys)}
         if self.world_size == 1:
-            out.update({f"loss/{k}": v / n for k, v in self.custom.items()})
+            out.update({f"loss/{k}": v / n_pg for k, v in self.custom.items()})
         return out
