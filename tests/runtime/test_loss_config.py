@@ -2,18 +2,19 @@
 reference model, the SFT term, zero-advantage tokens, custom methods by import path, max_rl."""
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from test_trainer import V, _cfg, _payload, _samples as _trainer_samples
+
 from primerl.rl.losses import DEFAULT_HPARAMS
-from primerl.rl.packing import Sample, pack
 from primerl.runtime.config import ConfigError, LossConfig, load_config
 from primerl.runtime.job import run_threads
 from primerl.runtime.trainer import Trainer
 
-V = 12
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,28 +24,9 @@ def pg_only(inputs, scale=1.0):
     return -scale * r * inputs.advantages, {"scale": torch.tensor(scale)}
 
 
-def _cfg(*over):
-    return load_config(None, ["--model.n_layers", "1", "--model.dim", "32", "--model.moe_dim", "16", "--max_steps", "10",
-                              *over])
-
-
 def _samples(n=8, seed=0, zero_every=3):
-    """Samples of ragged prompt/completion lengths; every ``zero_every``-th has advantage 0."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        P, C = 3 + i % 3, 2 + i % 4
-        ids = torch.randint(0, V, (P + C,), generator=g)
-        mask = torch.tensor([False] * P + [True] * C)
-        lp = torch.where(mask, -torch.rand(P + C, generator=g) * 2, torch.zeros(P + C))
-        adv = 0.0 if i % zero_every == 0 else float(torch.randn(1, generator=g))
-        replay = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(P + C)])[:, None, :].expand(P + C, 1, 2)
-        out.append(Sample(ids, mask, adv, lp, 1.0, replay.contiguous()))
-    return out
-
-
-def _payload(samples, seq_len):
-    return {"micro_batches": pack(samples, seq_len, 1, pad_to_seq_len=False)[0], "metrics": {}}
+    """test_trainer's samples; every ``zero_every``-th has advantage 0."""
+    return [replace(s, advantages=0.0) if i % zero_every == 0 else s for i, s in enumerate(_trainer_samples(n, seed))]
 
 
 def test_the_default_loss_is_prime_rls():
