@@ -88,6 +88,16 @@ def test_non_square_with_positions_matches_reference():
         assert _max_err(a, b) < 2e-5, f"{name} bottom-right"
 
 
+def test_masked_runs_in_row_blocks_match_reference(monkeypatch):
+    """A masked run goes to the kernel in blocks of query rows (its mask stays O(rows x Lk) for
+    long ring shards): with blocks of 7 rows, the same results as the reference."""
+    from primerl.kernels.attention import sdpa
+
+    monkeypatch.setattr(sdpa, "MASK_ELEMENTS", 7 * 34)
+    assert len(sdpa._row_blocks(34, 34, True)) == 5 and sdpa._row_blocks(34, 34, False) == [(0, 34)]
+    test_non_square_with_positions_matches_reference()
+
+
 def test_block_backward_sums_to_full_gradient():
     """Ring use: forward per key half, merge, block backward with the merged out/lse."""
     lens = [13, 1, 18]

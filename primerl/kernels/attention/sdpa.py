@@ -62,6 +62,17 @@ def _groups(spec, T: int):
         yield (*run, False)
 
 
+# A masked run goes to the kernel in blocks of query rows whose additive mask has at most this
+# many elements: one [Lq, Lk] mask of a ring step over a 32k-token shard would be 4 GB in float32.
+MASK_ELEMENTS = 1 << 22
+
+
+def _row_blocks(lq: int, lk: int, masked: bool):
+    """``(first row, rows)`` blocks of a run: the whole run unless it needs a mask."""
+    step = lq if not masked else max(1, min(lq, MASK_ELEMENTS // max(lk, 1)))
+    return [(r, min(step, lq - r)) for r in range(0, lq, step)]
+
+
 class _Masks:
     """Builds the additive masks of the runs that need one; positions computed once per call."""
 
@@ -161,17 +172,19 @@ def forward(q, k, v, spec, out_dtype: torch.dtype):
     """q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[T, Hq, D]`` (out_dtype), lse ``[Hq, T]`` float32."""
     T, Hq, D = q.shape
     outs, lses, masks = [], [], _Masks(spec)
-    for qs, ks, n, lq, lk, masked in _groups(spec, T):
-        bias, seen = masks(qs, ks, lq, lk, q.dtype) if masked else (None, None)
-        o, l = _kernel_forward(_heads_view(q, qs, n, lq), _heads_view(k, ks, n, lk), _heads_view(v, ks, n, lk),
-                               spec.causal and not masked, bias, spec.softmax_scale)
-        o = o.transpose(1, 2).reshape(n * lq, Hq, D)  # a view: the kernels write [n, L, H, D] memory
-        l = l.transpose(0, 1).reshape(Hq, n * lq)
-        if seen is not None and not bool(seen.all()):  # rows that see no key: out 0, lse -inf
-            o = torch.where(seen[:, None, None], o, 0)
-            l = torch.where(seen[None, :], l, _NEG_INF)
-        outs.append((qs, o))
-        lses.append((qs, l))
+    for qs0, ks, n, lq0, lk, masked in _groups(spec, T):
+        for r, lq in _row_blocks(lq0, lk, masked):  # a masked run is one sequence (n == 1)
+            qs = qs0 + r
+            bias, seen = masks(qs, ks, lq, lk, q.dtype) if masked else (None, None)
+            o, l = _kernel_forward(_heads_view(q, qs, n, lq), _heads_view(k, ks, n, lk), _heads_view(v, ks, n, lk),
+                                   spec.causal and not masked, bias, spec.softmax_scale)
+            o = o.transpose(1, 2).reshape(n * lq, Hq, D)  # a view: the kernels write [n, L, H, D] memory
+            l = l.transpose(0, 1).reshape(Hq, n * lq)
+            if seen is not None and not bool(seen.all()):  # rows that see no key: out 0, lse -inf
+                o = torch.where(seen[:, None, None], o, 0)
+                l = torch.where(seen[None, :], l, _NEG_INF)
+            outs.append((qs, o))
+            lses.append((qs, l))
     out = _assemble(outs, T, (Hq, D), out_dtype, q.device)
     lse = _assemble(lses, T, (Hq,), torch.float32, q.device, dim=1)
     return out, _fill_gaps_neg_inf(lse, lses, T)
@@ -204,16 +217,24 @@ def backward(dout, q, k, v, out, lse, dlse, spec):
     # rows whose lse is -inf saw no key anywhere: P must be 0, so exp(s - (+inf)), never exp(-inf + inf)
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.float())
     dqs, dks, dvs, masks = [], [], [], _Masks(spec)
-    for qs, ks, n, lq, lk, masked in _groups(spec, T):
-        bias = masks(qs, ks, lq, lk, dt)[0] if masked else None
-        lseb = lse_safe[:, qs:qs + n * lq].reshape(Hq, n, lq).transpose(0, 1).contiguous()
-        gq, gk, gv = _kernel_backward(
-            _heads_view(dout, qs, n, lq), _heads_view(q, qs, n, lq), _heads_view(k, ks, n, lk),
-            _heads_view(v, ks, n, lk), _heads_view(out, qs, n, lq), lseb, spec.causal and not masked, bias,
-            spec.softmax_scale)
-        dqs.append((qs, gq.transpose(1, 2).reshape(n * lq, Hq, -1)[..., :D]))
-        dks.append((ks, gk.transpose(1, 2).reshape(n * lk, Hkv, -1)[..., :D]))
-        dvs.append((ks, gv.transpose(1, 2).reshape(n * lk, Hkv, -1)[..., :D]))
+    for qs0, ks, n, lq0, lk, masked in _groups(spec, T):
+        gk_run = gv_run = None
+        for r, lq in _row_blocks(lq0, lk, masked):
+            qs = qs0 + r
+            bias = masks(qs, ks, lq, lk, dt)[0] if masked else None
+            lseb = lse_safe[:, qs:qs + n * lq].reshape(Hq, n, lq).transpose(0, 1).contiguous()
+            gq, gk, gv = _kernel_backward(
+                _heads_view(dout, qs, n, lq), _heads_view(q, qs, n, lq), _heads_view(k, ks, n, lk),
+                _heads_view(v, ks, n, lk), _heads_view(out, qs, n, lq), lseb, spec.causal and not masked, bias,
+                spec.softmax_scale)
+            dqs.append((qs, gq.transpose(1, 2).reshape(n * lq, Hq, -1)[..., :D]))
+            gk = gk.transpose(1, 2).reshape(n * lk, Hkv, -1)[..., :D]
+            gv = gv.transpose(1, 2).reshape(n * lk, Hkv, -1)[..., :D]
+            # row blocks of one run share its keys: their dK/dV add up (in float32)
+            gk_run = gk if gk_run is None else gk_run.float() + gk
+            gv_run = gv if gv_run is None else gv_run.float() + gv
+        dks.append((ks, gk_run))
+        dvs.append((ks, gv_run))
     f32 = torch.float32
     return (_assemble(dqs, T, (Hq, D), f32, q.device), _assemble(dks, Tk, (Hkv, D), f32, q.device),
             _assemble(dvs, Tk, (Hkv, D), f32, q.device))
