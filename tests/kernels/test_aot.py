@@ -27,14 +27,10 @@ CI_CASES = [c for c in all_cases() if c.ci]
 _TABLE_SPILLS = ("FP8 M-grouped GEMM in table mode (offsets / masked layouts: the per-tile row-range lookup) "
                  "runs out of registers at BM=128 / 8 warps: 255 registers and a few spilled values on sm_90a, "
                  "more on sm_100a; the dense and m_indices modes at the same tiles do not spill")
-_DKDV_HMMA = ("attention dK/dV backward at head_dim 128 uses BLOCK_N=32 key rows: the dots whose M side is the key "
-              "block are below wgmma's 64 rows and fall back to mma.sync (HMMA) beside the HGMMA/UTCHMMA dots")
 KNOWN = {
     ("fp8 m-grouped offsets", "sm_90a"): _TABLE_SPILLS,
     ("fp8 m-grouped offsets", "sm_100a"): _TABLE_SPILLS,
     ("fp8 m-grouped masked", "sm_100a"): _TABLE_SPILLS,
-    ("attention bwd (dk/dv, dq) T=2x4096 causal Hq=32 Hkv=4 D=128", "sm_90a"): _DKDV_HMMA,
-    ("attention bwd (dk/dv, dq) T=2x4096 causal Hq=32 Hkv=4 D=128", "sm_100a"): _DKDV_HMMA,
 }
 
 

@@ -32,6 +32,17 @@ def _blocks(head_dim: int, device: torch.device) -> tuple[int, int, int]:
     return 64, 32, block_d
 
 
+def _dkdv_blocks(head_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) of the dK/dV kernel. Its dots with the key block as the M side
+    need 64+ key rows for wgmma / tcgen05 (at 32, ptxas falls back to mma.sync); at head_dim 128,
+    64 x 64 tiles spill on sm_90a at 4 and 8 warps, 128 x 64 at 8 warps does not (AOT-measured,
+    primerl.kernels.aot)."""
+    block_m, block_n, block_d = _blocks(head_dim, device)
+    if device.type == "cuda" and block_d > 64:
+        return 128, 64, 8
+    return block_m, block_n, 4
+
+
 def _dot_precision(dtype: torch.dtype):
     # float32 inputs: IEEE products (the default TF32 would miss the 2x-of-torch error bound)
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -298,9 +309,10 @@ def backward(dout, q, k, v, out, lse, dlse, spec):
     scales = (spec.softmax_scale, spec.softmax_scale * LOG2E)
     # dk/dv rows of tokens outside every sequence are never visited: only cu_seqlens_k[-1] == Tk
     # is allowed, so each token belongs to one key block of one sequence and gets written.
-    _attn_bwd_dkdv_kernel[(triton.cdiv(max(spec.max_seqlen_k, 1), block_n), batch, Hkv)](
+    kv_m, kv_n, kv_warps = _dkdv_blocks(D, q.device)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(max(spec.max_seqlen_k, 1), kv_n), batch, Hkv)](
         q, k, v, dout, lse, delta, dk, dv, spec.cu_seqlens_q, spec.cu_seqlens_k, q_pos, k_pos,
-        *strides, dk.stride(0), dk.stride(1), *scales, **common,
+        *strides, dk.stride(0), dk.stride(1), *scales, **dict(common, BLOCK_M=kv_m, BLOCK_N=kv_n), num_warps=kv_warps,
     )
     _attn_bwd_dq_kernel[(triton.cdiv(max(spec.max_seqlen_q, 1), block_m), batch, Hq)](
         q, k, v, dout, lse, delta, dq, spec.cu_seqlens_q, spec.cu_seqlens_k, q_pos, k_pos,
