@@ -339,13 +339,11 @@ def test_fp8_input_errors():
     with pytest.raises(ValueError, match="out_dtype"):
         G.fp8_gemm_nt(a, b, out_dtype=torch.int8)
     wg = quant_per_block(_randn(2, 128, 256, seed=3))
-    with pytest.raises(ValueError, match="multiple of get_m_alignment"):
-        G.m_grouped_fp8_gemm_nt_contiguous(a, wg, torch.zeros(4, dtype=torch.int32, device=DEV))
-    xa = _quant_a(_randn(128, 256, seed=4))
-    mixed = torch.zeros(128, dtype=torch.int32)
-    mixed[64:] = 1
-    with pytest.raises(ValueError, match="one group"):
-        G.m_grouped_fp8_gemm_nt_contiguous((xa[0].cpu(), xa[1].cpu()), (wg[0].cpu(), wg[1].cpu()), mixed)
+    with pytest.raises(ValueError, match=r"m_indices\) must have 4 entries"):
+        G.m_grouped_fp8_gemm_nt_contiguous(a, wg, torch.zeros(3, dtype=torch.int32, device=DEV))
+    if not HAS_CUDA:
+        with pytest.raises(ValueError, match=r"m_indices values must be in \[-1, 2\)"):
+            G.m_grouped_fp8_gemm_nt_contiguous(a, wg, torch.full((4,), 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="non-decreasing"):
         G.grouped_gemm_nt(x.cpu(), _randn(2, 8, 256, seed=5).cpu(), torch.tensor([3, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="layout="):
@@ -416,29 +414,36 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from primerl.kernels.gemm import triton as T
 
-def check(fn, sig, const, div16, stages, warps):
+def check(fn, sig, const, div16, stages, warps, label=None):
+    sig = dict(sig)
     for k in const:
         sig[k] = "constexpr"
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     kern = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages))
-    print(fn.__name__, kern.metadata.shared, "wgmma" in kern.asm["ptx"])
+    print(label or fn.__name__, kern.metadata.shared, "wgmma" in kern.asm["ptx"])
 
 cfg = T.pick_tiles(4096, 4096, 7168, True, 1)
-ptrs = ["a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "d_ptr", "group_ptr", "row_start_ptr", "row_count_ptr", "b_index_ptr"]
-sig = dict(zip(ptrs, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*i32", "*i32", "*i32", "*i32"]))
+ptrs = ["a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "d_ptr", "c_ptr", "group_ptr", "row_start_ptr", "row_count_ptr",
+        "b_index_ptr"]
+sig = dict(zip(ptrs, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*fp32", "*i32", "*i32", "*i32", "*i32"]))
 ints = ["M", "N", "K", "num_entries", "num_m_tiles", "num_progs", "stride_am", "stride_bg", "stride_bn",
-        "stride_dm", "stride_sam", "stride_sbg", "stride_sbn"]
+        "stride_dm", "stride_cm", "stride_sam", "stride_sbg", "stride_sbn"]
 sig.update({n: "i32" for n in ints})
-const = dict(stride_ak=1, stride_bk=1, MODE=T.MODE_TABLE, SCALED=True, ENTRIES_P2=16, BM=cfg["BM"], BN=cfg["BN"],
-             BK=cfg["BK"], PRECISION="tf32")
+const = dict(stride_ak=1, stride_bk=1, MODE=T.MODE_TABLE, SCALED=True, HAS_C=False, SB_GRAN=128, ENTRIES_P2=16,
+             BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], PRECISION="tf32")
 check(T._m_grouped_gemm_nt_kernel, sig, const, ptrs + ["N", "K", "stride_am", "stride_bg", "stride_bn", "stride_dm"],
       cfg["num_stages"], cfg["num_warps"])
-kptrs = ["a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "d_ptr", "offsets_ptr", "block_start_ptr", "m_indices_ptr"]
-ksig = dict(zip(kptrs, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*i32"]))
+check(T._m_grouped_gemm_nt_kernel, sig, dict(const, MODE=T.MODE_M_INDICES, SB_GRAN=1), ptrs + ["N", "K"],
+      cfg["num_stages"], cfg["num_warps"], label="m_indices_mode")
+check(T._m_grouped_gemm_nt_kernel, sig, dict(const, MODE=T.MODE_DENSE, HAS_C=True), ptrs + ["N", "K"],
+      cfg["num_stages"], cfg["num_warps"], label="dense_with_c")
+kptrs = ["a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "d_ptr", "c_ptr", "offsets_ptr", "block_start_ptr", "m_indices_ptr"]
+ksig = dict(zip(kptrs, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32"]))
 ksig.update({n: "i32" for n in ["N", "K", "G", "num_progs", "stride_a", "stride_b", "stride_sa", "stride_sb"]})
-check(T._k_grouped_gemm_tn_kernel, ksig, dict(SCALED=True, ROW_MASK=False, BN=128, BK=128, BT=128, PRECISION="tf32"),
+check(T._k_grouped_gemm_tn_kernel, ksig, dict(SCALED=True, ROW_MASK=False, HAS_C=False, BN=128, BK=128, BT=128,
+                                              PRECISION="tf32"),
       kptrs + ["N", "K", "stride_a", "stride_b", "stride_sa", "stride_sb"], 3, 8)
 qsig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", sf_ptr="*fp32", offsets_ptr="*i32", block_start_ptr="*i32", T="i32",
             C="i32", G="i32", used_blocks_ptr="*i32")
@@ -463,6 +468,8 @@ def test_triton_kernels_lower_for_hopper():
     lines = dict((ln.split()[0], ln.split()[1:]) for ln in res.stdout.strip().splitlines())
     shared, wgmma = lines["_m_grouped_gemm_nt_kernel"]
     assert wgmma == "True" and int(shared) >= 3 * (128 + 128) * 128  # >= 3 pipelined stages of A+B
+    # the per-group loop of m_indices tiles (any alignment) and the C epilogue keep the wgmma path
+    assert lines["m_indices_mode"][1] == "True" and lines["dense_with_c"][1] == "True"
     assert lines["_k_grouped_gemm_tn_kernel"][1] == "True" and "_quant_group_colwise_kernel" in lines
 
 

@@ -6,7 +6,9 @@ Legend: G groups, M rows (tokens), ``counts[G]`` rows per group.
   group g owns rows ``offsets[g-1] .. offsets[g]-1`` (``offsets[-1]`` = 0). Rows at or past
   ``offsets[G-1]`` belong to no group.
 * ``m_indices[M]`` int32: the group of each row, -1 for a padding row (DeepGEMM's contiguous
-  layout, where every group starts on a multiple of ``get_m_alignment()``).
+  layout, where every group starts on a multiple of ``get_mk_alignment_for_contiguous_layout()``).
+* ``psum[G]`` int32 (DeepGEMM's ``use_psum_layout``): group g owns rows ``start_g .. psum[g]-1``
+  with ``start_0 = 0`` and ``start_g = align(psum[g-1], alignment)``; rows in between are padding.
 * masked layout: ``x[G, max_m, ...]`` with ``masked_m[G]`` valid rows per group (DeepGEMM's
   low-latency decode layout).
 
@@ -18,12 +20,65 @@ from __future__ import annotations
 
 import torch
 
-M_ALIGNMENT = 128
+M_ALIGNMENT = 128  # DeepGEMM's legacy alignment (SM90)
+_alignment = [M_ALIGNMENT]
+
+
+def get_mk_alignment_for_contiguous_layout() -> int:
+    """Row (M, or K for K-grouped) alignment of each group in the contiguous layouts: the default
+    of every layout helper here. 128 unless changed with the setter."""
+    return _alignment[0]
+
+
+def set_mk_alignment_for_contiguous_layout(alignment: int) -> None:
+    """Set the alignment the layout helpers use (DeepGEMM: set it to at least the theoretical value
+    of the device, see :func:`get_theoretical_mk_alignment_for_contiguous_layout`). primerl's own
+    kernels accept any positive alignment; the deep_gemm backend needs DeepGEMM's to match."""
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0:
+        raise ValueError(f"set_mk_alignment_for_contiguous_layout: alignment must be a positive int, got {alignment!r}")
+    _alignment[0] = alignment
+
+
+def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = None, *,
+                                                       arch_major: int | None = None) -> int:
+    """DeepGEMM's smallest usable group alignment: 128 on SM90 (and when no GPU is present); on
+    SM100 the smallest of 224, 192, .., 32 that still covers ``expected_m`` rows (224 when
+    ``expected_m`` is None). ``arch_major`` defaults to the current CUDA device's."""
+    if expected_m is not None and (not isinstance(expected_m, int) or expected_m < 0):
+        raise ValueError(f"get_theoretical_mk_alignment_for_contiguous_layout: expected_m must be a "
+                         f"non-negative int or None, got {expected_m!r}")
+    if arch_major is None:
+        arch_major = current_arch_major()
+    if arch_major != 10:
+        return M_ALIGNMENT
+    block_m, step = 224, 32
+    while expected_m is not None and block_m > 32 and block_m - step >= expected_m:
+        block_m -= step
+    return block_m
+
+
+def device_capability(device) -> tuple[int, int]:
+    """The CUDA compute capability of ``device``: the one place primerl asks (tests mock it)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def current_arch_major() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    return device_capability(torch.cuda.current_device())[0]
 
 
 def get_m_alignment() -> int:
-    """Row alignment of each group in the contiguous (``m_indices``) layout: one FP8 block."""
-    return M_ALIGNMENT
+    """Alias of :func:`get_mk_alignment_for_contiguous_layout` (primerl's earlier name)."""
+    return get_mk_alignment_for_contiguous_layout()
+
+
+def _alignment_or_default(alignment: int | None) -> int:
+    if alignment is None:
+        return get_mk_alignment_for_contiguous_layout()
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+    return alignment
 
 
 def _as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -58,14 +113,16 @@ def offsets_to_starts(offsets: torch.Tensor) -> torch.Tensor:
     return torch.cat([offsets.new_zeros(1), offsets[:-1]])
 
 
-def align_counts(counts: torch.Tensor, alignment: int = M_ALIGNMENT) -> torch.Tensor:
+def align_counts(counts: torch.Tensor, alignment: int | None = None) -> torch.Tensor:
     """Round every count up to a multiple of ``alignment`` (empty groups stay empty)."""
+    alignment = _alignment_or_default(alignment)
     counts = _as_int32("counts", counts)
     return (counts + alignment - 1) // alignment * alignment
 
 
-def max_padded_rows(num_rows: int, num_groups: int, alignment: int = M_ALIGNMENT) -> int:
+def max_padded_rows(num_rows: int, num_groups: int, alignment: int | None = None) -> int:
     """A static upper bound on the padded total, for shape-stable (sync-free, graph-capturable) code."""
+    alignment = _alignment_or_default(alignment)
     return -(-num_rows // alignment) * alignment + num_groups * alignment
 
 
@@ -102,7 +159,7 @@ def _dest_rows(offsets: torch.Tensor, num_rows: int, alignment: int) -> tuple[to
 def pad_to_contiguous(
     x: torch.Tensor,
     offsets: torch.Tensor,
-    alignment: int = M_ALIGNMENT,
+    alignment: int | None = None,
     *,
     total_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,8 +168,9 @@ def pad_to_contiguous(
     Returns ``(x_padded[P, ...], m_indices[P], padded_offsets[G])`` with padding rows zero and
     ``m_indices`` -1 there. ``P = total_rows`` when given (must be >= the padded total, e.g.
     :func:`max_padded_rows`; no host sync) else the exact padded total (one host sync).
-    Differentiable in ``x``.
+    Differentiable in ``x``. ``alignment`` defaults to :func:`get_mk_alignment_for_contiguous_layout`.
     """
+    alignment = _alignment_or_default(alignment)
     offsets = _as_int32("offsets", offsets)
     if x.dim() < 1:
         raise ValueError(f"pad_to_contiguous: x must have a row dim, got shape {tuple(x.shape)}")
@@ -133,15 +191,36 @@ def pad_to_contiguous(
 
 
 def unpad_from_contiguous(
-    y_padded: torch.Tensor, offsets: torch.Tensor, num_rows: int, alignment: int = M_ALIGNMENT
+    y_padded: torch.Tensor, offsets: torch.Tensor, num_rows: int, alignment: int | None = None
 ) -> torch.Tensor:
     """Inverse of :func:`pad_to_contiguous`: ``y_padded[P, ...]`` -> packed ``y[num_rows, ...]``
     (rows past ``offsets[-1]`` come back zero). Differentiable."""
+    alignment = _alignment_or_default(alignment)
     offsets = _as_int32("offsets", offsets)
     dest, _ = _dest_rows(offsets, num_rows, alignment)
     valid = dest >= 0
     out = y_padded.index_select(0, dest.clamp_min(0).long())
     return torch.where(valid.view(-1, *([1] * (y_padded.dim() - 1))), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def counts_to_psum(counts: torch.Tensor, alignment: int | None = None) -> torch.Tensor:
+    """``counts[G]`` -> DeepGEMM's psum layout ``psum[G]``: ``psum[g] = align(psum[g-1]) + counts[g]``
+    (the end row of each group when every group starts on a multiple of ``alignment``)."""
+    counts = _as_int32("counts", counts)
+    aligned = align_counts(counts, alignment)
+    return torch.cumsum(aligned, 0, dtype=torch.int32) - aligned + counts
+
+
+def psum_to_m_indices(psum: torch.Tensor, num_rows: int, alignment: int | None = None) -> torch.Tensor:
+    """psum layout ``psum[G]`` -> ``m_indices[num_rows]`` (-1 for the gaps and rows past the end)."""
+    alignment = _alignment_or_default(alignment)
+    psum = _as_int32("psum", psum)
+    starts = torch.cat([psum.new_zeros(1), (psum[:-1] + alignment - 1) // alignment * alignment])
+    rows = torch.arange(num_rows, device=psum.device, dtype=torch.int32)
+    group = torch.searchsorted(psum, rows, right=True).to(torch.int32)
+    safe = group.clamp_max(max(psum.numel() - 1, 0)).long()
+    valid = (group < psum.numel()) & (rows >= starts[safe])
+    return torch.where(valid, group, -1).to(torch.int32)
 
 
 def to_masked(x: torch.Tensor, offsets: torch.Tensor, max_m: int) -> tuple[torch.Tensor, torch.Tensor]:

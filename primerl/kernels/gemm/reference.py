@@ -174,21 +174,29 @@ def dequant_block(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     return (blocks * sf[..., :, None, :, None]).flatten(-2).flatten(-3, -2)
 
 
-def fp8_gemm_nt(a, b, out_dtype):
-    """(aq [M, K], asf [M, K/128]) x (bq [N, K], bsf [ceil(N/128), K/128]) -> [M, N]."""
-    return (dequant_token_group(*a) @ dequant_block(*b).t()).to(out_dtype)
+def dequant_b(q: torch.Tensor, sf: torch.Tensor, sb_gran: int = BLOCK) -> torch.Tensor:
+    """B operand: 128x128 block scales (recipe (1, 128, 128)) or per-row 1x128 scales (1, 1, 128)."""
+    return dequant_block(q, sf) if sb_gran == BLOCK else dequant_token_group(q, sf)
 
 
-def m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, out_dtype):
-    return grouped_gemm_nt_m_indices(dequant_token_group(*a), dequant_block(*b), m_indices, torch.float32).to(out_dtype)
+def fp8_gemm_nt(a, b, out_dtype, sb_gran=BLOCK, c=None):
+    """(aq [M, K], asf [M, K/128]) x (bq [N, K], bsf [ceil(N/128) or N, K/128]) (+ c [M, N]
+    float32) -> [M, N]."""
+    out = dequant_token_group(*a) @ dequant_b(*b, sb_gran).t()
+    return (out if c is None else out + c).to(out_dtype)
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, out_dtype, sb_gran=BLOCK):
+    return grouped_gemm_nt_m_indices(dequant_token_group(*a), dequant_b(*b, sb_gran), m_indices,
+                                     torch.float32).to(out_dtype)
 
 
 def m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype):
     return grouped_gemm_nt_offsets(dequant_token_group(*a), dequant_block(*b), offsets, torch.float32).to(out_dtype)
 
 
-def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype):
-    return grouped_gemm_nt_masked(dequant_token_group(*a), dequant_block(*b), masked_m, torch.float32).to(out_dtype)
+def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype, sb_gran=BLOCK):
+    return grouped_gemm_nt_masked(dequant_token_group(*a), dequant_b(*b, sb_gran), masked_m, torch.float32).to(out_dtype)
 
 
 def _row_blocks(offsets: torch.Tensor, num_rows: int, block: int = BLOCK) -> torch.Tensor:
@@ -228,8 +236,9 @@ def dequant_group_colwise(q: torch.Tensor, sf: torch.Tensor, offsets: torch.Tens
     return torch.where(valid[:, None], out, torch.zeros((), device=q.device))
 
 
-def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets, out_dtype):
-    """(aq [T, N], asf) x (bq [T, K], bsf) with colwise group scales -> [G, N, K]."""
+def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets, out_dtype, c=None):
+    """(aq [T, N], asf) x (bq [T, K], bsf) with colwise group scales (+ c [G, N, K] float32) -> [G, N, K]."""
     a_hat = dequant_group_colwise(a[0], a[1], offsets)
     b_hat = dequant_group_colwise(b[0], b[1], offsets)
-    return k_grouped_gemm_tn(a_hat, b_hat, offsets, out_dtype)
+    out = k_grouped_gemm_tn(a_hat, b_hat, offsets, torch.float32)
+    return (out if c is None else out + c).to(out_dtype)

@@ -41,79 +41,106 @@ MODE_DENSE, MODE_TABLE, MODE_M_INDICES = 0, 1, 2
 
 
 @triton.jit
+def _k_loop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, row_ok, offs_n, n_mask, g, K, stride_am, stride_ak, stride_bg,
+            stride_bn, stride_bk, stride_sam, stride_sbg, stride_sbn,
+            SCALED: tl.constexpr, SB_GRAN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """acc[BM, BN] = sum over K of A[rows] @ B[g, offs_n].T (rows not row_ok read as zero); a group
+    g < 0 runs zero K steps (padding / tail tiles store zeros)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    num_k = tl.where(g >= 0, tl.cdiv(K, BK), 0)
+    g64 = tl.maximum(g, 0).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + g64 * stride_bg + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    sa_ptrs = sa_ptr + rows.to(tl.int64) * stride_sam
+    sb_ptrs = sb_ptr + g64 * stride_sbg + (offs_n // SB_GRAN) * stride_sbn
+    for kb in range(0, num_k):
+        k_ok = kb * BK + offs_k < K
+        a = tl.load(a_ptrs + kb * BK * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs + kb * BK * stride_bk, mask=n_mask[None, :] & k_ok[:, None], other=0.0)
+        if SCALED:
+            sa = tl.load(sa_ptrs + kb, mask=row_ok, other=0.0)
+            sb = tl.load(sb_ptrs + kb, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _m_grouped_gemm_nt_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr,
+    a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, c_ptr,
     group_ptr, row_start_ptr, row_count_ptr, b_index_ptr,
     M, N, K, num_entries, num_m_tiles, num_progs,
-    stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_dm,
+    stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_dm, stride_cm,
     stride_sam, stride_sbg, stride_sbn,
-    MODE: tl.constexpr, SCALED: tl.constexpr, ENTRIES_P2: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    MODE: tl.constexpr, SCALED: tl.constexpr, HAS_C: tl.constexpr, SB_GRAN: tl.constexpr,
+    ENTRIES_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """D[rows] = A[rows] @ B[g].T (+ C[rows] with HAS_C); SB_GRAN: B-scale rows cover 128 (block
+    scales) or 1 (per-row scales, recipe (1, 1, 128)) rows of B."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     for tile in range(pid, num_m_tiles * n_tiles, num_progs):
         mt = tile // n_tiles
         offs_n = (tile % n_tiles) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
-        if MODE == 0:
+        if MODE == 2:
+            # m_indices: a tile may hold several groups (alignments below BM, e.g. 32..224 on
+            # SM100): one K loop per group present, each writing its own rows; -1 rows get zero.
             rows = mt * BM + tl.arange(0, BM)
-            row_ok = rows < M
-            store_ok = row_ok
-            g = mt * 0
-        elif MODE == 2:
-            rows = mt * BM + tl.arange(0, BM)
-            in_bounds = rows < M
-            row_group = tl.load(group_ptr + rows, mask=in_bounds, other=-1)
-            g = tl.max(row_group, axis=0)
-            row_ok = (row_group == g) & (g >= 0)
-            store_ok = in_bounds
+            store_ok = rows < M
+            row_group = tl.load(group_ptr + rows, mask=store_ok, other=-1)
+            g_hi = tl.max(row_group, axis=0)
+            g_lo = tl.min(tl.where(row_group >= 0, row_group, 2**30), axis=0)
+            out = tl.zeros((BM, BN), dtype=tl.float32)
+            for gg in range(g_lo, g_hi + 1):
+                row_ok = row_group == gg
+                present = tl.max(row_ok.to(tl.int32), axis=0) > 0
+                acc = _k_loop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, row_ok, offs_n, n_mask,
+                              tl.where(present, gg, -1), K, stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
+                              stride_sam, stride_sbg, stride_sbn, SCALED, SB_GRAN, BM, BN, BK, PRECISION)
+                out = tl.where(row_ok[:, None], acc, out)
         else:
-            ent = tl.arange(0, ENTRIES_P2)
-            tile_ends = tl.load(group_ptr + ent, mask=ent < num_entries, other=2**30)
-            e = tl.sum((tile_ends <= mt).to(tl.int32), axis=0)
-            e_safe = tl.minimum(e, num_entries - 1)
-            prev = tl.load(group_ptr + e_safe - 1, mask=e_safe > 0, other=0)
-            start = tl.load(row_start_ptr + e_safe)
-            count = tl.load(row_count_ptr + e_safe)
-            g = tl.load(b_index_ptr + e_safe)
-            local = (mt - prev) * BM + tl.arange(0, BM)
-            rows = start + local
-            store_ok = (local < count) & (e < num_entries)
-            row_ok = store_ok & (g >= 0)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        # a tile with no group (padding / tail) runs zero K steps and stores zeros
-        num_k = tl.where(g >= 0, tl.cdiv(K, BK), 0)
-        g64 = tl.maximum(g, 0).to(tl.int64)
-        offs_k = tl.arange(0, BK)
-        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + g64 * stride_bg + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
-        sa_ptrs = sa_ptr + rows.to(tl.int64) * stride_sam
-        sb_ptrs = sb_ptr + g64 * stride_sbg + (offs_n // 128) * stride_sbn
-        for kb in range(0, num_k):
-            k_ok = kb * BK + offs_k < K
-            a = tl.load(a_ptrs + kb * BK * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs + kb * BK * stride_bk, mask=n_mask[None, :] & k_ok[:, None], other=0.0)
-            if SCALED:
-                sa = tl.load(sa_ptrs + kb, mask=row_ok, other=0.0)
-                sb = tl.load(sb_ptrs + kb, mask=n_mask, other=0.0)
-                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+            if MODE == 0:
+                rows = mt * BM + tl.arange(0, BM)
+                row_ok = rows < M
+                store_ok = row_ok
+                g = mt * 0
             else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        out = tl.where(row_ok[:, None], acc, 0.0)
+                ent = tl.arange(0, ENTRIES_P2)
+                tile_ends = tl.load(group_ptr + ent, mask=ent < num_entries, other=2**30)
+                e = tl.sum((tile_ends <= mt).to(tl.int32), axis=0)
+                e_safe = tl.minimum(e, num_entries - 1)
+                prev = tl.load(group_ptr + e_safe - 1, mask=e_safe > 0, other=0)
+                start = tl.load(row_start_ptr + e_safe)
+                count = tl.load(row_count_ptr + e_safe)
+                g = tl.load(b_index_ptr + e_safe)
+                local = (mt - prev) * BM + tl.arange(0, BM)
+                rows = start + local
+                store_ok = (local < count) & (e < num_entries)
+                row_ok = store_ok & (g >= 0)
+            acc = _k_loop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, row_ok, offs_n, n_mask, g, K, stride_am, stride_ak,
+                          stride_bg, stride_bn, stride_bk, stride_sam, stride_sbg, stride_sbn,
+                          SCALED, SB_GRAN, BM, BN, BK, PRECISION)
+            out = tl.where(row_ok[:, None], acc, 0.0)
+        st_mask = store_ok[:, None] & n_mask[None, :]
+        if HAS_C:
+            out += tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=st_mask, other=0.0)
         d_ptrs = d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
-        tl.store(d_ptrs, out.to(d_ptr.dtype.element_ty), mask=store_ok[:, None] & n_mask[None, :])
+        tl.store(d_ptrs, out.to(d_ptr.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit
 def _k_grouped_gemm_tn_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, offsets_ptr, block_start_ptr, m_indices_ptr,
+    a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr, m_indices_ptr,
     N, K, G, num_progs,
     stride_a, stride_b, stride_sa, stride_sb,
-    SCALED: tl.constexpr, ROW_MASK: tl.constexpr,
+    SCALED: tl.constexpr, ROW_MASK: tl.constexpr, HAS_C: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """d[g, n, k] = sum over rows t of group g of a[t, n] * b[t, k]."""
+    """d[g, n, k] = sum over rows t of group g of a[t, n] * b[t, k] (+ c[g, n, k] with HAS_C)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -142,8 +169,10 @@ def _k_grouped_gemm_tn_kernel(
                 acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
             else:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        d_ptrs = d_ptr + g.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
-        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+        out_offs = g.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
+        if HAS_C:
+            acc += tl.load(c_ptr + out_offs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        tl.store(d_ptr + out_offs, acc.to(d_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
 @triton.jit
@@ -229,8 +258,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=None, b_index=None,
-                      num_entries=1, num_m_tiles=0, rows_per_group=1):
-    """a [M, K] (any strides), b [G, N, K] (any strides), out [M, N] contiguous."""
+                      num_entries=1, num_m_tiles=0, rows_per_group=1, c=None, sb_gran=BLOCK):
+    """a [M, K] (any strides), b [G, N, K] (any strides), out [M, N] (unit column stride), c like
+    out (added, DENSE mode); sb_gran: rows of B per B-scale row (128 or 1)."""
     m, k = a.shape
     n = b.shape[1]
     scaled = sa is not None
@@ -248,14 +278,15 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
     num_progs = max(1, min(total, _num_sms() * (2 if bm == 64 else 1))) if _num_sms() > 1 else total
     dummy = group if group is not None else out
     _m_grouped_gemm_nt_kernel[(num_progs,)](
-        a, sa if scaled else a, b, sb if scaled else b, out,
+        a, sa if scaled else a, b, sb if scaled else b, out, c if c is not None else out,
         dummy, row_start if row_start is not None else dummy, row_count if row_count is not None else dummy,
         b_index if b_index is not None else dummy,
         m, n, k, num_entries, num_m_tiles, num_progs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+        c.stride(0) if c is not None else 0,
         sa.stride(0) if scaled else 0, sb.stride(0) if scaled else 0, sb.stride(1) if scaled else 0,
-        MODE=mode, SCALED=scaled, ENTRIES_P2=triton.next_power_of_2(max(num_entries, 1)),
-        BM=bm, PRECISION=_precision(a.dtype), **cfg,
+        MODE=mode, SCALED=scaled, HAS_C=c is not None, SB_GRAN=sb_gran,
+        ENTRIES_P2=triton.next_power_of_2(max(num_entries, 1)), BM=bm, PRECISION=_precision(a.dtype), **cfg,
     )
     return out
 
@@ -288,11 +319,12 @@ def _grouped_m_indices(a, sa, b, sb, m_indices, out_dtype):
                              rows_per_group=max(1, m // max(b.shape[0], 1)))
 
 
-def _k_grouped(a, sa, b, sb, offsets, out_dtype, m_indices=None):
+def _k_grouped(a, sa, b, sb, offsets, out_dtype, m_indices=None, out=None, c=None):
     t, n = a.shape
     k = b.shape[1]
     groups = offsets.numel()
-    out = torch.empty(groups, n, k, dtype=out_dtype, device=a.device)
+    if out is None:
+        out = torch.empty(groups, n, k, dtype=out_dtype, device=a.device)
     scaled = sa is not None
     if triton_interpreter_enabled():
         bn, bk = _pow2_clamp(n, 16, 128), _pow2_clamp(k, 16, 128)
@@ -303,11 +335,11 @@ def _k_grouped(a, sa, b, sb, offsets, out_dtype, m_indices=None):
     num_progs = min(total, _num_sms()) if _num_sms() > 1 else total
     block_start = off.group_block_starts(offsets) if scaled else offsets
     _k_grouped_gemm_tn_kernel[(num_progs,)](
-        a, sa if scaled else a, b, sb if scaled else b, out, offsets, block_start,
+        a, sa if scaled else a, b, sb if scaled else b, out, c if c is not None else out, offsets, block_start,
         m_indices if m_indices is not None else offsets,
         n, k, groups, num_progs, a.stride(0), b.stride(0),
         sa.stride(0) if scaled else 0, sb.stride(0) if scaled else 0,
-        SCALED=scaled, ROW_MASK=m_indices is not None, BN=bn, BK=bk, BT=bt,
+        SCALED=scaled, ROW_MASK=m_indices is not None, HAS_C=c is not None, BN=bn, BK=bk, BT=bt,
         PRECISION=_precision(a.dtype), num_warps=warps, num_stages=stages,
     )
     return out
@@ -316,26 +348,28 @@ def _k_grouped(a, sa, b, sb, offsets, out_dtype, m_indices=None):
 # ------------------------------------------------------------------------------ FP8 entry points
 
 
-def fp8_gemm_nt(a, b, out_dtype):
+def fp8_gemm_nt(a, b, d, c=None, sb_gran=BLOCK):
+    """d [M, N] written in place (unit column stride), c [M, N] float32 added when given."""
     (aq, asf), (bq, bsf) = a, b
-    out = torch.empty(aq.shape[0], bq.shape[0], dtype=out_dtype, device=aq.device)
-    return _launch_m_grouped(aq, asf, bq.unsqueeze(0), bsf.unsqueeze(0), out, MODE_DENSE, None,
-                             rows_per_group=aq.shape[0])
+    return _launch_m_grouped(aq, asf, bq.unsqueeze(0), bsf.unsqueeze(0), d, MODE_DENSE, None,
+                             rows_per_group=aq.shape[0], c=c, sb_gran=sb_gran)
 
 
-def m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, out_dtype):
-    return _grouped_m_indices(a[0], a[1], b[0], b[1], m_indices, out_dtype)
+def m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, d, sb_gran=BLOCK):
+    (aq, asf), (bq, bsf) = a, b
+    return _launch_m_grouped(aq, asf, bq, bsf, d, MODE_M_INDICES, m_indices,
+                             rows_per_group=max(1, aq.shape[0] // max(bq.shape[0], 1)), sb_gran=sb_gran)
 
 
 def m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype):
     return _grouped_offsets(a[0], a[1], b[0], b[1], offsets, out_dtype)
 
 
-def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out_dtype):
+def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out, sb_gran=BLOCK):
+    """out [G, max_m, N] contiguous: rows past masked_m[g] are not written."""
     (aq, asf), (bq, bsf) = a, b
     groups, max_m, k = aq.shape
     n = bq.shape[1]
-    out = torch.empty(groups, max_m, n, dtype=out_dtype, device=aq.device)
     bm = pick_tiles(max(expected_m, 1), n, k, True, 1)["BM"]
     counts = masked_m.clamp(0, max_m)
     starts = torch.arange(groups, device=aq.device, dtype=torch.int32) * max_m
@@ -343,7 +377,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out_dtype):
     b_index = torch.arange(groups, device=aq.device, dtype=torch.int32)
     _launch_m_grouped(aq.view(groups * max_m, k), asf.view(groups * max_m, -1), bq, bsf, out.view(groups * max_m, n),
                       MODE_TABLE, tile_ends, starts, counts, b_index, num_entries=groups,
-                      num_m_tiles=groups * triton.cdiv(max_m, bm), rows_per_group=max(expected_m, 1))
+                      num_m_tiles=groups * triton.cdiv(max_m, bm), rows_per_group=max(expected_m, 1), sb_gran=sb_gran)
     return out
 
 
@@ -369,8 +403,8 @@ def quant_per_group_colwise(x, offsets, dtype, ue8m0, rounding="reciprocal"):
     return q, sf
 
 
-def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets, out_dtype):
-    return _k_grouped(a[0], a[1], b[0], b[1], offsets, out_dtype)
+def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets, out_dtype, d=None, c=None):
+    return _k_grouped(a[0], a[1], b[0], b[1], offsets, out_dtype, out=d, c=c)
 
 
 def k_grouped_gemm_tn(a, b, offsets, out_dtype):

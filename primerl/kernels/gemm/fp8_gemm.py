@@ -1,0 +1,334 @@
+"""FP8 block-scaled GEMMs with DeepGEMM's arguments: validate, pick the backend, call.
+
+Operands are ``(q, sf)`` pairs. A: ``q [.., M, K]`` with per-token-group scales ``sf [.., M, K/128]``.
+B: ``q [(G,) N, K]`` with, by ``recipe`` (DeepGEMM's (A rows, B rows, K) per scale),
+``(1, 128, 128)`` 128x128 block scales ``[(G,) ceil(N/128), K/128]`` (SM90's 1D2D) or
+``(1, 1, 128)`` per-row scales ``[(G,) N, K/128]`` (SM100's 1D1D); ``recipe=None`` infers it from
+the scale shape. Scales are float32 in any layout (K- or MN-major, e.g. from
+:func:`.layout.get_mn_major_tma_aligned_tensor`) or packed UE8M0 int32 ``[.., ceil(K/128/4)]``
+(:func:`.layout.get_mn_major_tma_aligned_packed_ue8m0_tensor`).
+
+Outputs: pass ``d`` to write in place (DeepGEMM's convention; bf16 or float32) or get a new
+tensor of ``out_dtype``; ``c`` (float32, may alias ``d``) is added: ``D = A @ B.T + C``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._backend import resolve_backend
+from ..fp8.reference import ROUNDINGS
+from ._checks import (
+    _OUT_DTYPES,
+    _PLAIN_BACKENDS,
+    BLOCK,
+    FP8_DTYPES,
+    _check_index,
+    _check_m_indices_content,
+    _check_offsets_content,
+    _check_same_device,
+    _check_tensor,
+    _impl,
+)
+from . import reference
+from .layout import RECIPES, unpack_ue8m0
+from .offsets import get_mk_alignment_for_contiguous_layout, max_group_blocks, offsets_to_counts, psum_to_m_indices
+
+_FP8_BACKENDS = ("torch", "triton", "deep_gemm")
+
+
+def _fp8_preference(out_dtype: torch.dtype, c=None) -> tuple[str, ...]:
+    # the automatic choice takes DeepGEMM for its main case only: bf16 output, no accumulation
+    return ("deep_gemm", "triton", "torch") if out_dtype == torch.bfloat16 and c is None else ("triton", "torch")
+
+
+def _scales(op: str, name: str, q: torch.Tensor, sf, sf_rows: int, layout: str) -> torch.Tensor:
+    """float32 (any strides) or packed UE8M0 int32 scales -> float32 K-major [.., sf_rows, K/128]."""
+    groups_k = q.shape[-1] // BLOCK
+    lead = tuple(q.shape[:-2])
+    if isinstance(sf, torch.Tensor) and sf.dtype == torch.int32:
+        want = (*lead, sf_rows, -(-groups_k // 4))
+        if tuple(sf.shape) != want:
+            raise ValueError(f"{op}: {name} packed UE8M0 scales must be {want} int32 ({layout} scales of q "
+                             f"{tuple(q.shape)}, 4 per word), got {tuple(sf.shape)}")
+        return unpack_ue8m0(sf, groups_k)
+    _check_tensor(op, f"{name}[1] (sf)", sf, q.dim(), (torch.float32, torch.int32))
+    want = (*lead, sf_rows, groups_k)
+    if tuple(sf.shape) != want:
+        raise ValueError(f"{op}: {name} scales must be {want} ({layout} scales of q {tuple(q.shape)}), got {tuple(sf.shape)}")
+    return sf.contiguous()
+
+
+def _check_pair(op: str, name: str, pair, dims: int, rows_per_scale: int):
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"{op}: {name} must be a (q, sf) pair from primerl.kernels.fp8, got {type(pair).__name__}")
+    q, sf = pair
+    _check_tensor(op, f"{name}[0] (q)", q, dims, FP8_DTYPES)
+    if q.shape[-1] % BLOCK != 0:
+        raise ValueError(f"{op}: K={q.shape[-1]} of {name} must be a multiple of {BLOCK}")
+    rows = q.shape[-2]
+    layout = "128x128 block" if rows_per_scale == BLOCK else "1x128 token-group"
+    return q.contiguous(), _scales(op, name, q, sf, -(-rows // rows_per_scale), layout)
+
+
+def _b_granularity(op: str, b, recipe) -> int:
+    """Rows of B per scale row: 128 for recipe (1, 128, 128), 1 for (1, 1, 128)."""
+    if recipe is not None:
+        if tuple(recipe) not in RECIPES:
+            raise ValueError(f"{op}: recipe must be one of {RECIPES} or None, got {recipe!r}")
+        return recipe[1]
+    if isinstance(b, (tuple, list)) and len(b) == 2 and all(isinstance(t, torch.Tensor) for t in b) and b[0].dim() >= 2:
+        rows = b[0].shape[-2]
+        if b[1].dim() >= 2 and b[1].shape[-2] == rows and rows != -(-rows // BLOCK):
+            return 1
+    return BLOCK
+
+
+def _check_operands(op: str, a, b, a_dims: int, b_dims: int, recipe):
+    gran = _b_granularity(op, b, recipe)
+    a = _check_pair(op, "a", a, a_dims, 1)
+    b = _check_pair(op, "b", b, b_dims, gran)
+    if a[0].shape[-1] != b[0].shape[-1]:
+        raise ValueError(f"{op}: K mismatch, a is {tuple(a[0].shape)} and b is {tuple(b[0].shape)}")
+    return a, b, gran, (1, gran, BLOCK)
+
+
+def _output(op: str, d, shape: tuple, out_dtype, device, c=None) -> torch.Tensor:
+    """The output tensor: ``d`` checked, or a new one of ``out_dtype`` (bf16 by default)."""
+    if d is None:
+        out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+        if out_dtype not in _OUT_DTYPES:
+            raise ValueError(f"{op}: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+        d = torch.empty(shape, dtype=out_dtype, device=device)
+    else:
+        if not isinstance(d, torch.Tensor) or tuple(d.shape) != tuple(shape) or d.dtype not in _OUT_DTYPES:
+            raise ValueError(f"{op}: d must be a {shape} tensor of one of {_OUT_DTYPES}, got "
+                             f"{getattr(d, 'shape', type(d).__name__)} {getattr(d, 'dtype', '')}")
+        if out_dtype is not None and out_dtype != d.dtype:
+            raise ValueError(f"{op}: out_dtype={out_dtype} disagrees with d.dtype={d.dtype}; pass one of them")
+        if d.stride(-1) != 1 or (d.dim() == 3 and d.stride(0) != d.shape[1] * d.stride(1)):
+            raise ValueError(f"{op}: d must have unit column stride and packed groups, got strides {d.stride()}")
+        if d.device != device:
+            raise ValueError(f"{op}: d is on {d.device}, the operands on {device}")
+    if c is not None:
+        if not isinstance(c, torch.Tensor) or tuple(c.shape) != tuple(shape) or c.dtype != torch.float32:
+            raise ValueError(f"{op}: c must be a float32 {shape} tensor, got "
+                             f"{getattr(c, 'shape', type(c).__name__)} {getattr(c, 'dtype', '')}")
+        if d.dtype != torch.float32:
+            raise ValueError(f"{op}: accumulating into c needs a float32 output (DeepGEMM's rule), got {d.dtype}")
+        if c.device != device or c.stride(-1) != 1:
+            raise ValueError(f"{op}: c must be on {device} with unit column stride")
+    return d
+
+
+def fp8_gemm_nt(a, b, d: torch.Tensor | None = None, c: torch.Tensor | None = None, *, recipe=None,
+                out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
+    """``D[M, N] = A @ B.T (+ C)`` for a = (q [M, K], sf [M, K/128]), b = (q [N, K], sf); returns d."""
+    op = "fp8_gemm_nt"
+    a, b, gran, recipe = _check_operands(op, a, b, 2, 2, recipe)
+    dev = _check_same_device(op, aq=a[0], asf=a[1], bq=b[0], bsf=b[1])
+    d = _output(op, d, (a[0].shape[0], b[0].shape[0]), out_dtype, dev, c)
+    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(d.dtype, c))
+    if be == "torch":
+        return d.copy_(reference.fp8_gemm_nt(a, b, d.dtype, gran, c))
+    if be == "deep_gemm":
+        return _impl(be).fp8_gemm_nt(a, b, d, c, recipe)
+    return _impl(be).fp8_gemm_nt(a, b, d, c, gran)
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout: torch.Tensor, d: torch.Tensor | None = None, *,
+                                     use_psum_layout: bool = False, recipe=None, out_dtype: torch.dtype | None = None,
+                                     backend: str | None = None) -> torch.Tensor:
+    """Grouped ``D[M, N]``: row i uses ``B[group of row i]``; padding rows are written as zero.
+
+    a = (q [M, K], sf [M, K/128]), b = (q [G, N, K], sf [G, .., K/128]). ``grouped_layout`` is
+    ``m_indices[M]`` int32 (-1 = padding; any alignment, e.g. from :func:`pad_to_contiguous`) or,
+    with ``use_psum_layout=True``, DeepGEMM's ``psum[G]`` (group g owns rows
+    ``align(psum[g-1]) .. psum[g]-1`` for the current
+    :func:`get_mk_alignment_for_contiguous_layout`; see :func:`counts_to_psum`)."""
+    op = "m_grouped_fp8_gemm_nt_contiguous"
+    a, b, gran, recipe = _check_operands(op, a, b, 2, 3, recipe)
+    m, groups = a[0].shape[0], b[0].shape[0]
+    if use_psum_layout:
+        psum = _check_index(op, "grouped_layout (psum)", grouped_layout, groups)
+        _check_psum_content(op, psum, m)
+        m_indices = psum_to_m_indices(psum, m)
+    else:
+        m_indices = _check_index(op, "grouped_layout (m_indices)", grouped_layout, m)
+        _check_m_indices_content(op, m_indices, groups, one_group_per_block=False)
+    dev = _check_same_device(op, aq=a[0], bq=b[0], grouped_layout=m_indices)
+    d = _output(op, d, (m, b[0].shape[1]), out_dtype, dev)
+    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(d.dtype))
+    if be == "torch":
+        return d.copy_(reference.m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, d.dtype, gran))
+    if be == "deep_gemm":
+        layout = psum if use_psum_layout else m_indices
+        _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, layout, d, use_psum_layout, recipe)
+        return d.masked_fill_((m_indices < 0)[:, None], 0)  # DeepGEMM leaves padding rows untouched
+    return _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, d, gran)
+
+
+def _check_psum_content(op: str, psum: torch.Tensor, num_rows: int) -> None:
+    if psum.device.type != "cpu" or psum.numel() == 0:
+        return
+    alignment = get_mk_alignment_for_contiguous_layout()
+    starts = torch.cat([psum.new_zeros(1), (psum[:-1] + alignment - 1) // alignment * alignment])
+    if bool((psum < starts).any()):
+        raise ValueError(f"{op}: psum {psum.tolist()} is not a psum layout for alignment {alignment} (each entry must be "
+                         f">= the previous one rounded up to the alignment; build it with counts_to_psum)")
+    if int(psum[-1]) > num_rows:
+        raise ValueError(f"{op}: psum[-1]={int(psum[-1])} exceeds the {num_rows} rows of a")
+
+
+def m_grouped_fp8_gemm_nt_offsets(a, b, offsets: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
+                                  backend: str | None = None) -> torch.Tensor:
+    """Grouped ``D[M, N]`` with unpadded groups: rows ``offsets[g-1]:offsets[g]`` use ``B[g]``;
+    rows past ``offsets[-1]`` are zero. Same operands as the contiguous op (block B scales), any M."""
+    op = "m_grouped_fp8_gemm_nt_offsets"
+    a, b, _, _ = _check_operands(op, a, b, 2, 3, (1, 128, 128))
+    offsets = _check_index(op, "offsets", offsets, b[0].shape[0])
+    _check_offsets_content(op, offsets, a[0].shape[0])
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    dev = _check_same_device(op, aq=a[0], bq=b[0], offsets=offsets)
+    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
+    return _impl(be).m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype)
+
+
+def m_grouped_fp8_gemm_nt_masked(a, b, masked_m: torch.Tensor, expected_m: int, d: torch.Tensor | None = None, *,
+                                 recipe=None, out_dtype: torch.dtype | None = None,
+                                 backend: str | None = None) -> torch.Tensor:
+    """Masked grouped ``D[G, max_m, N]``: a = (q [G, max_m, K], sf [G, max_m, K/128]),
+    b = (q [G, N, K], sf), ``masked_m[G]`` valid rows per group.
+
+    Rows past ``masked_m[g]`` are neither read (A) nor written (D), on every backend, as in
+    DeepGEMM: pass ``d`` to keep what it holds there; a new output holds whatever the allocator
+    left. ``expected_m`` (a typical ``masked_m``) picks the tile shape."""
+    op = "m_grouped_fp8_gemm_nt_masked"
+    a, b, gran, recipe = _check_operands(op, a, b, 3, 3, recipe)
+    groups, max_m = a[0].shape[:2]
+    if groups != b[0].shape[0]:
+        raise ValueError(f"{op}: a has {groups} groups but b has {b[0].shape[0]}")
+    masked_m = _check_index(op, "masked_m", masked_m, groups)
+    if not isinstance(expected_m, int) or expected_m < 0:
+        raise ValueError(f"{op}: expected_m must be a non-negative int, got {expected_m!r}")
+    if masked_m.device.type == "cpu" and bool(((masked_m > max_m) | (masked_m < 0)).any()):
+        raise ValueError(f"{op}: masked_m {masked_m.tolist()} must lie in [0, max_m={max_m}]")
+    dev = _check_same_device(op, aq=a[0], bq=b[0], masked_m=masked_m)
+    d = _output(op, d, (groups, max_m, b[0].shape[1]), out_dtype, dev)
+    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(d.dtype))
+    if be == "torch":
+        valid = (torch.arange(max_m, device=dev)[None, :] < masked_m[:, None])[..., None]
+        out = reference.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, d.dtype, gran)
+        return d.copy_(torch.where(valid, out, d))
+    if be == "deep_gemm":
+        return _impl(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, recipe)
+    return _impl(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, gran)
+
+
+def _group_offsets(op: str, offsets, ks, num_rows: int) -> tuple[torch.Tensor, bool]:
+    """Exactly one of ``offsets`` (cumulative ends) / ``ks`` (per-group sizes) -> int32 offsets."""
+    if (offsets is None) == (ks is None):
+        raise ValueError(f"{op}: pass exactly one of offsets (cumulative end rows) and ks (per-group sizes, "
+                         f"DeepGEMM's argument), got {'both' if offsets is not None else 'neither'}")
+    if ks is not None:
+        if isinstance(ks, torch.Tensor):
+            ks = _check_index(op, "ks", ks)
+        elif isinstance(ks, (list, tuple)) and all(isinstance(k, int) and not isinstance(k, bool) for k in ks):
+            ks = torch.tensor(list(ks), dtype=torch.int32)
+        else:
+            raise ValueError(f"{op}: ks must be a list of ints or a 1-D int tensor, got {ks!r}")
+        if ks.device.type == "cpu" and bool((ks < 0).any()):
+            raise ValueError(f"{op}: ks must be >= 0, got {ks.tolist()}")
+        offsets = torch.cumsum(ks, 0, dtype=torch.int32)
+        return offsets, True
+    offsets = _check_index(op, "offsets", offsets)
+    if offsets.device.type == "cpu" and offsets.numel() > 1:
+        last, total = int(offsets[-1]), int(offsets.sum())
+        if last < num_rows and total == num_rows:
+            raise ValueError(
+                f"{op}: offsets {offsets.tolist()} end at row {last} of {num_rows} but sum to exactly {num_rows}: they "
+                f"look like per-group sizes. offsets are cumulative END rows; pass per-group sizes as ks= (DeepGEMM's "
+                f"convention). For cumulative offsets with a tail, pass ks=offsets_to_counts(offsets).tolist()")
+    return offsets, False
+
+
+def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor | None = None, *, ks=None,
+                            dtype: torch.dtype = torch.float8_e4m3fn, ue8m0: bool = False,
+                            rounding: str = "reciprocal", compact: bool = False, backend: str | None = None):
+    """Column-wise FP8 quantization in 128-row blocks that never cross a group boundary.
+
+    x ``[T, C]`` with groups along T given by ``offsets[G]`` (cumulative ends) or ``ks[G]``
+    (per-group sizes) -> q ``[T, C]`` fp8, sf ``[R, C]`` float32 where R is the static bound
+    ``max_group_blocks(T, G)`` (no host sync) or, with ``compact=True``, exactly
+    ``sum(ceil(ks / 128))`` rows (DeepGEMM's compact per-group scale rows; one host sync on a GPU).
+    Group g's blocks start at scale row ``group_block_starts(offsets)[g]``; spare scale rows are
+    finite; rows past the last group quantize to zero. The operand layout of
+    :func:`k_grouped_fp8_gemm_tn_contiguous`. ``rounding`` and the NaN / inf policy are those of
+    :mod:`primerl.kernels.fp8` (default ``"reciprocal"``, DeepGEMM's ``per_channel_cast_to_fp8``)."""
+    op = "quant_per_group_colwise"
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{op}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    _check_tensor(op, "x", x, 2, (torch.bfloat16, torch.float16, torch.float32))
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{op}: x is empty (shape {tuple(x.shape)})")
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{op}: dtype must be one of {FP8_DTYPES}, got {dtype}")
+    offsets, _ = _group_offsets(op, offsets, ks, x.shape[0])
+    if offsets.numel() == 0:
+        raise ValueError(f"{op}: offsets must have at least one group")
+    offsets = offsets.to(x.device)
+    _check_offsets_content(op, offsets, x.shape[0])
+    dev = _check_same_device(op, x=x, offsets=offsets)
+    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
+    q, sf = _impl(be).quant_per_group_colwise(x.contiguous(), offsets, dtype, ue8m0, rounding)
+    if compact:
+        sf = sf[:_compact_rows(offsets)].contiguous()
+    return q, sf
+
+
+def _compact_rows(offsets: torch.Tensor) -> int:
+    return int(((offsets_to_counts(offsets) + BLOCK - 1) // BLOCK).sum())
+
+
+def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, d: torch.Tensor | None = None,
+                                     c: torch.Tensor | None = None, *, ks=None,
+                                     out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
+    """K-grouped ``D[G, N, K]`` with ``D[g] = A_g.T @ B_g (+ C[g])`` (the weight gradient of grouped
+    experts: A = dY, B = X), groups along the T (reduction) rows given by ``offsets[G]``
+    (cumulative end rows) or ``ks[G]`` (per-group sizes, DeepGEMM's argument).
+
+    a = (q [T, N], sf), b = (q [T, K], sf), both from :func:`quant_per_group_colwise` with the same
+    groups; sf holds the static ``max_group_blocks(T, G)`` rows or DeepGEMM's compact
+    ``sum(ceil(ks / 128))``. Empty groups give zero (or C). Output float32 by default."""
+    op = "k_grouped_fp8_gemm_tn_contiguous"
+    pairs = []
+    for name, pair in (("a", a), ("b", b)):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"{op}: {name} must be a (q, sf) pair from quant_per_group_colwise")
+        _check_tensor(op, f"{name}[0] (q)", pair[0], 2, FP8_DTYPES)
+        _check_tensor(op, f"{name}[1] (sf)", pair[1], 2, (torch.float32,))
+        pairs.append((pair[0].contiguous(), pair[1].contiguous()))
+    (aq, asf), (bq, bsf) = pairs
+    if aq.shape[0] != bq.shape[0]:
+        raise ValueError(f"{op}: a and b must have the same rows T, got {aq.shape[0]} and {bq.shape[0]}")
+    offsets, from_ks = _group_offsets(op, offsets, ks, aq.shape[0])
+    if offsets.numel() == 0:
+        raise ValueError(f"{op}: offsets must have at least one group")
+    offsets = offsets.to(aq.device)
+    _check_offsets_content(op, offsets, aq.shape[0])
+    bound = max_group_blocks(aq.shape[0], offsets.numel())
+    exact = _compact_rows(offsets) if offsets.device.type == "cpu" else None
+    for name, q, sf in (("a", aq, asf), ("b", bq, bsf)):
+        rows_ok = sf.shape[0] == bound or (exact is not None and sf.shape[0] == exact) or \
+            (exact is None and sf.shape[0] <= bound)
+        if sf.shape[1] != q.shape[1] or not rows_ok:
+            raise ValueError(f"{op}: {name} scales must be ({bound}, {q.shape[1]}) (quant_per_group_colwise's static "
+                             f"layout) or ({exact}, {q.shape[1]}) (compact rows for these groups), got {tuple(sf.shape)}")
+    dev = _check_same_device(op, aq=aq, bq=bq, offsets=offsets)
+    out_dtype = torch.float32 if (out_dtype is None and d is None) else out_dtype
+    d = _output(op, d, (offsets.numel(), aq.shape[1], bq.shape[1]), out_dtype, dev, c)
+    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
+    if be == "torch":
+        return d.copy_(reference.k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, d.dtype, c))
+    return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, d.dtype, d, c)
