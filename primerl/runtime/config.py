@@ -105,17 +105,23 @@ class OrchestratorConfig:
     group_size: int = 8  # rollouts per prompt
     max_async_level: int = 1  # policy versions between the sampler and the trainer (0 = synchronous)
     max_off_policy_steps: int = 4  # samples older than this are discarded and counted
-    advantage: str = "drgrpo"  # "grpo", "drgrpo" or "rloo"
+    advantage: str = "drgrpo"  # grpo, drgrpo, rloo, rloo_std (/ std of the step's rewards) or max_rl
     seq_len: int = 2048  # tokens per packed micro-batch
     weights_timeout_s: float = 300.0
 
 
 @dataclass
 class LossConfig:
-    method: str = "ppo_clip"
+    """``primerl.rl.losses.policy_loss`` as the trainer runs it; the default is prime-rl's
+    (DPPO-TV, delta 0.2/0.2, KL 1e-3, zero-advantage tokens out of the loss)."""
+
+    method: str = "dppo_tv"  # a name in primerl.rl.losses.LOSS_METHODS, or "package.module:function"
     aggregation: str = "token_mean"
     corrections: list = field(default_factory=list)
-    hparams: dict = field(default_factory=dict)  # e.g. {eps_low = 0.2, eps_high = 0.28}
+    hparams: dict = field(default_factory=dict)  # e.g. {delta_low = 0.2, delta_high = 0.2, kl_coef = 1e-3}
+    drop_zero_advantage: bool = True  # tokens with advantage 0 leave the loss and its denominator
+    ref_kl_coef: float = 0.0  # > 0: KL-to-reference term against a frozen copy of the initial policy
+    sft_coef: float = 0.0  # > 0: cross-entropy on the loss tokens, normalised on its own tokens
 
 
 @dataclass
@@ -333,7 +339,8 @@ def validate(cfg: RLConfig) -> None:
     _need(o.max_async_level >= 0, "orchestrator.max_async_level", "must be >= 0", o.max_async_level)
     _need(o.max_off_policy_steps >= o.max_async_level, "orchestrator.max_off_policy_steps",
           f"must be >= max_async_level ({o.max_async_level})", o.max_off_policy_steps)
-    _need(o.advantage in ("grpo", "drgrpo", "rloo"), "orchestrator.advantage", "must be grpo, drgrpo or rloo", o.advantage)
+    _need(o.advantage in ("grpo", "drgrpo", "rloo", "rloo_std", "max_rl"), "orchestrator.advantage",
+          "must be grpo, drgrpo, rloo, rloo_std or max_rl", o.advantage)
     _need(o.seq_len >= 8, "orchestrator.seq_len", "must be >= 8", o.seq_len)
     _need(o.weights_timeout_s > 0, "orchestrator.weights_timeout_s", "must be > 0", o.weights_timeout_s)
     _need(i.backend in ("embedded", "vllm"), "inference.backend", "must be 'embedded' or 'vllm'", i.backend)
@@ -368,6 +375,10 @@ def validate(cfg: RLConfig) -> None:
     _need(t.entropy_decay_steps >= 0, "trainer.entropy_decay_steps", "must be >= 0", t.entropy_decay_steps)
     _need(t.mini_batches >= 1, "trainer.mini_batches", "must be >= 1", t.mini_batches)
     _need(t.nan_retries >= 0, "trainer.nan_retries", "must be >= 0", t.nan_retries)
+    for key in ("ref_kl_coef", "sft_coef"):
+        val = getattr(t.loss, key)
+        _need(isinstance(val, (int, float)) and 0 <= val < float("inf"), f"trainer.loss.{key}",
+              "must be a finite number >= 0", val)
     _need(cfg.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0", cfg.checkpoint.interval)
     _need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", cfg.checkpoint.keep)
     _need(m.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", m.dtype)
@@ -420,6 +431,12 @@ def validate_names(cfg: RLConfig) -> None:
           loss.corrections)
     _need(loss.aggregation in losses.AGGREGATIONS, "trainer.loss.aggregation",
           f"must be one of {losses.AGGREGATIONS}", loss.aggregation)
+    terms = tuple(n for n, on in (("ref_kl", loss.ref_kl_coef > 0), ("sft", loss.sft_coef > 0)) if on)
+    try:  # hyperparameter names and values against the method, corrections and terms in use
+        losses.check_loss_spec(loss.method, loss.corrections, loss.aggregation,
+                               {k: v for k, v in loss.hparams.items() if k != "norm_constant"}, terms)
+    except ValueError as e:
+        raise ConfigError(f"trainer.loss.hparams: {e}") from None
     try:
         resolve_environment(cfg.env.id, cfg.env.args)
     except ValueError as e:
