@@ -100,7 +100,9 @@ def test_custom_method_by_import_path_in_the_trainer():
 def test_loss_config_errors_name_the_key():
     for over, match in ((["--trainer.loss.ref_kl_coef", "-1"], "trainer.loss.ref_kl_coef"),
                         (["--trainer.loss.sft_coef", "inf"], "trainer.loss.sft_coef"),
-                        (["--orchestrator.advantage", "maxrl"], "orchestrator.advantage")):
+                        (["--orchestrator.advantage", "maxrl"], "orchestrator.advantage"),
+                        (["--trainer.loss.hparams", '{"eps_low": 0.1}'], "trainer.loss.hparams: .*'eps_low' is not used"),
+                        (["--trainer.loss.hparams", '{"ref_kl_delta": 0.1}'], "trainer.loss.hparams: .*'ref_kl_delta'")):
         with pytest.raises(ConfigError, match=match):
             _cfg(*over)
 
