@@ -124,6 +124,17 @@ def _tail(path: Path, n: int = 15) -> str:
         return "(no log)"
 
 
+def first_failure(procs: dict[str, subprocess.Popen], log_dir: Path) -> str | None:
+    """The failure to report, or None while no process has failed. When several have, the cause
+    comes first: a process that stopped because its peer was gone (ProducerDied in its log) is not."""
+    failed = [(name, p.returncode, log_dir / f"{name}.log") for name, p in procs.items() if p.poll() not in (None, 0)]
+    if not failed:
+        return None
+    failed.sort(key=lambda f: "ProducerDied" in _tail(f[2]))
+    name, rc, log_path = failed[0]
+    return f"the {name} exited with code {rc}; end of {log_path}:\n" + _tail(log_path)
+
+
 def prepare_output(cfg: RLConfig) -> int:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -220,20 +231,20 @@ def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:
                     seen = r["step"]
                     if not quiet and cfg.log.progress:
                         print(progress_line(r, cfg.max_steps), flush=True)
-            t_rc, o_rc = trainer.poll(), orch.poll()
-            if t_rc is not None and t_rc != 0:
-                raise JobFailed(f"the trainer exited with code {t_rc}; end of {out / 'logs' / 'trainer.log'}:\n"
-                                + _tail(out / "logs" / "trainer.log"))
-            if o_rc is not None and o_rc != 0:
-                raise JobFailed(f"the orchestrator exited with code {o_rc}; end of {out / 'logs' / 'orchestrator.log'}:\n"
-                                + _tail(out / "logs" / "orchestrator.log"))
-            if t_rc == 0:
+            failure = first_failure({"trainer": trainer, "orchestrator": orch}, out / "logs")
+            if failure:
+                raise JobFailed(failure)
+            if trainer.returncode == 0:
                 break
             time.sleep(poll_s)
     finally:
         _stop(trainer)
         _stop(orch)
     rows = read_metrics(out / "metrics.jsonl")
+    if not rows or rows[-1]["step"] != cfg.max_steps - 1:  # nothing may go missing silently
+        raise JobFailed(f"the trainer exited normally but {out / 'metrics.jsonl'} ends at step "
+                        f"{rows[-1]['step'] if rows else None}, not {cfg.max_steps - 1}; end of the trainer's log:\n"
+                        + _tail(out / "logs" / "trainer.log"))
     wall = time.perf_counter() - t0
     if not quiet:
         print(f"done: {len(rows)} steps in {wall:.1f} s; reward curve:\n{ascii_curve(rows)}", flush=True)

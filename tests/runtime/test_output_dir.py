@@ -12,7 +12,7 @@ import pytest
 
 from primerl.runtime.cli import main
 from primerl.runtime.config import load_config
-from primerl.runtime.job import run_threads
+from primerl.runtime.job import first_failure, run_threads
 from primerl.runtime.output_dir import LOCK_NAME, OutputDirBusy, OutputDirNotEmpty, claim_output_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,3 +150,20 @@ def test_killing_the_launcher_ends_trainer_and_orchestrator(tmp_path):
                 os.kill(p, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
+
+
+class _Exited:
+    def __init__(self, rc):
+        self.returncode = rc
+
+    def poll(self):
+        return self.returncode
+
+
+def test_launcher_reports_the_cause_not_the_peer_that_died_of_it(tmp_path):
+    (tmp_path / "trainer.log").write_text("primerl.runtime.transport.ProducerDied: gave up waiting for batch 3\n")
+    (tmp_path / "orchestrator.log").write_text("EnvError: environment 'x' failed: reward() did not return\n")
+    procs = {"trainer": _Exited(1), "orchestrator": _Exited(1)}
+    assert first_failure(procs, tmp_path).startswith("the orchestrator exited with code 1")
+    assert first_failure({"trainer": _Exited(1), "orchestrator": _Exited(None)}, tmp_path).startswith("the trainer")
+    assert first_failure({"trainer": _Exited(None), "orchestrator": _Exited(0)}, tmp_path) is None
