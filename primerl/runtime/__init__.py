@@ -13,5 +13,9 @@ Modules (imports are lazy; nothing heavy loads with the package):
   vllm, vllm_worker, server   vLLM client/launcher, worker-side weight updates, the engine's HTTP server
   hf_weights    published weights in the Hugging Face layout (models.checkpoint.hf_layout), FP8 transfer
   weight_sync   WeightPublisher (trainer rank 0): files, or a torch.distributed broadcast to vLLM workers
-  metrics       metrics.jsonl, progress line, plot
+  metrics       metrics.jsonl (strict JSON: NaN/inf as null), progress line, plot
+  output_dir    the job's exclusive lock on output_dir; refusal of a previous run's directory
+  lifetime      trainer/orchestrator processes end with the launcher (PR_SET_PDEATHSIG + watchdog)
+  env_calls     concurrent environment calls with per-call deadlines; reward checks (rejected / clipped)
+  guards        parameters checked finite after every update, before publication
 """
