@@ -30,7 +30,7 @@ import torch
 
 from .metrics import kl_k3
 
-__all__ = ["LossInputs", "load_custom_loss", "ref_kl_per_token", "term_mean"]
+__all__ = ["LossInputs", "load_custom_loss", "ref_kl_metric", "ref_kl_per_token", "term_mean"]
 
 
 @dataclass
