@@ -226,8 +226,9 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m: torch.Tensor, expected_m: int, 
     return _impl(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, gran)
 
 
-def _group_offsets(op: str, offsets, ks, num_rows: int) -> tuple[torch.Tensor, bool]:
-    """Exactly one of ``offsets`` (cumulative ends) / ``ks`` (per-group sizes) -> int32 offsets."""
+def _group_offsets(op: str, offsets, ks, num_rows: int, device: torch.device) -> torch.Tensor:
+    """Exactly one of ``offsets`` (cumulative ends) / ``ks`` (per-group sizes) -> checked int32 offsets
+    (ks land on ``device``)."""
     if (offsets is None) == (ks is None):
         raise ValueError(f"{op}: pass exactly one of offsets (cumulative end rows) and ks (per-group sizes, "
                          f"DeepGEMM's argument), got {'both' if offsets is not None else 'neither'}")
@@ -240,17 +241,28 @@ def _group_offsets(op: str, offsets, ks, num_rows: int) -> tuple[torch.Tensor, b
             raise ValueError(f"{op}: ks must be a list of ints or a 1-D int tensor, got {ks!r}")
         if ks.device.type == "cpu" and bool((ks < 0).any()):
             raise ValueError(f"{op}: ks must be >= 0, got {ks.tolist()}")
-        offsets = torch.cumsum(ks, 0, dtype=torch.int32)
-        return offsets, True
-    offsets = _check_index(op, "offsets", offsets)
+        offsets = torch.cumsum(ks, 0, dtype=torch.int32).to(device)
+    else:
+        offsets = _check_index(op, "offsets", offsets)
+        _reject_sizes_as_offsets(op, offsets, num_rows)
+    if offsets.numel() == 0:
+        raise ValueError(f"{op}: offsets must have at least one group")
+    _check_offsets_content(op, offsets, num_rows)
+    return offsets
+
+
+def _reject_sizes_as_offsets(op: str, offsets: torch.Tensor, num_rows: int) -> None:
+    """DeepGEMM's k-grouped ops take per-group sizes, each a multiple of the K alignment, summing to T.
+    Such a list read as cumulative offsets would silently drop rows: a non-decreasing list of aligned
+    values that sums to T but ends before T is taken for sizes and rejected (CPU index tensors)."""
     if offsets.device.type == "cpu" and offsets.numel() > 1:
         last, total = int(offsets[-1]), int(offsets.sum())
-        if last < num_rows and total == num_rows:
+        aligned = bool((offsets % get_mk_alignment_for_contiguous_layout() == 0).all())
+        if last < num_rows and total == num_rows and aligned:
             raise ValueError(
                 f"{op}: offsets {offsets.tolist()} end at row {last} of {num_rows} but sum to exactly {num_rows}: they "
                 f"look like per-group sizes. offsets are cumulative END rows; pass per-group sizes as ks= (DeepGEMM's "
                 f"convention). For cumulative offsets with a tail, pass ks=offsets_to_counts(offsets).tolist()")
-    return offsets, False
 
 
 def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor | None = None, *, ks=None,
@@ -274,11 +286,7 @@ def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor | None = None
         raise ValueError(f"{op}: x is empty (shape {tuple(x.shape)})")
     if dtype not in FP8_DTYPES:
         raise ValueError(f"{op}: dtype must be one of {FP8_DTYPES}, got {dtype}")
-    offsets, _ = _group_offsets(op, offsets, ks, x.shape[0])
-    if offsets.numel() == 0:
-        raise ValueError(f"{op}: offsets must have at least one group")
-    offsets = offsets.to(x.device)
-    _check_offsets_content(op, offsets, x.shape[0])
+    offsets = _group_offsets(op, offsets, ks, x.shape[0], x.device)
     dev = _check_same_device(op, x=x, offsets=offsets)
     be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
     q, sf = _impl(be).quant_per_group_colwise(x.contiguous(), offsets, dtype, ue8m0, rounding)
@@ -312,11 +320,7 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
     (aq, asf), (bq, bsf) = pairs
     if aq.shape[0] != bq.shape[0]:
         raise ValueError(f"{op}: a and b must have the same rows T, got {aq.shape[0]} and {bq.shape[0]}")
-    offsets, from_ks = _group_offsets(op, offsets, ks, aq.shape[0])
-    if offsets.numel() == 0:
-        raise ValueError(f"{op}: offsets must have at least one group")
-    offsets = offsets.to(aq.device)
-    _check_offsets_content(op, offsets, aq.shape[0])
+    offsets = _group_offsets(op, offsets, ks, aq.shape[0], aq.device)
     bound = max_group_blocks(aq.shape[0], offsets.numel())
     exact = _compact_rows(offsets) if offsets.device.type == "cpu" else None
     for name, q, sf in (("a", aq, asf), ("b", bq, bsf)):

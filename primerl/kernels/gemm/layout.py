@@ -85,7 +85,8 @@ def unpack_ue8m0(packed: torch.Tensor, num_groups_k: int) -> torch.Tensor:
     if packed.shape[-1] != -(-num_groups_k // 4):
         raise ValueError(f"unpack_ue8m0: {num_groups_k} K groups pack into {-(-num_groups_k // 4)} int32 words, "
                          f"got {packed.shape[-1]}")
-    exps = packed.contiguous().view(torch.uint8)[..., :num_groups_k]
+    dense = packed.new_empty(packed.shape).copy_(packed)  # standard strides (a size-1 K dim may have any)
+    exps = dense.view(torch.uint8)[..., :num_groups_k]
     return (exps.to(torch.int32) << 23).view(torch.float32)
 
 

@@ -1,0 +1,327 @@
+"""DeepGEMM's arguments and layouts on primerl's FP8 GEMMs (torch and Triton backends), the scale
+layout helpers, and the deep_gemm adapter's architecture check (capability query mocked).
+
+Metric: calc_diff (DeepGEMM's) against dequantize-then-fp32-matmul, < 1e-5; bitwise where the same
+backend computes the same thing through two input formats. Outputs from torch.empty are NaN-poisoned
+(conftest), padding rows of inputs are poisoned here.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from primerl.kernels import gemm as G
+from primerl.kernels.fp8 import quant_per_block, quant_per_token_group
+from primerl.kernels.gemm import deep_gemm as DG
+from primerl.kernels.gemm import reference as R
+from primerl.kernels.testing import assert_bitwise_equal, calc_diff
+
+BACKENDS = ["torch", "triton"]
+NAN = float("nan")
+
+
+def _randn(*shape, seed, scale=1.0, dtype=torch.bfloat16):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def _poison_rows(pair, rows_mask):
+    q, sf = pair[0].clone(), pair[1].clone()
+    q.view(torch.uint8)[rows_mask] = 0x7F
+    sf[rows_mask] = NAN
+    return q, sf
+
+
+@pytest.fixture
+def alignment():
+    """Restores the global contiguous-layout alignment after a test changes it."""
+    before = G.get_mk_alignment_for_contiguous_layout()
+    yield
+    G.set_mk_alignment_for_contiguous_layout(before)
+
+
+# ------------------------------------------------------------------------------ d, c, recipes, packed scales
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_gemm_nt_output_d_and_accumulator_c(backend):
+    x, w = _randn(70, 256, seed=0), _randn(200, 256, seed=1, scale=0.05)
+    a, b = quant_per_token_group(x, 128), quant_per_block(w)
+    deq = R.fp8_gemm_nt(a, b, torch.float32)
+    d = torch.full((70, 200), NAN, dtype=torch.bfloat16)
+    assert G.fp8_gemm_nt(a, b, d, backend=backend) is d and calc_diff(d, deq) < 1e-5
+    c = _randn(70, 200, seed=2, scale=4.0, dtype=torch.float32)
+    d32 = c.clone()  # DeepGEMM's accumulate-in-place: c aliases d
+    out = G.fp8_gemm_nt(a, b, d32, d32, backend=backend)
+    assert out is d32 and out.dtype == torch.float32 and calc_diff(out, deq + c) < 1e-6
+    assert G.fp8_gemm_nt(a, b, c=c, out_dtype=torch.float32, backend=backend).dtype == torch.float32
+    with pytest.raises(ValueError, match="accumulating into c needs a float32 output"):
+        G.fp8_gemm_nt(a, b, c=c, backend=backend)
+    with pytest.raises(ValueError, match=r"d must be a \(70, 200\) tensor"):
+        G.fp8_gemm_nt(a, b, torch.empty(70, 199, dtype=torch.bfloat16), backend=backend)
+    with pytest.raises(ValueError, match="out_dtype=torch.float16 disagrees with d.dtype=torch.bfloat16"):
+        G.fp8_gemm_nt(a, b, d, out_dtype=torch.float16, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recipe_1_1_128_per_row_b_scales(backend):
+    """SM100's 1D1D recipe: B quantized per row (1 x 128) instead of per 128x128 block."""
+    x, w = _randn(37, 256, seed=3), _randn(160, 256, seed=4, scale=0.05)
+    a, b = quant_per_token_group(x, 128), quant_per_token_group(w, 128)
+    want = R.dequant_token_group(*a) @ R.dequant_token_group(*b).t()
+    for recipe in [(1, 1, 128), None]:  # None: inferred from the scale shape
+        out = G.fp8_gemm_nt(a, b, recipe=recipe, out_dtype=torch.float32, backend=backend)
+        assert calc_diff(out, want) < 1e-6
+    assert calc_diff(out, x.double() @ w.double().t()) < 1e-3
+    wg = _randn(2, 160, 256, seed=5, scale=0.05)
+    bg = quant_per_token_group(wg, 128)
+    offs = G.counts_to_offsets(torch.tensor([20, 17], dtype=torch.int32))
+    xp, m_idx, _ = G.pad_to_contiguous(x, offs)
+    out = G.m_grouped_fp8_gemm_nt_contiguous(quant_per_token_group(xp, 128), bg, m_idx, recipe=(1, 1, 128),
+                                            backend=backend)
+    ref = R.m_grouped_fp8_gemm_nt_contiguous(quant_per_token_group(xp, 128), bg, m_idx, torch.float32, sb_gran=1)
+    assert calc_diff(out, ref) < 1e-5
+    with pytest.raises(ValueError, match=r"recipe must be one of"):
+        G.fp8_gemm_nt(a, b, recipe=(128, 128, 128), backend=backend)
+    with pytest.raises(ValueError, match=r"b scales must be \(2, 2\) \(128x128 block"):
+        G.fp8_gemm_nt(a, b, recipe=(1, 128, 128), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_ue8m0_scales_as_input(backend):
+    """UE8M0 scales packed four to an int32 (SM100's format, MN-major TMA-aligned) give bitwise the
+    result of the same scales in float32."""
+    x, w = _randn(45, 640, seed=6), _randn(130, 640, seed=7, scale=0.05)
+    a, b = quant_per_token_group(x, 128, ue8m0=True), quant_per_token_group(w, 128, ue8m0=True)
+    packed_a = (a[0], G.get_mn_major_tma_aligned_packed_ue8m0_tensor(a[1]))
+    packed_b = (b[0], G.pack_ue8m0(b[1]))  # K-major packing is accepted too
+    assert packed_a[1].dtype == torch.int32 and packed_a[1].shape == (45, 2)
+    want = G.fp8_gemm_nt(a, b, out_dtype=torch.float32, backend=backend)
+    got = G.fp8_gemm_nt(packed_a, packed_b, out_dtype=torch.float32, backend=backend)
+    assert_bitwise_equal(got, want, "packed vs float32 UE8M0 scales")
+    with pytest.raises(ValueError, match=r"a packed UE8M0 scales must be \(45, 2\) int32"):
+        G.fp8_gemm_nt((a[0], packed_a[1][:, :1]), packed_b, backend=backend)
+
+
+def test_packed_ue8m0_layout_bits():
+    """The packing is DeepGEMM's (biased exponents, little-endian, 4 per int32) and the layout
+    MN-major TMA-aligned; non-powers of two are refused."""
+    sf = torch.tensor([[2.0 ** -3, 1.0, 2.0 ** 5, 2.0 ** -126, 2.0 ** 127], [0.5, 2.0, 4.0, 8.0, 16.0],
+                       [1.0] * 5], dtype=torch.float32)
+    packed = G.get_mn_major_tma_aligned_packed_ue8m0_tensor(sf)
+    assert packed.shape == (3, 2) and packed.stride() == (1, 4)  # 3 rows padded to 4 (16 bytes of int32)
+    words = packed.contiguous().view(torch.uint8).view(3, 8)
+    assert words[0].tolist() == [124, 127, 132, 1, 254, 0, 0, 0]
+    deepgemm_formula = (torch.cat([sf, torch.ones(3, 3)], 1).view(torch.int32) >> 23).to(torch.uint8).view(torch.int32)
+    assert torch.equal(packed[:, :1].contiguous(), deepgemm_formula[:, :1])
+    assert_bitwise_equal(G.unpack_ue8m0(packed, 5), sf, "round trip")
+    g3 = torch.stack([sf, sf * 2])
+    p3 = G.get_mn_major_tma_aligned_packed_ue8m0_tensor(g3)
+    assert p3.stride() == (8, 1, 4) and torch.equal(G.unpack_ue8m0(p3, 5), g3)
+    with pytest.raises(ValueError, match="not positive powers of two"):
+        G.pack_ue8m0(torch.tensor([[1.5, 2.0]]))
+
+
+def test_mn_major_tma_aligned_float_layout():
+    sf = torch.rand(2, 5, 3, generator=torch.Generator().manual_seed(0))
+    out = G.get_mn_major_tma_aligned_tensor(sf)
+    assert torch.equal(out, sf) and out.stride() == (24, 1, 8)
+    assert G.get_tma_aligned_size(5, 4) == 8 and G.get_tma_aligned_size(5, 1) == 16
+    assert DG.to_mn_major_tma_aligned is G.get_mn_major_tma_aligned_tensor  # the earlier name
+
+
+@pytest.mark.parametrize("arch", [9, 10])
+def test_transform_sf_into_required_layout(arch):
+    x, w = _randn(6, 384, seed=8), _randn(2, 200, 384, seed=9)
+    asf = quant_per_token_group(x, 128, ue8m0=True)[1]
+    bsf = quant_per_block(w, ue8m0=True)[1]
+    ta = G.transform_sf_into_required_layout(asf, 6, 384, (1, 128, 128), is_sfa=True, arch_major=arch)
+    tb = G.transform_sf_into_required_layout(bsf, 200, 384, (1, 128, 128), num_groups=2, arch_major=arch)
+    if arch == 9:
+        assert ta.dtype == torch.float32 and torch.equal(ta, asf) and ta.stride() == (1, 8)
+        assert torch.equal(tb, bsf)  # 128x128 block scales stay as they are on SM90
+    else:
+        assert ta.dtype == torch.int32 and torch.equal(G.unpack_ue8m0(ta, 3), asf)
+        rows = torch.arange(200) // 128  # block scales broadcast to rows, then packed
+        assert tb.shape == (2, 200, 1) and torch.equal(G.unpack_ue8m0(tb, 3), bsf[:, rows])
+        with pytest.raises(ValueError, match="not positive powers of two"):
+            G.transform_sf_into_required_layout(quant_per_token_group(x, 128)[1], 6, 384, (1, 128, 128), is_sfa=True,
+                                                arch_major=arch)
+        # disable_ue8m0_cast keeps float32 (DeepGEMM's flag)
+        assert G.transform_sf_into_required_layout(asf, 6, 384, (1, 128, 128), is_sfa=True, disable_ue8m0_cast=True,
+                                                   arch_major=arch).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"sf must have shape \(6, 3\)"):
+        G.transform_sf_into_required_layout(asf[:, :2], 6, 384, (1, 128, 128), is_sfa=True, arch_major=arch)
+
+
+# ------------------------------------------------------------------------------ alignment, psum
+
+
+def test_alignment_getter_setter_and_theoretical(alignment):
+    assert G.get_mk_alignment_for_contiguous_layout() == 128 == G.get_m_alignment()
+    assert G.get_theoretical_mk_alignment_for_contiguous_layout(arch_major=9) == 128
+    assert G.get_theoretical_mk_alignment_for_contiguous_layout(arch_major=10) == 224
+    got = {m: G.get_theoretical_mk_alignment_for_contiguous_layout(m, arch_major=10) for m in [0, 1, 32, 33, 64, 150, 193, 4096]}
+    assert got == {0: 32, 1: 32, 32: 32, 33: 64, 64: 64, 150: 160, 193: 224, 4096: 224}
+    G.set_mk_alignment_for_contiguous_layout(64)
+    assert G.get_mk_alignment_for_contiguous_layout() == 64
+    assert G.align_counts(torch.tensor([1, 64, 65, 0], dtype=torch.int32)).tolist() == [64, 64, 128, 0]
+    for bad in (0, -32, 1.5, True):
+        with pytest.raises(ValueError, match="alignment must be a positive int"):
+            G.set_mk_alignment_for_contiguous_layout(bad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("align", [224, 32])
+def test_contiguous_layout_at_any_alignment(backend, align, alignment):
+    """pad_to_contiguous(alignment=224) (and the SM100 minimum 32, where a 128-row tile holds
+    several groups) builds a layout primerl's contiguous GEMM takes."""
+    counts = [37, 0, 130, 5, 1]
+    offs = G.counts_to_offsets(torch.tensor(counts, dtype=torch.int32))
+    x = _randn(sum(counts), 256, seed=10)
+    w = _randn(len(counts), 96, 256, seed=11, scale=0.05)
+    xp, m_idx, _ = G.pad_to_contiguous(x, offs, alignment=align)
+    assert xp.shape[0] == sum(-(-c // align) * align for c in counts)
+    a = _poison_rows(quant_per_token_group(xp, 128), m_idx < 0)
+    b = quant_per_block(w)
+    out = G.m_grouped_fp8_gemm_nt_contiguous(a, b, m_idx, backend=backend)
+    assert bool((out[m_idx < 0] == 0).all()) and not out.isnan().any()
+    ref = R.grouped_gemm_nt_m_indices(R.dequant_token_group(*a).nan_to_num(0), R.dequant_block(*b), m_idx, torch.float32)
+    assert calc_diff(out, ref) < 1e-5
+    # the setter makes it every helper's default
+    G.set_mk_alignment_for_contiguous_layout(align)
+    assert torch.equal(G.pad_to_contiguous(x, offs)[1], m_idx)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_psum_layout(backend, alignment):
+    """DeepGEMM's psum layout (psum[g] = align(psum[g-1]) + m_g) gives the m_indices result bitwise;
+    gap rows are written as zero and never read."""
+    G.set_mk_alignment_for_contiguous_layout(64)
+    counts = [37, 0, 70, 1]
+    psum = G.counts_to_psum(torch.tensor(counts, dtype=torch.int32))
+    want, prev = [], 0
+    for m in counts:  # DeepGEMM's generator formula
+        prev = (-(-prev // 64) * 64 if prev else 0) + m
+        want.append(prev)
+    assert psum.tolist() == want
+    offs = G.counts_to_offsets(torch.tensor(counts, dtype=torch.int32))
+    xp, m_idx, _ = G.pad_to_contiguous(_randn(sum(counts), 256, seed=12), offs)
+    assert torch.equal(G.psum_to_m_indices(psum, xp.shape[0]), m_idx)
+    a = _poison_rows(quant_per_token_group(xp, 128), m_idx < 0)
+    b = quant_per_block(_randn(len(counts), 128, 256, seed=13, scale=0.05))
+    out = G.m_grouped_fp8_gemm_nt_contiguous(a, b, psum, use_psum_layout=True, backend=backend)
+    assert_bitwise_equal(out, G.m_grouped_fp8_gemm_nt_contiguous(a, b, m_idx, backend=backend), "psum vs m_indices")
+    assert bool((out[m_idx < 0] == 0).all())
+    with pytest.raises(ValueError, match="is not a psum layout for alignment 64"):
+        G.m_grouped_fp8_gemm_nt_contiguous(a, b, torch.tensor([37, 40, 110, 111], dtype=torch.int32),
+                                           use_psum_layout=True, backend=backend)
+
+
+# ------------------------------------------------------------------------------ masked, k-grouped
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_rows_past_masked_m_are_left_untouched(backend):
+    """One behaviour on every backend (DeepGEMM's): rows past masked_m of d are not written."""
+    groups, max_m, n, k = 3, 40, 128, 256
+    masked_m = torch.tensor([0, 1, 37], dtype=torch.int32)
+    past = torch.arange(max_m)[None, :] >= masked_m[:, None]
+    a = _poison_rows(quant_per_token_group(_randn(groups, max_m, k, seed=14), 128), past)
+    b = quant_per_block(_randn(groups, n, k, seed=15, scale=0.05))
+    d = torch.full((groups, max_m, n), NAN, dtype=torch.bfloat16)
+    d[1, 5:9] = 7.0  # any content stays
+    before = d.clone()
+    out = G.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, 16, d, backend=backend)
+    assert out is d
+    assert_bitwise_equal(d[past], before[past], "rows past masked_m")
+    ref = R.dequant_token_group(*a).nan_to_num(0) @ R.dequant_block(*b).transpose(1, 2)
+    assert not d[~past].isnan().any() and calc_diff(d[~past], ref[~past]) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_k_grouped_ks_compact_scales_and_c(backend):
+    ks = [128, 0, 256, 128]  # DeepGEMM's per-group sizes (aligned), summing to T
+    t, n, k = sum(ks), 96, 128
+    dy, x = _randn(t, n, seed=16), _randn(t, k, seed=17)
+    offs = G.counts_to_offsets(torch.tensor(ks, dtype=torch.int32))
+    a, b = G.quant_per_group_colwise(dy, offs, backend=backend), G.quant_per_group_colwise(x, offs, backend=backend)
+    want = G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, backend=backend)
+    ac = G.quant_per_group_colwise(dy, ks=ks, compact=True, backend=backend)
+    bc = G.quant_per_group_colwise(x, ks=ks, compact=True, backend=backend)
+    assert ac[1].shape == (4, n) and torch.equal(ac[1], a[1][:4]) and torch.equal(ac[0].view(torch.uint8), a[0].view(torch.uint8))
+    assert_bitwise_equal(G.k_grouped_fp8_gemm_tn_contiguous(ac, bc, ks=ks, backend=backend), want, "ks + compact rows")
+    ref = torch.stack([dy[s - c:s].double().t() @ x[s - c:s].double() for s, c in zip(offs.tolist(), ks)])
+    assert calc_diff(want, ref) < 1e-3
+    c = _randn(4, n, k, seed=18, scale=10.0, dtype=torch.float32)
+    d = c.clone()
+    out = G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, d, d, backend=backend)
+    assert out is d and calc_diff(out, want + c) < 1e-7
+    with pytest.raises(ValueError, match="look like per-group sizes"):
+        G.k_grouped_fp8_gemm_tn_contiguous(a, b, torch.tensor(ks, dtype=torch.int32), backend=backend)
+    with pytest.raises(ValueError, match="look like per-group sizes"):
+        G.quant_per_group_colwise(x, torch.tensor([128, 128, 256], dtype=torch.int32), backend=backend)
+    with pytest.raises(ValueError, match="pass exactly one of offsets"):
+        G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, ks=ks, backend=backend)
+    with pytest.raises(ValueError, match=r"a scales must be \(8, 96\) .* or \(4, 96\)"):
+        G.k_grouped_fp8_gemm_tn_contiguous((a[0], a[1][:5]), b, offs, backend=backend)
+
+
+# ------------------------------------------------------------------------------ deep_gemm adapter
+
+
+def _ue8m0_operands():
+    x, w = _randn(8, 256, seed=19), _randn(128, 256, seed=20)
+    return quant_per_token_group(x, 128, ue8m0=True), quant_per_block(w, ue8m0=True)
+
+
+@pytest.mark.parametrize("capability,match", [((8, 0), r"runs on SM90 \(Hopper\) and SM100 \(Blackwell\); cpu is SM80"),
+                                              ((12, 0), "is SM120")])
+def test_deep_gemm_rejects_other_architectures(monkeypatch, capability, match):
+    monkeypatch.setattr(DG, "device_capability", lambda device: capability)
+    a, b = _ue8m0_operands()
+    with pytest.raises(ValueError, match=match):
+        DG.fp8_gemm_nt(a, b, torch.empty(8, 128, dtype=torch.bfloat16), None, (1, 128, 128))
+
+
+def test_deep_gemm_on_sm100_needs_ue8m0_scales(monkeypatch):
+    """float32 scales that are not powers of two would be truncated / trap on SM100: a clear error
+    before DeepGEMM is touched; UE8M0 scales pass the check (and then need the real DeepGEMM)."""
+    monkeypatch.setattr(DG, "device_capability", lambda device: (10, 0))
+    x, w = _randn(8, 256, seed=19), _randn(128, 256, seed=20)
+    a, b = quant_per_token_group(x, 128), quant_per_block(w)
+    d = torch.empty(8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"SM100 .* UE8M0 scales \(powers of two\) only, but a scales holds 16 float32"):
+        DG.fp8_gemm_nt(a, b, d, None, (1, 128, 128))
+    with pytest.raises(ValueError, match="ue8m0=True"):
+        DG.m_grouped_fp8_gemm_nt_masked((a[0][None], a[1][None]), (b[0][None], b[1][None]),
+                                        torch.tensor([8], dtype=torch.int32), 8, d[None], (1, 128, 128))
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # not installed: the call gets past the check
+    with pytest.raises(ImportError):
+        DG.fp8_gemm_nt(*_ue8m0_operands(), d, None, (1, 128, 128))
+
+
+def test_deep_gemm_sm90_recipe_and_argument_marshalling(monkeypatch):
+    """With a recording stand-in for the deep_gemm module (this checks primerl's marshalling only,
+    not DeepGEMM): SM90 gets MN-major TMA-aligned float32 A scales, SM100 packed int32, and d / c /
+    recipe are passed through; recipe (1, 1, 128) is refused on SM90."""
+    calls = []
+    fake = types.SimpleNamespace(fp8_gemm_nt=lambda a, b, d, **kw: calls.append((a, b, d, kw)))
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake)
+    a, b = _ue8m0_operands()
+    d = torch.zeros(8, 128, dtype=torch.float32)
+    for arch in (9, 10):
+        monkeypatch.setattr(DG, "device_capability", lambda device, arch=arch: (arch, 0))
+        DG.fp8_gemm_nt(a, b, d, d, (1, 128, 128))
+        (qa, sfa), (qb, sfb), dd, kw = calls[-1]
+        assert dd is d and kw["c"] is d and kw["recipe"] == (1, 128, 128)
+        if arch == 9:
+            assert sfa.dtype == torch.float32 and sfa.stride() == (1, 8) and torch.equal(sfa, a[1])
+        else:
+            assert sfa.dtype == torch.int32 and torch.equal(G.unpack_ue8m0(sfa, 2), a[1]) and sfb.dtype == torch.int32
+    monkeypatch.setattr(DG, "device_capability", lambda device: (9, 0))
+    with pytest.raises(ValueError, match=r"recipe \(1, 1, 128\) \(per-row B scales\) needs SM100"):
+        DG.fp8_gemm_nt(a, (b[0], quant_per_token_group(b[0].float(), 128)[1]), d, None, (1, 1, 128))
