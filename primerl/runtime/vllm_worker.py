@@ -19,8 +19,9 @@ Loading goes through vLLM's in-place reload (``vllm.model_executor.model_loader.
 the first load vLLM post-processes layers into kernel formats (on CPU the linear weights are
 repacked and ``layer.weight`` is left empty, without a ``weight_loader``), so the layers are first
 restored to their checkpoint format, loaded, then post-processed again into the same storage.
-Every parameter of the model must be written by the update, else it raises (and the version
-becomes ``-1``).
+An update must carry every tensor of the checkpoint the server started from (else it is refused
+before anything is loaded) and must write every parameter of the model (else it raises and the
+version becomes ``-1``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 class WeightUpdateExtension:
     _primerl_version: int | None = None
+    _primerl_checkpoint_names: set | None = None  # tensor names of the checkpoint the server started from
 
     def weights_version(self) -> int | None:
         return self._primerl_version
@@ -58,14 +60,44 @@ class WeightUpdateExtension:
         return self._primerl_load(version, weights)
 
     def _primerl_load(self, version: int | None, weights: list) -> int | None:
-        self._primerl_version = -1  # until every parameter is written: a failure leaves mixed weights
         runner = self.model_runner
+        vllm_config = getattr(runner, "vllm_config", None)
+        if vllm_config is not None:  # (None: a test double without vLLM)
+            if self._primerl_checkpoint_names is None:
+                self._primerl_checkpoint_names = checkpoint_tensor_names(vllm_config.model_config)
+            missing = sorted(self._primerl_checkpoint_names - {name for name, _ in weights})
+            if missing:  # refused before loading anything: the served weights stay as they were
+                raise ValueError(f"weight update (version {version}) lacks {len(missing)} tensors of the served "
+                                 f"checkpoint (e.g. {missing[:5]}); nothing was loaded")
+        self._primerl_version = -1  # until every parameter is written: a failure leaves mixed weights
         missing = load_in_place(runner.model, getattr(runner, "vllm_config", None), weights)
         if missing:
             raise RuntimeError(f"weight update left {len(missing)} parameters unwritten (e.g. {missing[:5]}); "
                                "the update is incomplete")
         self._primerl_version = version
         return version
+
+
+def checkpoint_tensor_names(model_config) -> set[str]:
+    """Tensor names in the safetensors files of the checkpoint vLLM serves (a local directory, or the
+    Hugging Face cache entry it was loaded from), FP8 ``*_scale_inv`` scales left out. A fused MoE
+    parameter is written by many checkpoint tensors, so a missing one cannot be seen from the
+    parameters written: updates are checked against these names instead."""
+    from safetensors import safe_open
+
+    d = Path(model_config.model)
+    if not d.is_dir():
+        from huggingface_hub import snapshot_download
+
+        d = Path(snapshot_download(model_config.model, revision=model_config.revision, local_files_only=True,
+                                   allow_patterns=["*.safetensors"]))
+    names: set[str] = set()
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            names.update(sf.keys())
+    if not names:
+        raise FileNotFoundError(f"no safetensors files in {d}: cannot check weight updates for completeness")
+    return {n for n in names if not n.endswith("_scale_inv")}
 
 
 def load_in_place(model, vllm_config, weights: list) -> list[str]:
