@@ -64,7 +64,9 @@ def _groups(spec, T: int):
 
 # A masked run goes to the kernel in blocks of query rows whose additive mask has at most this
 # many elements: one [Lq, Lk] mask of a ring step over a 32k-token shard would be 4 GB in float32.
-MASK_ELEMENTS = 1 << 22
+# With its boolean temporaries a block's mask costs ~7 bytes an element: 1M keeps it ~7 MB, small
+# next to a long shard's activations (measured: 4M added ~28 MB per rank at 8192 tokens a rank).
+MASK_ELEMENTS = 1 << 20
 
 
 def _row_blocks(lq: int, lk: int, masked: bool):
