@@ -20,10 +20,12 @@ sits (DTensor's nested sharding splits dim 0 over ep, then each part over efsdp 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -172,6 +174,14 @@ def _rng_state() -> dict:
     return state
 
 
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every call without a process group that it assumes one process: we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def wait_pending_save() -> None:
     """Block until an in-flight async save has been written and renamed into place (re-raises its error)."""
     while _pending:
@@ -234,7 +244,8 @@ def save_dcp_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer
     kwargs = dict(checkpoint_id=str(tmp), process_group=process_group, no_dist=not distributed)
     if not async_save:
         try:
-            dcp.save(state, **kwargs)
+            with _quiet_single_process():
+                dcp.save(state, **kwargs)
             finish()
         except BaseException:
             if rank == 0:
@@ -243,7 +254,8 @@ def save_dcp_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer
         if distributed:
             dist.barrier(group=process_group)  # nobody looks for the directory before it is renamed
         return final
-    fut = dcp.async_save(state, **kwargs)
+    with _quiet_single_process():
+        fut = dcp.async_save(state, **kwargs)
     done: Future = Future()
 
     def on_written(f: Future) -> None:
@@ -274,7 +286,8 @@ def load_dcp_checkpoint(path: str | Path, model: nn.Module, optimizer, *, proces
         raise FileNotFoundError(f"{path} is not a complete DCP checkpoint (no meta.json with format {FORMAT!r})")
     meta = json.loads((path / "meta.json").read_text())
     state, swaps = _dcp_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path), process_group=process_group, no_dist=not _distributed())
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), process_group=process_group, no_dist=not _distributed())
     _restore_local(swaps)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     train_state = torch.load(path / TRAIN_STATE, weights_only=False)
