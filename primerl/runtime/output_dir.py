@@ -58,7 +58,8 @@ class OutputDirLock:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
+                raise OutputDirError(f"cannot lock output_dir {self.dir} ({self.path}: {e}); its filesystem may not "
+                                     "support flock") from e
             raise OutputDirBusy(f"output_dir {self.dir} is in use by another primerl job (holder: pid {holder}; "
                                 f"lock file {self.path}). Wait for it to finish, stop it, or choose another "
                                 "--output_dir.") from None

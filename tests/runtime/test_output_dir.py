@@ -167,3 +167,17 @@ def test_launcher_reports_the_cause_not_the_peer_that_died_of_it(tmp_path):
     assert first_failure(procs, tmp_path).startswith("the orchestrator exited with code 1")
     assert first_failure({"trainer": _Exited(1), "orchestrator": _Exited(None)}, tmp_path).startswith("the trainer")
     assert first_failure({"trainer": _Exited(None), "orchestrator": _Exited(0)}, tmp_path) is None
+
+
+def test_a_filesystem_without_flock_is_a_clear_error(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from primerl.runtime.output_dir import OutputDirError
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(OutputDirError, match=f"cannot lock output_dir {tmp_path} .*may not support flock"):
+        claim_output_dir(_cfg(tmp_path))
