@@ -11,6 +11,12 @@ older than ``max_off_policy_steps`` (n - version) is discarded, counted and resa
 
 Seeds and prompts derive from (seed, step, group, member, attempt, turn) only, so a resumed run
 replays the same episodes as an uninterrupted one.
+
+Environment calls (``respond``, ``reward``) run concurrently between engine steps, each with the
+deadline ``env.timeout_s`` (``env_calls.EnvCalls``): a hanging grader fails only its own group,
+with an error naming the environment and the call. Rewards are checked as they arrive: a value
+that is not a finite real number is rejected (the group is resampled), one beyond
+``env.max_abs_reward`` is clipped; both are counted (``rewards/rejected``, ``rewards/clipped``).
 """
 
 from __future__ import annotations
