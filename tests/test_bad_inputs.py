@@ -26,6 +26,13 @@ def test_float_sizes_are_type_errors_naming_the_argument(call, message):
         call()
 
 
+@pytest.mark.parametrize("rewards", [["0.5", "1", "0", "1"], [0.5, None, 1.0, 0.0]])
+def test_rewards_that_are_not_numbers(rewards):
+    # where rewards enter the job, primerl.runtime.env_calls.check_reward rejects them (tested there)
+    with pytest.raises(TypeError, match="grpo: rewards must be real numbers"):
+        grpo(rewards, 2)
+
+
 def test_integer_sizes_of_other_int_types_still_work():
     import numpy as np
 

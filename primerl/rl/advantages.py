@@ -55,7 +55,11 @@ def linear_length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: fl
 
 
 def _groups(op: str, rewards, group_size: int, lengths, length_coef: float, max_length, min_group: int = 1):
-    rewards = torch.as_tensor(rewards)
+    try:
+        rewards = torch.as_tensor(rewards)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{op}: rewards must be real numbers (a 1-D tensor or a sequence of floats), got "
+                        f"{type(rewards).__name__} {str(rewards)[:80]}") from None
     if rewards.dim() != 1 or rewards.dtype == torch.bool:
         raise ValueError(f"{op}: rewards must be a 1-D numeric tensor [N], got {rewards.dtype} {tuple(rewards.shape)}")
     check_int(op, "group_size", group_size)
