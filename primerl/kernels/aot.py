@@ -149,10 +149,10 @@ def capture_launches(target: Target):
     SM count is the target card's."""
     from triton.runtime.jit import JITFunction
 
-    from ._backend import triton_interpreter_enabled
+    from . import _backend
     from .gemm import triton as gemm_triton
 
-    if triton_interpreter_enabled():
+    if _backend.triton_interpreter_enabled():
         raise RuntimeError("aot.capture_launches: TRITON_INTERPRET=1 replaces every @triton.jit kernel; "
                            "run in a process without it (compile_reports does)")
     launches: list[tuple] = []
@@ -160,13 +160,15 @@ def capture_launches(target: Target):
     def record(self, *args, grid, warmup, **kwargs):
         launches.append((self, args, kwargs))
 
-    saved_run, saved_sms = JITFunction.run, gemm_triton._num_sms
+    saved = JITFunction.run, gemm_triton._num_sms, _backend._triton_status
     JITFunction.run, gemm_triton._num_sms = record, lambda: target.num_sms
+    # public ops resolve backend="triton" against a (here absent) CUDA device
+    _backend._triton_status = lambda: _backend.BackendStatus(True, f"AOT capture for {target.arch}")
     try:
         with _MetaAsCuda():
             yield launches
     finally:
-        JITFunction.run, gemm_triton._num_sms = saved_run, saved_sms
+        JITFunction.run, gemm_triton._num_sms, _backend._triton_status = saved
 
 
 def launches_of(cases: list[Case], target: Target) -> list[Launch]:

@@ -1,7 +1,8 @@
 """Representative calls of every Triton launcher, for :mod:`.aot` (compiled ahead of time for the
 GPU at the configuration the launcher picks). Each case makes its inputs with ``device="cuda"``
-(storage-less stand-ins under :func:`.aot.capture_launches`) and calls the launcher in ``<family>/triton.py``
-directly, past the public entry's device checks.
+(storage-less stand-ins under :func:`.aot.capture_launches`) and calls the public op with
+``backend="triton"`` (quantization, GEMMs) or the launcher in ``<family>/triton.py`` (MoE,
+attention, log-probs internals).
 
 Shapes: DeepGEMM's benchmark GEMMs (M in {128, 4096}, N x K in {2112 x 7168, 7168 x 2048,
 4096 x 7168}; grouped: 4-8 groups at N x K = 4096 x 7168), FP8 quantization at K = 7168, MoE with
@@ -50,24 +51,26 @@ def _offsets(groups, rows_per_group):
 
 
 # ------------------------------------------------------------------------------ FP8 quantization
+# Quantization and GEMMs go through the public ops with backend="triton" (DeepGEMM's names and
+# arguments: the stable interface); content checks that would read values run only on CPU tensors.
+
+T = "triton"
 
 
 def _quant_cases():
-    from .fp8 import triton as q
-    from .gemm import triton as gt
-
-    def colwise():
-        x = _cuda(4 * 2048, 7168)
-        gt.quant_per_group_colwise(x, _offsets(4, 2048), E4M3, False)
+    from . import fp8
+    from . import gemm
 
     return [
-        Case("fp8 per-token-group 4096x7168 g128", lambda: q.quant_per_token_group(_cuda(4096, 7168), 128, E4M3, False), None, ci=True),
-        Case("fp8 per-token-group 4096x7168 g128 ue8m0", lambda: q.quant_per_token_group(_cuda(4096, 7168), 128, E4M3, True), None),
-        Case("fp8 rowwise 4096x7168", lambda: q.quant_rowwise(_cuda(4096, 7168), E4M3), None),
-        Case("fp8 per-block 2112x7168 128x128", lambda: q.quant_per_block(_cuda(2112, 7168), (128, 128), E4M3, False), None, ci=True),
-        Case("fp8 per-block 8x4096x7168 ue8m0", lambda: q.quant_per_block(_cuda(8, 4096, 7168), (128, 128), E4M3, True), None),
-        Case("fp8 tensorwise 4096x7168", lambda: q.quant_tensorwise(_cuda(4096, 7168), E4M3), None, ci=True),
-        Case("fp8 per-group colwise T=4x2048 C=7168", colwise, None, ci=True),
+        Case("fp8 per-token-group 4096x7168 g128", lambda: fp8.quant_per_token_group(_cuda(4096, 7168), 128, backend=T), None, ci=True),
+        Case("fp8 per-token-group 4096x7168 g128 ue8m0",
+             lambda: fp8.quant_per_token_group(_cuda(4096, 7168), 128, ue8m0=True, backend=T), None),
+        Case("fp8 rowwise 4096x7168", lambda: fp8.quant_rowwise(_cuda(4096, 7168), backend=T), None),
+        Case("fp8 per-block 2112x7168 128x128", lambda: fp8.quant_per_block(_cuda(2112, 7168), backend=T), None, ci=True),
+        Case("fp8 per-block 8x4096x7168 ue8m0", lambda: fp8.quant_per_block(_cuda(8, 4096, 7168), ue8m0=True, backend=T), None),
+        Case("fp8 tensorwise 4096x7168", lambda: fp8.quant_tensorwise(_cuda(4096, 7168), backend=T), None, ci=True),
+        Case("fp8 per-group colwise T=4x2048 C=7168",
+             lambda: gemm.quant_per_group_colwise(_cuda(4 * 2048, 7168), _offsets(4, 2048), backend=T), None, ci=True),
     ]
 
 
@@ -75,53 +78,78 @@ def _quant_cases():
 
 
 def _bf16_dense_fwd_bwd(m, n, k):
-    from .gemm import triton as gt
+    from . import gemm
 
     a, b = _cuda(m, k, requires_grad=True), _cuda(n, k, requires_grad=True)
-    gt.gemm_nt_autograd(a, b, BF16).backward(_cuda(m, n))
+    gemm.gemm_nt(a, b, backend=T).backward(_cuda(m, n))
 
 
 def _bf16_grouped_fwd_bwd(groups, rows, n, k):
-    from .gemm import triton as gt
+    from . import gemm
 
     a, b = _cuda(groups * rows, k, requires_grad=True), _cuda(groups, n, k, requires_grad=True)
-    gt.grouped_gemm_nt_autograd(a, b, _offsets(groups, rows), "offsets", BF16).backward(_cuda(groups * rows, n))
+    gemm.grouped_gemm_nt(a, b, _offsets(groups, rows), layout="offsets", backend=T).backward(_cuda(groups * rows, n))
+
+
+def _fp8_dense(m, n, k):
+    from . import gemm
+
+    gemm.fp8_gemm_nt(_act(m, k), tuple(t[0] for t in _weight(1, n, k)), out_dtype=BF16, backend=T)
+
+
+def _fp8_contiguous(groups, m, n, k):
+    from . import gemm
+
+    gemm.m_grouped_fp8_gemm_nt_contiguous(_act(m, k), _weight(groups, n, k), _cuda(m, dtype=I32), out_dtype=BF16, backend=T)
+
+
+def _fp8_offsets(groups, rows, n, k):
+    from . import gemm
+
+    gemm.m_grouped_fp8_gemm_nt_offsets(_act(groups * rows, k), _weight(groups, n, k), _offsets(groups, rows),
+                                       out_dtype=BF16, backend=T)
+
+
+def _fp8_masked(groups, max_m, expected_m, n, k):
+    from . import gemm
+
+    a = (_cuda(groups, max_m, k, dtype=E4M3), _cuda(groups, max_m, k // 128, dtype=F32))
+    gemm.m_grouped_fp8_gemm_nt_masked(a, _weight(groups, n, k), _cuda(groups, dtype=I32), expected_m, out_dtype=BF16, backend=T)
+
+
+def _fp8_k_grouped(groups, t, n, k):
+    from . import gemm
+    from .gemm.offsets import max_group_blocks
+
+    blocks = max_group_blocks(t, groups)
+    gemm.k_grouped_fp8_gemm_tn_contiguous((_cuda(t, n, dtype=E4M3), _cuda(blocks, n, dtype=F32)),
+                                          (_cuda(t, k, dtype=E4M3), _cuda(blocks, k, dtype=F32)),
+                                          _offsets(groups, t // groups), out_dtype=F32, backend=T)
 
 
 def _gemm_cases():
-    from .gemm import triton as gt
-
+    P = functools.partial
     cases = []
     for m in GEMM_M:
         for n, k in GEMM_NK:
             ci = (m, n, k) in CI_GEMMS
-            cases.append(Case(f"fp8 gemm nt M={m} N={n} K={k}", functools.partial(
-                lambda m, n, k: gt.fp8_gemm_nt(_act(m, k), tuple(t[0] for t in _weight(1, n, k)), BF16), m, n, k), "fp8", ci))
-            cases.append(Case(f"bf16 gemm nt fwd+bwd M={m} N={n} K={k}",
-                              functools.partial(_bf16_dense_fwd_bwd, m, n, k), "bf16", ci and m == 4096))
+            cases.append(Case(f"fp8 gemm nt M={m} N={n} K={k}", P(_fp8_dense, m, n, k), "fp8", ci))
+            cases.append(Case(f"bf16 gemm nt fwd+bwd M={m} N={n} K={k}", P(_bf16_dense_fwd_bwd, m, n, k), "bf16", ci and m == 4096))
     n, k = GROUPED_NK
     for groups, rows in [(4, 8192), (8, 4096)]:
         m = groups * rows
-        cases.append(Case(f"fp8 m-grouped contiguous G={groups} M={m} N={n} K={k}", functools.partial(
-            lambda g, m: gt.m_grouped_fp8_gemm_nt_contiguous(_act(m, k), _weight(g, n, k), _cuda(m, dtype=I32), BF16),
-            groups, m), "fp8", groups == 4))
-        cases.append(Case(f"fp8 m-grouped offsets G={groups} M={m} N={n} K={k}", functools.partial(
-            lambda g, m, r: gt.m_grouped_fp8_gemm_nt_offsets(_act(m, k), _weight(g, n, k), _offsets(g, r), BF16),
-            groups, m, rows), "fp8", groups == 8))
+        cases.append(Case(f"fp8 m-grouped contiguous G={groups} M={m} N={n} K={k}", P(_fp8_contiguous, groups, m, n, k),
+                          "fp8", groups == 4))
+        cases.append(Case(f"fp8 m-grouped offsets G={groups} M={m} N={n} K={k}", P(_fp8_offsets, groups, rows, n, k),
+                          "fp8", groups == 8))
     for groups, max_m, expected_m in [(4, 256, 256), (8, 128, 64)]:
-        cases.append(Case(f"fp8 m-grouped masked G={groups} max_m={max_m} expected_m={expected_m} N={n} K={k}", functools.partial(
-            lambda g, mm, em: gt.m_grouped_fp8_gemm_nt_masked(
-                (_cuda(g, mm, k, dtype=E4M3), _cuda(g, mm, k // 128, dtype=F32)), _weight(g, n, k),
-                _cuda(g, dtype=I32), em, BF16), groups, max_m, expected_m), "fp8", expected_m == 64))
+        cases.append(Case(f"fp8 m-grouped masked G={groups} max_m={max_m} expected_m={expected_m} N={n} K={k}",
+                          P(_fp8_masked, groups, max_m, expected_m, n, k), "fp8", expected_m == 64))
     for groups, rows in [(4, 2048), (8, 1024)]:
         t = groups * rows
-        blocks = -(-t // 128) + groups
-        cases.append(Case(f"fp8 k-grouped tn G={groups} T={t} N={n} K={k}", functools.partial(
-            lambda g, t, blocks: gt.k_grouped_fp8_gemm_tn_contiguous(
-                (_cuda(t, n, dtype=E4M3), _cuda(blocks, n, dtype=F32)), (_cuda(t, k, dtype=E4M3), _cuda(blocks, k, dtype=F32)),
-                _cuda(g, dtype=I32), F32), groups, t, blocks), "fp8", groups == 4))
+        cases.append(Case(f"fp8 k-grouped tn G={groups} T={t} N={n} K={k}", P(_fp8_k_grouped, groups, t, n, k), "fp8", groups == 4))
     cases.append(Case(f"bf16 m-grouped offsets fwd+bwd G=8 M={8 * 4096} N={n} K={k}",
-                      functools.partial(_bf16_grouped_fwd_bwd, 8, 4096, n, k), "bf16", True))
+                      P(_bf16_grouped_fwd_bwd, 8, 4096, n, k), "bf16", True))
     return cases
 
 

@@ -24,9 +24,10 @@ CI_CASES = [c for c in all_cases() if c.ci]
 
 # Findings of the first run (2026-12-03), kept visible: strict, so a fix turns them into failures
 # that ask for the entry to be removed. Keyed on (case name prefix, arch).
-_TABLE_SPILLS = ("FP8 M-grouped GEMM in table mode (offsets / masked layouts: the per-tile row-range lookup) "
-                 "runs out of registers at BM=128 / 8 warps: 255 registers and a few spilled values on sm_90a, "
-                 "more on sm_100a; the dense and m_indices modes at the same tiles do not spill")
+_TABLE_SPILLS = ("FP8 M-grouped GEMM in table mode (offsets / masked layouts) spills at the BN=128 tiles pick_tiles "
+                 "chooses: BM=128/8 warps on sm_90a (a few values) and sm_100a (44 local loads/stores), BM=64/4 warps "
+                 "on sm_100a; BN=64 at the same BM/warps/stages compiles spill-free on both (AOT-measured); "
+                 "dense and m_indices modes at BN=128 do not spill")
 KNOWN = {
     ("fp8 m-grouped offsets", "sm_90a"): _TABLE_SPILLS,
     ("fp8 m-grouped offsets", "sm_100a"): _TABLE_SPILLS,
@@ -109,8 +110,8 @@ def test_launch_configuration_is_the_gpu_one(reports):
     for m, n, k in [(128, 2112, 7168), (4096, 7168, 2048)]:
         rep = _only(reports, f"fp8 gemm nt M={m} N={n} K={k}", "sm_90a")
         cfg = pick_tiles(m, n, k, True, 1, interpreter=False, num_sms=aot.TARGETS["sm_90a"].num_sms)
-        want = f"BM={cfg['BM']} BN={cfg['BN']} BK={cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
-        assert want in rep.config.replace(" ENTRIES_P2=1", "").replace("MODE=0 SCALED=True ", ""), (rep.config, want)
+        want = {f"BM={cfg['BM']}", f"BN={cfg['BN']}", f"BK={cfg['BK']}", f"w{cfg['num_warps']}", f"s{cfg['num_stages']}"}
+        assert want <= set(rep.config.split()), (rep.config, want)
 
 
 def test_problems_of_a_clean_and_a_broken_report():
