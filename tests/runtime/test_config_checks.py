@@ -41,8 +41,9 @@ def test_dry_run_refuses(capsys, over, message):
 
 
 def test_dry_run_accepts_every_name_the_losses_module_lists(capsys):
-    for method in losses.METHODS:
-        assert _dry_run(capsys, "--trainer.loss.method", method)[0] == 0, method
+    for method in losses.METHODS:  # with each method's default hyperparameters
+        rc, err = _dry_run(capsys, "--trainer.loss.method", method, "--trainer.loss.hparams", "{}")
+        assert rc == 0, (method, err)
     for agg in losses.AGGREGATIONS:
         assert _dry_run(capsys, "--trainer.loss.aggregation", agg)[0] == 0, agg
     rc, err = _dry_run(capsys, "--trainer.loss.corrections", ",".join(losses.CORRECTIONS))
