@@ -222,7 +222,8 @@ def test_triton_rounding_ties_bitwise():
 @pytest.mark.no_poison
 def test_triton_kernels_compile_for_hopper():
     """Compile every Triton kernel for sm_90 (no GPU needed) and read the PTX: the division must be
-    IEEE (div.rn), never the approximate div.full/div.approx a plain `/` gives, and the fp8 cast
+    IEEE (div.rn, also for the reciprocal), never the approximate div.full/div.approx/rcp.approx a
+    plain `/` gives, and the fp8 cast
     the round-to-nearest-even satfinite conversion."""
     script = textwrap.dedent(
         """
@@ -251,7 +252,8 @@ def test_triton_kernels_compile_for_hopper():
                                                                     RECIPROCAL=False)),
         }
         for name, text in out.items():
-            print(name, "div.rn.f32" in text, "div.full" in text or "div.approx" in text, "cvt.rn.satfinite.e" in text)
+            approx = any(op in text for op in ("div.full", "div.approx", "rcp.approx"))
+            print(name, "div.rn.f32" in text, approx, "cvt.rn.satfinite.e" in text)
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -776,3 +778,26 @@ def test_cuda_source_nan_inf_policy_emulated(cuda_emulation, ue8m0):
         q, sf = _emu_tensorwise(cuda_emulation, part.contiguous(), dtype, "divide")
         assert_same_with_nan(sf, sf_ref, "tensorwise sf")
         assert_same_with_nan(q, q_ref, "tensorwise q")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("op", ["per_token_group", "per_block", "rowwise", "tensorwise"])
+@pytest.mark.parametrize("rounding", ROUNDING)
+def test_gpu_rounding_and_nan_policy(backend, op, rounding):
+    """On the GPU the compiled kernels (IEEE reciprocal / quotient, NaN-propagating maxima) match
+    the CPU reference bitwise on rounding-sensitive inputs, and its NaN / inf policy."""
+    x, call = _sensitive(op, torch.bfloat16, torch.float8_e4m3fn, seed=4)
+    q_cpu, sf_cpu = call(x, "torch", rounding)
+    q, sf = call(x.cuda(), backend, rounding)
+    assert_bitwise_equal(sf.cpu(), sf_cpu, f"{op} sf")
+    assert_bitwise_equal(q.cpu(), q_cpu, f"{op} q")
+    special = _special_groups(torch.float32)
+    calls = {"per_token_group": lambda t, be: fp8.quant_per_token_group(t, 32, ue8m0=True, rounding=rounding, backend=be),
+             "per_block": lambda t, be: fp8.quant_per_block(t, (2, 16), rounding=rounding, backend=be),
+             "rowwise": lambda t, be: fp8.quant_rowwise(t, rounding=rounding, backend=be),
+             "tensorwise": lambda t, be: fp8.quant_tensorwise(t, rounding=rounding, backend=be)}
+    q_ref, sf_ref = calls[op](special, "torch")
+    q, sf = calls[op](special.cuda(), backend)
+    assert_same_with_nan(sf.cpu(), sf_ref, f"{op} NaN/inf sf")
+    assert_same_with_nan(q.cpu(), q_ref, f"{op} NaN/inf q")

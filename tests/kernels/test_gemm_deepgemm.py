@@ -270,6 +270,23 @@ def test_k_grouped_ks_compact_scales_and_c(backend):
         G.k_grouped_fp8_gemm_tn_contiguous((a[0], a[1][:5]), b, offs, backend=backend)
 
 
+def test_colwise_quantizer_is_deepgemm_per_channel_cast():
+    """One group of T rows: quant_per_group_colwise is DeepGEMM's per_channel_cast_to_fp8 formula
+    (128-row column blocks, ``(x * (1.0 / sf)).to(e4m3)``), bitwise, with and without ue8m0."""
+    x = _randn(256, 48, seed=21, dtype=torch.float32) * 3
+    view = x.view(-1, 128, 48)
+    amax = view.abs().float().amax(dim=1).view(-1, 48).clamp(1e-4)
+    for ue8m0 in (False, True):
+        sf = amax / 448.0
+        if ue8m0:
+            bits = sf.view(torch.int32)
+            sf = ((((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).bool().int()).clamp(1, 254) << 23).view(torch.float32)
+        q_want = (view * (1.0 / sf.unsqueeze(1))).to(torch.float8_e4m3fn).view(256, 48)
+        q, s = G.quant_per_group_colwise(x, ks=[256], ue8m0=ue8m0, compact=True, backend="torch")
+        assert_bitwise_equal(s, sf, f"sf ue8m0={ue8m0}")
+        assert_bitwise_equal(q, q_want, f"q ue8m0={ue8m0}")
+
+
 # ------------------------------------------------------------------------------ deep_gemm adapter
 
 
@@ -325,3 +342,33 @@ def test_deep_gemm_sm90_recipe_and_argument_marshalling(monkeypatch):
     monkeypatch.setattr(DG, "device_capability", lambda device: (9, 0))
     with pytest.raises(ValueError, match=r"recipe \(1, 1, 128\) \(per-row B scales\) needs SM100"):
         DG.fp8_gemm_nt(a, (b[0], quant_per_token_group(b[0].float(), 128)[1]), d, None, (1, 1, 128))
+
+
+@pytest.mark.gpu
+def test_gpu_triton_deepgemm_arguments(alignment):
+    """The compiled Triton kernels on the GPU: accumulator c, per-row B scales, a 32-row alignment
+    (several groups per tile), psum, and masked rows left untouched, against the torch backend."""
+    dev = "cuda"
+    x, w = _randn(300, 512, seed=30).to(dev), _randn(384, 512, seed=31, scale=0.05).to(dev)
+    a = quant_per_token_group(x, 128)
+    for b in (quant_per_block(w), quant_per_token_group(w, 128)):
+        c = _randn(300, 384, seed=32, dtype=torch.float32).to(dev)
+        got = G.fp8_gemm_nt(a, b, c=c, out_dtype=torch.float32, backend="triton")
+        assert calc_diff(got, G.fp8_gemm_nt(a, b, c=c, out_dtype=torch.float32, backend="torch")) < 1e-6
+    G.set_mk_alignment_for_contiguous_layout(32)
+    counts = torch.tensor([37, 0, 130, 5, 1, 64], dtype=torch.int32)
+    offs = G.counts_to_offsets(counts).to(dev)
+    xs = _randn(int(counts.sum()), 512, seed=33).to(dev)
+    wg = quant_per_block(_randn(6, 256, 512, seed=34, scale=0.05).to(dev))
+    xp, m_idx, _ = G.pad_to_contiguous(xs, offs)
+    ap = quant_per_token_group(xp, 128)
+    ref = G.m_grouped_fp8_gemm_nt_contiguous(ap, wg, m_idx, backend="torch")
+    assert calc_diff(G.m_grouped_fp8_gemm_nt_contiguous(ap, wg, m_idx, backend="triton"), ref) < 1e-5
+    psum = G.counts_to_psum(counts).to(dev)
+    assert calc_diff(G.m_grouped_fp8_gemm_nt_contiguous(ap, wg, psum, use_psum_layout=True, backend="triton"), ref) < 1e-5
+    masked_m = torch.tensor([0, 3, 40], dtype=torch.int32, device=dev)
+    am = quant_per_token_group(_randn(3, 64, 512, seed=35).to(dev), 128)
+    d = torch.full((3, 64, 256), NAN, dtype=torch.bfloat16, device=dev)
+    G.m_grouped_fp8_gemm_nt_masked(am, (wg[0][:3], wg[1][:3]), masked_m, 16, d, backend="triton")
+    past = torch.arange(64, device=dev)[None, :] >= masked_m[:, None]
+    assert d[past].isnan().all() and not d[~past].isnan().any()

@@ -58,15 +58,26 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, ue8m0: bool) -> torc
     return round_scale_ue8m0(sf) if ue8m0 else sf
 
 
+def cast_operand(sf: torch.Tensor, rounding: str) -> torch.Tensor:
+    """What :func:`cast_with` takes: ``1 / sf`` (IEEE) for ``"reciprocal"``, else sf itself. Take
+    it before expanding sf to the elements: one reciprocal per group, not per element."""
+    return torch.reciprocal(sf) if rounding == "reciprocal" else sf
+
+
+def cast_with(x: torch.Tensor, operand: torch.Tensor, dtype: torch.dtype, rounding: str) -> torch.Tensor:
+    """``cast(clamp(x * operand))`` (reciprocal) or ``cast(clamp(x / operand))`` in float32."""
+    if x.dtype != torch.float32 and operand.dim() == 0:
+        x = x.float()  # a 0-dim float32 operand would not promote a bf16 / fp16 x to float32
+    # a bf16 / fp16 x against a float32 operand computes in float32 (exact upcast): no x.float() copy
+    y = x * operand if rounding == "reciprocal" else x / operand
+    fmax = fp8_max(dtype)
+    return y.clamp_(-fmax, fmax).to(dtype)
+
+
 def cast_scaled(x: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype, rounding: str = "divide") -> torch.Tensor:
     """``cast(clamp(x / sf))`` or, with ``rounding="reciprocal"``, ``cast(clamp(x * (1 / sf)))``
     in float32; the clamp keeps NaN (torch.clamp semantics)."""
-    fmax = fp8_max(dtype)
-    if rounding == "reciprocal":
-        y = x.float() * torch.reciprocal(sf)
-    else:
-        y = x.float() / sf
-    return y.clamp(-fmax, fmax).to(dtype)
+    return cast_with(x, cast_operand(sf, rounding), dtype, rounding)
 
 
 def quant_per_token_group(x: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool,

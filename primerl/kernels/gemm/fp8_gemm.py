@@ -93,13 +93,12 @@ def _check_operands(op: str, a, b, a_dims: int, b_dims: int, recipe):
     return a, b, gran, (1, gran, BLOCK)
 
 
-def _output(op: str, d, shape: tuple, out_dtype, device, c=None) -> torch.Tensor:
-    """The output tensor: ``d`` checked, or a new one of ``out_dtype`` (bf16 by default)."""
+def _output(op: str, d, shape: tuple, out_dtype, device, c=None) -> tuple[torch.Tensor | None, torch.dtype]:
+    """(``d`` checked or None, the output dtype: d's, else ``out_dtype``, bf16 by default)."""
     if d is None:
         out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
         if out_dtype not in _OUT_DTYPES:
             raise ValueError(f"{op}: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-        d = torch.empty(shape, dtype=out_dtype, device=device)
     else:
         if not isinstance(d, torch.Tensor) or tuple(d.shape) != tuple(shape) or d.dtype not in _OUT_DTYPES:
             raise ValueError(f"{op}: d must be a {shape} tensor of one of {_OUT_DTYPES}, got "
@@ -110,15 +109,25 @@ def _output(op: str, d, shape: tuple, out_dtype, device, c=None) -> torch.Tensor
             raise ValueError(f"{op}: d must have unit column stride and packed groups, got strides {d.stride()}")
         if d.device != device:
             raise ValueError(f"{op}: d is on {d.device}, the operands on {device}")
+        out_dtype = d.dtype
     if c is not None:
         if not isinstance(c, torch.Tensor) or tuple(c.shape) != tuple(shape) or c.dtype != torch.float32:
             raise ValueError(f"{op}: c must be a float32 {shape} tensor, got "
                              f"{getattr(c, 'shape', type(c).__name__)} {getattr(c, 'dtype', '')}")
-        if d.dtype != torch.float32:
-            raise ValueError(f"{op}: accumulating into c needs a float32 output (DeepGEMM's rule), got {d.dtype}")
+        if out_dtype != torch.float32:
+            raise ValueError(f"{op}: accumulating into c needs a float32 output (DeepGEMM's rule), got {out_dtype}")
         if c.device != device or c.stride(-1) != 1:
             raise ValueError(f"{op}: c must be on {device} with unit column stride")
-    return d
+    return d, out_dtype
+
+
+def _into(d, result: torch.Tensor) -> torch.Tensor:
+    """A reference result as the output: itself, or copied into the caller's ``d``."""
+    return result if d is None else d.copy_(result)
+
+
+def _alloc(d, shape: tuple, out_dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=out_dtype, device=device) if d is None else d
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor | None = None, c: torch.Tensor | None = None, *, recipe=None,
@@ -127,10 +136,12 @@ def fp8_gemm_nt(a, b, d: torch.Tensor | None = None, c: torch.Tensor | None = No
     op = "fp8_gemm_nt"
     a, b, gran, recipe = _check_operands(op, a, b, 2, 2, recipe)
     dev = _check_same_device(op, aq=a[0], asf=a[1], bq=b[0], bsf=b[1])
-    d = _output(op, d, (a[0].shape[0], b[0].shape[0]), out_dtype, dev, c)
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(d.dtype, c))
+    shape = (a[0].shape[0], b[0].shape[0])
+    d, out_dtype = _output(op, d, shape, out_dtype, dev, c)
+    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype, c))
     if be == "torch":
-        return d.copy_(reference.fp8_gemm_nt(a, b, d.dtype, gran, c))
+        return _into(d, reference.fp8_gemm_nt(a, b, out_dtype, gran, c))
+    d = _alloc(d, shape, out_dtype, dev)
     if be == "deep_gemm":
         return _impl(be).fp8_gemm_nt(a, b, d, c, recipe)
     return _impl(be).fp8_gemm_nt(a, b, d, c, gran)
@@ -157,10 +168,12 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout: torch.Tensor, d: torc
         m_indices = _check_index(op, "grouped_layout (m_indices)", grouped_layout, m)
         _check_m_indices_content(op, m_indices, groups, one_group_per_block=False)
     dev = _check_same_device(op, aq=a[0], bq=b[0], grouped_layout=m_indices)
-    d = _output(op, d, (m, b[0].shape[1]), out_dtype, dev)
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(d.dtype))
+    shape = (m, b[0].shape[1])
+    d, out_dtype = _output(op, d, shape, out_dtype, dev)
+    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype))
     if be == "torch":
-        return d.copy_(reference.m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, d.dtype, gran))
+        return _into(d, reference.m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, out_dtype, gran))
+    d = _alloc(d, shape, out_dtype, dev)
     if be == "deep_gemm":
         layout = psum if use_psum_layout else m_indices
         _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, layout, d, use_psum_layout, recipe)
@@ -215,12 +228,14 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m: torch.Tensor, expected_m: int, 
     if masked_m.device.type == "cpu" and bool(((masked_m > max_m) | (masked_m < 0)).any()):
         raise ValueError(f"{op}: masked_m {masked_m.tolist()} must lie in [0, max_m={max_m}]")
     dev = _check_same_device(op, aq=a[0], bq=b[0], masked_m=masked_m)
-    d = _output(op, d, (groups, max_m, b[0].shape[1]), out_dtype, dev)
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(d.dtype))
+    shape = (groups, max_m, b[0].shape[1])
+    d, out_dtype = _output(op, d, shape, out_dtype, dev)
+    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype))
+    d = _alloc(d, shape, out_dtype, dev)
     if be == "torch":
         valid = (torch.arange(max_m, device=dev)[None, :] < masked_m[:, None])[..., None]
-        out = reference.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, d.dtype, gran)
-        return d.copy_(torch.where(valid, out, d))
+        out = reference.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype, gran)
+        return torch.where(valid, out, d, out=d)
     if be == "deep_gemm":
         return _impl(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, recipe)
     return _impl(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, gran)
@@ -331,8 +346,9 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
                              f"layout) or ({exact}, {q.shape[1]}) (compact rows for these groups), got {tuple(sf.shape)}")
     dev = _check_same_device(op, aq=aq, bq=bq, offsets=offsets)
     out_dtype = torch.float32 if (out_dtype is None and d is None) else out_dtype
-    d = _output(op, d, (offsets.numel(), aq.shape[1], bq.shape[1]), out_dtype, dev, c)
+    shape = (offsets.numel(), aq.shape[1], bq.shape[1])
+    d, out_dtype = _output(op, d, shape, out_dtype, dev, c)
     be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
     if be == "torch":
-        return d.copy_(reference.k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, d.dtype, c))
-    return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, d.dtype, d, c)
+        return _into(d, reference.k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, c))
+    return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, d, c)

@@ -225,7 +225,8 @@ def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor, dtype: torch
     idx = torch.where(valid, blk, nblocks).long()[:, None].expand(num_rows, cols)
     amax = torch.zeros(nblocks + 1, cols, device=x.device).scatter_reduce(0, idx, xa.abs(), "amax", include_self=True)
     sf = fp8_ref.scale_from_amax(amax[:nblocks], dtype, ue8m0)
-    q = fp8_ref.cast_scaled(xa, sf[idx[:, 0].clamp_max(nblocks - 1)], dtype, rounding)
+    operand = fp8_ref.cast_operand(sf, rounding)[idx[:, 0].clamp_max(nblocks - 1)]
+    q = fp8_ref.cast_with(xa, operand, dtype, rounding)
     return q, sf.contiguous()
 
 
