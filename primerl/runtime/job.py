@@ -138,7 +138,8 @@ def first_failure(procs: dict[str, subprocess.Popen], log_dir: Path) -> str | No
 def prepare_output(cfg: RLConfig) -> int:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp_dirs(out / "checkpoints")
+    for d in ("checkpoints", "transport/weights"):  # temp dirs of saves that failed or were killed
+        remove_stale_tmp_dirs(out / d)
     step = start_step(cfg)
     if not cfg.checkpoint.resume:
         for name in ("transport", "checkpoints"):

@@ -118,17 +118,23 @@ class FileTransport:
         final = self.weights_dir(version)
         tmp = self.weights / f".tmp_step_{version:06d}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        if write is not None:
-            write(tmp / "model.safetensors")
-        elif state_dict is not None:
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"version": str(version)})
-        if config is not None:
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            tmp.mkdir(parents=True)
+            if write is not None:
+                write(tmp / "model.safetensors")
+            elif state_dict is not None:
+                tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+                save_file(tensors, str(tmp / "model.safetensors"), metadata={"version": str(version)})
+            if config is not None:
+                (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            from .checkpoint import remove_stale_tmp_dirs  # (checkpoint imports this module)
+
+            remove_stale_tmp_dirs(self.weights)
+            raise
         atomic_write_bytes(final / STABLE, str(version).encode())
         return final
 

@@ -58,9 +58,11 @@ def test_failed_save_leaves_no_temp_dir_and_the_previous_checkpoint(tmp_path, mo
 def test_job_start_removes_stale_temp_dirs_before_resuming(tmp_path):
     cfg = load_config(None, ["--output_dir", str(tmp_path), "--checkpoint.resume", "true"])
     _save(tmp_path / "checkpoints", 2)
-    stale = tmp_path / "checkpoints" / f".tmp_step_000004.{_dead_pid()}"
-    stale.mkdir()
-    assert prepare_output(cfg) == 2 and not stale.exists()
+    stale = [tmp_path / "checkpoints" / f".tmp_step_000004.{_dead_pid()}",
+             tmp_path / "transport" / "weights" / f".tmp_step_000003.{_dead_pid()}"]
+    for d in stale:
+        d.mkdir(parents=True)
+    assert prepare_output(cfg) == 2 and not any(d.exists() for d in stale)
 
 
 def _truncate(path):
@@ -79,3 +81,16 @@ def test_corrupt_weights_are_reported_with_the_file_name(tmp_path):
     _truncate(f)
     with pytest.raises(CheckpointError, match=f"{f}: not a readable"):
         tr.load_weights(1)
+
+
+def test_failed_weight_publish_leaves_no_temp_dir(tmp_path):
+    tr = FileTransport(tmp_path)
+    tr.publish_weights(0, {"w": torch.zeros(2)})
+
+    def full_disk(path):
+        path.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        tr.publish_weights(1, None, write=full_disk)
+    assert not list(tr.weights.glob(".tmp_step_*")) and tr.weight_versions() == [0]
