@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
         serve(cfg, host=args.host, port=args.port)
     elif args.command == "vllm-command":
-        from .vllm import vllm_serve_command
+        from .vllm import serve_command_line
 
-        print(" ".join(vllm_serve_command(cfg.inference.vllm, cfg.model)))
+        print(serve_command_line(cfg))
     return 0
 
 

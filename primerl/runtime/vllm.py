@@ -362,6 +362,15 @@ def vllm_env(v: VLLMConfig) -> dict[str, str]:
     return env
 
 
+def serve_command_line(cfg) -> str:
+    """The shell line (environment included) that starts the server the job config describes."""
+    import shlex
+
+    v = cfg.inference.vllm
+    env = " ".join(f"{k}={val}" for k, val in vllm_env(v).items())
+    return f"{env} {shlex.join(vllm_serve_command(v, cfg.model, routing=wants_routing(cfg)))}"
+
+
 class VLLMLauncher:
     """Start vLLM's server as a child process (its own process group) and wait until /health answers,
     or fail clearly; :meth:`stop` ends the whole group (API server, engine core, workers)."""
