@@ -121,6 +121,12 @@ class MicroBatch:
         pad = getattr(plan, "padding_mask", None)
         if isinstance(pad, torch.Tensor) and pad.shape == sharded["loss_mask"].shape:
             sharded["loss_mask"] = sharded["loss_mask"] & ~pad.to(torch.bool)
+            if "temperatures" in sharded:  # plan padding samples at 1.0, like a padding tail
+                sharded["temperatures"] = sharded["temperatures"].masked_fill(pad.to(torch.bool), 1.0)
+            if "replay_ids" in sharded:  # plan padding routes to experts 0..k-1, like a padding tail
+                rep = sharded["replay_ids"]
+                spread = torch.arange(rep.shape[-1], dtype=rep.dtype, device=rep.device).expand_as(rep)
+                sharded["replay_ids"] = torch.where(pad.to(torch.bool).view(-1, *([1] * (rep.dim() - 1))), spread, rep)
         return replace(self, context_plan=plan, cu_seqlens=plan.local_cu_seqlens, **sharded)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, load_config, to_toml
+from .config import ConfigError, describe_parallel, load_config, to_toml
 
 SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command")
 
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         print(to_toml(cfg), end="")
+        print(describe_parallel(cfg), end="")
         return 0
     from . import job
     from .output_dir import OutputDirError

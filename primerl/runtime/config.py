@@ -125,6 +125,20 @@ class LossConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """The trainer's layout over ``num_trainer_ranks`` (``primerl.parallel.ParallelDims``):
+    ``dp_replicate * dp_shard * cp`` ranks; ``ep`` borrows from ``dp_shard * cp``."""
+
+    dp_replicate: int = 1  # HSDP replicas (gradients all-reduced between them)
+    dp_shard: int = -1  # FSDP shards; -1: the ranks that dp_replicate and cp leave
+    cp: int = 1  # context parallel: each packed micro-batch split over cp ranks (ring attention)
+    ep: int = 1  # expert parallel: experts split over ep ranks (token all-to-all)
+    activation_checkpointing: str = "none"  # "none", "full" (every block) or "selective" (every 2nd block)
+    fp8: str = "off"  # "off", "blockwise" or "blockwise_fp8_wgrad" (primerl.kernels.fp8_training recipes)
+    cp_layout: str = "zigzag"  # "zigzag" (causal load balance) or "contiguous"
+
+
+@dataclass
 class TrainerConfig:
     lr: float = 3e-3
     beta1: float = 0.9
@@ -143,6 +157,7 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     batch_timeout_s: float = 300.0
     nan_retries: int = 2  # a step with a non-finite loss is skipped (counted) this many times in a row
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass
@@ -389,6 +404,148 @@ def validate(cfg: RLConfig) -> None:
     _need(cfg.env.max_concurrent_calls >= 1, "env.max_concurrent_calls", "must be >= 1", cfg.env.max_concurrent_calls)
     _need(cfg.env.max_abs_reward > 0, "env.max_abs_reward", "must be > 0", cfg.env.max_abs_reward)
     validate_names(cfg)
+    validate_parallel(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# values that would only fail seconds into a run: non-finite numbers, names that resolve nowhere
+
+
+def validate_finite(cfg) -> None:
+    """Every float in the config (free-form tables included) must be finite: ``trainer.lr = inf``
+    would turn the weights into NaN at the first update."""
+
+    def walk(v: Any, key: str) -> None:
+        if dataclasses.is_dataclass(v):
+            for f in dataclasses.fields(v):
+                walk(getattr(v, f.name), f"{key}.{f.name}" if key else f.name)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{key}.{k}")
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                walk(x, f"{key}[{i}]")
+        elif isinstance(v, float):
+            _need(math.isfinite(v), key, "must be a finite number", v)
+
+    walk(cfg, "")
+
+
+def validate_names(cfg: RLConfig) -> None:
+    """Loss method / corrections / aggregation against ``primerl.rl.losses``' lists, the
+    environment factory and its arguments, and ``model.path``: resolved now, so ``--dry-run`` fails."""
+    from primerl.rl import losses
+    from primerl.rl.envs import resolve_environment
+
+    loss = cfg.trainer.loss
+    try:
+        losses.resolve_method(loss.method)  # a built-in name, or imports 'package.module:function'
+    except ValueError as e:
+        raise ConfigError(f"trainer.loss.method: {e}") from None
+    bad = [c for c in loss.corrections if c not in losses.CORRECTIONS]
+    _need(not bad, "trainer.loss.corrections", f"has unknown entries {bad}; choose from {losses.CORRECTIONS}",
+          loss.corrections)
+    _need(loss.aggregation in losses.AGGREGATIONS, "trainer.loss.aggregation",
+          f"must be one of {losses.AGGREGATIONS}", loss.aggregation)
+    terms = tuple(n for n, on in (("ref_kl", loss.ref_kl_coef > 0), ("sft", loss.sft_coef > 0)) if on)
+    try:  # hyperparameter names and values against the method, corrections and terms in use
+        losses.check_loss_spec(loss.method, loss.corrections, loss.aggregation,
+                               {k: v for k, v in loss.hparams.items() if k != "norm_constant"}, terms)
+    except ValueError as e:
+        raise ConfigError(f"trainer.loss.hparams: {e}") from None
+    try:
+        resolve_environment(cfg.env.id, cfg.env.args)
+    except ValueError as e:
+        raise ConfigError(f"env.id / env.args: {e}") from None
+    m = cfg.model
+    if m.path:
+        _need(Path(m.path).is_dir(), "model.path", "must be an existing directory (a Hugging Face checkpoint)", m.path)
+        _need((Path(m.path) / "config.json").is_file(), "model.path", "has no config.json (not a Hugging Face "
+              "checkpoint directory)", m.path)
+
+
+FP8_RECIPES = ("blockwise", "blockwise_fp8_wgrad")
+_FP8_BLOCK = 128
+
+
+def parallel_dims(cfg: RLConfig):
+    """``primerl.parallel.ParallelDims`` of ``trainer.parallel`` over ``num_trainer_ranks``
+    (ConfigError naming the key when the sizes do not fit)."""
+    from primerl.parallel.mesh import ParallelDims
+
+    p = cfg.trainer.parallel
+    try:
+        return ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, ep=p.ep,
+                           world_size=cfg.num_trainer_ranks)
+    except ValueError as e:
+        raise ConfigError(f"trainer.parallel (num_trainer_ranks = {cfg.num_trainer_ranks}): {e}") from None
+
+
+def _model_dims(cfg: RLConfig) -> dict[str, int]:
+    m = cfg.model
+    if not m.path:
+        return {"num_experts": m.num_experts, "dim": m.dim, "moe_dim": m.moe_dim}
+    from primerl.models.config import MoETransformerConfig
+
+    mc = MoETransformerConfig.from_hf(m.path)
+    return {"num_experts": mc.num_experts, "dim": mc.dim, "moe_dim": mc.moe_dim}
+
+
+def _sequence_level_loss(loss: LossConfig) -> str | None:
+    """What in the loss needs whole sequences on one rank (None: all terms are per token)."""
+    if loss.method in ("gspo", "gspo_token"):
+        return f"trainer.loss.method = {loss.method!r}"
+    if loss.aggregation == "seq_mean_token_mean":
+        return "trainer.loss.aggregation = 'seq_mean_token_mean'"
+    for c in ("geo_rs", "veto", "sequence_mask"):
+        if c in loss.corrections:
+            return f"trainer.loss.corrections contains {c!r}"
+    if "mis" in loss.corrections and loss.hparams.get("mis_level") == "sequence":
+        return "trainer.loss.hparams.mis_level = 'sequence'"
+    return None
+
+
+def validate_parallel(cfg: RLConfig) -> None:
+    """``trainer.parallel`` against ``num_trainer_ranks``, the model and the loss."""
+    p, t = cfg.trainer.parallel, cfg.trainer
+    _need(p.activation_checkpointing in ("none", "full", "selective"), "trainer.parallel.activation_checkpointing",
+          "must be none, full or selective", p.activation_checkpointing)
+    _need(p.fp8 in ("off",) + FP8_RECIPES, "trainer.parallel.fp8", f"must be 'off' or one of {FP8_RECIPES}", p.fp8)
+    _need(p.cp_layout in ("zigzag", "contiguous"), "trainer.parallel.cp_layout", "must be zigzag or contiguous",
+          p.cp_layout)
+    dims = parallel_dims(cfg)
+    if dims.cp > 1:
+        _need(t.attention != "padded", "trainer.attention",
+              f"'padded' cannot run with trainer.parallel.cp = {dims.cp} (context parallel needs ring attention; "
+              "use 'auto' or 'kernel')", t.attention)
+        seq_level = _sequence_level_loss(t.loss)
+        _need(seq_level is None, "trainer.parallel.cp",
+              f"must be 1 with a sequence-level loss term ({seq_level}): under context parallelism a rank holds "
+              "only part of each sequence", dims.cp)
+    if not t.fsdp:
+        _need(dims.cp == 1 and dims.ep == 1 and dims.dp_replicate == 1, "trainer.fsdp",
+              "false (replicated weights) only works without cp, ep and dp_replicate (set trainer.fsdp = true)",
+              {"cp": dims.cp, "ep": dims.ep, "dp_replicate": dims.dp_replicate})
+    if dims.ep == 1 and p.fp8 == "off":
+        return
+    md = _model_dims(cfg)
+    _need(md["num_experts"] % dims.ep == 0, "trainer.parallel.ep",
+          f"must divide the model's num_experts = {md['num_experts']}", dims.ep)
+    if p.fp8 != "off":
+        bad = {k: md[k] for k in ("dim", "moe_dim") if md[k] % _FP8_BLOCK}
+        _need(not bad, "trainer.parallel.fp8",
+              f"{p.fp8!r} needs model dims that are multiples of {_FP8_BLOCK} (the FP8 block size) so the experts "
+              f"and projections run in FP8; not multiples: {bad}", p.fp8)
+
+
+def describe_parallel(cfg: RLConfig) -> str:
+    """The trainer mesh's named view sizes, as TOML comment lines (``--dry-run`` prints them)."""
+    dims = parallel_dims(cfg)
+    views = " ".join(f"{k}={v}" for k, v in dims.view_sizes().items())
+    p = cfg.trainer.parallel
+    return (f"# trainer mesh over {dims.world_size} rank(s): {views}\n"
+            f"# each cp rank holds seq_len / cp = {cfg.orchestrator.seq_len / dims.cp:g} tokens of a micro-batch; "
+            f"fp8 = {p.fp8}; activation_checkpointing = {p.activation_checkpointing}\n")
 
 
 # --------------------------------------------------------------------------------------------

@@ -205,8 +205,10 @@ class Orchestrator:
 
     def _write(self, step: int, samples, metrics: dict) -> None:
         from .batching import pack_for_ranks
+        from .config import parallel_dims
 
-        per_rank = pack_for_ranks(samples, self.o.seq_len, self.cfg.num_trainer_ranks)
+        # one packed batch per data rank (the mesh's batch view): a cp group shares one
+        per_rank = pack_for_ranks(samples, self.o.seq_len, parallel_dims(self.cfg).batch)
         n_loss = int(sum(int(s.loss_mask.sum()) for s in samples))
         n_seqs = sum(bool(s.loss_mask.any()) for s in samples)
         for rank, mbs in enumerate(per_rank):

@@ -32,8 +32,10 @@ class PaddedPlan:
         raise NotImplementedError("PaddedPlan is not a context-parallel plan")
 
 
-def padded_attention(q, k, v, plan: PaddedPlan, *, causal: bool = True, softmax_scale: float | None = None):
-    """q ``[T, H, Dh]``, k/v ``[T, Hkv, Dh]`` -> ``[T, H, Dh]`` (per-sequence causal attention)."""
+def padded_attention(q, k, v, plan: PaddedPlan, *, causal: bool = True, softmax_scale: float | None = None,
+                     backend: str | None = None):
+    """q ``[T, H, Dh]``, k/v ``[T, Hkv, Dh]`` -> ``[T, H, Dh]`` (per-sequence causal attention;
+    always torch's SDPA: ``backend``, the model's attention backend, does not apply)."""
     B, L = len(plan.lengths), plan.max_len
     seq, pos = plan.index
 

@@ -7,9 +7,18 @@ clipping, AdamW and the learning-rate schedule. Weights after step n are publish
 n+1 (``weight_sync.WeightPublisher``: files, or a broadcast to vLLM workers). A non-finite loss skips the update (counted, logged) up to ``trainer.nan_retries`` steps in
 a row, then stops the run with an error.
 
-Launched as one process, or with ``torchrun --nproc-per-node N`` (gloo on CPU, nccl on GPU):
-rank r reads ``rank_r`` micro-batches and gradients are summed over ranks (the loss is already
-divided by the global token count) before clipping, so every rank holds the same weights.
+Launched as one process, or with ``torchrun --nproc-per-node N`` (gloo on CPU, nccl on GPU).
+Over several ranks the trainer is the composition of the parallel layer (``trainer.parallel``):
+``ParallelDims`` + ``build_mesh``, FP8 (``primerl.models.convert_to_fp8``) and then
+``primerl.models.parallelize`` (expert parallel, ring attention, activation checkpointing,
+FSDP2). The ranks of one ``cp`` group read the same micro-batches (file ``rank_<b>``, b = the
+rank's index in the mesh's ``batch`` view); each micro-batch's loss-side fields are first moved
+one token earlier (entry t is scored from the hidden state at t, so no shift crosses a shard),
+then every per-token tensor, replayed expert ids included, is cut by one ``ContextShardPlan``
+over ``mesh["cp"]``: a rank holds seq_len / cp tokens and computes hidden states, fused
+log-probs and the loss on them. The loss divides by one global loss-token count per optimizer
+step (counted on the shards, all-reduced over every rank), so FSDP sums gradients and every
+layout optimises the same objective as one process.
 """
 
 from __future__ import annotations
@@ -25,8 +34,9 @@ import torch.distributed as dist
 from primerl.kernels.logprobs import fused_logprobs
 
 from . import _rl
+from . import full_state
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import RLConfig
+from .config import RLConfig, parallel_dims
 from .guards import check_finite_parameters
 from .padded_attention import padded_forward
 from .policy import build_model
@@ -74,68 +84,123 @@ def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int = 1024, padded:
     return torch.where(starts, torch.zeros_like(lp), lp), torch.where(starts, torch.zeros_like(ent), ent)
 
 
+FORWARD_FIELDS = ("input_ids", "position_ids", "replay_ids")  # what the model reads; the rest is loss-side
+
+
+def next_token_batch(mb):
+    """-> (mb', targets [T]): ``mb`` with every loss-side per-token field moved one token earlier,
+    so entry t describes token t+1 and is scored from the hidden state at t, and the targets
+    ``input_ids[t+1]``. Forward inputs stay. An entry at a sequence's last token is masked out
+    (its next token opens another sequence). Sequence membership of every masked-in entry is
+    unchanged, so per-sequence loss terms see the same tokens."""
+    from dataclasses import replace
+
+    T = mb.num_tokens
+    last = torch.zeros(T, dtype=torch.bool)
+    if T:
+        last[(mb.cu_seqlens[1:].long() - 1).clamp(0, T - 1)] = True
+    moved = {name: torch.roll(getattr(mb, name), -1, 0) for name in mb.PER_TOKEN
+             if name not in FORWARD_FIELDS and getattr(mb, name) is not None}
+    moved["loss_mask"] = moved["loss_mask"] & ~last
+    return replace(mb, **moved), torch.roll(mb.input_ids, -1, 0)
+
+
+def next_token_logprobs(model, mb, targets, *, replay: bool, plan=None, padded: bool = False,
+                        chunk_size: int = 1024):
+    """Fused log-probs of ``targets`` and entropies from each hidden state of ``mb`` (a
+    ``next_token_batch``, sharded by ``plan`` under context parallelism), both [t] float32."""
+    replay_ids = mb.replay_ids if replay else None
+    if padded:
+        hidden = padded_forward(model, mb.input_ids, mb.position_ids, mb.cu_seqlens, replay_ids=replay_ids)
+    else:
+        hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens if plan is None else plan, replay_ids=replay_ids)
+    temperature = 1.0 if mb.temperatures is None else mb.temperatures
+    return fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
+
+
 class Trainer:
     def __init__(self, cfg: RLConfig, vocab_size: int, *, rank: int = 0, world_size: int = 1):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        if world_size != cfg.num_trainer_ranks:
+            raise ValueError(f"num_trainer_ranks = {cfg.num_trainer_ranks} but the trainer runs with {world_size} process(es)")
+        t, par = cfg.trainer, cfg.trainer.parallel
+        self.dims = parallel_dims(cfg)
         self.model = build_model(cfg, vocab_size)
         self.model.train()
-        t = cfg.trainer
-        self.fsdp = world_size > 1 and t.fsdp
-        if self.fsdp:
-            from primerl.parallel.fsdp import apply_fsdp
-            from primerl.parallel.mesh import ParallelDims, build_mesh
+        self.ref_model = _rl.reference_model(t.loss, self.model)  # frozen initial policy, when the loss needs one
+        if par.fp8 != "off":
+            from primerl.models import convert_to_fp8
 
-            dims = ParallelDims(dp_shard=-1, world_size=world_size, num_experts=self.model.config.num_experts)
-            self.mesh = build_mesh(dims, "cuda" if torch.cuda.is_available() else "cpu")
-            dtype = self.model.embed.weight.dtype
-            apply_fsdp(self.model, self.mesh, param_dtype=dtype, reduce_dtype=torch.float32)
+            convert_to_fp8(self.model, par.fp8)
+        self.fsdp = world_size > 1 and t.fsdp
+        self.mesh = None
+        if world_size > 1:
+            self.mesh = self.dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
+        from primerl.models import parallelize
+
+        parallelize(self.model, self.dims, self.mesh, fsdp=self.fsdp,
+                    activation_checkpointing=None if par.activation_checkpointing == "none" else par.activation_checkpointing,
+                    ac_every=2, param_dtype=self.model.embed.weight.dtype, reduce_dtype=torch.float32)
+        if self.ref_model is not None:  # the same layout: it reads the same sharded micro-batches
+            parallelize(self.ref_model, self.dims, self.mesh, fsdp=self.fsdp,
+                        param_dtype=self.model.embed.weight.dtype, reduce_dtype=torch.float32)
+        # which packed batch this rank reads (the ranks of a cp group read the same one)
+        self.data_rank = self.mesh["batch"].get_local_rank() if self.mesh is not None else 0
+        self.cp_group = self.mesh["cp"].get_group() if self.dims.cp > 1 else None
+        self.cp_rank = self.mesh["cp"].get_local_rank() if self.dims.cp > 1 else 0
+        self.ep_group = self.mesh["ep"].get_group() if self.dims.ep > 1 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                            weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.padded = t.attention == "padded" or (t.attention == "auto" and self.model.embed.weight.device.type == "cpu")
+        self.padded = self.dims.cp == 1 and (
+            t.attention == "padded" or (t.attention == "auto" and self.model.embed.weight.device.type == "cpu"))
         self.step = 0
         self.nan_streak = 0
         self.nan_skipped = 0
 
     # ---------------------------------------------------------------- state
     def state_dict_for_publish(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights. Collective under FSDP: every rank calls it; rank 0 gets them."""
-        if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """Full (unsharded) weights at their global shapes. Collective when distributed: every rank
+        calls it; rank 0 gets them (the others get {})."""
+        if self.world_size == 1:
+            return {k: v.detach() for k, v in self.model.state_dict().items()}
+        return full_state.full_model_state(self.model, ep_group=self.ep_group, keep=self.rank == 0)
 
     def train_state(self) -> dict:
-        """Optimizer/scheduler/counters (collective under FSDP, like ``state_dict_for_publish``)."""
-        if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            opt = get_optimizer_state_dict(self.model, self.optimizer,
-                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        else:
-            opt = self.optimizer.state_dict()
+        """Optimizer (keyed by parameter name, global shapes), scheduler and counters; collective
+        like ``state_dict_for_publish``."""
+        opt = full_state.full_optimizer_state(self.model, self.optimizer, ep_group=self.ep_group,
+                                              keep=self.rank == 0 or self.world_size == 1)
         return {"optimizer": opt, "scheduler": self.scheduler.state_dict(),
                 "nan_skipped": self.nan_skipped, "nan_streak": self.nan_streak}
 
-    def load(self, path) -> None:
-        step, model_sd, state = load_checkpoint(path)
-        if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                                 set_optimizer_state_dict)
+    def save_checkpoint(self, root, step: int) -> None:
+        """Write a checkpoint after ``step`` optimizer steps (collective; rank 0 writes the files)."""
+        weights, state = self.state_dict_for_publish(), self.train_state()
+        if self.rank == 0:
+            save_checkpoint(root, step, weights, state, keep=self.cfg.checkpoint.keep)
 
-            full = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(self.model, model_sd, options=full)
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=full)
-        else:
-            self.model.load_state_dict(model_sd)
-            self.optimizer.load_state_dict(state["optimizer"])
+    def load(self, path) -> None:
+        """Resume from a checkpoint written on any layout (every rank reads the files)."""
+        step, model_sd, state = load_checkpoint(path)
+        full_state.load_model_state(self.model, model_sd, ep_group=self.ep_group)
+        full_state.load_optimizer_state(self.model, self.optimizer, state["optimizer"], ep_group=self.ep_group)
         self.scheduler.load_state_dict(state["scheduler"])
         self.nan_skipped, self.nan_streak = state["nan_skipped"], state["nan_streak"]
         self.step = step
 
     def _grad_norm(self, params) -> float:
-        return _grad_norm_of(params, self.fsdp)
+        return _grad_norm_of(params, self.fsdp, self.dims.dp_replicate)
+
+    def _local_batch(self, mb):
+        """-> (this rank's part of ``next_token_batch(mb)``, its targets [t])."""
+        mb, targets = next_token_batch(mb)
+        if self.dims.cp == 1:
+            return mb, targets
+        from primerl.parallel.context import ContextShardPlan
+
+        plan = ContextShardPlan(mb.cu_seqlens, self.cp_group, layout=self.cfg.trainer.parallel.cp_layout)
+        return mb.shard_for_context(plan), plan.shard(targets)
 
     def entropy_coef(self) -> float:
         t = self.cfg.trainer
@@ -168,11 +233,11 @@ class Trainer:
             mbs = [_dummy_like(mb) if mb.is_padding or mb.num_tokens == 0 else mb for mb in mbs]
         else:  # grads are all-reduced after the loop, so a padding micro-batch can be skipped
             mbs = [mb for mb in mbs if not mb.is_padding and mb.num_tokens > 0]
-        counts = torch.tensor([sum(int(mb.loss_mask.sum()) for mb in mbs),
-                               sum(_num_loss_seqs(mb) for mb in mbs)], dtype=torch.float64)
+        mbs = [self._local_batch(mb) for mb in mbs]  # (shifted and cp-sharded micro-batch, targets)
+        counts = _rl.loss_counts([mb for mb, _ in mbs], t.loss)  # [loss tokens, loss sequences, ...]
         if self.world_size > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        total, total_seqs = max(int(counts[0]), 1), max(int(counts[1]), 1)
+        total = max(int(counts[0]), 1)
         self.optimizer.zero_grad(set_to_none=False)
         if self.world_size > 1 and not self.fsdp:  # a rank with only padding still joins every all-reduce
             for p in self.model.parameters():
@@ -181,14 +246,19 @@ class Trainer:
         loss_sum = kl_num = ent_num = 0.0
         n_tok = n_loss = 0
         extra: dict[str, float] = {}
-        for mb in mbs:
-            lp, ent = shifted_logprobs(self.model, mb, replay=replay, padded=self.padded)
-            loss, m = _rl.policy_loss(lp, mb, t.loss, total_tokens=total, total_seqs=total_seqs, entropy=ent)
+        loss_metrics = _rl.LossMetrics(t.loss, self.world_size)
+        for mb, targets in mbs:
+            lp, ent = next_token_logprobs(self.model, mb, targets, replay=replay, plan=mb.context_plan,
+                                          padded=self.padded)
+            ref_lp = _rl.reference_logprobs(self.ref_model, lambda ref: next_token_logprobs(
+                ref, mb, targets, replay=False, plan=mb.context_plan, padded=self.padded)[0])
+            loss, m = _rl.policy_loss(lp, mb, t.loss, counts, entropy=ent, ref_logprobs=ref_lp)
             coef = self.entropy_coef()
             if coef:
                 loss = loss - coef * (ent * mb.loss_mask).sum() / total
             loss.backward()
             k = int(mb.loss_mask.sum())
+            loss_metrics.add(m, k)
             loss_sum += float(loss.detach())
             kl_num += m["mismatch_kl"] * k
             ent_num += m.get("entropy", 0.0) * k
@@ -196,7 +266,8 @@ class Trainer:
                 extra[key] = extra.get(key, 0.0) + m.get(key, 0.0) * k
             extra["ratio_max"] = max(extra.get("ratio_max", 0.0), m.get("ratio_max", 0.0))
             n_loss += k
-            n_tok += mb.num_real_tokens or mb.num_tokens
+            if self.cp_rank == 0:  # the ranks of a cp group hold parts of the same tokens
+                n_tok += 0 if mb.is_padding else (mb.num_real_tokens or mb.num_tokens)
         stats = torch.tensor([loss_sum, kl_num, ent_num, float(n_loss), float(n_tok),
                               *(extra.get(k, 0.0) for k in ("clip_frac_low", "clip_frac_high", "ess"))], dtype=torch.float64)
         if self.world_size > 1:
@@ -216,7 +287,7 @@ class Trainer:
         metrics = {"loss": loss_all, "mismatch_kl/mean": kl_all / denom, "entropy/mean": ent_all / denom,
                    "clip_frac_low": cl / denom, "clip_frac_high": ch / denom, "ess": ess / denom,
                    "ratio_max": extra.get("ratio_max", 0.0), "tokens": int(n_tok_all), "loss_tokens": int(n_loss_all),
-                   "lr": self.scheduler.get_last_lr()[0]}
+                   "lr": self.scheduler.get_last_lr()[0], **loss_metrics.result()}
         if not finite:
             self.nan_streak += 1
             self.nan_skipped += 1
@@ -242,14 +313,16 @@ class Trainer:
         return metrics
 
 
-def _grad_norm_of(params, fsdp: bool) -> float:
+def _grad_norm_of(params, fsdp: bool, dp_replicate: int = 1) -> float:
     # FSDP2 shards every parameter (on two meshes: dense and experts, which DTensor cannot mix in
-    # one op), so the global norm is the square root of the all-reduced sum of local squares.
+    # one op), so the global norm is the square root of the all-reduced sum of local squares;
+    # every shard (an expert-parallel slice too) exists once per dp_replicate replica.
     sq = torch.zeros((), dtype=torch.float64)
     for p in params:
         sq += _local(p.grad).double().pow(2).sum()
     if fsdp:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+        sq /= dp_replicate
     return float(sq.sqrt())
 
 
@@ -283,12 +356,12 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world != cfg.num_trainer_ranks:
-        raise ValueError(f"num_trainer_ranks = {cfg.num_trainer_ranks} but the trainer runs with {world} process(es)")
     out = Path(cfg.output_dir)
     transport = FileTransport(out / "transport")
     trainer = Trainer(cfg, vocab_size, rank=rank, world_size=world)
-    log.info("trainer rank %d/%d started (%s)", rank, world, dist.get_backend() if dist.is_initialized() else "single process")
+    log.info("trainer rank %d/%d started (%s) on mesh %s, reading batches rank_%d", rank, world,
+             dist.get_backend() if dist.is_initialized() else "single process", trainer.dims.view_sizes(),
+             trainer.data_rank)
     ckpt_root = out / "checkpoints"
     if cfg.checkpoint.resume:
         found = latest_checkpoint(ckpt_root)
@@ -310,19 +383,19 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
     try:
         for step in range(start, cfg.max_steps):
             t0 = time.perf_counter()
-            payload = transport.get_batch(step, rank, timeout=cfg.trainer.batch_timeout_s, alive=orchestrator_alive)
+            payload = transport.get_batch(step, trainer.data_rank, timeout=cfg.trainer.batch_timeout_s,
+                                          alive=orchestrator_alive)
             t1 = time.perf_counter()
             m = trainer.train_step(payload)
             t2 = time.perf_counter()
             weights = trainer.state_dict_for_publish()
-            save_now = bool(cfg.checkpoint.interval) and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 < cfg.max_steps
-            state = trainer.train_state() if save_now else None
             if rank == 0:
                 publisher.publish(step + 1, weights)
                 transport.drop_weights_before(step + 1 - cfg.orchestrator.max_async_level - 1)
                 transport.drop_batches_before(step)
-                if save_now:
-                    save_checkpoint(ckpt_root, step + 1, weights, state, keep=cfg.checkpoint.keep)
+            del weights
+            if bool(cfg.checkpoint.interval) and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 < cfg.max_steps:
+                trainer.save_checkpoint(ckpt_root, step + 1)
             now = time.perf_counter()
             row = {"step": step, **payload["metrics"], **m,
                    "tokens_per_s": m["tokens"] / max(now - t_prev, 1e-9),
@@ -334,9 +407,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
                     print(progress_line(row, cfg.max_steps), flush=True)
             if on_step is not None:
                 on_step(row)
-        weights, state = trainer.state_dict_for_publish(), trainer.train_state()
-        if rank == 0:
-            save_checkpoint(ckpt_root, cfg.max_steps, weights, state, keep=cfg.checkpoint.keep)
+        trainer.save_checkpoint(ckpt_root, cfg.max_steps)
     finally:
         if logger is not None:
             logger.close()
