@@ -33,14 +33,14 @@ def test_calls_run_concurrently_up_to_the_limit():
     got = _drain(calls)
     assert sorted(v for _, _, ok, v in got if ok) == list(range(n))
 
-    lock, live, peak = threading.Lock(), [0], [0]
+    cond, live, peak = threading.Condition(), [0], [0]
 
     def tracked():
-        with lock:
+        with cond:
             live[0] += 1
             peak[0] = max(peak[0], live[0])
-        time.sleep(0.02)
-        with lock:
+            cond.notify_all()
+            cond.wait_for(lambda: peak[0] >= 3, timeout=10)  # hold the slot until 3 ran at once
             live[0] -= 1
         return 1.0
 
@@ -52,7 +52,7 @@ def test_calls_run_concurrently_up_to_the_limit():
 
 def test_a_hanging_call_times_out_alone_and_names_the_env_and_the_call():
     release = threading.Event()
-    calls = EnvCalls("my-grader", timeout_s=0.5, max_concurrent=4)
+    calls = EnvCalls("my-grader", timeout_s=1.0, max_concurrent=4)
     calls.submit("hang", "reward", release.wait)
     calls.submit("ok", "reward", lambda: 1.0)
     calls.submit("bad", "respond", lambda: 1 / 0)
@@ -64,7 +64,7 @@ def test_a_hanging_call_times_out_alone_and_names_the_env_and_the_call():
     assert isinstance(bad, EnvCallError) and "'my-grader': respond() raised ZeroDivisionError" in str(bad)
     (key, name, ok, err), = _drain(calls)
     assert (key, name, ok) == ("hang", "reward", False) and isinstance(err, EnvCallTimeout)
-    assert "environment 'my-grader': reward() did not return within env.timeout_s = 0.5 s" in str(err)
+    assert "environment 'my-grader': reward() did not return within env.timeout_s = 1.0 s" in str(err)
     assert calls.timeouts == 1
     release.set()
     time.sleep(0.05)
