@@ -10,7 +10,7 @@ Modules (imports are lazy; nothing heavy loads with the package):
   checkpoint    atomic checkpoint save / load / latest
   job           process entry points; run_rl (two processes) and run_threads (one process)
   cli           the ``primerl`` command (rl, trainer, orchestrator, inference, vllm-command)
-  vllm, vllm_worker, server   vLLM client/launcher, worker-side weight updates, the engine's HTTP server
+  vllm, vllm_launch, vllm_worker, server   vLLM client, launcher, worker-side weight updates, the engine's HTTP server
   hf_weights    published weights in the Hugging Face layout (models.checkpoint.hf_layout), FP8 transfer
   weight_sync   WeightPublisher (trainer rank 0): files, or a torch.distributed broadcast to vLLM workers
   metrics       metrics.jsonl (strict JSON: NaN/inf as null), progress line, plot

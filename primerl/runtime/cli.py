@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
         serve(cfg, host=args.host, port=args.port)
     elif args.command == "vllm-command":
-        from .vllm import serve_command_line
+        from .vllm_launch import serve_command_line
 
         print(serve_command_line(cfg))
     return 0

@@ -72,7 +72,8 @@ def make_client(cfg: RLConfig, vocab_size: int):
 
     if cfg.inference.backend == "vllm":
         from .policy import model_config
-        from .vllm import VLLMClient, wants_routing
+        from .vllm import VLLMClient
+        from .vllm_launch import wants_routing
 
         mc = model_config(cfg, vocab_size)  # to check routed experts [N, L, k]
         return VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s, output_dir=cfg.output_dir,
@@ -190,7 +191,8 @@ def launched_vllm(cfg: RLConfig, *, quiet: bool = True):
         return
     from primerl.rl.envs import load_environment
 
-    from .vllm import InferenceServerError, launch_for_job
+    from .vllm import InferenceServerError
+    from .vllm_launch import launch_for_job
 
     if not quiet:
         print(f"primerl rl: starting vLLM on {cfg.inference.vllm.url} (log: {Path(cfg.output_dir) / 'logs' / 'vllm.log'})",

@@ -20,7 +20,8 @@ from primerl.runtime.engine import InferenceEngine, Request, SamplingParams
 from primerl.runtime.server import EngineServer
 from primerl.runtime.transport import FileTransport
 from primerl.runtime.vllm import (InferenceServerError, VLLMClient, decode_routed_experts, encode_routed_experts,
-                                  quantize_for_transfer, vllm_env, vllm_serve_command)
+                                  quantize_for_transfer)
+from primerl.runtime.vllm_launch import vllm_env, vllm_serve_command
 
 from orchestrator_testing import run_orchestrator_with_stub_trainer
 
@@ -284,7 +285,7 @@ def test_launch_refuses_what_cannot_work_before_starting(tmp_path):
     launched host:port, a port already taken, a missing interpreter: clear errors, nothing started."""
     import socket
 
-    from primerl.runtime.vllm import VLLMLauncher, launch_for_job
+    from primerl.runtime.vllm_launch import VLLMLauncher, launch_for_job
 
     base = ["--output_dir", str(tmp_path), "--inference.backend", "vllm", "--inference.vllm.launch", "true"]
     if not torch.cuda.is_available():
@@ -309,7 +310,7 @@ def test_launch_refuses_what_cannot_work_before_starting(tmp_path):
 def test_launcher_stops_the_whole_process_group(tmp_path):
     """A stand-in server (a /health endpoint in a child that forks a grandchild, as vLLM's API server
     starts its engine core): start waits for /health, stop leaves no process of the group."""
-    from primerl.runtime.vllm import VLLMLauncher, _group_alive
+    from primerl.runtime.vllm_launch import VLLMLauncher, _group_alive
 
     port = _free_port()
     script = ("import http.server, os, sys, time\n"

@@ -15,7 +15,8 @@ from primerl.models.transformer import MoETransformer
 from primerl.runtime.config import load_config
 from primerl.runtime.hf_weights import hf_weights
 from primerl.runtime.transport import FileTransport
-from primerl.runtime.vllm import InferenceServerError, VLLMClient, VLLMLauncher, decode_routed_experts
+from primerl.runtime.vllm import InferenceServerError, VLLMClient, decode_routed_experts
+from primerl.runtime.vllm_launch import VLLMLauncher
 from primerl.runtime.weight_sync import WeightPublisher
 
 from vllm_testing import free_port, logprob_gap, need_vllm
