@@ -40,13 +40,15 @@ def pid_alive(pid: int) -> bool:
 
 def die_with_parent(parent_pid: int):
     """A ``preexec_fn`` that ties the child to ``parent_pid`` (runs in the child before exec)."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: no dlopen in the forked child
 
     def preexec() -> None:
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
 
