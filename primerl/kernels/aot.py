@@ -2,14 +2,14 @@
 (sm_100a) on a machine without a GPU, and what the compiled code says about each kernel:
 registers, spills, shared memory and the tensor-core instruction.
 
-Launch configurations are the package's own: each case (:mod:`.aot_cases`) calls a Triton
-launcher at a representative shape on storage-less tensors that report device cuda (meta
-tensors: shape, dtype and strides) while ``JITFunction.run`` records the launch instead of running it, with the
-SM count set to the target card's. So the tile table, warps and stages are exactly what a call on
-that GPU would use; pointer alignment is specialised from the tensors' storage offsets as Triton
-does at launch. Each distinct specialisation is compiled once per target with
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``; the wheel's ``cuobjdump``
-reads the cubin (``--dump-resource-usage`` and ``-sass``).
+Launch configurations are the package's own: each case (:mod:`.aot_cases`) calls a public op
+(``backend="triton"``) or a Triton launcher at a representative shape on storage-less tensors
+that report device cuda (meta tensors: shape, dtype and strides), while ``JITFunction.run``
+records the launch instead of running it and the SM count is the target card's. So the tile
+table, warps and stages are what a call on that GPU would use; pointer alignment is specialised
+from the tensors' storage offsets as Triton does at launch. Each distinct specialisation is
+compiled once per target with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``;
+the wheel's ``cuobjdump`` reads the cubin (``--dump-resource-usage`` and ``-sass``).
 
 What counts as a problem (:func:`problems`): the compile fails; any local-memory load or store in
 the SASS (``LDL``/``STL``: register spills) or a stack frame; dynamic shared memory over the
