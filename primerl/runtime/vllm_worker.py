@@ -70,7 +70,7 @@ class WeightUpdateExtension:
                 raise ValueError(f"weight update (version {version}) lacks {len(missing)} tensors of the served "
                                  f"checkpoint (e.g. {missing[:5]}); nothing was loaded")
         self._primerl_version = -1  # until every parameter is written: a failure leaves mixed weights
-        missing = load_in_place(runner.model, getattr(runner, "vllm_config", None), weights)
+        missing = load_in_place(runner.model, vllm_config, weights)
         if missing:
             raise RuntimeError(f"weight update left {len(missing)} parameters unwritten (e.g. {missing[:5]}); "
                                "the update is incomplete")
@@ -112,14 +112,34 @@ def load_in_place(model, vllm_config, weights: list) -> list[str]:
         loaded = model.load_weights(weights=weights)
         expected = {n for n, _ in model.named_parameters()} if hasattr(model, "named_parameters") else set()
         return sorted(expected - set(loaded or expected))
+    cpu = _on_cpu()
     initialize_layerwise_reload(model)
     expected = {name for name, _ in model.named_parameters()}  # the checkpoint-format parameters
     try:
         loaded = model.load_weights(weights=weights)
     finally:
         finalize_layerwise_reload(model, vllm_config.model_config)
-    _prepack_cpu_experts(model)  # (after a failed load the version stays -1: nothing to repair)
+    if cpu:  # (after a failed load the version stays -1: nothing to repair)
+        _prepack_cpu_experts(model)
     return sorted(expected - set(loaded))
+
+
+_CPU_RELOAD_VERIFIED = "0.32."
+
+
+def _on_cpu() -> bool:
+    """Whether vLLM runs on CPU; a CPU build other than the verified one is refused (before loading):
+    :func:`_prepack_cpu_experts` repairs a 0.32 behaviour, and prepacking twice would scramble the
+    weights of a build that no longer needs it."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    if not vllm.__version__.startswith(_CPU_RELOAD_VERIFIED):
+        raise RuntimeError(f"weight updates on a vLLM CPU build are verified with vLLM {_CPU_RELOAD_VERIFIED}x only "
+                           f"(MoE prepack after reload), this is {vllm.__version__}; nothing was loaded")
+    return True
 
 
 def _prepack_cpu_experts(model) -> None:
@@ -127,10 +147,6 @@ def _prepack_cpu_experts(model) -> None:
     (``_setup_kernel`` skips it when the kernel exists); on CPU that hook prepacks ``w13``/``w2``
     into the grouped-GEMM layout, so after a reload the CPU kernel would read unpacked weights
     (measured: MoE outputs off by ~1e-2 after reloading the very same weights). Run it again."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
     for layer in model.modules():
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
