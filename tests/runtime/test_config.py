@@ -15,10 +15,10 @@ EXAMPLE = ROOT / "examples" / "reverse_text.toml"
 
 def test_example_loads_and_overrides_apply():
     cfg = load_config(EXAMPLE, ["--trainer.lr", "1e-2", "--orchestrator.max_async_level=0", "--inference.kv_cache", "false",
-                                "--env.args.num_symbols", "5", "--trainer.loss.hparams", '{"eps_low": 0.1}', "--log.plot"])
+                                "--env.args.num_symbols", "5", "--trainer.loss.hparams", '{"delta_low": 0.1}', "--log.plot"])
     assert cfg.trainer.lr == 1e-2 and cfg.orchestrator.max_async_level == 0
     assert cfg.inference.kv_cache is False and cfg.log.plot is True
-    assert cfg.env.args["num_symbols"] == 5 and cfg.trainer.loss.hparams == {"eps_low": 0.1}
+    assert cfg.env.args["num_symbols"] == 5 and cfg.trainer.loss.hparams == {"delta_low": 0.1}
 
 
 def test_toml_round_trip(tmp_path):
