@@ -21,7 +21,7 @@ from primerl.runtime.server import EngineServer
 from primerl.runtime.transport import FileTransport
 from primerl.runtime.vllm import (InferenceServerError, VLLMClient, decode_routed_experts, encode_routed_experts,
                                   quantize_for_transfer)
-from primerl.runtime.vllm_launch import vllm_env, vllm_serve_command
+from primerl.runtime.vllm_launch import serve_command_line, vllm_env, vllm_serve_command
 
 from orchestrator_testing import run_orchestrator_with_stub_trainer
 
@@ -268,6 +268,9 @@ def test_launcher_command_line(tmp_path):
     assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_both"} and cmd[-1] == "--enforce-eager"
     assert vllm_env(cfg.inference.vllm) == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                                             "VLLM_ALL2ALL_BACKEND": "deepep_low_latency"}
+    line = serve_command_line(cfg)
+    assert line.startswith("VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALL2ALL_BACKEND=deepep_low_latency "
+                           "/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server")
     # a trainer-written checkpoint (no tokenizer files), float32 kept, no routing capture asked
     _model(0).save_pretrained(tmp_path / "ckpt")
     plain = vllm_serve_command(load_config(None, []).inference.vllm, cfg.model.__class__(),
@@ -305,6 +308,9 @@ def test_launch_refuses_what_cannot_work_before_starting(tmp_path):
         VLLMLauncher(cfg.inference.vllm, cfg.model, log_path=tmp_path / "v.log").start()
     with pytest.raises(ConfigError, match="inference.vllm.launch"):
         load_config(None, ["--inference.vllm.launch", "true"])
+    for key in ("launch_timeout_s", "cpu_kv_cache_gb"):
+        with pytest.raises(ConfigError, match=f"inference.vllm.{key}"):
+            load_config(None, [f"--inference.vllm.{key}", "0"])
 
 
 def test_launcher_stops_the_whole_process_group(tmp_path):
