@@ -7,7 +7,7 @@
    a ``ContextShardPlan`` per step). Per rank: the peak resident memory above what was resident
    before the step (Linux VmHWM reset through /proc/self/clear_refs; the largest rank is
    reported), tokens/s of the whole sequence. Each layout also runs at 1/4 and 1/2 of the length;
-   a quadratic through the three peaks gives the longest sequence that fits the memory the
+   the line through the peaks at 1/2 and 1 gives the longest sequence that fits the memory the
    single rank needs for the full length (``fits``, as a multiple of that length).
 2. Publishing weights: rank 0's peak memory while it receives the full weights of a ~40M-parameter
    model sharded on 4 ranks (FSDP2 dp_shard=4) and writes them as safetensors, streamed one
@@ -128,13 +128,12 @@ def _spawn(fn, world: int, *args) -> None:
 
 
 def _longest_fit(lengths: list[int], peaks: list[float], cap: float) -> float:
-    """Largest T with a + b T + c T^2 <= cap, the quadratic through the three measured points."""
-    import numpy as np
-
-    coeffs = np.polyfit(np.array(lengths, dtype=float), np.array(peaks, dtype=float), 2)
-    coeffs[-1] -= cap
-    roots = [r.real for r in np.roots(coeffs) if abs(r.imag) < 1e-9 and r.real > 0]
-    return max(roots) if roots else float("nan")
+    """Largest T whose peak stays <= cap, on the line through the two longest measured lengths
+    (per-rank memory is linear in the shard length once the attention masks are row-blocked; a
+    quadratic through three noisy points extrapolates badly)."""
+    (t0, p0), (t1, p1) = sorted(zip(lengths, peaks))[-2:]
+    slope = (p1 - p0) / (t1 - t0)
+    return t1 + (cap - p1) / slope if slope > 0 else float("inf")
 
 
 def _cp_rows(T: int, repeats: int, tmp: str) -> list[Row]:
