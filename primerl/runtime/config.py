@@ -165,6 +165,7 @@ class CheckpointConfig:
     interval: int = 0  # save every N steps (0: only at the end)
     keep: int = 2
     resume: bool = False  # continue from the latest checkpoint in output_dir
+    async_save: bool = False  # write interval checkpoints in a background thread (DCP async_save)
 
 
 @dataclass

@@ -63,16 +63,12 @@ def is_dcp_checkpoint(path: str | Path) -> bool:
 # ------------------------------------------------------------------------------------ expert layout
 def _ep_expert_params(model: nn.Module) -> dict[str, tuple[Any, int]]:
     """FQN -> (ep process group, number of experts E) of every expert-parallel weight slice."""
+    from .full_state import expert_param_names
+
     out = {}
-    for name, module in model.named_modules():
-        disp = getattr(module, "dispatcher", None)
-        if disp is None or getattr(disp, "ep_size", 1) <= 1 or getattr(module, "experts", None) is None:
-            continue
-        local = module.num_experts // disp.ep_size
-        for pname, p in module.experts.named_parameters(recurse=False):
-            if p.dim() >= 1 and p.shape[0] == local:
-                prefix = f"{name}.experts." if name else "experts."
-                out[prefix + pname] = (disp.group, module.num_experts)
+    for fqn in sorted(expert_param_names(model)):
+        moe = model.get_submodule(fqn.rsplit(".", 2)[0]) if fqn.count(".") >= 2 else model
+        out[fqn] = (moe.dispatcher.group, moe.num_experts)
     return out
 
 

@@ -35,11 +35,13 @@ from primerl.kernels.logprobs import fused_logprobs
 
 from . import _rl
 from . import full_state
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint
+from .dcp_checkpoint import is_dcp_checkpoint, load_dcp_checkpoint, save_dcp_checkpoint
 from .config import RLConfig, parallel_dims
 from .guards import check_finite_parameters
 from .padded_attention import padded_forward
 from .policy import build_model
+from .publish import publish_streamed
 from .transport import FileTransport
 
 log = logging.getLogger("primerl.trainer")
@@ -174,17 +176,28 @@ class Trainer:
         return {"optimizer": opt, "scheduler": self.scheduler.state_dict(),
                 "nan_skipped": self.nan_skipped, "nan_streak": self.nan_streak}
 
-    def save_checkpoint(self, root, step: int) -> None:
-        """Write a checkpoint after ``step`` optimizer steps (collective; rank 0 writes the files)."""
-        weights, state = self.state_dict_for_publish(), self.train_state()
-        if self.rank == 0:
-            save_checkpoint(root, step, weights, state, keep=self.cfg.checkpoint.keep)
+    def save_checkpoint(self, root, step: int, *, async_save: bool = False) -> None:
+        """Write a sharded DCP checkpoint after ``step`` optimizer steps (collective: every rank
+        writes its own shard, see ``dcp_checkpoint``); ``async_save`` writes it in the background."""
+        group = None
+        if async_save and self.world_size > 1:  # its own gloo group: training collectives go on meanwhile
+            if getattr(self, "_ckpt_group", None) is None:
+                self._ckpt_group = dist.new_group(backend="gloo")
+            group = self._ckpt_group
+        state = {"scheduler": self.scheduler.state_dict(), "nan_skipped": self.nan_skipped,
+                 "nan_streak": self.nan_streak}
+        save_dcp_checkpoint(root, step, self.model, self.optimizer, state, keep=self.cfg.checkpoint.keep,
+                            async_save=async_save, process_group=group)
 
     def load(self, path) -> None:
-        """Resume from a checkpoint written on any layout (every rank reads the files)."""
-        step, model_sd, state = load_checkpoint(path)
-        full_state.load_model_state(self.model, model_sd, ep_group=self.ep_group)
-        full_state.load_optimizer_state(self.model, self.optimizer, state["optimizer"], ep_group=self.ep_group)
+        """Resume from a checkpoint written on any layout: a sharded DCP one (each rank reads its
+        slices) or a full-state one (every rank reads the files)."""
+        if is_dcp_checkpoint(path):
+            step, state = load_dcp_checkpoint(path, self.model, self.optimizer)
+        else:
+            step, model_sd, state = load_checkpoint(path)
+            full_state.load_model_state(self.model, model_sd, ep_group=self.ep_group)
+            full_state.load_optimizer_state(self.model, self.optimizer, state["optimizer"], ep_group=self.ep_group)
         self.scheduler.load_state_dict(state["scheduler"])
         self.nan_skipped, self.nan_streak = state["nan_skipped"], state["nan_streak"]
         self.step = step
@@ -370,13 +383,13 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             log.info("resumed from %s (step %d)", found[1], trainer.step)
     start = trainer.step
     logger = publisher = None
-    weights = trainer.state_dict_for_publish()
     if rank == 0:
         from .weight_sync import WeightPublisher
 
         transport.drop_weights_after(start)
         publisher = WeightPublisher(cfg, transport, trainer.model)
-        publisher.publish(start, weights)
+    publish_streamed(publisher, start, trainer.model)  # collective: one full tensor at a time to rank 0
+    if rank == 0:
         logger = MetricsLogger(out, start_step=start, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project)
     t_prev = time.perf_counter()
@@ -388,14 +401,12 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             t1 = time.perf_counter()
             m = trainer.train_step(payload)
             t2 = time.perf_counter()
-            weights = trainer.state_dict_for_publish()
+            publish_streamed(publisher, step + 1, trainer.model)
             if rank == 0:
-                publisher.publish(step + 1, weights)
                 transport.drop_weights_before(step + 1 - cfg.orchestrator.max_async_level - 1)
                 transport.drop_batches_before(step)
-            del weights
             if bool(cfg.checkpoint.interval) and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 < cfg.max_steps:
-                trainer.save_checkpoint(ckpt_root, step + 1)
+                trainer.save_checkpoint(ckpt_root, step + 1, async_save=cfg.checkpoint.async_save)
             now = time.perf_counter()
             row = {"step": step, **payload["metrics"], **m,
                    "tokens_per_s": m["tokens"] / max(now - t_prev, 1e-9),

@@ -132,6 +132,26 @@ def test_checkpoint_restores_the_exact_training_state(tmp_path):
         assert torch.equal(p, q)
 
 
+def test_dcp_checkpoint_restores_the_exact_training_state(tmp_path):
+    """Trainer.save_checkpoint writes a sharded DCP checkpoint (one process here); Trainer.load
+    of it continues exactly as the uninterrupted trainer, counters and schedule included."""
+    from primerl.runtime.dcp_checkpoint import is_dcp_checkpoint
+
+    cfg = _cfg("--trainer.warmup_steps", "3")
+    a = Trainer(cfg, V)
+    a.train_step(_payload(_samples(4, seed=1), 64))
+    a.nan_skipped = 2
+    a.save_checkpoint(tmp_path, a.step)
+    assert is_dcp_checkpoint(tmp_path / "step_000001")
+    b = Trainer(cfg, V)
+    b.load(tmp_path / "step_000001")
+    assert (b.step, b.nan_skipped, b.scheduler.get_last_lr()) == (1, 2, a.scheduler.get_last_lr())
+    for t in (a, b):
+        t.train_step(_payload(_samples(4, seed=2), 64))
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_padded_attention_path_matches_the_kernel_path():
     from primerl.runtime.padded_attention import padded_forward
 
