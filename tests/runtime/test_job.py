@@ -109,3 +109,42 @@ def test_rl_command_trains_and_writes_metrics_and_plot(tmp_path):
     first = sum(r["reward/mean"] for r in rows[:5]) / 5
     last = sum(r["reward/mean"] for r in rows[-5:]) / 5
     assert last > first + 0.06, (first, last)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_kill_two_rank_trainer_then_resume_from_dcp_checkpoint(tmp_path):
+    """A 2-rank torchrun trainer (FSDP2) killed with kill -9 on one rank after its step-2 DCP
+    checkpoint; the job resumes from that sharded checkpoint, once on the same 2 ranks and once in
+    one process (another layout), and metrics.jsonl ends with every step exactly once."""
+    from primerl.runtime.dcp_checkpoint import is_dcp_checkpoint
+
+    cfg = _cfg(tmp_path / "killed", "--num_trainer_ranks", "2", "--trainer.lr_schedule", "constant")
+    cfg_path = tmp_path / "killed.toml"
+    cfg_path.write_text(to_toml(cfg))
+    proc = _cli(cfg_path)
+    ckpt = tmp_path / "killed" / "checkpoints" / "step_000002"
+    deadline = time.monotonic() + 240
+    while not ckpt.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint within 240 s"
+        time.sleep(0.05)
+    assert is_dcp_checkpoint(ckpt) and len(list(ckpt.glob("*.distcp"))) == 2  # each rank wrote its shard
+    pids = dict(line.split() for line in (tmp_path / "killed" / "pids").read_text().splitlines())
+    ranks = subprocess.run(["pgrep", "-P", pids["trainer"]], capture_output=True, text=True).stdout.split()
+    assert len(ranks) == 2, ranks
+    os.kill(int(ranks[-1]), signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    killed_at = max(r["step"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl"))
+    assert killed_at < 5
+    cfg.checkpoint.resume = True
+    cfg.max_steps = 4
+    run_rl(cfg, quiet=True)  # same layout
+    assert [r["step"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl")] == list(range(4))
+    cfg.max_steps, cfg.num_trainer_ranks = 6, 1
+    run_rl(cfg, quiet=True)  # one process, from the 2-rank checkpoint at step 4
+    rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(6))
+    log = (tmp_path / "killed" / "logs" / "trainer.log").read_text()
+    assert "resumed from" in log and "step_000004" in log, log[-2000:]
