@@ -8,6 +8,8 @@ Modules (imports are lazy; nothing heavy loads with the package):
   trainer       Trainer / run_trainer: loss, AdamW, schedule, NaN handling, checkpoints, weight publication
   transport     FileTransport: atomic rollout batches and versioned weights
   checkpoint    atomic checkpoint save / load / latest
+  dcp_checkpoint  sharded DCP checkpoints (save_dcp_checkpoint / load_dcp_checkpoint, optional async), any layout
+  publish       iter_full_weights / publish_streamed: full weights to rank 0 one tensor at a time, streamed safetensors
   job           process entry points; run_rl (two processes) and run_threads (one process)
   cli           the ``primerl`` command (rl, trainer, orchestrator, inference, vllm-command)
   vllm, vllm_launch, vllm_worker, server   vLLM client, launcher, worker-side weight updates, the engine's HTTP server
