@@ -2,6 +2,7 @@
 reference model, the SFT term, zero-advantage tokens, custom methods by import path, max_rl."""
 
 import math
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,11 +12,14 @@ import torch
 from test_trainer import V, _cfg, _payload, _samples as _trainer_samples
 
 from primerl.rl.losses import DEFAULT_HPARAMS
+from primerl.rl.packing import pack
 from primerl.runtime.config import ConfigError, LossConfig, load_config
 from primerl.runtime.job import run_threads
 from primerl.runtime.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "parallel"))
+from _parallel_dist import spawn  # noqa: E402
 
 
 def pg_only(inputs, scale=1.0):
@@ -129,3 +133,31 @@ def test_job_runs_with_the_loss_options(tmp_path, over):
     if "--trainer.loss.ref_kl_coef" in over:
         assert rows[0]["loss/ref_kl"] == 0.0 and rows[-1]["loss/ref_kl"] > 0
         assert rows[0]["loss/sft_nll"] > 0
+
+
+TERMS = ["--trainer.loss.ref_kl_coef", "0.5", "--trainer.loss.sft_coef", "0.1"]
+
+
+def _ranked_payload(step: int, ranks: int, rank: int) -> dict:
+    return {"micro_batches": pack(_samples(8, seed=step), 16, ranks, pad_to_seq_len=False)[rank], "metrics": {}}
+
+
+def _fsdp_case(rank, world_size, ref):
+    t = Trainer(_cfg(*TERMS, "--num_trainer_ranks", str(world_size)), V, rank=rank, world_size=world_size)
+    rows = [t.train_step(_ranked_payload(step, world_size, rank)) for step in range(len(ref))]
+    return [f"step {i} {k}: {a[k]!r} != one process {b[k]!r}" for i, (a, b) in enumerate(zip(rows, ref))
+            for k in b if (k == "loss" or k.startswith("loss/")) and not abs(a[k] - b[k]) <= 1e-5 * abs(b[k]) + 1e-7]
+
+
+def _two_ranks(rank, world_size, log, ref):
+    log.run("fsdp", _fsdp_case, rank, world_size, ref)
+
+
+@pytest.mark.dist
+def test_terms_counts_and_metrics_agree_between_one_process_and_two_fsdp_ranks(tmp_path):
+    """Zero-advantage tokens, the reference-KL and SFT terms and their metrics under FSDP2 on two
+    gloo ranks: the global counts and the all-reduced metrics give the one-process numbers."""
+    one = Trainer(_cfg(*TERMS), V)
+    ref = [one.train_step(_ranked_payload(step, 1, 0)) for step in range(2)]
+    assert ref[0]["loss/zero_adv_frac"] > 0 and ref[1]["loss/ref_kl"] > 0
+    assert spawn(_two_ranks, 2, tmp_path, ref) == {"fsdp": []}
