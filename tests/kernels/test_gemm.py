@@ -431,11 +431,11 @@ sig = dict(zip(ptrs, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*fp32"
 ints = ["M", "N", "K", "num_entries", "num_m_tiles", "num_progs", "stride_am", "stride_bg", "stride_bn",
         "stride_dm", "stride_cm", "stride_sam", "stride_sbg", "stride_sbn"]
 sig.update({n: "i32" for n in ints})
-const = dict(stride_ak=1, stride_bk=1, MODE=T.MODE_TABLE, SCALED=True, HAS_C=False, SB_GRAN=128, ENTRIES_P2=16,
+const = dict(stride_ak=1, stride_bk=1, MODE=T.MODE_TABLE, SCALED=True, HAS_C=False, SB_GRAN=128, MIXED=False, ENTRIES_P2=16,
              BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], PRECISION="tf32")
 check(T._m_grouped_gemm_nt_kernel, sig, const, ptrs + ["N", "K", "stride_am", "stride_bg", "stride_bn", "stride_dm"],
       cfg["num_stages"], cfg["num_warps"])
-check(T._m_grouped_gemm_nt_kernel, sig, dict(const, MODE=T.MODE_M_INDICES, SB_GRAN=1), ptrs + ["N", "K"],
+check(T._m_grouped_gemm_nt_kernel, sig, dict(const, MODE=T.MODE_M_INDICES, SB_GRAN=1, MIXED=True), ptrs + ["N", "K"],
       cfg["num_stages"], cfg["num_warps"], label="m_indices_mode")
 check(T._m_grouped_gemm_nt_kernel, sig, dict(const, MODE=T.MODE_DENSE, HAS_C=True), ptrs + ["N", "K"],
       cfg["num_stages"], cfg["num_warps"], label="dense_with_c")

@@ -372,3 +372,17 @@ def test_gpu_triton_deepgemm_arguments(alignment):
     G.m_grouped_fp8_gemm_nt_masked(am, (wg[0][:3], wg[1][:3]), masked_m, 16, d, backend="triton")
     past = torch.arange(64, device=dev)[None, :] >= masked_m[:, None]
     assert d[past].isnan().all() and not d[~past].isnan().any()
+
+
+def test_triton_layout_alignment_mismatch_is_loud(monkeypatch):
+    """On a GPU the Triton launch takes the group alignment from the setter (no host sync): a
+    layout built with a smaller alignment than configured gives NaN rows, never silent zeros.
+    Forced here by telling the launcher the tiles hold one group each."""
+    from primerl.kernels.gemm import triton as T
+
+    monkeypatch.setattr(T, "_tiles_mix_groups", lambda m_indices, bm: False)
+    offs = G.counts_to_offsets(torch.tensor([20, 100], dtype=torch.int32))
+    xp, m_idx, _ = G.pad_to_contiguous(_randn(120, 256, seed=40), offs, alignment=32)  # groups at rows 0, 32
+    b = quant_per_block(_randn(2, 64, 256, seed=41, scale=0.05))
+    out = G.m_grouped_fp8_gemm_nt_contiguous(quant_per_token_group(xp, 128), b, m_idx, backend="triton")
+    assert out[:20].isnan().all() and out[32:132].isfinite().all()  # a 128-row tile: group 0 is foreign

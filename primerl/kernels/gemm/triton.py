@@ -38,6 +38,7 @@ from . import offsets as off
 
 BLOCK = 128
 MODE_DENSE, MODE_TABLE, MODE_M_INDICES = 0, 1, 2
+BN_PER_ROW_B = 64
 
 
 @triton.jit
@@ -75,39 +76,52 @@ def _m_grouped_gemm_nt_kernel(
     M, N, K, num_entries, num_m_tiles, num_progs,
     stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_dm, stride_cm,
     stride_sam, stride_sbg, stride_sbn,
-    MODE: tl.constexpr, SCALED: tl.constexpr, HAS_C: tl.constexpr, SB_GRAN: tl.constexpr,
+    MODE: tl.constexpr, SCALED: tl.constexpr, HAS_C: tl.constexpr, SB_GRAN: tl.constexpr, MIXED: tl.constexpr,
     ENTRIES_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """D[rows] = A[rows] @ B[g].T (+ C[rows] with HAS_C); SB_GRAN: B-scale rows cover 128 (block
-    scales) or 1 (per-row scales, recipe (1, 1, 128)) rows of B."""
+    scales) or 1 (per-row scales, recipe (1, 1, 128)) rows of B. MIXED (m_indices only): a tile
+    may hold several groups (group alignment not a multiple of BM)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     for tile in range(pid, num_m_tiles * n_tiles, num_progs):
         mt = tile // n_tiles
         offs_n = (tile % n_tiles) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
-        if MODE == 2:
-            # m_indices: a tile may hold several groups (alignments below BM, e.g. 32..224 on
-            # SM100): one K loop per group present, each writing its own rows; -1 rows get zero.
+        if MODE == 2 and MIXED:
+            # m_indices with alignments that are no multiple of BM (e.g. 32..224 on SM100): one K
+            # loop per group present in the tile, each storing its own rows; -1 rows get zero.
+            # (Stored inside the loop: a second [BM, BN] accumulator would spill registers. The
+            # loop still spills on sm_100a, so it is compiled only for such layouts.)
             rows = mt * BM + tl.arange(0, BM)
-            store_ok = rows < M
-            row_group = tl.load(group_ptr + rows, mask=store_ok, other=-1)
+            in_bounds = rows < M
+            row_group = tl.load(group_ptr + rows, mask=in_bounds, other=-1)
             g_hi = tl.max(row_group, axis=0)
             g_lo = tl.min(tl.where(row_group >= 0, row_group, 2**30), axis=0)
-            out = tl.zeros((BM, BN), dtype=tl.float32)
+            d_ptrs = d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
+            pad = in_bounds & (row_group < 0)
+            tl.store(d_ptrs, tl.zeros((BM, BN), dtype=d_ptr.dtype.element_ty), mask=pad[:, None] & n_mask[None, :])
             for gg in range(g_lo, g_hi + 1):
                 row_ok = row_group == gg
                 present = tl.max(row_ok.to(tl.int32), axis=0) > 0
                 acc = _k_loop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, row_ok, offs_n, n_mask,
                               tl.where(present, gg, -1), K, stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
                               stride_sam, stride_sbg, stride_sbn, SCALED, SB_GRAN, BM, BN, BK, PRECISION)
-                out = tl.where(row_ok[:, None], acc, out)
+                tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
         else:
             if MODE == 0:
                 rows = mt * BM + tl.arange(0, BM)
                 row_ok = rows < M
                 store_ok = row_ok
                 g = mt * 0
+            elif MODE == 2:
+                # one group per tile: the tile's group is the max of its rows' m_indices
+                rows = mt * BM + tl.arange(0, BM)
+                store_ok = rows < M
+                row_group = tl.load(group_ptr + rows, mask=store_ok, other=-1)
+                g = tl.max(row_group, axis=0)
+                row_ok = (row_group == g) & (g >= 0)
+                foreign = (row_group >= 0) & (row_group != g)
             else:
                 ent = tl.arange(0, ENTRIES_P2)
                 tile_ends = tl.load(group_ptr + ent, mask=ent < num_entries, other=2**30)
@@ -125,11 +139,16 @@ def _m_grouped_gemm_nt_kernel(
                           stride_bg, stride_bn, stride_bk, stride_sam, stride_sbg, stride_sbn,
                           SCALED, SB_GRAN, BM, BN, BK, PRECISION)
             out = tl.where(row_ok[:, None], acc, 0.0)
-        st_mask = store_ok[:, None] & n_mask[None, :]
-        if HAS_C:
-            out += tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=st_mask, other=0.0)
-        d_ptrs = d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
-        tl.store(d_ptrs, out.to(d_ptr.dtype.element_ty), mask=st_mask)
+            if MODE == 2:
+                # a row of another group here means the layout's alignment is not the one the launch
+                # assumed: NaN, never a silent zero
+                out = tl.where(foreign[:, None], float("nan"), out)
+            st_mask = store_ok[:, None] & n_mask[None, :]
+            if HAS_C:
+                out += tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=st_mask,
+                               other=0.0)
+            d_ptrs = d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
+            tl.store(d_ptrs, out.to(d_ptr.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit
@@ -258,7 +277,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=None, b_index=None,
-                      num_entries=1, num_m_tiles=0, rows_per_group=1, c=None, sb_gran=BLOCK):
+                      num_entries=1, num_m_tiles=0, rows_per_group=1, c=None, sb_gran=BLOCK, mixed=False):
     """a [M, K] (any strides), b [G, N, K] (any strides), out [M, N] (unit column stride), c like
     out (added, DENSE mode); sb_gran: rows of B per B-scale row (128 or 1)."""
     m, k = a.shape
@@ -267,6 +286,15 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
     cfg = pick_tiles(rows_per_group, n, k, scaled, a.element_size(), num_groups=b.shape[0])
     if mode == MODE_M_INDICES:
         cfg["BM"] = min(cfg["BM"], BLOCK)
+        mixed = _tiles_mix_groups(group, cfg["BM"])
+    if scaled and sb_gran == 1 and not triton_interpreter_enabled():
+        # per-row B scales: each thread keeps a distinct scale per accumulator column (block scales:
+        # one per 128 columns); at 128x128 tiles ptxas spills (sm_90a, 50 LDL/STL measured with
+        # primerl.kernels.aot, with 5 or 3 stages alike): halve the tile's columns
+        cfg["BN"] = min(cfg["BN"], BN_PER_ROW_B)
+    if scaled and c is not None and not triton_interpreter_enabled():
+        # the C tile loaded in the epilogue spills at 128x128 on sm_100a (15 LDL/STL measured)
+        cfg["BN"] = min(cfg["BN"], BN_PER_ROW_B)
     bm = cfg.pop("BM")
     if mode != MODE_TABLE:
         num_m_tiles = triton.cdiv(m, bm)
@@ -285,10 +313,22 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
         c.stride(0) if c is not None else 0,
         sa.stride(0) if scaled else 0, sb.stride(0) if scaled else 0, sb.stride(1) if scaled else 0,
-        MODE=mode, SCALED=scaled, HAS_C=c is not None, SB_GRAN=sb_gran,
+        MODE=mode, SCALED=scaled, HAS_C=c is not None, SB_GRAN=sb_gran, MIXED=mixed,
         ENTRIES_P2=triton.next_power_of_2(max(num_entries, 1)), BM=bm, PRECISION=_precision(a.dtype), **cfg,
     )
     return out
+
+
+def _tiles_mix_groups(m_indices: torch.Tensor, bm: int) -> bool:
+    """Whether a BM-row tile of this m_indices layout can hold two groups: read on CPU (free);
+    on a GPU taken from the configured alignment (no sync): groups start on multiples of
+    get_mk_alignment_for_contiguous_layout(), and a tile that still meets two groups writes NaN."""
+    if m_indices.device.type == "cpu":
+        m = m_indices.numel()
+        blocks = torch.nn.functional.pad(m_indices, (0, -m % bm), value=-1).view(-1, bm)
+        hi = blocks.max(dim=1, keepdim=True).values
+        return bool(((blocks >= 0) & (blocks != hi)).any())
+    return off.get_mk_alignment_for_contiguous_layout() % bm != 0
 
 
 def _offsets_table(offsets: torch.Tensor, num_rows: int, bm: int):
