@@ -16,6 +16,10 @@ shards over ``efsdp``; on its own that tensor would clash with the other ep rank
 one name. :func:`_global_experts` re-describes it as a DTensor of the global shape ``[E, ...]`` on
 a mesh ``(ep, *efsdp mesh)`` with ``Shard(0)`` on ``ep`` first, which is exactly where the slice
 sits (DTensor's nested sharding splits dim 0 over ep, then each part over efsdp as FSDP2 did).
+
+Plain tensors (buffers, which FSDP2 leaves whole) are taken to be the same on every rank and are
+stored once, from whichever rank DCP picks: a per-rank accumulator such as MoE's
+``tokens_per_expert`` keeps one rank's counts.
 """
 
 from __future__ import annotations
