@@ -32,7 +32,7 @@ def test_ipo_masks_moves_in_either_direction_and_keeps_kl():
     # probability moves +0.05, +0.15, -0.15, 0: threshold 0.1 drops the middle two whatever A's sign
     lp = _logp(0.35, 0.45, 0.15, 0.3)
     loss, m = policy_loss(lp, b, adv, mask, method="ipo", kl_coef=0.0)
-    assert float(loss) == pytest.approx((-(0.35 / 0.3) + 2.0) / 4, abs=1e-15)  # 5/24
+    assert loss.item() == pytest.approx((-(0.35 / 0.3) + 2.0) / 4, abs=1e-15)  # 5/24
     g = _grad(loss, lp)
     torch.testing.assert_close(g, _t(-(0.35 / 0.3) / 4, 0, 0, 0.5))
     assert float(m["clip_frac_high"]) == 0.25 and float(m["clip_frac_low"]) == 0.25
@@ -54,7 +54,7 @@ def test_reference_kl_term_closed_form():
     loss, m = policy_loss(lp, b, torch.zeros(3, dtype=F64), mask, method="reinforce", drop_zero_advantage=True,
                           ref_logprobs=ref, ref_kl_coef=coef, ref_kl_drift=drift)
     per = [-LN2, drift * math.log(6) ** 2, LN2]
-    assert float(loss) == pytest.approx(coef * sum(per) / 3, rel=1e-13)
+    assert loss.item() == pytest.approx(coef * sum(per) / 3, rel=1e-13)
     torch.testing.assert_close(_grad(loss, lp), coef * _t(-LN2, 2 * drift * math.log(1 / 6), LN2) / 3)
     assert float(m["ref_kl_drop_frac"]) == pytest.approx(1 / 3) and float(m["pg_tokens"]) == 0
     k3 = lambda x: math.expm1(x) - x  # noqa: E731
@@ -64,7 +64,7 @@ def test_reference_kl_term_closed_form():
     loss, _ = policy_loss(lp_up, b, torch.zeros(3, dtype=F64), mask, method="reinforce", drop_zero_advantage=True,
                           ref_logprobs=ref, ref_weights=_t(2.0, 1.0, 0.0), ref_kl_drift=0.0)
     expect = (2 * -LN2 + 1 * -math.log(0.6 / 0.9) * 3.0) / 3  # weights 2, 1 (sum 3); ratio 0.9/0.3 = 3
-    assert float(loss) == pytest.approx(expect, rel=1e-13)
+    assert loss.item() == pytest.approx(expect, rel=1e-13)
     assert DEFAULT_HPARAMS["ref_kl"] == {"ref_kl_coef": 1.0, "ref_kl_delta": 0.2, "ref_kl_drift": 1e-3}
 
 
@@ -76,7 +76,7 @@ def test_sft_term_on_its_own_tokens_and_denominator():
     loss, m = policy_loss(lp, lp.detach(), adv, mask, method="reinforce", sft_weights=sft_w, sft_coef=0.1)
     pg = -(1.0 + 3.0 + 0.0) / 3  # on policy: r = 1; pg term over its 3 tokens
     sft = (1 * LN2 + 2 * 3 * LN2) / 3  # sum w (-lp) / sum w
-    assert float(loss) == pytest.approx(pg + 0.1 * sft, rel=1e-13)
+    assert loss.item() == pytest.approx(pg + 0.1 * sft, rel=1e-13)
     torch.testing.assert_close(_grad(loss, lp), _t(-0.1 / 3, -1 / 3, -3 / 3 - 0.1 * 2 / 3, 0.0))
     assert float(m["sft_nll"]) == pytest.approx(sft)
 
@@ -87,16 +87,16 @@ def test_loss_weights_scale_tokens_and_the_denominator():
     mask = torch.tensor([True, True, True, False])
     w = _t(1.0, 0.0, 3.0, 5.0)  # weight 0 removes token 1; token 3 is outside the mask
     loss, m = policy_loss(lp, lp.detach(), adv, mask, method="reinforce", loss_weights=w)
-    assert float(loss) == pytest.approx(-(1 * 1 + 3 * 3) / 4)
+    assert loss.item() == pytest.approx(-(1 * 1 + 3 * 3) / 4)
     torch.testing.assert_close(_grad(loss, lp), _t(-1 / 4, 0, -9 / 4, 0))
     assert float(m["pg_tokens"]) == 4
     cu = torch.tensor([0, 2, 4])
     loss, _ = policy_loss(lp, lp.detach(), adv, mask, method="reinforce", loss_weights=w, cu_seqlens=cu,
                           aggregation="seq_mean_token_mean")
-    assert float(loss) == pytest.approx(-(1.0 + 9 / 3) / 2)  # seq 0: 1/1, seq 1: 3*3/3
+    assert loss.item() == pytest.approx(-(1.0 + 9 / 3) / 2)  # seq 0: 1/1, seq 1: 3*3/3
     loss, _ = policy_loss(lp, lp.detach(), adv, mask, method="reinforce", loss_weights=w, cu_seqlens=cu,
                           aggregation="seq_mean_token_mean", global_num_seqs=4)
-    assert float(loss) == pytest.approx(-(1.0 + 3.0) / 4)
+    assert loss.item() == pytest.approx(-(1.0 + 3.0) / 4)
 
 
 @pytest.mark.parametrize("method", ["reinforce", "dppo_tv"])
@@ -108,8 +108,8 @@ def test_zero_advantage_tokens_leave_the_loss_and_its_denominator(method):
     kept, m = policy_loss(lp, ilp, adv, mask, method=method)
     dropped, m2 = policy_loss(lp, ilp, adv, mask, method=method, drop_zero_advantage=True)
     kl = 1e-3 * math.log(1.2) ** 2 if method == "dppo_tv" else 0.0
-    assert float(kept) == pytest.approx((-6 + kl) / 4, rel=1e-12)
-    assert float(dropped) == pytest.approx(-6 / 2, rel=1e-12)
+    assert kept.item() == pytest.approx((-6 + kl) / 4, rel=1e-12)
+    assert dropped.item() == pytest.approx(-6 / 2, rel=1e-12)
     torch.testing.assert_close(_grad(dropped, lp), _t(0, 0, -1, -2))
     assert float(m["zero_adv_frac"]) == float(m2["zero_adv_frac"]) == 0.5
     assert float(m2["pg_tokens"]) == 2 and float(m2["num_tokens"]) == 4
@@ -131,7 +131,7 @@ def test_sequence_mask_drops_a_sequence_on_either_bound():
     loss, m = run(sequence_mask_low=0.01)
     g = _grad(loss, lp)
     assert (g[:4] == 0).all() and (g[4:] == -1 / 6).all()
-    assert float(loss) == pytest.approx(-2 / 6) and float(m["sequence_mask_drop_frac"]) == pytest.approx(2 / 3)
+    assert loss.item() == pytest.approx(-2 / 6) and float(m["sequence_mask_drop_frac"]) == pytest.approx(2 / 3)
 
 
 def _custom_module(tmp_path, monkeypatch, body):
@@ -161,7 +161,7 @@ def test_custom_method_by_import_path(tmp_path, monkeypatch):
                              cu_seqlens=cu, **hp)
         torch.testing.assert_close(mine, ref, rtol=1e-14, atol=1e-15)
         torch.testing.assert_close(_grad(mine, lp), _grad(ref, lp), rtol=1e-14, atol=1e-15)
-        assert float(m["custom/mean_ratio"]) == pytest.approx(float(torch.exp(lp - ilp)[mask].mean()))
+        assert float(m["custom/mean_ratio"]) == pytest.approx(float(torch.exp(lp.detach() - ilp)[mask].mean()))
     with pytest.raises(ValueError, match=r"custom method my_losses:wrong_shape must return the per-token loss"):
         policy_loss(lp, ilp, adv, mask, method="my_losses:wrong_shape")
     for spec, match in (("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
