@@ -28,12 +28,7 @@ _TABLE_SPILLS = ("FP8 M-grouped GEMM in table mode (offsets / masked layouts) sp
                  "chooses: BM=128/8 warps on sm_90a (a few values) and sm_100a (44 local loads/stores), BM=64/4 warps "
                  "on sm_100a; BN=64 at the same BM/warps/stages compiles spill-free on both (AOT-measured); "
                  "the dense mode at BN=128 does not spill")
-_M_INDICES_SPILLS = ("FP8 M-grouped GEMM in m_indices mode spills since m_indices at any alignment (5ba2e9e: tiles loop "
-                     "over the groups they hold): 107 LDL/STL on sm_90a, 119 on sm_100a at BM=128 BN=128 8 warps; "
-                     "BN=64 compiles spill-free on both (AOT-measured); fix belongs in gemm/triton.py")
 KNOWN = {
-    ("fp8 m-grouped contiguous", "sm_90a"): _M_INDICES_SPILLS,
-    ("fp8 m-grouped contiguous", "sm_100a"): _M_INDICES_SPILLS,
     ("fp8 m-grouped offsets", "sm_90a"): _TABLE_SPILLS,
     ("fp8 m-grouped offsets", "sm_100a"): _TABLE_SPILLS,
     ("fp8 m-grouped masked", "sm_100a"): _TABLE_SPILLS,
