@@ -82,6 +82,10 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"forward_grouped: local_counts must have shape ({self.w13.shape[0]},), got {tuple(local_counts.shape)}"
             )
+        if x_recv.shape[0] == 0 and self.fp8_recipe is not None:  # an ep rank that got no rows: the FP8
+            # quantizers reject empty input. Output from x_recv and the weights, so the graph still
+            # reaches both (FSDP's post-backward hooks hang on the input, the reduce-scatter needs the grads).
+            return x_recv * 0 + 0 * (self.w13.sum() + self.w2.sum()).to(x_recv.dtype)
         be = resolve_backend("forward_grouped", self.backend, x_recv.device, supported=("torch", "triton"))
         ends = local_counts.cumsum(0).to(torch.int32)
         return experts_on_grouped_rows(x_recv.contiguous(), self.w13, self.w2, ends, backend_impl(be), self.fp8_recipe)

@@ -143,6 +143,7 @@ class TrainerConfig:
     lr: float = 3e-3
     beta1: float = 0.9
     beta2: float = 0.999
+    eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     lr_schedule: str = "constant"  # "constant", "linear" or "cosine" (after warmup)
@@ -381,6 +382,7 @@ def validate(cfg: RLConfig) -> None:
     _need(v.data_parallel >= 1 and v.tensor_parallel >= 1, "inference.vllm.data_parallel/tensor_parallel", "must be >= 1",
           (v.data_parallel, v.tensor_parallel))
     _need(t.lr > 0, "trainer.lr", "must be > 0", t.lr)
+    _need(t.eps > 0, "trainer.eps", "must be > 0", t.eps)
     _need(t.max_grad_norm >= 0, "trainer.max_grad_norm", "must be >= 0 (0 disables clipping)", t.max_grad_norm)
     _need(t.lr_schedule in ("constant", "linear", "cosine"), "trainer.lr_schedule", "must be constant, linear or cosine", t.lr_schedule)
     _need(t.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0", t.warmup_steps)

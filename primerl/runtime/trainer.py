@@ -151,7 +151,7 @@ class Trainer:
         self.cp_group = self.mesh["cp"].get_group() if self.dims.cp > 1 else None
         self.cp_rank = self.mesh["cp"].get_local_rank() if self.dims.cp > 1 else 0
         self.ep_group = self.mesh["ep"].get_group() if self.dims.ep > 1 else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                            weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.padded = self.dims.cp == 1 and (
