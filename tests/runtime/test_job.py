@@ -38,19 +38,25 @@ def _same_run(a, b, steps):
         assert x["mismatch_kl/mean"] == pytest.approx(y["mismatch_kl/mean"], rel=1e-3, abs=1e-7)
 
 
+def _start_until_checkpoint(cfg, tmp_path, *, timeout: float):
+    """``primerl rl`` on ``cfg`` in a subprocess, returned once its step-2 checkpoint exists."""
+    cfg_path = tmp_path / "killed.toml"
+    cfg_path.write_text(to_toml(cfg))
+    proc = _cli(cfg_path)
+    ckpt = Path(cfg.output_dir) / "checkpoints" / "step_000002"
+    deadline = time.monotonic() + timeout
+    while not ckpt.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no checkpoint within {timeout} s"
+        time.sleep(0.05)
+    return proc
+
+
 @pytest.mark.slow
 def test_kill_trainer_then_resume_matches_uninterrupted_run(tmp_path):
     full = run_threads(_cfg(tmp_path / "full"))
     cfg = _cfg(tmp_path / "killed")
-    cfg_path = tmp_path / "killed.toml"
-    cfg_path.write_text(to_toml(cfg))
-    proc = _cli(cfg_path)
-    ckpt = tmp_path / "killed" / "checkpoints" / "step_000002"
-    deadline = time.monotonic() + 180
-    while not ckpt.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoint within 180 s"
-        time.sleep(0.05)
+    proc = _start_until_checkpoint(cfg, tmp_path, timeout=180)
     pids = dict(line.split() for line in (tmp_path / "killed" / "pids").read_text().splitlines())
     os.kill(int(pids["trainer"]), signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
@@ -121,15 +127,8 @@ def test_kill_two_rank_trainer_then_resume_from_dcp_checkpoint(tmp_path):
 
     cfg = _cfg(tmp_path / "killed", "--num_trainer_ranks", "2", "--trainer.lr_schedule", "constant",
                "--checkpoint.async_save", "true")  # interval saves written in the background
-    cfg_path = tmp_path / "killed.toml"
-    cfg_path.write_text(to_toml(cfg))
-    proc = _cli(cfg_path)
+    proc = _start_until_checkpoint(cfg, tmp_path, timeout=240)
     ckpt = tmp_path / "killed" / "checkpoints" / "step_000002"
-    deadline = time.monotonic() + 240
-    while not ckpt.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoint within 240 s"
-        time.sleep(0.05)
     assert is_dcp_checkpoint(ckpt) and len(list(ckpt.glob("*.distcp"))) == 2  # each rank wrote its shard
     pids = dict(line.split() for line in (tmp_path / "killed" / "pids").read_text().splitlines())
     ranks = subprocess.run(["pgrep", "-P", pids["trainer"]], capture_output=True, text=True).stdout.split()
