@@ -163,7 +163,7 @@ def test_shard_for_context_splits_every_per_token_tensor(layout):
     (mbs,) = pack(samples, seq_len=24, num_ranks=1)
     mb = mbs[0]
     W = 2
-    loss_tokens = 0
+    loss_tokens, padded = 0, False
     for rank in range(W):
         plan = context.ContextShardPlan(mb.cu_seqlens, layout=layout, world_size=W, rank=rank)
         local = mb.shard_for_context(plan)
@@ -173,13 +173,20 @@ def test_shard_for_context_splits_every_per_token_tensor(layout):
             expect = plan.shard(full, dim=0)
             if name == "loss_mask":
                 expect = expect & ~plan.padding_mask
+            if name == "temperatures":  # plan padding samples at 1.0 (0 is not a temperature)
+                expect = expect.masked_fill(plan.padding_mask, 1.0)
+            if name == "replay_ids":  # plan padding routes to experts 0..k-1 (distinct ids)
+                spread = torch.arange(expect.shape[-1], dtype=expect.dtype).expand_as(expect)
+                expect = torch.where(plan.padding_mask[:, None, None], spread, expect)
             assert torch.equal(part, expect), name
+        padded = padded or bool(plan.padding_mask.any())
         assert torch.equal(local.cu_seqlens, plan.local_cu_seqlens) and local.context_plan is plan
         assert not local.loss_mask[plan.padding_mask].any()
         loss_tokens += int(local.loss_mask.sum())
         with pytest.raises(ValueError, match="already sharded"):
             local.shard_for_context(plan)
     assert loss_tokens == int(mb.loss_mask.sum())  # every loss token lands on exactly one rank
+    assert padded  # the case exercises plan padding
     other = context.ContextShardPlan(torch.tensor([0, 24], dtype=torch.int32), world_size=W, rank=0)
     with pytest.raises(ValueError, match="different cu_seqlens"):
         mb.shard_for_context(other)
