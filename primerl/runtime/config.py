@@ -410,63 +410,6 @@ def validate(cfg: RLConfig) -> None:
     validate_parallel(cfg)
 
 
-# --------------------------------------------------------------------------------------------
-# values that would only fail seconds into a run: non-finite numbers, names that resolve nowhere
-
-
-def validate_finite(cfg) -> None:
-    """Every float in the config (free-form tables included) must be finite: ``trainer.lr = inf``
-    would turn the weights into NaN at the first update."""
-
-    def walk(v: Any, key: str) -> None:
-        if dataclasses.is_dataclass(v):
-            for f in dataclasses.fields(v):
-                walk(getattr(v, f.name), f"{key}.{f.name}" if key else f.name)
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                walk(x, f"{key}.{k}")
-        elif isinstance(v, list):
-            for i, x in enumerate(v):
-                walk(x, f"{key}[{i}]")
-        elif isinstance(v, float):
-            _need(math.isfinite(v), key, "must be a finite number", v)
-
-    walk(cfg, "")
-
-
-def validate_names(cfg: RLConfig) -> None:
-    """Loss method / corrections / aggregation against ``primerl.rl.losses``' lists, the
-    environment factory and its arguments, and ``model.path``: resolved now, so ``--dry-run`` fails."""
-    from primerl.rl import losses
-    from primerl.rl.envs import resolve_environment
-
-    loss = cfg.trainer.loss
-    try:
-        losses.resolve_method(loss.method)  # a built-in name, or imports 'package.module:function'
-    except ValueError as e:
-        raise ConfigError(f"trainer.loss.method: {e}") from None
-    bad = [c for c in loss.corrections if c not in losses.CORRECTIONS]
-    _need(not bad, "trainer.loss.corrections", f"has unknown entries {bad}; choose from {losses.CORRECTIONS}",
-          loss.corrections)
-    _need(loss.aggregation in losses.AGGREGATIONS, "trainer.loss.aggregation",
-          f"must be one of {losses.AGGREGATIONS}", loss.aggregation)
-    terms = tuple(n for n, on in (("ref_kl", loss.ref_kl_coef > 0), ("sft", loss.sft_coef > 0)) if on)
-    try:  # hyperparameter names and values against the method, corrections and terms in use
-        losses.check_loss_spec(loss.method, loss.corrections, loss.aggregation,
-                               {k: v for k, v in loss.hparams.items() if k != "norm_constant"}, terms)
-    except ValueError as e:
-        raise ConfigError(f"trainer.loss.hparams: {e}") from None
-    try:
-        resolve_environment(cfg.env.id, cfg.env.args)
-    except ValueError as e:
-        raise ConfigError(f"env.id / env.args: {e}") from None
-    m = cfg.model
-    if m.path:
-        _need(Path(m.path).is_dir(), "model.path", "must be an existing directory (a Hugging Face checkpoint)", m.path)
-        _need((Path(m.path) / "config.json").is_file(), "model.path", "has no config.json (not a Hugging Face "
-              "checkpoint directory)", m.path)
-
-
 FP8_RECIPES = ("blockwise", "blockwise_fp8_wgrad")
 _FP8_BLOCK = 128
 
