@@ -309,22 +309,70 @@ def test_swiglu_triton_bitwise(torch_exp, shape, dtype):
 @pytest.mark.parametrize("m", [1, 19])
 @pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_swiglu_quant_triton_bitwise(torch_exp, m, ue8m0, dtype):
+@pytest.mark.parametrize("rounding", ["reciprocal", "divide"])
+def test_swiglu_quant_triton_bitwise(torch_exp, m, ue8m0, dtype, rounding):
     from primerl.kernels.fp8.reference import quant_per_token_group
     from primerl.kernels.moe import triton as TR
 
     torch.manual_seed(10)
     gu = (torch.randn(m, 2 * 256) * 3).to(torch.bfloat16)
     gu[0, :128] = 0.0  # an all-zero group: the amax floor
-    q, sf = TR.swiglu_quant(gu, 128, dtype, ue8m0)
-    q_ref, sf_ref = R.swiglu_quant(gu, 128, dtype, ue8m0)
+    q, sf = TR.swiglu_quant(gu, 128, dtype, ue8m0, rounding=rounding)
+    q_ref, sf_ref = R.swiglu_quant(gu, 128, dtype, ue8m0, rounding=rounding)
     assert_bitwise_equal(sf, sf_ref, "sf")
     assert_bitwise_equal(q, q_ref, "q")
     # the fused op is SwiGLU in float32 followed by the package's per-token-group quantizer
     g, u = gu[:, :256].float(), gu[:, 256:].float()
-    q2, sf2 = quant_per_token_group(g * R._sigmoid(g) * u, 128, dtype, ue8m0)
+    q2, sf2 = quant_per_token_group(g * R._sigmoid(g) * u, 128, dtype, ue8m0, rounding=rounding)
     assert_bitwise_equal(q_ref, q2, "q vs quant_per_token_group")
     assert_bitwise_equal(sf_ref, sf2, "sf vs quant_per_token_group")
+
+
+def test_swiglu_quant_rounding_default_and_check():
+    """The default is the DeepGEMM-layout quantizer's ("reciprocal"); the two roundings differ
+    on some bytes of a large random input; an unknown rounding is refused by both backends."""
+    torch.manual_seed(11)
+    gu = torch.randn(512, 2 * 512) * 3
+    q_def, _ = R.swiglu_quant(gu, 128, torch.float8_e4m3fn, False)
+    q_rec, _ = R.swiglu_quant(gu, 128, torch.float8_e4m3fn, False, rounding="reciprocal")
+    q_div, _ = R.swiglu_quant(gu, 128, torch.float8_e4m3fn, False, rounding="divide")
+    assert_bitwise_equal(q_def, q_rec, "default rounding")
+    assert (q_rec.view(torch.uint8) != q_div.view(torch.uint8)).any(), "the two roundings never differed"
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        R.swiglu_quant(gu, 128, torch.float8_e4m3fn, False, rounding="nearest")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_swiglu_quant_nan_inf_policy(torch_exp, ue8m0):
+    """NaN / inf in SwiGLU's output follow the fp8 quantizers' policy on both backends: a NaN
+    propagates to its group's scale (Triton's plain max would drop it), inf saturates."""
+    from primerl.kernels.fp8.reference import quant_per_token_group
+    from primerl.kernels.moe import triton as TR
+
+    torch.manual_seed(12)
+    gu = torch.randn(4, 2 * 256)
+    gu[0, 5] = float("nan")  # gate NaN -> h NaN in group 0 of row 0
+    gu[1, 256 + 130] = float("inf")  # up inf with a positive gate -> h inf in group 1 of row 1
+    gu[1, 130] = 2.0
+    gu[2, 256 + 7] = float("-inf")
+    gu[2, 7] = 1.0
+    ref = R.swiglu_quant(gu, 128, torch.float8_e4m3fn, ue8m0)
+    got = TR.swiglu_quant(gu, 128, torch.float8_e4m3fn, ue8m0)
+    g, u = gu[:, :256], gu[:, 256:]
+    want = quant_per_token_group(g * R._sigmoid(g) * u, 128, torch.float8_e4m3fn, ue8m0)
+    for name, (q, sf) in (("triton", got), ("quant_per_token_group", want)):
+        assert_bitwise_equal(sf, ref[1], f"sf {name}")
+        assert torch.equal(q.float().isnan(), ref[0].float().isnan()), f"NaN positions {name}"
+        ok = ~ref[0].float().isnan()
+        assert_bitwise_equal(q.float()[ok], ref[0].float()[ok], f"q {name}")
+    sf = ref[1]
+    if ue8m0:
+        assert sf[0, 0] == 2.0 ** 127 and sf[1, 1] == 2.0 ** 127
+    else:
+        assert sf[0, 0].isnan() and sf[1, 1].isinf() and sf[2, 0].isinf()
+    assert ref[0].float()[0, :128].isnan().any()
+    assert torch.isfinite(sf[3]).all()
 
 
 # ----------------------------------------------------------------------------------- fused experts

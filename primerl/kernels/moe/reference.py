@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8.reference import fp8_max, scale_from_amax
+from ..fp8.reference import ROUNDINGS, cast_scaled, scale_from_amax
 
 NORM_EPS = 1e-20
 
@@ -271,18 +271,22 @@ def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu_quant(gu: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool):
+def swiglu_quant(gu: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool,
+                 rounding: str = "reciprocal"):
     """SwiGLU then per-token-group FP8 quantization of the float32 result (never rounded to bf16).
 
     gu [M, 2I] -> q [M, I] fp8, sf [M, I // group_size] float32 with ``h ≈ q.float() * sf``.
+    Bitwise :func:`primerl.kernels.fp8.quant_per_token_group` of ``silu(g) * u`` in float32: the
+    same ``rounding`` ("reciprocal" or "divide") and NaN / inf policy.
     """
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"swiglu_quant: rounding must be one of {ROUNDINGS}, got {rounding!r}")
     i = gu.shape[1] // 2
     g, u = gu[:, :i].float(), gu[:, i:].float()
     h = _sigmoid(g).mul_(g).mul_(u)
     groups = h.reshape(h.shape[0], i // group_size, group_size)
     sf = scale_from_amax(groups.abs().amax(dim=-1), dtype, ue8m0)
-    fmax = fp8_max(dtype)
-    q = (groups / sf.unsqueeze(-1)).clamp(-fmax, fmax).to(dtype)
+    q = cast_scaled(groups, sf.unsqueeze(-1), dtype, rounding)
     return q.reshape(h.shape[0], i), sf
 
 

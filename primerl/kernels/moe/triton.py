@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
-from ..fp8.reference import AMAX_FLOOR, fp8_max
+from ..fp8.reference import ROUNDINGS, fp8_max
+from ..fp8.triton import _abs_bits, _cast_scaled, _scale_from_amax
 from .reference import max_padded_rows
 
 from triton.language.extra import libdevice
@@ -281,8 +282,9 @@ def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _swiglu_quant_kernel(
-    gu_ptr, q_ptr, sf_ptr, M, I, fmax, amax_floor,
-    GROUP: tl.constexpr, UE8M0: tl.constexpr, BLOCK_M: tl.constexpr,
+    gu_ptr, q_ptr, sf_ptr, M, I,
+    GROUP: tl.constexpr, FMAX: tl.constexpr, UE8M0: tl.constexpr, RECIPROCAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     grp = tl.program_id(1)
@@ -292,26 +294,25 @@ def _swiglu_quant_kernel(
     g = tl.load(gu_ptr + base, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + base + I, mask=m, other=0.0).to(tl.float32)
     h = g * _sigmoid(g) * u
-    amax = tl.max(tl.abs(h), axis=1)
-    sf = tl.math.div_rn(tl.maximum(amax, amax_floor), fmax)
-    if UE8M0:
-        bits = sf.to(tl.int32, bitcast=True)
-        expo = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        sf = (expo << 23).to(tl.float32, bitcast=True)
-    q = tl.math.div_rn(h, sf[:, None])
-    q = tl.minimum(tl.maximum(q, -fmax), fmax)
-    tl.store(q_ptr + r[:, None].to(tl.int64) * I + c[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+    # the fp8 quantizer's helpers: NaN-propagating amax, clamped UE8M0, the chosen rounding
+    sf = _scale_from_amax(tl.max(_abs_bits(h), axis=1), FMAX, UE8M0)
+    q = _cast_scaled(h, sf[:, None], FMAX, q_ptr.dtype.element_ty, RECIPROCAL)
+    tl.store(q_ptr + r[:, None].to(tl.int64) * I + c[None, :], q, mask=m)
     tl.store(sf_ptr + r.to(tl.int64) * (I // GROUP) + grp, sf, mask=r < M)
 
 
-def swiglu_quant(gu: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool):
+def swiglu_quant(gu: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool,
+                 rounding: str = "reciprocal"):
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"swiglu_quant: rounding must be one of {ROUNDINGS}, got {rounding!r}")
     m, i = gu.shape[0], gu.shape[1] // 2
     q = torch.empty(m, i, dtype=dtype, device=gu.device)
     sf = torch.empty(m, i // group_size, dtype=torch.float32, device=gu.device)
     if m and i:
         bm = max(1, min(64, 4096 // group_size))
         _swiglu_quant_kernel[(triton.cdiv(m, bm), i // group_size)](
-            gu.contiguous(), q, sf, m, i, fp8_max(dtype), AMAX_FLOOR,
-            GROUP=group_size, UE8M0=ue8m0, BLOCK_M=bm, **_NO_FMA,
+            gu.contiguous(), q, sf, m, i,
+            GROUP=group_size, FMAX=fp8_max(dtype), UE8M0=ue8m0, RECIPROCAL=rounding == "reciprocal",
+            BLOCK_M=bm, **_NO_FMA,
         )
     return q, sf
