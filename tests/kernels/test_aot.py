@@ -22,17 +22,10 @@ from primerl.kernels.aot_cases import all_cases
 BAD_KERNELS = str(Path(__file__).with_name("aot_bad_kernels.py"))
 CI_CASES = [c for c in all_cases() if c.ci]
 
-# Findings of the first run (2026-12-03), kept visible: strict, so a fix turns them into failures
-# that ask for the entry to be removed. Keyed on (case name prefix, arch).
-_TABLE_SPILLS = ("FP8 M-grouped GEMM in table mode (offsets / masked layouts) spills at the BN=128 tiles pick_tiles "
-                 "chooses: BM=128/8 warps on sm_90a (a few values) and sm_100a (44 local loads/stores), BM=64/4 warps "
-                 "on sm_100a; BN=64 at the same BM/warps/stages compiles spill-free on both (AOT-measured); "
-                 "the dense mode at BN=128 does not spill")
-KNOWN = {
-    ("fp8 m-grouped offsets", "sm_90a"): _TABLE_SPILLS,
-    ("fp8 m-grouped offsets", "sm_100a"): _TABLE_SPILLS,
-    ("fp8 m-grouped masked", "sm_100a"): _TABLE_SPILLS,
-}
+# Known failures, as (case name prefix, arch) -> reason; strict xfails, so a fix turns them into
+# failures that ask for the entry to be removed. Empty: the first run's spills of the FP8 M-grouped
+# kernel (table mode at BN=128, m_indices mode) are fixed in primerl/kernels/gemm/triton.py.
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _has_nvidia_backend() -> bool:

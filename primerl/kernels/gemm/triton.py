@@ -292,6 +292,11 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
         # one per 128 columns); at 128x128 tiles ptxas spills (sm_90a, 50 LDL/STL measured with
         # primerl.kernels.aot, with 5 or 3 stages alike): halve the tile's columns
         cfg["BN"] = min(cfg["BN"], BN_PER_ROW_B)
+    if scaled and mode == MODE_TABLE and not triton_interpreter_enabled():
+        # table mode (offsets / masked layouts) reads each tile's group bounds from a table; at BN=128
+        # ptxas spills (sm_90a 6, sm_100a 44-62 LDL/STL measured with primerl.kernels.aot), BN=64
+        # compiles spill-free on both
+        cfg["BN"] = min(cfg["BN"], BN_PER_ROW_B)
     if scaled and c is not None and not triton_interpreter_enabled():
         # the C tile loaded in the epilogue spills at 128x128 on sm_100a (15 LDL/STL measured)
         cfg["BN"] = min(cfg["BN"], BN_PER_ROW_B)
