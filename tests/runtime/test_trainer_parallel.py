@@ -66,13 +66,15 @@ LAYOUTS = {
 }
 MODES = {"fp32": "off", "fp8": "blockwise"}
 LR = {"fp32": "1e-4", "fp8": "1e-6"}
-# Open: with cp = 2 and FP8 the step-2 gradient norm is 2.20191 against 2.20127 in one process
-# (2.9e-4 relative, the same in both cp layouts, stable under lr and the reference's attention
-# path); losses of all 3 steps, step 0-1 norms and the weights agree within 1e-5. Not explained yet.
-CP_FP8_OPEN = {"dp_shard2_cp2-fp8", "ep2_cp2_ac-fp8"}
-CASES = [pytest.param(f"{layout}-{mode}", marks=pytest.mark.xfail(
-             reason="cp=2 + FP8: step-2 grad norm 2.9e-4 off (see CP_FP8_OPEN)", strict=False))
-         if f"{layout}-{mode}" in CP_FP8_OPEN else f"{layout}-{mode}" for layout in LAYOUTS for mode in MODES]
+# cp = 2 with FP8: ring attention's output differs from one process's attention by float32
+# rounding (~1e-7 relative), and FP8 quantization turns that into a different code for the odd
+# element near a rounding boundary. Measured in ONE process (test_fp8_amplifies_attention_rounding):
+# the attention output times (1 + 1e-7 * noise) moves the FP8 step-2 gradient norm by 2.9e-4
+# (2.20191 vs 2.20127, the very values the cp = 2 layouts give) and float32 by 7e-8. So the cp FP8
+# layouts are held to 1e-5 on losses, token counts and weights, and to 1e-3 on the gradient norm.
+CP_FP8 = {"dp_shard2_cp2-fp8", "ep2_cp2_ac-fp8"}
+GRAD_NORM_RTOL_CP_FP8 = 1e-3
+CASES = [f"{layout}-{mode}" for layout in LAYOUTS for mode in MODES]
 
 
 def _cfg(ranks: int, mode: str, layout: list[str]):
@@ -110,12 +112,12 @@ def _reference(mode: str):
     return _train(Trainer(_cfg(1, mode, []), V), 1)
 
 
-def _compare(rows, weights, ref, check_weights: bool) -> list[str]:
+def _compare(rows, weights, ref, check_weights: bool, grad_norm_rtol: float = RTOL) -> list[str]:
     ref_rows, ref_weights = ref
     errors = []
     for step, (a, b) in enumerate(zip(rows, ref_rows)):
-        for key in ("loss", "grad_norm"):
-            if not abs(a[key] - b[key]) <= RTOL * abs(b[key]):
+        for key, tol in (("loss", RTOL), ("grad_norm", grad_norm_rtol)):
+            if not abs(a[key] - b[key]) <= tol * abs(b[key]):
                 errors.append(f"step {step} {key} {a[key]!r} != single process {b[key]!r}")
         for key in ("tokens", "loss_tokens"):
             if a[key] != b[key]:
@@ -128,7 +130,8 @@ def _compare(rows, weights, ref, check_weights: bool) -> list[str]:
 def _run_case(rank, world_size, layout, mode, ref):
     trainer = Trainer(_cfg(world_size, mode, LAYOUTS[layout]), V, rank=rank, world_size=world_size)
     rows, weights = _train(trainer, trainer.dims.batch)
-    return _compare(rows, weights, ref, check_weights=rank == 0)
+    tol = GRAD_NORM_RTOL_CP_FP8 if f"{layout}-{mode}" in CP_FP8 else RTOL
+    return _compare(rows, weights, ref, check_weights=rank == 0, grad_norm_rtol=tol)
 
 
 def _worker(rank, world_size, log, refs):
@@ -163,3 +166,30 @@ def test_reference_runs_are_not_degenerate():
     assert rows8[0]["loss"] != rows32[0]["loss"]
     assert any(mb.is_padding for s in range(STEPS) for mbs in pack(_samples(s), SEQ_LEN, 4, pad_to_seq_len=False)
                for mb in mbs)
+
+
+def test_fp8_amplifies_attention_rounding(monkeypatch):
+    """Why the cp FP8 layouts get GRAD_NORM_RTOL_CP_FP8: in one process, a float32-rounding-sized
+    change of the attention output (ring attention's merge differs by about this much) leaves the
+    float32 run within 1e-6 but moves an FP8 run by more than RTOL, though less than the cp bound."""
+    import primerl.models.layers as layers
+
+    exact = layers._attention
+
+    def run(mode: str, eps: float) -> list[dict]:
+        g = torch.Generator().manual_seed(7)
+
+        def perturbed(*args, **kwargs):
+            o = exact(*args, **kwargs)
+            return o * (1 + eps * torch.randn(o.shape, generator=g)) if eps else o
+
+        monkeypatch.setattr(layers, "_attention", perturbed)
+        return _reference(mode)[0]
+
+    def worst(mode: str) -> float:
+        base, moved = run(mode, 0.0), run(mode, 1e-7)
+        return max(abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(moved, base) for k in ("loss", "grad_norm"))
+
+    assert worst("fp32") < 1e-6
+    fp8 = worst("fp8")
+    assert RTOL < fp8 < GRAD_NORM_RTOL_CP_FP8, fp8
