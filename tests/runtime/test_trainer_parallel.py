@@ -11,6 +11,7 @@ One spawn of 4 processes runs every layout in sequence (process start-up dominat
 Layouts (4 ranks; ``dp_shard = -1`` takes the rest):
   dp_shard2_cp2      FSDP over 2 x ring attention over 2
   ep2_cp2_ac         dp_shard 2, cp 2, experts over ep 2, full activation checkpointing
+  ep2_cp2            the same without activation checkpointing (examples/reverse_text_4rank.toml)
   hsdp2_shard2_ep2   dp_replicate 2 x dp_shard 2, experts over ep 2 (4 data ranks; HSDP
                      replicas checked through the gradient norm)
 
@@ -61,6 +62,7 @@ LAYOUTS = {
     "dp_shard2_cp2": ["--trainer.parallel.dp_shard", "2", "--trainer.parallel.cp", "2"],
     "ep2_cp2_ac": ["--trainer.parallel.cp", "2", "--trainer.parallel.ep", "2",
                    "--trainer.parallel.activation_checkpointing", "full"],
+    "ep2_cp2": ["--trainer.parallel.cp", "2", "--trainer.parallel.ep", "2"],  # the 4-rank example's layout
     "hsdp2_shard2_ep2": ["--trainer.parallel.dp_replicate", "2", "--trainer.parallel.dp_shard", "2",
                          "--trainer.parallel.ep", "2"],
 }
@@ -72,7 +74,7 @@ LR = {"fp32": "1e-4", "fp8": "1e-6"}
 # the attention output times (1 + 1e-7 * noise) moves the FP8 step-2 gradient norm by 2.9e-4
 # (2.20191 vs 2.20127, the very values the cp = 2 layouts give) and float32 by 7e-8. So the cp FP8
 # layouts are held to 1e-5 on losses, token counts and weights, and to 1e-3 on the gradient norm.
-CP_FP8 = {"dp_shard2_cp2-fp8", "ep2_cp2_ac-fp8"}
+CP_FP8 = {"dp_shard2_cp2-fp8", "ep2_cp2_ac-fp8", "ep2_cp2-fp8"}
 GRAD_NORM_RTOL_CP_FP8 = 1e-3
 CASES = [f"{layout}-{mode}" for layout in LAYOUTS for mode in MODES]
 
