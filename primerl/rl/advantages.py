@@ -42,7 +42,8 @@ class Advantages(NamedTuple):
 
 def linear_length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: float,
                           max_length: int | None = None) -> torch.Tensor:
-    """r_i - coef * lengths_i / max_length (max_length defaults to max(lengths)); [N] -> [N] float32."""
+    """r_i - coef * lengths_i / max_length (max_length defaults to max(lengths)); [N] -> [N] float32
+    (float64 for float64 rewards)."""
     lengths = torch.as_tensor(lengths, device=rewards.device)
     if lengths.shape != rewards.shape:
         raise ValueError(f"linear_length_penalty: lengths must have shape {tuple(rewards.shape)}, got {tuple(lengths.shape)}")
@@ -51,7 +52,8 @@ def linear_length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: fl
     denom = float(max_length) if max_length is not None else float(lengths.max().clamp_min(1))
     if not denom > 0:
         raise ValueError(f"linear_length_penalty: max_length must be > 0, got {max_length}")
-    return rewards.float() - coef * lengths.float() / denom
+    dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    return rewards.to(dtype) - coef * lengths.to(dtype) / denom
 
 
 def _groups(op: str, rewards, group_size: int, lengths, length_coef: float, max_length, min_group: int = 1):
@@ -68,7 +70,8 @@ def _groups(op: str, rewards, group_size: int, lengths, length_coef: float, max_
     n = rewards.numel()
     if n % group_size:
         raise ValueError(f"{op}: the number of rewards ({n}) must be a multiple of group_size ({group_size})")
-    r = rewards.float()
+    # float64 inside: float32 sums and squares of large finite rewards (|r| ~ 1e38) overflow to inf
+    r = rewards.double()
     if not bool(torch.isfinite(r).all()):
         raise ValueError(f"{op}: rewards contain NaN or inf")
     if length_coef:
@@ -80,8 +83,11 @@ def _groups(op: str, rewards, group_size: int, lengths, length_coef: float, max_
     return r_g, uniform
 
 
-def _finish(adv_g: torch.Tensor, uniform: torch.Tensor) -> Advantages:
-    adv_g = torch.where(uniform.unsqueeze(1), torch.zeros_like(adv_g), adv_g)
+def _finish(op: str, adv_g: torch.Tensor, uniform: torch.Tensor) -> Advantages:
+    adv_g = torch.where(uniform.unsqueeze(1), torch.zeros_like(adv_g), adv_g).float()
+    if not bool(torch.isfinite(adv_g).all()):
+        raise ValueError(f"{op}: advantages do not fit float32 (rewards differ by more than ~3.4e38 within a "
+                         "group); clip the rewards first (the job does: env.max_abs_reward)")
     return Advantages(adv_g.reshape(-1), uniform)
 
 
@@ -100,14 +106,14 @@ def grpo(rewards: torch.Tensor, group_size: int, *, std_normalize: bool = True, 
     if std_normalize:
         std = r_g.std(dim=1, keepdim=True, correction=1 if unbiased_std else 0)
         adv = adv / (std + eps)
-    return _finish(adv, uniform)
+    return _finish("grpo", adv, uniform)
 
 
 def drgrpo(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | None = None,
            length_coef: float = 0.0, max_length: int | None = None) -> Advantages:
     """Dr. GRPO: A_i = r_i - mean_g (no std normalisation, which biases towards easy/hard prompts)."""
     r_g, uniform = _groups("drgrpo", rewards, group_size, lengths, length_coef, max_length)
-    return _finish(r_g - r_g.mean(dim=1, keepdim=True), uniform)
+    return _finish("drgrpo", r_g - r_g.mean(dim=1, keepdim=True), uniform)
 
 
 def rloo(rewards: torch.Tensor, group_size: int, *, std_normalize: str | None = None, eps: float = 1e-6,
@@ -124,7 +130,7 @@ def rloo(rewards: torch.Tensor, group_size: int, *, std_normalize: str | None = 
         adv = adv / (r_g.std(dim=1, keepdim=True) + eps)
     elif std_normalize == "batch":
         adv = adv / ((r_g.std() if r_g.numel() > 1 else torch.zeros(())) + eps)
-    return _finish(adv, uniform)
+    return _finish("rloo", adv, uniform)
 
 
 def max_rl(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | None = None,
@@ -134,4 +140,4 @@ def max_rl(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor | No
     mean = r_g.mean(dim=1, keepdim=True)
     no_signal = uniform | (mean.squeeze(1) <= 0)
     adv = (r_g - mean) / torch.where(mean > 0, mean, torch.ones_like(mean))
-    return _finish(adv, no_signal)
+    return _finish("max_rl", adv, no_signal)
