@@ -1,5 +1,7 @@
 """DeepGEMM's arguments and layouts on primerl's FP8 GEMMs (torch and Triton backends), the scale
-layout helpers, and the deep_gemm adapter's architecture check (capability query mocked).
+layout helpers, and the deep_gemm adapter's architecture and input checks (capability query mocked)
+and argument marshalling (a stand-in deep_gemm module: marshalling only; the real DeepGEMM is compared
+with the torch backend only in the `gpu` tests, on a GPU where it is installed).
 
 Metric: calc_diff (DeepGEMM's) against dequantize-then-fp32-matmul, < 1e-5; bitwise where the same
 backend computes the same thing through two input formats. Outputs from torch.empty are NaN-poisoned
@@ -342,6 +344,180 @@ def test_deep_gemm_sm90_recipe_and_argument_marshalling(monkeypatch):
     monkeypatch.setattr(DG, "device_capability", lambda device: (9, 0))
     with pytest.raises(ValueError, match=r"recipe \(1, 1, 128\) \(per-row B scales\) needs SM100"):
         DG.fp8_gemm_nt(a, (b[0], quant_per_token_group(b[0].float(), 128)[1]), d, None, (1, 1, 128))
+
+
+# ------------------------------------------------------------------------------ deep_gemm adapter: k-grouped
+
+
+def _k_grouped_inputs(ks, n, k, tail=0, seed=50):
+    """dY [T, n] and X [T, k] (T = sum(ks) + tail) quantized with UE8M0 scales, static scale rows,
+    and the offsets of ks; rows past sum(ks) belong to no group."""
+    offs = G.counts_to_offsets(torch.tensor(ks, dtype=torch.int32))
+    t = sum(ks) + tail
+    dy, x = _randn(t, n, seed=seed), _randn(t, k, seed=seed + 1)
+    a = G.quant_per_group_colwise(dy, offs, ue8m0=True, backend="torch")
+    b = G.quant_per_group_colwise(x, offs, ue8m0=True, backend="torch")
+    return a, b, offs
+
+
+class _FakeDeepGemm:
+    """Stands in for the deep_gemm module: records each k_grouped_fp8_gemm_tn_contiguous call and
+    computes what DeepGEMM's contract says the arguments mean (group g owns the next ks[g] rows and
+    the next ks[g] / 128 scale rows; with c, d += ...). Empty groups are left unwritten, the worst
+    case an adapter must survive."""
+
+    def __init__(self):
+        self.calls = []
+
+    def k_grouped_fp8_gemm_tn_contiguous(self, a, b, d, ks, ks_tensor, c=None, recipe=(1, 1, 128), compiled_dims="mn"):
+        self.calls.append(dict(a=a, b=b, d=d, ks=ks, ks_tensor=ks_tensor, c=c, recipe=recipe))
+        deq_a = a[0].float() * a[1].repeat_interleave(128, dim=0)
+        deq_b = b[0].float() * b[1].repeat_interleave(128, dim=0)
+        start = 0
+        for g, k in enumerate(ks):
+            if k:
+                prod = deq_a[start:start + k].t() @ deq_b[start:start + k]
+                d[g] = prod + (c[g] if c is not None else 0)
+            start += k
+
+
+def test_deep_gemm_k_grouped_argument_marshalling(monkeypatch):
+    """With a recording stand-in for deep_gemm (this checks primerl's marshalling only, not DeepGEMM,
+    which needs an SM100 GPU): offsets with a tail of rows past the last group and static scale rows
+    reach DeepGEMM as ks (host list) + ks_tensor (int32, same values), the first sum(ks) rows of q,
+    the compact sum(ks) / 128 float32 scale rows, d itself, c=d after c is copied into d, and recipe
+    (1, 1, 128); the stand-in's reading of those arguments matches the torch backend, and an empty
+    group it leaves unwritten comes back zero."""
+    fake = _FakeDeepGemm()
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake)
+    monkeypatch.setattr(DG, "device_capability", lambda device: (10, 0))
+    from primerl.kernels.gemm import fp8_gemm as F
+
+    monkeypatch.setattr(F, "resolve_backend", lambda op, backend, *args, **kwargs: backend)  # CPU tensors
+    ks, n, k = [256, 0, 128, 384], 48, 32
+    a, b, offs = _k_grouped_inputs(ks, n, k, tail=37)
+    rows = sum(ks) // 128
+    assert a[1].shape[0] == G.max_group_blocks(sum(ks) + 37, 4) > rows  # static rows: sliced for DeepGEMM
+    want = G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, backend="torch")
+
+    out = G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, backend="deep_gemm")
+    call = fake.calls[-1]
+    assert call["ks"] == ks and isinstance(call["ks"], list) and all(type(v) is int for v in call["ks"])
+    assert call["ks_tensor"].dtype == torch.int32 and call["ks_tensor"].tolist() == ks
+    for name, pair in (("a", a), ("b", b)):
+        q, sf = call[name]
+        assert torch.equal(q.view(torch.uint8), pair[0][:sum(ks)].view(torch.uint8)) and q.is_contiguous()
+        assert sf.dtype == torch.float32 and sf.is_contiguous() and torch.equal(sf, pair[1][:rows])
+    assert call["d"] is out and out.shape == (4, n, k) and out.dtype == torch.float32
+    assert call["c"] is None and call["recipe"] == (1, 1, 128)
+    assert bool((out[1] == 0).all()) and calc_diff(out, want) < 1e-10
+
+    # ks= and compact rows give the same call; c is copied into d and passed as d
+    ac = G.quant_per_group_colwise(_randn(sum(ks), n, seed=50), ks=ks, ue8m0=True, compact=True, backend="torch")
+    bc = G.quant_per_group_colwise(_randn(sum(ks), k, seed=51), ks=ks, ue8m0=True, compact=True, backend="torch")
+    c = _randn(4, n, k, seed=52, scale=8.0, dtype=torch.float32)
+    d = torch.full((4, n, k), NAN)
+    out = G.k_grouped_fp8_gemm_tn_contiguous(ac, bc, d=d, c=c, ks=ks, backend="deep_gemm")
+    call = fake.calls[-1]
+    assert out is d and call["d"] is d and call["c"] is d and call["ks"] == ks
+    assert torch.equal(call["a"][1], ac[1]) and call["a"][0].shape == (sum(ks), n)
+    want = G.k_grouped_fp8_gemm_tn_contiguous(ac, bc, c=c, ks=ks, backend="torch")
+    assert torch.equal(out[1], c[1]) and calc_diff(out, want) < 1e-10
+
+    # the automatic choice never takes deep_gemm for this op
+    seen = {}
+    monkeypatch.setattr(F, "resolve_backend", lambda op, backend, dev, supported, preference: seen.update(
+        supported=supported, preference=preference) or "torch")
+    G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs)
+    assert "deep_gemm" in seen["supported"] and "deep_gemm" not in seen["preference"]
+
+
+@pytest.mark.parametrize("capability,match", [
+    ((9, 0), r"DeepGEMM has this op on SM100 \(Blackwell\) only; cpu is SM90. Use backend='triton'"),
+    ((8, 9), "SM100 .* only; cpu is SM89"),
+    ((12, 0), "SM100 .* only; cpu is SM120")])
+def test_deep_gemm_k_grouped_rejects_other_architectures(monkeypatch, capability, match):
+    """DeepGEMM's k_grouped_fp8_gemm_tn_contiguous dispatches on SM100 only (SM90 included): refused
+    before the module is even imported, and d is left as it was."""
+    monkeypatch.setattr(DG, "device_capability", lambda device: capability)
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)
+    a, b, _ = _k_grouped_inputs([128, 256], 32, 16)
+    d = torch.full((2, 32, 16), NAN)
+    with pytest.raises(ValueError, match=match):
+        DG.k_grouped_fp8_gemm_tn_contiguous(a, b, [128, 256], d, None)
+    assert d.isnan().all()
+
+
+def test_deep_gemm_k_grouped_refuses_what_deepgemm_cannot_take(monkeypatch):
+    """On SM100, before DeepGEMM is called and before d is touched: scales that are not UE8M0, group
+    sizes off DeepGEMM's K alignment, e5m2 operands, a bf16 or strided d, more than 128 groups,
+    rows that are not 16-byte multiples, too few scale rows."""
+    fake = _FakeDeepGemm()
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake)
+    monkeypatch.setattr(DG, "device_capability", lambda device: (10, 0))
+    ks = [128, 256]
+    a, b, offs = _k_grouped_inputs(ks, 32, 16)
+    c = torch.ones(2, 32, 16)
+    d = torch.full((2, 32, 16), NAN)
+
+    def refused(match, a=a, b=b, ks=ks, d=d):
+        with pytest.raises(ValueError, match=match):
+            DG.k_grouped_fp8_gemm_tn_contiguous(a, b, ks, d, c)
+        assert not fake.calls and d.isnan().all()
+
+    not_ue8m0 = G.quant_per_group_colwise(_randn(384, 32, seed=50), offs, backend="torch")
+    refused(r"reads UE8M0 scales \(powers of two\) only, but a scales holds \d+ float32 scales .* ue8m0=True",
+            a=not_ue8m0)
+    refused(r"every group size in ks to be a multiple of 128 .* got ks=\[64, 320\]", ks=[64, 320])
+    with monkeypatch.context() as m:
+        m.setattr(DG, "get_mk_alignment_for_contiguous_layout", lambda: 256)
+        refused(r"multiple of 128 and of get_mk_alignment_for_contiguous_layout\(\)=256")
+    refused(r"float8_e4m3fn operands, b\[0\] is torch.float8_e5m2", b=(b[0].to(torch.float8_e5m2), b[1]))
+    refused(r"contiguous float32 d .* got torch.bfloat16", d=torch.full((2, 32, 16), NAN, dtype=torch.bfloat16))
+    refused(r"contiguous float32 d", d=torch.full((2, 32, 32), NAN)[..., :16])
+    refused(r"at most 128 groups, got 129", ks=[128] + [0] * 128)
+    a24 = G.quant_per_group_colwise(_randn(384, 24, seed=53), offs, ue8m0=True, backend="torch")
+    refused(r"a\[0\] has 24 columns; DeepGEMM's TMA loads need 16-byte rows", a=a24)
+    refused(r"a scales have 2 rows, ks=\[128, 256\] need 3", a=(a[0], a[1][:2]))
+    DG.k_grouped_fp8_gemm_tn_contiguous(a, b, ks, d, c)  # the same call with nothing wrong gets through
+    assert len(fake.calls) == 1 and fake.calls[0]["c"] is d
+
+
+@pytest.mark.gpu
+def test_gpu_deepgemm_k_grouped_against_torch(alignment):
+    """The real DeepGEMM k_grouped_fp8_gemm_tn_contiguous (SM100 with DeepGEMM v2 installed) against
+    the torch backend on the same UE8M0 operands: calc_diff < 1e-5, with and without c, an empty
+    group and rows past the last group."""
+    dg = pytest.importorskip("deep_gemm", reason="DeepGEMM is not installed (built from source by the user)")
+    if not hasattr(dg, "k_grouped_fp8_gemm_tn_contiguous"):
+        pytest.skip("this deep_gemm has no k_grouped_fp8_gemm_tn_contiguous (DeepGEMM v2 API)")
+    if torch.cuda.get_device_capability()[0] != 10:
+        pytest.skip("DeepGEMM's k_grouped_fp8_gemm_tn_contiguous runs on SM100 only")
+    dev = "cuda"
+    G.set_mk_alignment_for_contiguous_layout(128)
+    restore = None
+    if hasattr(dg, "set_mk_alignment_for_contiguous_layout"):
+        restore = dg.get_mk_alignment_for_contiguous_layout()
+        dg.set_mk_alignment_for_contiguous_layout(128)
+    try:
+        ks, n, k = [256, 0, 384, 128, 1024], 384, 512
+        offs = G.counts_to_offsets(torch.tensor(ks, dtype=torch.int32)).to(dev)
+        t = sum(ks) + 40
+        dy, x = _randn(t, n, seed=60).to(dev), _randn(t, k, seed=61).to(dev)
+        a = G.quant_per_group_colwise(dy, offs, ue8m0=True)
+        b = G.quant_per_group_colwise(x, offs, ue8m0=True)
+        want = G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, backend="torch")
+        got = G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, backend="deep_gemm")
+        assert bool((got[1] == 0).all()) and calc_diff(got, want) < 1e-5
+        c = _randn(len(ks), n, k, seed=62, scale=4.0, dtype=torch.float32).to(dev)
+        d = c.clone()
+        got = G.k_grouped_fp8_gemm_tn_contiguous(a, b, d=d, c=d, ks=ks, backend="deep_gemm")
+        assert got is d and calc_diff(got, want + c) < 1e-5
+        got = G.k_grouped_fp8_gemm_tn_contiguous(a, b, c=c, ks=ks, backend="deep_gemm")
+        assert torch.equal(got[1], c[1]) and calc_diff(got, want + c) < 1e-5
+    finally:
+        if restore is not None:
+            dg.set_mk_alignment_for_contiguous_layout(restore)
 
 
 @pytest.mark.gpu

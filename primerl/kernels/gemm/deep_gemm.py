@@ -10,6 +10,13 @@ default ``ue8m0=False`` quantization - are rejected with a clear error instead o
 to their exponent (wrong results) or tripping DeepGEMM's device-side checks. Packed int32 UE8M0
 scales are SM100's format; SM90 rejects them. Both DeepGEMM API generations are handled:
 ``fp8_gemm_nt`` & co (v2) and ``gemm_fp8_fp8_bf16_nt`` & co (v1, bf16 output, SM90 only).
+
+The K-grouped GEMM (``k_grouped_fp8_gemm_tn_contiguous``, v2 only) is narrower: SM100 only (on SM90
+DeepGEMM's K-grouped FP8 GEMM is the K-major ``k_grouped_fp8_gemm_nt_contiguous`` of recent versions,
+which primerl does not route to), recipe (1, 1, 128), e4m3 operands, per-group sizes ``ks`` that are
+multiples of 128 and of the contiguous-layout alignment, at most 128 groups, float32 output, and
+float32 scales with one compact row per 128-row block (``sum(ks) / 128`` rows, which DeepGEMM packs
+to UE8M0 itself). All of it is checked here before DeepGEMM is called.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import importlib
 
 import torch
 
+from ._checks import BLOCK
 from .layout import (
     TMA_ALIGNMENT_BYTES,  # noqa: F401  (re-exported for callers of the earlier module)
     get_mn_major_tma_aligned_tensor,
@@ -39,25 +47,42 @@ def _not_power_of_two(sf: torch.Tensor) -> int:
     return int((((bits & 0x7FFFFF) != 0) | (bits <= 0)).sum())  # one host sync
 
 
-def check_arch(op: str, device: torch.device, scales: dict[str, torch.Tensor], recipe=(1, 128, 128)) -> int:
-    """The CUDA architecture major of ``device`` if DeepGEMM can take these scales there, else a
-    ValueError naming the problem. ``scales``: name -> float32 K-major scales of each operand."""
+def _arch_names(archs) -> str:
+    names = {9: "SM90 (Hopper)", 10: "SM100 (Blackwell)"}
+    return " and ".join(names.get(a, f"SM{a}0") for a in archs)
+
+
+def _check_device_arch(op: str, device: torch.device, archs=SUPPORTED_ARCHS) -> tuple[int, int]:
     major, minor = device_capability(device)
-    if major not in SUPPORTED_ARCHS:
-        raise ValueError(f"{op}: the deep_gemm backend runs on SM90 (Hopper) and SM100 (Blackwell); "
-                         f"{device} is SM{major}{minor}. Use backend='triton'")
+    if major not in archs:
+        where = f"the deep_gemm backend runs on {_arch_names(archs)}" if tuple(archs) == SUPPORTED_ARCHS else \
+            f"DeepGEMM has this op on {_arch_names(archs)} only"
+        raise ValueError(f"{op}: {where}; {device} is SM{major}{minor}. Use backend='triton'")
+    return major, minor
+
+
+def _check_ue8m0(op: str, device: torch.device, scales: dict[str, torch.Tensor]) -> None:
+    for name, sf in scales.items():
+        bad = _not_power_of_two(sf)
+        if bad:
+            raise ValueError(
+                f"{op}: DeepGEMM on SM100 ({device}) reads UE8M0 scales (powers of two) only, but {name} holds "
+                f"{bad} float32 scales that are not powers of two; they would be truncated to their exponent "
+                f"(wrong results) or trap. Quantize with ue8m0=True (or pass packed int32 UE8M0 scales), "
+                f"or use backend='triton'")
+
+
+def check_arch(op: str, device: torch.device, scales: dict[str, torch.Tensor], recipe=(1, 128, 128),
+               archs=SUPPORTED_ARCHS) -> int:
+    """The CUDA architecture major of ``device`` if DeepGEMM can take these scales there, else a
+    ValueError naming the problem. ``scales``: name -> float32 K-major scales of each operand;
+    ``archs``: the majors the op exists on (SM90 and SM100 unless an op is narrower)."""
+    major, _ = _check_device_arch(op, device, archs)
     if major == 9 and tuple(recipe) != (1, 128, 128):
         raise ValueError(f"{op}: recipe {tuple(recipe)} (per-row B scales) needs SM100; DeepGEMM on SM90 "
                          f"takes (1, 128, 128)")
     if major == 10:
-        for name, sf in scales.items():
-            bad = _not_power_of_two(sf)
-            if bad:
-                raise ValueError(
-                    f"{op}: DeepGEMM on SM100 ({device}) reads UE8M0 scales (powers of two) only, but {name} holds "
-                    f"{bad} float32 scales that are not powers of two; they would be truncated to their exponent "
-                    f"(wrong results) or trap. Quantize with ue8m0=True (or pass packed int32 UE8M0 scales), "
-                    f"or use backend='triton'")
+        _check_ue8m0(op, device, scales)
     return major
 
 
@@ -72,7 +97,8 @@ def _fn(new_name: str, old_name: str | None):
         return fn, True
     fn = getattr(dg, old_name, None) if old_name else None
     if fn is None:
-        raise RuntimeError(f"deep_gemm has neither {new_name} nor {old_name}; unsupported DeepGEMM version")
+        has = f"neither {new_name} nor {old_name}" if old_name else f"no {new_name} (added in DeepGEMM v2)"
+        raise RuntimeError(f"deep_gemm has {has}; unsupported DeepGEMM version")
     return fn, False
 
 
@@ -125,4 +151,70 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, recipe):
     a, b = _operands(a, b, arch, recipe, b[0].shape[0], num_groups_a=a[0].shape[0])
     _call(op, "m_grouped_fp8_gemm_nt_masked", "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
           (a, b, d, masked_m, expected_m), {"recipe": recipe})
+    return d
+
+
+K_GROUPED_ARCHS = (10,)
+K_GROUPED_MAX_GROUPS = 128  # DeepGEMM's UE8M0 packing kernel for K-grouped scales asserts this
+K_GROUPED_RECIPE = (1, 1, 128)
+
+
+def _check_k_grouped(op: str, aq, asf, bq, bsf, ks: list[int], d: torch.Tensor) -> int:
+    """Everything DeepGEMM's K-grouped kernel would assert (or silently get wrong) -> the number of
+    compact scale rows, ``sum(ks) / 128``."""
+    for name, q in (("a", aq), ("b", bq)):
+        if q.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{op}: the deep_gemm backend takes float8_e4m3fn operands, {name}[0] is {q.dtype}")
+    if d.dtype != torch.float32 or not d.is_contiguous():
+        raise ValueError(f"{op}: the deep_gemm backend writes a contiguous float32 d (the output type every DeepGEMM "
+                         f"version's K-grouped kernel takes), got {d.dtype} with strides {d.stride()}")
+    if len(ks) > K_GROUPED_MAX_GROUPS:
+        raise ValueError(f"{op}: DeepGEMM's K-grouped GEMM takes at most {K_GROUPED_MAX_GROUPS} groups, got {len(ks)}")
+    alignment = get_mk_alignment_for_contiguous_layout()
+    bad = [k for k in ks if k % BLOCK or k % alignment]
+    if bad:
+        raise ValueError(f"{op}: the deep_gemm backend needs every group size in ks to be a multiple of {BLOCK} and of "
+                         f"get_mk_alignment_for_contiguous_layout()={alignment} (DeepGEMM's K alignment), got ks={ks}; "
+                         f"pad each group to it, or use backend='triton' (any group sizes)")
+    for name, q in (("a", aq), ("b", bq)):
+        if q.shape[1] % 16:
+            raise ValueError(f"{op}: {name}[0] has {q.shape[1]} columns; DeepGEMM's TMA loads need 16-byte rows "
+                             f"(a multiple of 16 fp8 columns)")
+    rows = sum(ks) // BLOCK
+    for name, sf in (("a", asf), ("b", bsf)):
+        if sf.shape[0] < rows:
+            raise ValueError(f"{op}: {name} scales have {sf.shape[0]} rows, ks={ks} need {rows} "
+                             f"(one per 128-row block)")
+    return rows
+
+
+def k_grouped_fp8_gemm_tn_contiguous(a, b, ks: list[int], d: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+    """``d[g] = A_g.T @ B_g (+ c[g])`` through DeepGEMM's ``k_grouped_fp8_gemm_tn_contiguous``.
+
+    a = (q [T, M] e4m3, sf [R, M] float32), b = (q [T, N], sf [R, N]) from
+    ``quant_per_group_colwise`` (static or compact scale rows); ``ks[G]`` host ints, the rows of
+    each group, from row 0 on; d float32 [G, M, N] contiguous; c None or float32 [G, M, N] (may be d).
+    M and N are DeepGEMM's names; the front-end calls them N and K.
+
+    DeepGEMM gets ``(a, b, d, ks, ks_tensor, c=..., recipe=(1, 1, 128))``: the first ``sum(ks)``
+    rows of each q, the first ``sum(ks) / 128`` scale rows (its compact per-group layout, float32
+    contiguous; it packs them to UE8M0 itself), ``ks_tensor`` = ks as int32 on d's device, and
+    ``c=d`` after c is copied into d (older DeepGEMM versions assert that c is d). Without c, groups
+    with ``ks[g] == 0`` are zeroed afterwards (DeepGEMM may skip them)."""
+    op = "k_grouped_fp8_gemm_tn_contiguous"
+    _check_device_arch(op, d.device, K_GROUPED_ARCHS)
+    (aq, asf), (bq, bsf) = a, b
+    rows = _check_k_grouped(op, aq, asf, bq, bsf, ks, d)
+    total = sum(ks)
+    sfa, sfb = asf[:rows].contiguous(), bsf[:rows].contiguous()
+    _check_ue8m0(op, d.device, {"a scales": sfa, "b scales": sfb})
+    fn, _ = _fn(op, None)
+    if c is not None and c is not d:
+        d.copy_(c)
+    ks_tensor = torch.tensor(ks, dtype=torch.int32, device=d.device)
+    fn((aq[:total], sfa), (bq[:total], sfb), d, list(ks), ks_tensor,
+       c=None if c is None else d, recipe=K_GROUPED_RECIPE)
+    empty = [g for g, k in enumerate(ks) if k == 0]
+    if c is None and empty:
+        d.index_fill_(0, torch.tensor(empty, device=d.device), 0.0)
     return d

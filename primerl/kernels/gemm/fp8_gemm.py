@@ -323,7 +323,13 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
 
     a = (q [T, N], sf), b = (q [T, K], sf), both from :func:`quant_per_group_colwise` with the same
     groups; sf holds the static ``max_group_blocks(T, G)`` rows or DeepGEMM's compact
-    ``sum(ceil(ks / 128))``. Empty groups give zero (or C). Output float32 by default."""
+    ``sum(ceil(ks / 128))``. Empty groups give zero (or C). Output float32 by default.
+
+    ``backend="deep_gemm"`` (only when named: ``None`` never picks it) calls DeepGEMM's op of this
+    name with ``ks`` (a host list; one sync when offsets / ks live on the GPU) and the compact scale
+    rows. It runs on SM100 only and needs ``ue8m0=True`` scales, e4m3 operands, every ``ks[g]`` a
+    multiple of 128 and of :func:`get_mk_alignment_for_contiguous_layout`, N and K multiples of 16,
+    at most 128 groups and a float32 output; anything else is refused before DeepGEMM is called."""
     op = "k_grouped_fp8_gemm_tn_contiguous"
     pairs = []
     for name, pair in (("a", a), ("b", b)):
@@ -348,7 +354,13 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
     out_dtype = torch.float32 if (out_dtype is None and d is None) else out_dtype
     shape = (offsets.numel(), aq.shape[1], bq.shape[1])
     d, out_dtype = _output(op, d, shape, out_dtype, dev, c)
-    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
+    # DeepGEMM's input contract (SM100, UE8M0, 128-aligned ks) is narrower than what
+    # quant_per_group_colwise gives by default, so the automatic choice never takes it
+    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=("triton", "torch"))
     if be == "torch":
         return _into(d, reference.k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, c))
+    if be == "deep_gemm":
+        ks_list = offsets_to_counts(offsets).tolist()
+        return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], ks_list,
+                                                          _alloc(d, shape, out_dtype, dev), c)
     return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, d, c)
