@@ -44,6 +44,8 @@ class Sample:
     temperature: the sampling temperature (None: not recorded; MicroBatch.temperatures is then
         None unless another sample in the batch has one, in which case 1.0 is used).
     replay_ids: [L, num_layers, k] int — the experts the sampler routed each token to, or None.
+    loss_weights: [L] float >= 0 — per-token weights of the policy-gradient term (0 takes a token
+        out of it and of its denominator), or None (weight 1 on every loss token).
     """
 
     input_ids: torch.Tensor
@@ -52,6 +54,7 @@ class Sample:
     inference_logprobs: torch.Tensor
     temperature: float | None = None
     replay_ids: torch.Tensor | None = None
+    loss_weights: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -65,7 +68,8 @@ class MicroBatch:
     cu_seqlens [S+1] int32 (flash-attn varlen offsets; a padding tail is its own sequence);
     loss_mask [T] bool; advantages [T] float32; inference_logprobs [T] float32;
     temperatures [T] float32 or None; replay_ids [T, num_layers, k] int64 or None (padding rows
-    route to experts 0..k-1); is_padding: the whole micro-batch is filler (it has no loss token);
+    route to experts 0..k-1); loss_weights [T] float32 or None (None unless a packed sample has
+    weights; then 1.0 for samples without, 0.0 on padding); is_padding: the whole micro-batch is filler (it has no loss token);
     sample_indices: the packed samples' indices in the list given to :func:`pack`;
     cost: the estimated cost used for balancing; num_real_tokens: tokens that are not padding.
     """
@@ -78,6 +82,7 @@ class MicroBatch:
     inference_logprobs: torch.Tensor
     temperatures: torch.Tensor | None = None
     replay_ids: torch.Tensor | None = None
+    loss_weights: torch.Tensor | None = None
     is_padding: bool = False
     sample_indices: tuple[int, ...] = ()
     cost: float = 0.0
@@ -85,7 +90,7 @@ class MicroBatch:
     context_plan: object | None = field(default=None, repr=False)
 
     PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures",
-                 "replay_ids")
+                 "replay_ids", "loss_weights")
 
     @property
     def num_tokens(self) -> int:
@@ -157,6 +162,14 @@ def _validated(op: str, samples: Sequence[Sample], seq_len: int, truncate: bool)
         elif t != trailing:
             raise ValueError(f"{op}: samples[{i}].replay_ids trailing shape {t} differs from samples[0]'s {trailing} "
                              "(all samples carry replay ids of one shape, or none)")
+        if s.loss_weights is not None:
+            w = s.loss_weights
+            if not isinstance(w, torch.Tensor) or w.shape != (L,) or not w.is_floating_point():
+                raise ValueError(f"{op}: samples[{i}].loss_weights must be a float tensor of shape ({L},), got "
+                                 f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+            if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+                raise ValueError(f"{op}: samples[{i}].loss_weights must be finite and >= 0, got min "
+                                 f"{float(w.min())}, max {float(w.max())}")
         if s.temperature is not None and not s.temperature > 0:
             raise ValueError(f"{op}: samples[{i}].temperature must be > 0, got {s.temperature}")
         if L > seq_len:
@@ -171,7 +184,7 @@ def _validated(op: str, samples: Sequence[Sample], seq_len: int, truncate: bool)
 def _truncated(s: Sample, n: int) -> Sample:
     cut = lambda x: x[:n] if isinstance(x, torch.Tensor) else x
     return Sample(cut(s.input_ids), cut(s.loss_mask), cut(s.advantages), cut(s.inference_logprobs),
-                  s.temperature, cut(s.replay_ids))
+                  s.temperature, cut(s.replay_ids), cut(s.loss_weights))
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -208,7 +221,8 @@ def _balance(costs: list[float], num_ranks: int) -> list[list[int]]:
 
 
 def _build(samples: list[Sample], idx: list[int], seq_len: int, pad_to_seq_len: bool, pad_token_id: int,
-           with_temp: bool, replay_shape, cost: tuple[float, float], is_padding: bool = False) -> MicroBatch:
+           with_temp: bool, replay_shape, cost: tuple[float, float], is_padding: bool = False,
+           with_weights: bool = False) -> MicroBatch:
     parts = [samples[i] for i in idx]
     lengths = [len(s) for s in parts]
     used = sum(lengths)
@@ -232,6 +246,10 @@ def _build(samples: list[Sample], idx: list[int], seq_len: int, pad_to_seq_len: 
     if with_temp:
         temps = cat([torch.full((len(s),), 1.0 if s.temperature is None else float(s.temperature), device=dev)
                      for s in parts], 1.0, torch.float32)
+    weights = None
+    if with_weights:
+        weights = cat([torch.ones(len(s), device=dev) if s.loss_weights is None else s.loss_weights for s in parts],
+                      0.0, torch.float32)
     replay = None
     if replay_shape is not None:
         layers, k = replay_shape
@@ -248,6 +266,7 @@ def _build(samples: list[Sample], idx: list[int], seq_len: int, pad_to_seq_len: 
         inference_logprobs=cat([s.inference_logprobs for s in parts], 0.0, torch.float32),
         temperatures=temps,
         replay_ids=replay,
+        loss_weights=weights,
         is_padding=is_padding,
         sample_indices=tuple(idx),
         cost=sum(sequence_cost(n, cost) for n in lengths),
@@ -285,15 +304,17 @@ def pack(
     bin_costs = [sum(sequence_cost(lengths[i], cost) for i in b) for b in bins]
     assignment = _balance(bin_costs, int(num_ranks))
     with_temp = any(s.temperature is not None for s in samples)
+    with_weights = any(s.loss_weights is not None for s in samples)
     replay_shape = tuple(samples[0].replay_ids.shape[1:]) if samples and samples[0].replay_ids is not None else None
     per_rank_count = max((len(a) for a in assignment), default=0)
     out = []
     for r in range(int(num_ranks)):
-        mbs = [_build(samples, sorted(bins[b]), int(seq_len), pad_to_seq_len, pad_token_id, with_temp, replay_shape, cost)
+        mbs = [_build(samples, sorted(bins[b]), int(seq_len), pad_to_seq_len, pad_token_id, with_temp, replay_shape, cost,
+                      with_weights=with_weights)
                for b in assignment[r]]
         while len(mbs) < per_rank_count:
             mbs.append(_build(samples, [], int(seq_len), pad_to_seq_len, pad_token_id, with_temp, replay_shape, cost,
-                              is_padding=True))
+                              is_padding=True, with_weights=with_weights))
         out.append(mbs)
     return out
 

@@ -50,19 +50,23 @@ def reference_logprobs(ref_model: torch.nn.Module | None, logprob_fn) -> torch.T
 
 def _pg_mask(mb, loss_cfg) -> torch.Tensor:
     mask = mb.loss_mask
+    if mb.loss_weights is not None:
+        mask = mask & (mb.loss_weights != 0)
     return mask & (mb.advantages != 0) if loss_cfg.drop_zero_advantage else mask
 
 
 def loss_counts(mbs, loss_cfg) -> torch.Tensor:
     """float64 [3] over this rank's micro-batches: loss tokens, sequences with policy-gradient
     tokens, policy-gradient tokens (loss tokens less the zero-advantage ones when
-    ``drop_zero_advantage``). The trainer sums it over ranks and passes it to ``policy_loss``."""
+    ``drop_zero_advantage`` and less those of weight 0; with per-token ``loss_weights``, the sum
+    of their weights). The trainer sums it over ranks and passes it to ``policy_loss``."""
     n_tok = n_seq = n_pg = 0
     for mb in mbs:
         pg = _pg_mask(mb, loss_cfg)
         cu = mb.cu_seqlens.tolist()
         n_tok += int(mb.loss_mask.sum())
-        n_pg += int(pg.sum())
+        w = mb.loss_weights
+        n_pg += int(pg.sum()) if w is None else float(torch.where(pg, w.double(), 0.0).sum())
         n_seq += sum(bool(pg[a:b].any()) for a, b in zip(cu[:-1], cu[1:]))
     return torch.tensor([n_tok, n_seq, n_pg], dtype=torch.float64)
 
@@ -99,6 +103,7 @@ def policy_loss(logprobs, mb, loss_cfg, counts, *, entropy=None, ref_logprobs=No
                                  method=loss_cfg.method, corrections=tuple(loss_cfg.corrections), aggregation=agg,
                                  cu_seqlens=mb.cu_seqlens, entropy=entropy,
                                  drop_zero_advantage=loss_cfg.drop_zero_advantage,
+                                 loss_weights=mb.loss_weights,
                                  global_term_tokens=terms or None, **kw, **hp)
     return loss, {k: float(v) for k, v in metrics.items()}
 

@@ -2,8 +2,8 @@
 
 An episode becomes a ``primerl.rl.packing.Sample`` aligned with its transcript: ``input_ids``,
 ``loss_mask`` (model tokens), ``inference_logprobs`` (token t's log-prob under the sampler, 0
-elsewhere), the episode's advantage, the sampling temperature and optional ``replay_ids
-[T, L, k]``; ``pack`` turns them into per-rank ``MicroBatch``es. The trainer reads token t's
+elsewhere), the episode's advantage, the sampling temperature, optional ``replay_ids
+[T, L, k]`` and the environment's per-token ``loss_weights``; ``pack`` turns them into per-rank ``MicroBatch``es. The trainer reads token t's
 log-prob from the hidden state at t-1 (a sequence's first token is a prompt token, never trained).
 """
 
@@ -32,6 +32,7 @@ def build_samples(groups, method: str, top_k: int, *, replay: bool, temperature:
                 inference_logprobs=torch.tensor(st.logprobs, dtype=torch.float32),
                 temperature=temperature,
                 replay_ids=st.routing_tensor(top_k) if replay else None,
+                loss_weights=None if st.loss_weights is None else torch.tensor(st.loss_weights, dtype=torch.float32),
             ))
     metrics = {"advantage/abs_mean": float(adv.abs().mean()),
                "groups/zero_advantage": int(info.get("num_zero_groups", 0))}

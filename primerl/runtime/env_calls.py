@@ -32,7 +32,7 @@ import torch
 
 from primerl.rl.envs import call_env
 
-__all__ = ["EnvCalls", "EnvCallError", "EnvCallTimeout", "RewardRejected", "check_reward"]
+__all__ = ["EnvCalls", "EnvCallError", "EnvCallTimeout", "RewardRejected", "check_reward", "check_token_weights"]
 
 
 class EnvCallError(RuntimeError):
@@ -60,6 +60,25 @@ def check_reward(value: Any, max_abs: float, env_name: str = "environment") -> t
     if abs(r) > max_abs:
         return math.copysign(max_abs, r), True
     return r, False
+
+
+def check_token_weights(value: Any, num_tokens: int, env_name: str = "environment") -> list[float] | None:
+    """``token_weights()``'s result as a list of ``num_tokens`` finite floats >= 0, or None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.tolist() if value.dim() == 1 else value
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise ValueError(f"{env_name}: token_weights() returned {type(value).__name__}, expected a sequence of "
+                         f"{num_tokens} numbers (one per transcript token) or None")
+    if len(value) != num_tokens:
+        raise ValueError(f"{env_name}: token_weights() returned {len(value)} weights for a transcript of "
+                         f"{num_tokens} tokens")
+    bad = [(i, w) for i, w in enumerate(value)
+           if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0]
+    if bad:
+        raise ValueError(f"{env_name}: token_weights() must be finite numbers >= 0, got {bad[0][1]!r} at token {bad[0][0]}")
+    return [float(w) for w in value]
 
 
 class EnvCalls:

@@ -17,6 +17,9 @@ deadline ``env.timeout_s`` (``env_calls.EnvCalls``): a hanging grader fails only
 with an error naming the environment and the call. Rewards are checked as they arrive: a value
 that is not a finite real number is rejected (the group is resampled), one beyond
 ``env.max_abs_reward`` is clipped; both are counted (``rewards/rejected``, ``rewards/clipped``).
+An environment that defines ``token_weights`` gets that call after the reward (same deadline);
+its weights (checked: one finite number >= 0 per transcript token) become the samples'
+``loss_weights``, the per-token weights of the policy-gradient loss.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from typing import Callable
 
 import torch
 
-from primerl.rl.envs import Environment, check_tokens
+from primerl.rl.envs import Environment, check_tokens, has_token_weights
 
 from .config import RLConfig
-from .env_calls import EnvCalls, EnvCallTimeout, RewardRejected, check_reward
+from .env_calls import EnvCalls, EnvCallTimeout, RewardRejected, check_reward, check_token_weights
 from .rollout import EpisodeState, mix_seed
 from .transport import FileTransport, ProducerDied, TransportTimeout
 
@@ -92,10 +95,17 @@ class Orchestrator:
                 else:
                     self._submit_env(st, "reward")
                 return
+            if name == "token_weights":
+                st.loss_weights = check_token_weights(value, len(st.episode.tokens), f"environment {self.cfg.env.id!r}")
+                st.done = True
+                return
             st.reward, clipped = check_reward(value, self.cfg.env.max_abs_reward, f"environment {self.cfg.env.id!r}")
             if clipped:
                 self._count(st.step, "rewards_clipped")
-            st.done = True
+            if has_token_weights(self.env):
+                self._submit_env(st, "token_weights")
+            else:
+                st.done = True
         except Exception as e:  # noqa: BLE001 - any env failure is counted and retried
             if isinstance(e, RewardRejected):
                 self._count(st.step, "rewards_rejected")

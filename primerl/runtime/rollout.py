@@ -44,6 +44,7 @@ class EpisodeState:
     version_max: int | None = None
     completion_tokens: int = 0
     reward: float | None = None
+    loss_weights: list[float] | None = None  # the environment's token_weights(), if it has them
     done: bool = False
 
     @classmethod

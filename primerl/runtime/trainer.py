@@ -352,7 +352,8 @@ def _dummy_like(mb):
     return replace(mb, input_ids=two, position_ids=torch.arange(2), cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
                    loss_mask=torch.zeros(2, dtype=torch.bool), advantages=torch.zeros(2),
                    inference_logprobs=torch.zeros(2), temperatures=None if mb.temperatures is None else torch.ones(2),
-                   replay_ids=replay, is_padding=True, num_real_tokens=0)
+                   replay_ids=replay, loss_weights=None if mb.loss_weights is None else torch.zeros(2),
+                   is_padding=True, num_real_tokens=0)
 
 
 def _num_loss_seqs(mb) -> int:

@@ -160,8 +160,10 @@ def test_shard_for_context_splits_every_per_token_tensor(layout):
     context = pytest.importorskip("primerl.parallel.context",
                                   reason="primerl.parallel.context (ContextShardPlan, issue 5) not written yet")
     samples = [_sample(L, i, temperature=0.5 + i, replay=(2, 2)) for i, L in enumerate([5, 6, 9])]
+    samples[1].loss_weights = torch.rand(len(samples[1])) + 0.5
     (mbs,) = pack(samples, seq_len=24, num_ranks=1)
     mb = mbs[0]
+    assert all(getattr(mb, name) is not None for name in MicroBatch.PER_TOKEN)
     W = 2
     loss_tokens, padded = 0, False
     for rank in range(W):

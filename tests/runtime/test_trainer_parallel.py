@@ -96,7 +96,10 @@ def _samples(step: int) -> list[Sample]:
             advantages=0.5 + abs(float(torch.randn(1, generator=g))),
             inference_logprobs=torch.where(mask, -2 * torch.rand(n, generator=g), torch.zeros(n)),
             temperature=1.0,
-            replay_ids=torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n * LAYERS)]).view(n, LAYERS, K)))
+            replay_ids=torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n * LAYERS)]).view(n, LAYERS, K),
+            # per-token loss weights on every other sample (some 0): they follow their tokens
+            # through the cp shard plan, and the global weight sum is the loss's denominator
+            loss_weights=(torch.rand(n, generator=g) * 2).round() if i % 2 else None))
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from .base import Environment, Episode, Prompt, Turn, call_env, check_tokens
+from .base import Environment, Episode, Prompt, Turn, call_env, check_tokens, has_token_weights
 from .reverse_text import ReverseText, ReverseTextFeedback
 
 BUILTIN = {
@@ -23,7 +23,7 @@ BUILTIN = {
     "reverse-text-feedback": ReverseTextFeedback,
 }
 
-__all__ = ["Environment", "Episode", "Prompt", "Turn", "call_env", "check_tokens", "load_environment",
+__all__ = ["Environment", "Episode", "Prompt", "Turn", "call_env", "check_tokens", "has_token_weights", "load_environment",
            "resolve_environment", "ReverseText", "ReverseTextFeedback", "BUILTIN"]
 
 

@@ -9,6 +9,10 @@ Contract (every method may also be ``async def``; the runtime awaits it with a t
 - ``respond(episode) -> list[int] | None``: called after each model turn except the last
   allowed one; returns the environment's tokens, or ``None`` to end the episode.
 - ``reward(episode) -> float``: scored once, when the episode ends.
+- ``token_weights(episode) -> Sequence[float] | None`` (optional): called once after ``reward``;
+  one weight >= 0 per transcript token (``episode.tokens``) for the policy-gradient loss (only the
+  model tokens' weights are used; 0 takes a token out of the loss and of its denominator).
+  ``None`` (the default): weight 1 on every model token.
 
 The loss mask covers model tokens only (``Episode.loss_mask``).
 """
@@ -80,6 +84,15 @@ class Environment:
 
     def reward(self, episode: Episode) -> float:
         raise NotImplementedError
+
+    def token_weights(self, episode: Episode) -> Sequence[float] | None:
+        return None
+
+
+def has_token_weights(env) -> bool:
+    """Whether ``env`` defines its own ``token_weights`` (the base class's returns None)."""
+    own = getattr(type(env), "token_weights", None)
+    return own is not None and own is not Environment.token_weights
 
 
 def call_env(fn, *args, timeout: float | None = None):
