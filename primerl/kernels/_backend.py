@@ -74,7 +74,7 @@ def _external_status(module: str, pip_hint: str) -> BackendStatus:
 
 
 EXTERNAL_BACKENDS = {
-    "deep_gemm": "build DeepGEMM from source (the PyPI deep-gemm is a placeholder); Hopper only",
+    "deep_gemm": "build DeepGEMM from source (the PyPI deep-gemm is a placeholder); SM90 (Hopper) and SM100 (Blackwell)",
     "flash_attn": "pip install flash-attn (builds against CUDA)",
 }
 
