@@ -233,9 +233,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m: torch.Tensor, expected_m: int, 
     be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype))
     d = _alloc(d, shape, out_dtype, dev)
     if be == "torch":
-        valid = (torch.arange(max_m, device=dev)[None, :] < masked_m[:, None])[..., None]
-        out = reference.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype, gran)
-        return torch.where(valid, out, d, out=d)
+        return reference.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype, gran, d)
     if be == "deep_gemm":
         return _impl(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, recipe)
     return _impl(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, gran)

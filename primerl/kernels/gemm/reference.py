@@ -128,14 +128,19 @@ def grouped_gemm_nt_m_indices(a: torch.Tensor, b: torch.Tensor, m_indices: torch
     return out_sorted.index_select(0, torch.argsort(perm))
 
 
-def grouped_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a [G, Mmax, K], b [G, N, K], masked_m [G] -> [G, Mmax, N]; rows past masked_m are zero."""
-    valid = torch.arange(a.shape[1], device=a.device)[None, :] < masked_m[:, None]
-    a_in = torch.where(valid[..., None], a, torch.zeros((), dtype=a.dtype, device=a.device))
+def grouped_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, out_dtype: torch.dtype,
+                           d: torch.Tensor | None = None) -> torch.Tensor:
+    """a [G, Mmax, K], b [G, N, K], masked_m [G] -> [G, Mmax, N]; rows past masked_m are zero, or,
+    when ``d`` [G, Mmax, N] (dtype out_dtype) is given, the valid rows are written into it and the
+    others keep what it holds."""
+    valid = (torch.arange(a.shape[1], device=a.device)[None, :] < masked_m[:, None])[..., None]
+    a_in = torch.where(valid, a, torch.zeros((), dtype=a.dtype, device=a.device))
     if out_dtype != a.dtype:
         a_in, b = a_in.float(), b.float()
     out = torch.bmm(a_in, b.transpose(-2, -1))
-    return torch.where(valid[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device)).to(out_dtype)
+    if d is not None:
+        return torch.where(valid, out.to(out_dtype), d, out=d)
+    return torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device)).to(out_dtype)
 
 
 def k_grouped_gemm_tn(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -195,8 +200,12 @@ def m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype):
     return grouped_gemm_nt_offsets(dequant_token_group(*a), dequant_block(*b), offsets, torch.float32).to(out_dtype)
 
 
-def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype, sb_gran=BLOCK):
-    return grouped_gemm_nt_masked(dequant_token_group(*a), dequant_b(*b, sb_gran), masked_m, torch.float32).to(out_dtype)
+def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype, sb_gran=BLOCK, d=None):
+    """Rows past masked_m are zero, or keep what ``d`` holds (see grouped_gemm_nt_masked)."""
+    a_deq, b_deq = dequant_token_group(*a), dequant_b(*b, sb_gran)
+    if d is not None:
+        return grouped_gemm_nt_masked(a_deq, b_deq, masked_m, out_dtype, d)
+    return grouped_gemm_nt_masked(a_deq, b_deq, masked_m, torch.float32).to(out_dtype)
 
 
 def _row_blocks(offsets: torch.Tensor, num_rows: int, block: int = BLOCK) -> torch.Tensor:
