@@ -202,10 +202,7 @@ def m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype):
 
 def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype, sb_gran=BLOCK, d=None):
     """Rows past masked_m are zero, or keep what ``d`` holds (see grouped_gemm_nt_masked)."""
-    a_deq, b_deq = dequant_token_group(*a), dequant_b(*b, sb_gran)
-    if d is not None:
-        return grouped_gemm_nt_masked(a_deq, b_deq, masked_m, out_dtype, d)
-    return grouped_gemm_nt_masked(a_deq, b_deq, masked_m, torch.float32).to(out_dtype)
+    return grouped_gemm_nt_masked(dequant_token_group(*a), dequant_b(*b, sb_gran), masked_m, out_dtype, d)
 
 
 def _row_blocks(offsets: torch.Tensor, num_rows: int, block: int = BLOCK) -> torch.Tensor:
