@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import resolve_backend
+from .._backend import BackendUnavailableError, resolve_backend
 from ..fp8.reference import ROUNDINGS
 from ._checks import (
     _OUT_DTYPES,
@@ -130,15 +130,45 @@ def _alloc(d, shape: tuple, out_dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=out_dtype, device=device) if d is None else d
 
 
+def _cublas_reason(a, b, gran, out_dtype, c, dev: torch.device) -> str | None:
+    from . import cublas
+
+    m, k = a[0].shape
+    return cublas.reason(m, b[0].shape[0], k, a[0].dtype, b[0].dtype, gran, out_dtype, c is not None, dev)
+
+
+def _dense_backend(op: str, backend, a, b, gran, out_dtype, c, dev: torch.device) -> str:
+    """The dense op's backend: ``"cublas"`` (torch's cuBLAS blockwise FP8) when named or, for
+    ``backend=None`` on CUDA, wherever it computes this case correctly; else DeepGEMM, Triton."""
+    if backend == "cublas":
+        why = _cublas_reason(a, b, gran, out_dtype, c, dev)
+        if why is not None:
+            raise BackendUnavailableError(f"{op}: backend 'cublas' is unavailable: {why}")
+        return "cublas"
+    if backend is None and dev.type == "cuda" and _cublas_reason(a, b, gran, out_dtype, c, dev) is None:
+        return "cublas"
+    return resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype, c))
+
+
 def fp8_gemm_nt(a, b, d: torch.Tensor | None = None, c: torch.Tensor | None = None, *, recipe=None,
                 out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
-    """``D[M, N] = A @ B.T (+ C)`` for a = (q [M, K], sf [M, K/128]), b = (q [N, K], sf); returns d."""
+    """``D[M, N] = A @ B.T (+ C)`` for a = (q [M, K], sf [M, K/128]), b = (q [N, K], sf); returns d.
+
+    Backends: ``"torch"`` (reference), ``"triton"``, ``"deep_gemm"``, and ``"cublas"``: torch's
+    cuBLAS blockwise FP8 (``F.scaled_mm``, see :mod:`.cublas`; SM90, e4m3, recipe (1, 128, 128),
+    bf16 output, no ``c``, N and K multiples of 16). ``backend=None`` on CUDA takes ``"cublas"``
+    wherever it applies (probed once per device), else DeepGEMM when importable (bf16 output, no
+    ``c``), else Triton."""
     op = "fp8_gemm_nt"
     a, b, gran, recipe = _check_operands(op, a, b, 2, 2, recipe)
     dev = _check_same_device(op, aq=a[0], asf=a[1], bq=b[0], bsf=b[1])
     shape = (a[0].shape[0], b[0].shape[0])
     d, out_dtype = _output(op, d, shape, out_dtype, dev, c)
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype, c))
+    be = _dense_backend(op, backend, a, b, gran, out_dtype, c, dev)
+    if be == "cublas":
+        from . import cublas
+
+        return cublas.fp8_gemm_nt(a, b, d)
     if be == "torch":
         return _into(d, reference.fp8_gemm_nt(a, b, out_dtype, gran, c))
     d = _alloc(d, shape, out_dtype, dev)
