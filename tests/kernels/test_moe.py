@@ -559,7 +559,7 @@ def test_triton_kernels_bitwise_on_gpu():
 FP8_MIN_SQNR_DB = {"y": 23.0, "dx": 23.0, "dw13": 24.0, "dw2": 24.0, "dweights": 20.0}
 
 
-FP8_CASES = [("torch", "blockwise_fp8_wgrad"), ("triton" if INTERPRET else "torch", "blockwise")]
+FP8_CASES = [("torch", "blockwise_fp8_wgrad"), ("triton" if INTERPRET else "torch", "blockwise"), ("torch", "rowwise")]
 
 
 @pytest.mark.parametrize("backend,recipe", FP8_CASES)

@@ -49,7 +49,8 @@ def round_up(x: int, m: int) -> int:
 
 
 def scale_a_layout(sf: torch.Tensor) -> torch.Tensor:
-    """float32 ``sf[M, SK]`` (any strides) -> the same values with strides ``(1, M)``."""
+    """float32 ``sf[M, SK]`` (any strides) -> the same values with strides ``(1, M)`` (no copy when
+    they are already so, e.g. DeepGEMM's MN-major TMA-aligned layout with M % 4 == 0)."""
     return sf.t().contiguous().t()
 
 
@@ -58,6 +59,8 @@ def scale_b_layout(sf: torch.Tensor, pad_k: bool = True) -> torch.Tensor:
     ``SK4 = round_up(SK, 4)`` if ``pad_k`` else ``SK``; the padding is 1.0 (finite, never read)."""
     nb, sk = sf.shape
     sk4 = round_up(sk, 4) if pad_k else sk
+    if sk4 == sk and sf.stride() == (sk, 1):
+        return sf.t()  # already the layout: no copy
     buf = sf.new_ones(nb, sk4)
     buf[:, :sk] = sf
     return buf.t()

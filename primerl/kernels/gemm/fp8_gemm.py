@@ -42,8 +42,10 @@ def _fp8_preference(out_dtype: torch.dtype, c=None) -> tuple[str, ...]:
     return ("deep_gemm", "triton", "torch") if out_dtype == torch.bfloat16 and c is None else ("triton", "torch")
 
 
-def _scales(op: str, name: str, q: torch.Tensor, sf, sf_rows: int, layout: str) -> torch.Tensor:
-    """float32 (any strides) or packed UE8M0 int32 scales -> float32 K-major [.., sf_rows, K/128]."""
+def _scales(op: str, name: str, q: torch.Tensor, sf, sf_rows: int, layout: str,
+            keep_layout: bool = False) -> torch.Tensor:
+    """float32 (any strides) or packed UE8M0 int32 scales -> float32 K-major [.., sf_rows, K/128]
+    (float32 scales keep their strides with ``keep_layout``)."""
     groups_k = q.shape[-1] // BLOCK
     lead = tuple(q.shape[:-2])
     if isinstance(sf, torch.Tensor) and sf.dtype == torch.int32:
@@ -56,10 +58,10 @@ def _scales(op: str, name: str, q: torch.Tensor, sf, sf_rows: int, layout: str) 
     want = (*lead, sf_rows, groups_k)
     if tuple(sf.shape) != want:
         raise ValueError(f"{op}: {name} scales must be {want} ({layout} scales of q {tuple(q.shape)}), got {tuple(sf.shape)}")
-    return sf.contiguous()
+    return sf if keep_layout else sf.contiguous()
 
 
-def _check_pair(op: str, name: str, pair, dims: int, rows_per_scale: int):
+def _check_pair(op: str, name: str, pair, dims: int, rows_per_scale: int, keep_layout: bool = False):
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
         raise TypeError(f"{op}: {name} must be a (q, sf) pair from primerl.kernels.fp8, got {type(pair).__name__}")
     q, sf = pair
@@ -68,7 +70,7 @@ def _check_pair(op: str, name: str, pair, dims: int, rows_per_scale: int):
         raise ValueError(f"{op}: K={q.shape[-1]} of {name} must be a multiple of {BLOCK}")
     rows = q.shape[-2]
     layout = "128x128 block" if rows_per_scale == BLOCK else "1x128 token-group"
-    return q.contiguous(), _scales(op, name, q, sf, -(-rows // rows_per_scale), layout)
+    return q.contiguous(), _scales(op, name, q, sf, -(-rows // rows_per_scale), layout, keep_layout)
 
 
 def _b_granularity(op: str, b, recipe) -> int:
@@ -84,10 +86,10 @@ def _b_granularity(op: str, b, recipe) -> int:
     return BLOCK
 
 
-def _check_operands(op: str, a, b, a_dims: int, b_dims: int, recipe):
+def _check_operands(op: str, a, b, a_dims: int, b_dims: int, recipe, keep_layout: bool = False):
     gran = _b_granularity(op, b, recipe)
-    a = _check_pair(op, "a", a, a_dims, 1)
-    b = _check_pair(op, "b", b, b_dims, gran)
+    a = _check_pair(op, "a", a, a_dims, 1, keep_layout)
+    b = _check_pair(op, "b", b, b_dims, gran, keep_layout)
     if a[0].shape[-1] != b[0].shape[-1]:
         raise ValueError(f"{op}: K mismatch, a is {tuple(a[0].shape)} and b is {tuple(b[0].shape)}")
     return a, b, gran, (1, gran, BLOCK)
@@ -160,7 +162,8 @@ def fp8_gemm_nt(a, b, d: torch.Tensor | None = None, c: torch.Tensor | None = No
     wherever it applies (probed once per device), else DeepGEMM when importable (bf16 output, no
     ``c``), else Triton."""
     op = "fp8_gemm_nt"
-    a, b, gran, recipe = _check_operands(op, a, b, 2, 2, recipe)
+    # float32 scales keep their strides until the backend is known: cuBLAS wants A's MN-major
+    a, b, gran, recipe = _check_operands(op, a, b, 2, 2, recipe, keep_layout=True)
     dev = _check_same_device(op, aq=a[0], asf=a[1], bq=b[0], bsf=b[1])
     shape = (a[0].shape[0], b[0].shape[0])
     d, out_dtype = _output(op, d, shape, out_dtype, dev, c)
@@ -169,6 +172,7 @@ def fp8_gemm_nt(a, b, d: torch.Tensor | None = None, c: torch.Tensor | None = No
         from . import cublas
 
         return cublas.fp8_gemm_nt(a, b, d)
+    a, b = (a[0], a[1].contiguous()), (b[0], b[1].contiguous())
     if be == "torch":
         return _into(d, reference.fp8_gemm_nt(a, b, out_dtype, gran, c))
     d = _alloc(d, shape, out_dtype, dev)

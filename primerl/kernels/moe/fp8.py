@@ -3,7 +3,10 @@
 Recipes (the names of primerl's FP8 training recipes):
   ``"blockwise"``            forward and data gradients in FP8 (activations 1x128, weights 128x128
                              scales, e4m3), weight gradients in bf16 from the saved activations;
-  ``"blockwise_fp8_wgrad"``  the weight gradients in FP8 too (128-row column-wise scales per group).
+  ``"blockwise_fp8_wgrad"``  the weight gradients in FP8 too (128-row column-wise scales per group);
+  ``"rowwise"``              every GEMM (forward, dgrad, wgrad) on ``torch._scaled_grouped_mm`` with
+                             one scale per row along its contraction dim (torchao / torchtitan's
+                             recipe; see :mod:`primerl.kernels.fp8_rowwise`), SwiGLU in bf16.
 
 Forward: x -> FP8 grouped GEMM with w13 -> SwiGLU fused with the 1x128 quantization of its output
 (never rounded to bf16 first) -> FP8 grouped GEMM with w2. D and I must be multiples of 128.
@@ -15,7 +18,7 @@ import torch
 
 from . import reference
 
-RECIPES = ("blockwise", "blockwise_fp8_wgrad")
+RECIPES = ("blockwise", "blockwise_fp8_wgrad", "rowwise")
 BLOCK = 128
 
 
@@ -89,3 +92,38 @@ class FP8GroupedExperts(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw13 = _wgrad(dgu, x_perm.to(torch.bfloat16), ends, fp8_wgrad).to(w13.dtype)
         return dx, dw13, dw2, None, None, None
+
+
+class RowwiseGroupedExperts(torch.autograd.Function):
+    """The ``"rowwise"`` recipe: x_perm [M, D] grouped by expert (``ends`` [E]) -> y_perm [M, D].
+
+    Saved for backward: x_perm and the gate/up output gu (bf16), as the bf16 path saves them; the
+    SwiGLU output is recomputed from gu in backward instead of being kept."""
+
+    @staticmethod
+    def forward(ctx, x_perm, w13, w2, ends, impl):
+        from ..fp8_rowwise import grouped_forward
+
+        gu = grouped_forward(x_perm, w13, ends)
+        h = getattr(impl, "swiglu", reference.swiglu)(gu)
+        y = grouped_forward(h, w2, ends).to(x_perm.dtype)
+        ctx.save_for_backward(x_perm, gu, w13, w2, ends)
+        ctx.impl = impl
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..fp8_rowwise import grouped_dgrad, grouped_wgrad
+
+        x_perm, gu, w13, w2, ends = ctx.saved_tensors
+        impl = ctx.impl
+        dy = dy.contiguous().to(torch.bfloat16)
+        dh = grouped_dgrad(dy, w2, ends)
+        dgu = getattr(impl, "swiglu_backward", reference.swiglu_backward)(gu, dh)
+        dx = grouped_dgrad(dgu, w13, ends).to(x_perm.dtype) if ctx.needs_input_grad[0] else None
+        dw2 = dw13 = None
+        if ctx.needs_input_grad[2]:
+            dw2 = grouped_wgrad(dy, getattr(impl, "swiglu", reference.swiglu)(gu), ends).to(w2.dtype)
+        if ctx.needs_input_grad[1]:
+            dw13 = grouped_wgrad(dgu, x_perm, ends).to(w13.dtype)
+        return dx, dw13, dw2, None, None
