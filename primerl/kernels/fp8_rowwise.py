@@ -91,10 +91,9 @@ def scaled_k_grouped_mm(atq, sat, btq, sbt, offsets) -> torch.Tensor:
     return torch._grouped_mm(a, b.t(), offs=offsets).to(torch.bfloat16)
 
 
-def pad_groups(x: torch.Tensor, offsets: torch.Tensor, align: int = ALIGN):
-    """Rows grouped by ``offsets[G]`` (cumulative ends; rows past the last end are dropped) ->
-    (x_pad [round_up(M + G*(align-1), align), ...] with every group starting at a multiple of ``align`` and zeros
-    between groups, offsets_pad [G] int32). No host sync (the size is a static bound)."""
+def _padded_rows(x: torch.Tensor, offsets: torch.Tensor, align: int):
+    """(destination row of every row of x in the 16-aligned layout (dropped rows: the scratch row
+    ``total``), total rows (static), offsets_pad [G] int32)."""
     groups, m = offsets.numel(), x.shape[0]
     ends = offsets.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -105,10 +104,46 @@ def pad_groups(x: torch.Tensor, offsets: torch.Tensor, align: int = ALIGN):
     inside = grp < groups
     g = grp.clamp_max(groups - 1)
     total = -(-(m + groups * (align - 1)) // align) * align  # the transposed operand's rows: 16-byte strides
-    dest = torch.where(inside, (ends_pad - padded)[g] + rows - (ends - counts)[g], total)  # dropped rows: scratch row
-    buf = x.new_zeros(total + 1, *x.shape[1:])
+    # rows past the last group go past the last padded group (there is room: ends_pad[-1] <= ends[-1] + 15 G)
+    past = ends_pad[-1] + rows - ends[-1]
+    dest = torch.where(inside, (ends_pad - padded)[g] + rows - (ends - counts)[g], past)
+    return dest, total, ends_pad.to(torch.int32)
+
+
+def pad_groups(x: torch.Tensor, offsets: torch.Tensor, align: int = ALIGN):
+    """Rows grouped by ``offsets[G]`` (cumulative ends; rows past the last end are dropped) ->
+    (x_pad [round_up(M + G*(align-1), align), ...] with every group starting at a multiple of
+    ``align`` and zeros between groups, offsets_pad [G] int32). No host sync (the size is a static
+    bound)."""
+    dest, total, offs_pad = _padded_rows(x, offsets, align)
+    buf = x.new_zeros(total, *x.shape[1:])
     buf.index_copy_(0, dest, x)
-    return buf[:total], ends_pad.to(torch.int32)
+    past = torch.arange(total, device=x.device) >= offs_pad[-1]
+    return buf.masked_fill_(past.view(-1, *([1] * (x.dim() - 1))), 0), offs_pad
+
+
+def pad_groups_t(x: torch.Tensor, offsets: torch.Tensor, align: int = ALIGN, tail: bool = True):
+    """``pad_groups(x, offsets)[0].t().contiguous()`` in one copy: x [M, C] -> [C, total],
+    offsets_pad. ``tail=False`` promises ``offsets[-1] == M`` (no row to drop: saves a pass)."""
+    dest, total, offs_pad = _padded_rows(x, offsets, align)
+    buf = x.new_zeros(x.shape[1], total)
+    buf.index_copy_(1, dest, x.t())
+    if tail:  # dropped rows landed past the last group: zero them (the rowwise amax reads every column)
+        buf.masked_fill_(torch.arange(total, device=x.device) >= offs_pad[-1], 0)
+    return buf, offs_pad
+
+
+def _q_transposed(w: torch.Tensor):
+    """Rowwise quantization of ``w[G, N, K].transpose(-2, -1)`` (scales over N) -> (q [G, K, N]
+    contiguous, s [G, K]), one group at a time: the transient transposed copy is one expert's, not
+    all experts' weights."""
+    q = torch.empty(w.shape[0], w.shape[2], w.shape[1], dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(w.shape[0], w.shape[2], dtype=torch.float32, device=w.device)
+    for g in range(w.shape[0]):
+        qg, sg = _q(w[g].t())
+        q[g].copy_(qg)
+        s[g].copy_(sg.view(-1))
+    return q, s
 
 
 # ------------------------------------------------------------------------------ dense
@@ -159,17 +194,20 @@ def grouped_forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
 def grouped_dgrad(dy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """dy [M, N], w [G, N, K] -> bf16 dx [M, N] @ w[g] = [M, K] (scales over N)."""
     gq, gs = _q(dy)
-    wtq, wts = _q(w.transpose(-2, -1))  # [G, K, N]
-    return scaled_grouped_mm(gq, gs.view(-1), wtq, wts.view(w.shape[0], w.shape[2]), offsets)
+    wtq, wts = _q_transposed(w)  # [G, K, N]
+    return scaled_grouped_mm(gq, gs.view(-1), wtq, wts, offsets)
 
 
-def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """dy [M, N], x [M, K] -> bf16 dw [G, N, K], ``dw[g] = dy_g.T @ x_g`` (scales over the tokens)."""
+def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, tail: bool = True) -> torch.Tensor:
+    """dy [M, N], x [M, K] -> bf16 dw [G, N, K], ``dw[g] = dy_g.T @ x_g`` (scales over the tokens);
+    ``tail=False``: offsets[-1] == M."""
     groups = offsets.numel()
-    dyp, offs_pad = pad_groups(dy, offsets)
-    xp, _ = pad_groups(x, offsets)
-    atq, ats = _q(dyp.t())
-    btq, bts = _q(xp.t())
+    dyt, offs_pad = pad_groups_t(dy, offsets, tail=tail)
+    atq, ats = _q(dyt)
+    del dyt
+    xt, _ = pad_groups_t(x, offsets, tail=tail)
+    btq, bts = _q(xt)
+    del xt
     sat = ats.view(1, -1).expand(groups, -1).reshape(-1)
     sbt = bts.view(1, -1).expand(groups, -1).reshape(-1)
     return scaled_k_grouped_mm(atq, sat, btq, sbt, offs_pad)

@@ -88,6 +88,19 @@ def test_pad_groups_bitwise(counts, tail):
         want_ends.append(pad_start)
     assert offs_pad.tolist() == want_ends and all(e % 16 == 0 for e in want_ends)
     assert_bitwise_equal(xp, want, "padded rows")
+    xt, offs_t = RW.pad_groups_t(x, offsets, 16)
+    assert torch.equal(offs_t, offs_pad) and xt.is_contiguous()
+    assert_bitwise_equal(xt, want.t().contiguous(), "padded transposed")
+    if tail == 0:
+        assert_bitwise_equal(RW.pad_groups_t(x, offsets, 16, tail=False)[0], xt, "no-tail promise")
+
+
+def test_q_transposed_is_bitwise_the_transposed_quantization():
+    w = _randn(3, 48, 32, seed=4, device="cpu") * 5
+    got = RW._q_transposed(w)
+    want = RW._q(w.transpose(-2, -1))
+    assert_bitwise_equal(got[0], want[0], "q")
+    assert_bitwise_equal(got[1], want[1].view(3, 32), "scale")
 
 
 def test_emulated_k_grouped_matches_per_group_loop():
