@@ -58,14 +58,16 @@ def _transposed_blocks(wq: torch.Tensor, wsf: torch.Tensor):
 
 
 def _wgrad(grad, x, offsets, recipe, backend, out_dtype):
-    """dw[g] = grad_g.T @ x_g -> [G, N, K]."""
+    """dw[g] = grad_g.T @ x_g -> [G, N, K] in ``out_dtype`` (float32 accumulation written once in
+    the weight's dtype: no float32 [G, N, K] buffer beside it)."""
     be = _plain_backend(backend)
+    direct = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     if recipe == "blockwise":
-        dw = _gemm.k_grouped_gemm_tn(grad, x.to(grad.dtype), offsets, backend=be)
+        dw = _gemm.k_grouped_gemm_tn(grad, x.to(grad.dtype), offsets, out_dtype=direct, backend=be)
     else:
         ga = _gemm.quant_per_group_colwise(grad, offsets, backend=be)
         xa = _gemm.quant_per_group_colwise(x, offsets, backend=be)
-        dw = _gemm.k_grouped_fp8_gemm_tn_contiguous(ga, xa, offsets, backend=be)
+        dw = _gemm.k_grouped_fp8_gemm_tn_contiguous(ga, xa, offsets, out_dtype=direct, backend=be)
     return dw.to(out_dtype)
 
 

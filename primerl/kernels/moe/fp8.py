@@ -41,9 +41,12 @@ def _wgrad(dy, x, ends, fp8: bool, out_dtype: torch.dtype):
     peak memory). With ``fp8``, x arrives already column-quantized (saved so by forward)."""
     from ..gemm import k_grouped_fp8_gemm_tn_contiguous, k_grouped_gemm_tn, quant_per_group_colwise
 
+    direct = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     if fp8:  # dy quantized here, x by the caller
-        return k_grouped_fp8_gemm_tn_contiguous(quant_per_group_colwise(dy, ends), x, ends, out_dtype=out_dtype)
-    return k_grouped_gemm_tn(dy, x.to(dy.dtype), ends, out_dtype=out_dtype)
+        dw = k_grouped_fp8_gemm_tn_contiguous(quant_per_group_colwise(dy, ends), x, ends, out_dtype=direct)
+    else:
+        dw = k_grouped_gemm_tn(dy, x.to(dy.dtype), ends, out_dtype=direct)
+    return dw.to(out_dtype)
 
 
 def _transposed_block_quant(w: torch.Tensor):
