@@ -1,4 +1,14 @@
-"""MoE block forward+backward: primerl's MoE against Hugging Face's Qwen3-MoE block (its default
+"""MoE forward+backward. CUDA: the routed experts (issue 23's table); CPU: the whole MoE block.
+
+CUDA rows per (T, D, I, E), top-8, the local experts of one EP rank (``EXPERT_SHAPES``): the
+torchtitan-style baseline a user would write (sort the T*k slots by expert, pad each expert's rows
+to 16 as torchtitan does so that ``_grouped_mm``'s weight gradient takes them, two
+``torch._grouped_mm`` with SwiGLU between, weighted ``index_add_``), primerl ``fused_experts`` in
+bf16, with the FP8 ``"blockwise"`` recipe and with the FP8 ``"rowwise"`` recipe: TFLOP/s
+(18 * T*k * D*I per step), ``ratio`` against the baseline, peak memory of one step and its ratio to
+primerl bf16's. A case that fails prints an error row and the module goes on.
+
+CPU (below): primerl's MoE block against Hugging Face's Qwen3-MoE block (its default
 experts implementation and its eager per-expert loop) and a dense matmul pair of the same FLOPs.
 
 Rows per (T, D, I, E, k): the baselines, then primerl with ``ratio`` against each baseline
@@ -69,9 +79,97 @@ def _dense_step(x_rows, w1, w2, gy_rows):
     return step
 
 
+EXPERT_SHAPES = [(8192, 5120, 1536, 20), (16384, 6144, 2048, 32), (4096, 2048, 768, 64)]  # T, D, I, E
+TOP_K = 8
+
+
+def _torchtitan_experts(x, w13, w2, ids, weights):
+    """The baseline: x [T, D], w13 [E, 2I, D], w2 [E, D, I], ids / weights [T, k] -> y [T, D]."""
+    t, k = ids.shape
+    e = w13.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    ends = torch.cumsum(counts, 0)
+    padded = (counts + 15) // 16 * 16
+    ends_pad = torch.cumsum(padded, 0)
+    group = flat[order].long()
+    rank = torch.arange(order.numel(), device=x.device) - (ends - counts)[group]
+    dest = (ends_pad - padded)[group] + rank
+    rows = order.numel() + e * 15
+    tok = order // k
+    xp = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x[tok])
+    offs = ends_pad.to(torch.int32)
+    gu = torch._grouped_mm(xp, w13.transpose(-2, -1), offs=offs)
+    gate, up = gu.chunk(2, dim=-1)
+    h = torch.nn.functional.silu(gate) * up
+    yp = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    y = yp.index_select(0, dest) * weights.reshape(-1)[order, None].to(x.dtype)
+    return x.new_zeros(x.shape).index_add_(0, tok, y)
+
+
+def _experts_step(fn, x, w13, w2, ids, weights, gy):
+    def step():
+        leaves = [v.detach().requires_grad_() for v in (x, w13, w2, weights)]
+        y = fn(leaves[0], leaves[1], leaves[2], ids, leaves[3])
+        y.backward(gy)
+
+    return step
+
+
+def _run_cuda_experts() -> list[Row]:
+    import math
+
+    from primerl.kernels.moe import fused_experts
+
+    from .harness import peak_memory
+
+    dev, dtype = "cuda", torch.bfloat16
+    variants = {
+        "torchtitan_baseline": _torchtitan_experts,
+        "primerl_bf16": lambda *a: fused_experts(*a),
+        "primerl_fp8_blockwise": lambda *a: fused_experts(*a, fp8_recipe="blockwise"),
+        "primerl_fp8_rowwise": lambda *a: fused_experts(*a, fp8_recipe="rowwise"),
+    }
+    rows: list[Row] = []
+    for t, d, i, e in EXPERT_SHAPES:
+        shape = f"T={t} D={d} I={i} E={e} k={TOP_K}"
+        flops = 18 * t * TOP_K * d * i
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(t, d, device=dev, dtype=dtype, generator=g)
+        w13 = torch.randn(e, 2 * i, d, device=dev, dtype=dtype, generator=g) / d ** 0.5
+        w2 = torch.randn(e, d, i, device=dev, dtype=dtype, generator=g) / i ** 0.5
+        ids = torch.rand(t, e, device=dev, generator=g).topk(TOP_K, dim=1).indices.to(torch.int32)
+        weights = torch.rand(t, TOP_K, device=dev, generator=g)
+        gy = torch.randn(t, d, device=dev, dtype=dtype, generator=g)
+        measured = {}
+        for name, fn in variants.items():
+            step = _experts_step(fn, x, w13, w2, ids, weights, gy)
+            try:
+                step()
+                peak = peak_memory(step, dev)
+                measured[name] = (time_fn(step, device=dev), peak)
+            except Exception as exc:  # noqa: BLE001 - print the failure, go on with the other rows
+                torch.cuda.synchronize()
+                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if str(exc) else type(exc).__name__
+                rows.append(Row("moe_experts_fwd_bwd", shape, "bf16", name, math.nan, extra={"error": msg}))
+        base = measured.get("torchtitan_baseline", (None, None))[0]
+        bf16_peak = measured.get("primerl_bf16", (None, None))[1]
+        for name, (s, peak) in measured.items():
+            extra = {"peak_GB": f"{peak / 1e9:.2f}"}
+            if bf16_peak:
+                extra["peak_vs_bf16"] = f"{peak / bf16_peak:.2f}x ({(peak - bf16_peak) / 1e9:+.2f} GB)"
+            rows.append(Row("moe_experts_fwd_bwd", shape, "bf16", name, s, tflops=flops / s / 1e12,
+                            ratio=None if base is None or name == "torchtitan_baseline" else base / s,
+                            baseline="torchtitan_baseline" if name != "torchtitan_baseline" else "", extra=extra))
+    return rows
+
+
 def run(args) -> list[Row]:
     from primerl.models.moe import MoE
 
+    if args.device == "cuda":
+        return _run_cuda_experts()
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = QUICK_SHAPES if args.quick else SHAPES

@@ -7,6 +7,9 @@ Recipes (DeepSeek-V3's blockwise scheme):
   weight reuses the same blocks), wgrad ``dw = dy.T @ x`` from the bf16 tensors, float32 accumulation.
 * ``"blockwise_fp8_wgrad"``: wgrad in FP8 too, with ``dy`` and ``x`` quantized column-wise in
   128-token blocks that never cross a group boundary (:func:`quant_per_group_colwise`).
+* ``"rowwise"``: torchao's / torchtitan's recipe: all three GEMMs in FP8 with one float32 scale per
+  row along each GEMM's contraction dim, on ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``
+  (CPU: the dequantizing emulation); see :mod:`.fp8_rowwise`.
 
 Both ops are ``torch.library.custom_op``s (forward and backward each one op, with fake kernels
 and ``register_autograd``), so ``torch.compile`` traces them as single nodes. Tensors saved for
@@ -31,7 +34,7 @@ from torch import nn
 from . import gemm as _gemm
 from .fp8 import quant_per_block, quant_per_token_group
 
-RECIPES = ("blockwise", "blockwise_fp8_wgrad")
+RECIPES = ("blockwise", "blockwise_fp8_wgrad", "rowwise")
 BLOCK = 128
 __all__ = ["RECIPES", "fp8_linear", "fp8_grouped_linear", "Fp8Linear", "convert_to_fp8"]
 
@@ -55,14 +58,16 @@ def _transposed_blocks(wq: torch.Tensor, wsf: torch.Tensor):
 
 
 def _wgrad(grad, x, offsets, recipe, backend, out_dtype):
-    """dw[g] = grad_g.T @ x_g -> [G, N, K]."""
+    """dw[g] = grad_g.T @ x_g -> [G, N, K] in ``out_dtype`` (float32 accumulation written once in
+    the weight's dtype: no float32 [G, N, K] buffer beside it)."""
     be = _plain_backend(backend)
+    direct = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     if recipe == "blockwise":
-        dw = _gemm.k_grouped_gemm_tn(grad, x.to(grad.dtype), offsets, backend=be)
+        dw = _gemm.k_grouped_gemm_tn(grad, x.to(grad.dtype), offsets, out_dtype=direct, backend=be)
     else:
         ga = _gemm.quant_per_group_colwise(grad, offsets, backend=be)
         xa = _gemm.quant_per_group_colwise(x, offsets, backend=be)
-        dw = _gemm.k_grouped_fp8_gemm_tn_contiguous(ga, xa, offsets, backend=be)
+        dw = _gemm.k_grouped_fp8_gemm_tn_contiguous(ga, xa, offsets, out_dtype=direct, backend=be)
     return dw.to(out_dtype)
 
 
@@ -149,6 +154,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         y = x2 @ weight.to(x.dtype).t()
+    elif recipe == "rowwise":
+        from .fp8_rowwise import rowwise_linear
+
+        y = rowwise_linear(x2.contiguous(), weight)
     else:
         y = _fp8_linear_fwd(x2.contiguous(), weight, recipe, backend)
     y = y.view(*x.shape[:-1], weight.shape[0])
@@ -225,6 +234,10 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
                          f"{getattr(offsets, 'shape', type(offsets).__name__)}")
     if x.shape[0] == 0:
         return x.new_zeros(0, weight.shape[1]) + 0 * weight.sum().to(x.dtype)
+    if recipe == "rowwise":
+        from .fp8_rowwise import rowwise_grouped_linear
+
+        return rowwise_grouped_linear(x.contiguous(), weight, offsets.to(torch.int32).contiguous())
     return _fp8_grouped_fwd(x.contiguous(), weight, offsets.to(torch.int32).contiguous(), recipe, backend)
 
 

@@ -38,7 +38,7 @@ def convert_to_fp8(model: nn.Module, recipe: str = "blockwise",
     """Swap ``model``'s selected linears and grouped experts for FP8 versions in place; returns it.
 
     ``recipe``: a recipe name of ``primerl.kernels.fp8_training`` (``"blockwise"``,
-    ``"blockwise_fp8_wgrad"``). ``filter_fn(name, module)``: which modules to convert
+    ``"blockwise_fp8_wgrad"``, ``"rowwise"``). ``filter_fn(name, module)``: which modules to convert
     (default :func:`default_fp8_filter`). Call it before :func:`primerl.models.parallelize`
     (FSDP wraps the modules as they are then).
     """

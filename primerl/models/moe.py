@@ -61,7 +61,7 @@ class GroupedExperts(nn.Module):
         self.fp8_recipe = None
 
     def enable_fp8(self, recipe) -> None:
-        """Run the grouped GEMMs in FP8 with ``recipe`` ("blockwise" / "blockwise_fp8_wgrad", or an
+        """Run the grouped GEMMs in FP8 with ``recipe`` ("blockwise" / "blockwise_fp8_wgrad" / "rowwise", or an
         object with that ``name``); called by primerl's convert_to_fp8. None switches back to bf16."""
         if recipe is not None:
             from primerl.kernels.moe.fp8 import check_shapes, recipe_name

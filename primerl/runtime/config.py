@@ -134,7 +134,7 @@ class ParallelConfig:
     cp: int = 1  # context parallel: each packed micro-batch split over cp ranks (ring attention)
     ep: int = 1  # expert parallel: experts split over ep ranks (token all-to-all)
     activation_checkpointing: str = "none"  # "none", "full" (every block) or "selective" (every 2nd block)
-    fp8: str = "off"  # "off", "blockwise" or "blockwise_fp8_wgrad" (primerl.kernels.fp8_training recipes)
+    fp8: str = "off"  # "off", "blockwise", "blockwise_fp8_wgrad" or "rowwise" (primerl.kernels.fp8_training recipes)
     cp_layout: str = "zigzag"  # "zigzag" (causal load balance) or "contiguous"
 
 
@@ -410,7 +410,7 @@ def validate(cfg: RLConfig) -> None:
     validate_parallel(cfg)
 
 
-FP8_RECIPES = ("blockwise", "blockwise_fp8_wgrad")
+FP8_RECIPES = ("blockwise", "blockwise_fp8_wgrad", "rowwise")
 _FP8_BLOCK = 128
 
 

@@ -559,7 +559,7 @@ def test_triton_kernels_bitwise_on_gpu():
 FP8_MIN_SQNR_DB = {"y": 23.0, "dx": 23.0, "dw13": 24.0, "dw2": 24.0, "dweights": 20.0}
 
 
-FP8_CASES = [("torch", "blockwise_fp8_wgrad"), ("triton" if INTERPRET else "torch", "blockwise")]
+FP8_CASES = [("torch", "blockwise_fp8_wgrad"), ("triton" if INTERPRET else "torch", "blockwise"), ("torch", "rowwise")]
 
 
 @pytest.mark.parametrize("backend,recipe", FP8_CASES)
@@ -584,6 +584,19 @@ def test_fp8_fused_experts_vs_bf16(torch_exp, backend, recipe):
     for what, ref, got in zip(("y", "dx", "dw13", "dw2", "dweights"), outs[None], outs[recipe]):
         assert got.dtype == ref.dtype and torch.isfinite(got).all(), what
         assert sqnr_db(ref.detach().float(), got.detach().float()) >= FP8_MIN_SQNR_DB[what], what
+
+
+@pytest.mark.parametrize("shape", [(2, 256, 128), (3, 128, 384)])
+def test_fp8_transposed_block_quant_is_bitwise_the_transposed_quantization(shape):
+    """Backward transposes the 1-byte FP8 weights instead of a bf16 copy: the same bits."""
+    from primerl.kernels.fp8 import quant_per_block
+    from primerl.kernels.moe.fp8 import _transposed_block_quant
+    from primerl.kernels.testing import assert_bitwise_equal
+
+    w = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
+    got, want = _transposed_block_quant(w), quant_per_block(w.transpose(1, 2).contiguous())
+    assert_bitwise_equal(got[0], want[0], "q")
+    assert_bitwise_equal(got[1], want[1], "sf")
 
 
 def _fp8_chain_emulated(x, w13, w2, ids, w, gy):

@@ -23,6 +23,16 @@ def test_the_4rank_example_resolves_to_its_mesh():
     assert parallel_dims(_cfg("--num_trainer_ranks", "8")).dp_shard == 4  # -1 takes the rest
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_fp8_wgrad", "rowwise", "off"])
+def test_fp8_recipes_are_accepted(recipe):
+    assert _cfg("--trainer.parallel.fp8", recipe).trainer.parallel.fp8 == recipe
+
+
+def test_fp8_error_lists_the_rowwise_recipe():
+    with pytest.raises(ConfigError, match="rowwise"):
+        _cfg("--trainer.parallel.fp8", "tensorwise")
+
+
 @pytest.mark.parametrize("over,key,words", [
     (["--trainer.parallel.cp", "3"], "trainer.parallel", "num_trainer_ranks = 4"),
     (["--trainer.parallel.ep", "8", "--num_trainer_ranks", "8"], "trainer.parallel.ep", "num_experts = 4"),

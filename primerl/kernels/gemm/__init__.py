@@ -12,7 +12,9 @@ group of each row (-1 = padding; groups aligned to :func:`get_mk_alignment_for_c
 128 unless set), DeepGEMM's ``psum[G]``, or masked ``[G, max_m, K]``.
 
 Backends (``backend=None`` picks): CPU tensors -> ``"torch"`` (the reference: dequantize, fp32
-GEMM). CUDA -> FP8 ops ``"deep_gemm"`` when importable and the output is bf16, else ``"triton"``;
+GEMM). CUDA -> dense FP8 ``fp8_gemm_nt`` ``"cublas"`` (torch's cuBLAS blockwise ``F.scaled_mm``,
+SM90, see :mod:`.cublas`) where it applies; FP8 ops ``"deep_gemm"`` when importable and the output
+is bf16, else ``"triton"``;
 bf16 ``gemm_nt`` / ``grouped_gemm_nt`` -> ``"torch"`` (cuBLAS, ``torch._grouped_mm``);
 k-grouped ops and the colwise quantizer -> ``"triton"``.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import resolve_backend
+from .._backend import BackendUnavailableError, resolve_backend
 from ..fp8.reference import ROUNDINGS
 from ._checks import (
     _OUT_DTYPES,
@@ -42,8 +42,10 @@ def _fp8_preference(out_dtype: torch.dtype, c=None) -> tuple[str, ...]:
     return ("deep_gemm", "triton", "torch") if out_dtype == torch.bfloat16 and c is None else ("triton", "torch")
 
 
-def _scales(op: str, name: str, q: torch.Tensor, sf, sf_rows: int, layout: str) -> torch.Tensor:
-    """float32 (any strides) or packed UE8M0 int32 scales -> float32 K-major [.., sf_rows, K/128]."""
+def _scales(op: str, name: str, q: torch.Tensor, sf, sf_rows: int, layout: str,
+            keep_layout: bool = False) -> torch.Tensor:
+    """float32 (any strides) or packed UE8M0 int32 scales -> float32 K-major [.., sf_rows, K/128]
+    (float32 scales keep their strides with ``keep_layout``)."""
     groups_k = q.shape[-1] // BLOCK
     lead = tuple(q.shape[:-2])
     if isinstance(sf, torch.Tensor) and sf.dtype == torch.int32:
@@ -56,10 +58,10 @@ def _scales(op: str, name: str, q: torch.Tensor, sf, sf_rows: int, layout: str) 
     want = (*lead, sf_rows, groups_k)
     if tuple(sf.shape) != want:
         raise ValueError(f"{op}: {name} scales must be {want} ({layout} scales of q {tuple(q.shape)}), got {tuple(sf.shape)}")
-    return sf.contiguous()
+    return sf if keep_layout else sf.contiguous()
 
 
-def _check_pair(op: str, name: str, pair, dims: int, rows_per_scale: int):
+def _check_pair(op: str, name: str, pair, dims: int, rows_per_scale: int, keep_layout: bool = False):
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
         raise TypeError(f"{op}: {name} must be a (q, sf) pair from primerl.kernels.fp8, got {type(pair).__name__}")
     q, sf = pair
@@ -68,7 +70,7 @@ def _check_pair(op: str, name: str, pair, dims: int, rows_per_scale: int):
         raise ValueError(f"{op}: K={q.shape[-1]} of {name} must be a multiple of {BLOCK}")
     rows = q.shape[-2]
     layout = "128x128 block" if rows_per_scale == BLOCK else "1x128 token-group"
-    return q.contiguous(), _scales(op, name, q, sf, -(-rows // rows_per_scale), layout)
+    return q.contiguous(), _scales(op, name, q, sf, -(-rows // rows_per_scale), layout, keep_layout)
 
 
 def _b_granularity(op: str, b, recipe) -> int:
@@ -84,10 +86,10 @@ def _b_granularity(op: str, b, recipe) -> int:
     return BLOCK
 
 
-def _check_operands(op: str, a, b, a_dims: int, b_dims: int, recipe):
+def _check_operands(op: str, a, b, a_dims: int, b_dims: int, recipe, keep_layout: bool = False):
     gran = _b_granularity(op, b, recipe)
-    a = _check_pair(op, "a", a, a_dims, 1)
-    b = _check_pair(op, "b", b, b_dims, gran)
+    a = _check_pair(op, "a", a, a_dims, 1, keep_layout)
+    b = _check_pair(op, "b", b, b_dims, gran, keep_layout)
     if a[0].shape[-1] != b[0].shape[-1]:
         raise ValueError(f"{op}: K mismatch, a is {tuple(a[0].shape)} and b is {tuple(b[0].shape)}")
     return a, b, gran, (1, gran, BLOCK)
@@ -130,15 +132,47 @@ def _alloc(d, shape: tuple, out_dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=out_dtype, device=device) if d is None else d
 
 
+def _cublas_reason(a, b, gran, out_dtype, c, dev: torch.device) -> str | None:
+    from . import cublas
+
+    m, k = a[0].shape
+    return cublas.reason(m, b[0].shape[0], k, a[0].dtype, b[0].dtype, gran, out_dtype, c is not None, dev)
+
+
+def _dense_backend(op: str, backend, a, b, gran, out_dtype, c, dev: torch.device) -> str:
+    """The dense op's backend: ``"cublas"`` (torch's cuBLAS blockwise FP8) when named or, for
+    ``backend=None`` on CUDA, wherever it computes this case correctly; else DeepGEMM, Triton."""
+    if backend == "cublas":
+        why = _cublas_reason(a, b, gran, out_dtype, c, dev)
+        if why is not None:
+            raise BackendUnavailableError(f"{op}: backend 'cublas' is unavailable: {why}")
+        return "cublas"
+    if backend is None and dev.type == "cuda" and _cublas_reason(a, b, gran, out_dtype, c, dev) is None:
+        return "cublas"
+    return resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype, c))
+
+
 def fp8_gemm_nt(a, b, d: torch.Tensor | None = None, c: torch.Tensor | None = None, *, recipe=None,
                 out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
-    """``D[M, N] = A @ B.T (+ C)`` for a = (q [M, K], sf [M, K/128]), b = (q [N, K], sf); returns d."""
+    """``D[M, N] = A @ B.T (+ C)`` for a = (q [M, K], sf [M, K/128]), b = (q [N, K], sf); returns d.
+
+    Backends: ``"torch"`` (reference), ``"triton"``, ``"deep_gemm"``, and ``"cublas"``: torch's
+    cuBLAS blockwise FP8 (``F.scaled_mm``, see :mod:`.cublas`; SM90, e4m3, recipe (1, 128, 128),
+    bf16 output, no ``c``, N and K multiples of 16). ``backend=None`` on CUDA takes ``"cublas"``
+    wherever it applies (probed once per device), else DeepGEMM when importable (bf16 output, no
+    ``c``), else Triton."""
     op = "fp8_gemm_nt"
-    a, b, gran, recipe = _check_operands(op, a, b, 2, 2, recipe)
+    # float32 scales keep their strides until the backend is known: cuBLAS wants A's MN-major
+    a, b, gran, recipe = _check_operands(op, a, b, 2, 2, recipe, keep_layout=True)
     dev = _check_same_device(op, aq=a[0], asf=a[1], bq=b[0], bsf=b[1])
     shape = (a[0].shape[0], b[0].shape[0])
     d, out_dtype = _output(op, d, shape, out_dtype, dev, c)
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype, c))
+    be = _dense_backend(op, backend, a, b, gran, out_dtype, c, dev)
+    if be == "cublas":
+        from . import cublas
+
+        return cublas.fp8_gemm_nt(a, b, d)
+    a, b = (a[0], a[1].contiguous()), (b[0], b[1].contiguous())
     if be == "torch":
         return _into(d, reference.fp8_gemm_nt(a, b, out_dtype, gran, c))
     d = _alloc(d, shape, out_dtype, dev)

@@ -209,7 +209,7 @@ def fused_experts(
     permute -> grouped GEMM with w13 [E, 2I, D] -> SwiGLU -> grouped GEMM with w2 [E, D, I] ->
     weighted combine (float32, fixed order). ``backend`` picks the permute / SwiGLU / combine
     kernels; the GEMMs are :func:`primerl.kernels.gemm.grouped_gemm_nt` (bf16), or with
-    ``fp8_recipe`` (``"blockwise"`` or ``"blockwise_fp8_wgrad"``, see :mod:`.fp8`) the block-scaled
+    ``fp8_recipe`` (``"blockwise"``, ``"blockwise_fp8_wgrad"`` or ``"rowwise"``, see :mod:`.fp8`) the
     FP8 grouped GEMMs with SwiGLU fused into the quantization (D and I multiples of 128).
     """
     op = "fused_experts"

@@ -97,9 +97,12 @@ def experts_on_grouped_rows(x_perm, w13, w2, ends, impl, fp8_recipe=None):
 
     ``fp8_recipe``: None (bf16 grouped GEMMs) or an FP8 recipe of :mod:`.fp8`."""
     if fp8_recipe is not None:
-        from .fp8 import FP8GroupedExperts, recipe_name
+        from .fp8 import FP8GroupedExperts, RowwiseGroupedExperts, recipe_name
 
-        return FP8GroupedExperts.apply(x_perm, w13, w2, ends, recipe_name(fp8_recipe), impl)
+        name = recipe_name(fp8_recipe)
+        if name == "rowwise":
+            return RowwiseGroupedExperts.apply(x_perm, w13, w2, ends, impl)
+        return FP8GroupedExperts.apply(x_perm, w13, w2, ends, name, impl)
     if impl is reference and cpu_experts.supported(x_perm, w13, w2, fp8_recipe) \
             and cpu_experts.worthwhile(x_perm.shape[0], w13):
         ends_list = ends.tolist()  # host sync: free on CPU
