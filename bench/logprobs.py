@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from primerl.kernels.logprobs import fused_logprobs
+from primerl.kernels.logprobs import chunked, fused_logprobs
 
 from .harness import Row
 
@@ -159,6 +159,10 @@ def _run_cuda(args) -> list[Row]:
         g_lp, g_ent = torch.randn(T, device="cuda", generator=gen), torch.randn(T, device="cuda", generator=gen)
         res = {}
         for path in CUDA_PATHS:
+            if path.startswith("primerl") and not chunked.native_low_precision(hidden, weight):
+                # the float32-GEMM fallback takes ~1.6 s / 5 s a step here: not worth the module's minute
+                res[path] = "not timed: no torch.mm(..., out_dtype=torch.float32) on this device"
+                continue
             try:
                 res[path] = _cuda_measure(_cuda_step(path, hidden, weight, targets, g_lp, g_ent))
             except ImportError as exc:
@@ -167,6 +171,10 @@ def _run_cuda(args) -> list[Row]:
                 res[path] = f"{type(exc).__name__}: {str(exc)[:160]}"
             hidden.grad = weight.grad = None
             torch.cuda.empty_cache()
+            # one line as soon as a path is measured: a module cut off by its time limit still reports
+            got = res[path]
+            print(f"# {shape} {path}: " + (f"{got[0] * 1e3:.1f} ms, peak extra {got[1] / 1e9:.2f} GB"
+                                           if isinstance(got, tuple) else got), flush=True)
         flops = 6 * T * D * V
         ok = {p: v for p, v in res.items() if isinstance(v, tuple)}
         for path in CUDA_PATHS:

@@ -110,13 +110,14 @@ class TorchChunkOps:
 
 
 @functools.lru_cache(maxsize=None)
-def has_mm_out_dtype() -> bool:
-    """torch.mm / torch.addmm accept ``out_dtype`` (bf16/fp16 operands, float32 result); torch >= 2.8
-    on CUDA. Probed on storage-less meta tensors, so it costs nothing and needs no GPU."""
-    a = torch.empty(2, 2, dtype=torch.bfloat16, device="meta")
+def has_mm_out_dtype(device_type: str = "cuda") -> bool:
+    """torch.mm / torch.addmm run with ``out_dtype=torch.float32`` on bf16 operands on this device
+    type (CUDA in torch >= 2.8; no CPU kernel). Probed once with 8 x 8 tensors there: a meta probe
+    is not enough (torch 2.11 computes it on CUDA but fails it on meta)."""
     try:
+        a = torch.zeros(8, 8, dtype=torch.bfloat16, device=device_type)
         torch.mm(a, a, out_dtype=torch.float32)
-        torch.addmm(torch.empty(2, 2, device="meta"), a, a, out_dtype=torch.float32)
+        torch.addmm(torch.zeros(8, 8, device=device_type), a, a, out_dtype=torch.float32)
     except (TypeError, RuntimeError, NotImplementedError):
         return False
     return True
@@ -126,7 +127,7 @@ def native_low_precision(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the GEMMs run on bf16/fp16 operands with a float32 result on this device."""
     if hidden.dtype != weight.dtype or hidden.dtype not in LOW_PRECISION or hidden.device.type != "cuda":
         return False
-    if not has_mm_out_dtype():
+    if not has_mm_out_dtype(hidden.device.type):
         warnings.warn(f"fused_logprobs: torch {torch.__version__} has no torch.mm(..., out_dtype=torch.float32); "
                       "the logits GEMMs run in float32 (about 10x slower on tensor-core GPUs)", stacklevel=3)
         return False
