@@ -226,11 +226,11 @@ def _logprobs_cases():
     def fwd_bwd(dtype, temperature):
         # the chunk sizes fused_logprobs picks for these tensors (bf16: the tensor-core path)
         hidden, weight, targets = _cuda(LP_T, LP_D, dtype=dtype), _cuda(LP_V, LP_D, dtype=dtype), _cuda(LP_T, dtype=torch.int64)
-        tc, vc = chunked.default_chunk_sizes(LP_T, LP_V, LP_D, chunked.native_low_precision(hidden, weight))
+        tz, vc, td = chunked.default_chunk_sizes(LP_T, LP_V, LP_D, chunked.native_low_precision(hidden, weight))
         inv_temp, unit = (_cuda(LP_T, dtype=F32), False) if temperature else (None, True)
-        lp, ent, stats = chunked.chunked_forward(hidden, weight, targets, inv_temp, unit, tc, vc, True, TritonChunkOps)
+        lp, ent, stats = chunked.chunked_forward(hidden, weight, targets, inv_temp, unit, tz, vc, True, TritonChunkOps)
         chunked.chunked_backward(hidden, weight, targets, inv_temp, unit, lp, ent, stats, _cuda(LP_T, dtype=F32),
-                                 _cuda(LP_T, dtype=F32), tc, vc, True, True, TritonChunkOps)
+                                 _cuda(LP_T, dtype=F32), tz, vc, td, True, True, TritonChunkOps)
 
     shape = f"T={LP_T} D={LP_D} V={LP_V} entropy"
     return [Case(f"logprobs fwd+bwd bf16 {shape} per-token temperature", functools.partial(fwd_bwd, BF16, True), None, ci=True),

@@ -229,15 +229,36 @@ def test_low_precision_gradient_block_is_rounded_like_the_gpu(monkeypatch):
     assert all(torch.equal(a, a.bfloat16().float()) for a in grads)  # ... of bf16 values
 
 
+# (chunk_size, vocab_chunk_size, grad_chunk_size) as the CUDA policy may pick them: gradient blocks
+# spanning T filled by several (ragged) logits blocks, or spanning some of T (weight accumulator)
+POLICIES = [(5, 16, 13), (4, 40, 9), (13, 97, 13)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gradient_blocks_of_several_logits_blocks(backend, policy, dtype, monkeypatch):
+    monkeypatch.setattr(chunked, "default_chunk_sizes", lambda T, V, D, native: policy)
+    T, V, D = 13, 97, 24
+    seed = zlib.crc32(repr((backend, policy, dtype)).encode())
+    hidden, weight, targets, g = _inputs(T, V, D, seed, scale=4.0, dtype=dtype)
+    temp = torch.rand(T, generator=g) + 0.3
+    logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, backend=backend)
+    if dtype == torch.float32:
+        _check_against_oracle(logp, ent, hidden, weight, targets, temp, seed)
+    else:
+        _check_low_precision(logp, ent, hidden, weight, targets, temp, seed)
+
+
 @pytest.mark.parametrize("T,D,V", [(16384, 4096, 151936), (32768, 6144, 154880), (1024, 1024, 32000),
-                                   (1, 64, 1000), (131072, 8192, 262144)])
+                                   (1, 64, 1000), (65536, 1024, 151936), (131072, 8192, 262144)])
 def test_default_chunks_bound_the_blocks(T, D, V):
-    tc, vc = chunked.default_chunk_sizes(T, V, D, native=True)
-    assert 1 <= tc <= T and 1 <= vc <= V
-    block_bytes = 6 * tc * vc + (4 * vc * D if tc < T else 0)
-    assert block_bytes <= max(1.6 * T * D, 64 << 20)
-    assert tc * vc < T * V or T * V * 6 <= 64 << 20  # never a [T, V] block unless it is tiny
-    assert chunked.default_chunk_sizes(T, V, D, native=False) == (1024, 8192)
+    tz, vc, td = chunked.default_chunk_sizes(T, V, D, native=True)
+    assert 1 <= tz <= td <= T and 1 <= vc <= V
+    block_bytes = 4 * tz * vc + 2 * td * vc + (4 * vc * D if td < T else 0)
+    assert block_bytes <= max(2 * T * D, 64 << 20)  # at most half the [T, D] float32 accumulator
+    assert tz * vc < T * V or T * V * 6 <= 64 << 20  # never a [T, V] block unless it is tiny
+    assert chunked.default_chunk_sizes(T, V, D, native=False) == (1024, 8192, 1024)
 
 
 def test_mm_out_dtype_is_detected():
@@ -257,15 +278,18 @@ def _cuda_inputs(T, V, D, seed, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [None, "torch", "triton"])
-@pytest.mark.parametrize("chunks", [None, (300, 3000)])
+@pytest.mark.parametrize("chunks", ["default", "sub-blocks", "accumulated"])
 @pytest.mark.parametrize("temperature", ["one", "per_token"])
-def test_cuda_tensor_core_path_matches_oracle(backend, chunks, temperature):
-    # the H200 path: bf16 GEMMs with float32 logits blocks; (300, 3000) adds ragged token chunks
-    # and the float32 weight-gradient accumulator (addmm with out_dtype)
+def test_cuda_tensor_core_path_matches_oracle(backend, chunks, temperature, monkeypatch):
+    # the H200 path: bf16 GEMMs with float32 logits blocks. "sub-blocks": gradient blocks over all
+    # tokens filled by ragged logits blocks; "accumulated": gradient blocks of 300 tokens, the weight
+    # gradient accumulated in float32 (addmm with out_dtype)
+    if chunks == "sub-blocks":
+        monkeypatch.setattr(chunked, "default_chunk_sizes", lambda T, V, D, native: (300, 3000, T))
     hidden, weight, targets, temp = _cuda_inputs(1024, 32000, 1024, seed=31, dtype=torch.bfloat16)
     temp = 1.0 if temperature == "one" else temp
     assert chunked.native_low_precision(hidden, weight)
-    tc, vc = chunks or (None, None)
+    tc, vc = (300, 3000) if chunks == "accumulated" else (None, None)
     logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, chunk_size=tc, vocab_chunk_size=vc,
                                backend=backend)
     _check_low_precision(logp, ent, hidden, weight, targets, temp, seed=9)

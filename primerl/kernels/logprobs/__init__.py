@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .chunked import ChunkedLogprobs, TorchChunkOps, default_chunk_sizes, native_low_precision
+from . import chunked
+from .chunked import ChunkedLogprobs, TorchChunkOps
 from .reference import logprobs_reference
 
 __all__ = ["fused_logprobs", "logprobs_reference"]
@@ -64,12 +65,14 @@ def fused_logprobs(
         weight: [V, D] same dtype (the LM head).
         targets: [T] integer token ids in [0, V).
         temperature: a float or a [T] tensor (per-token sampling temperature, > 0; no gradient).
-        chunk_size: tokens per chunk; vocab_chunk_size: vocabulary rows per chunk. None picks them
+        chunk_size: tokens per chunk (logits block and, in backward, gradient block);
+            vocab_chunk_size: vocabulary rows per chunk. None picks them
             (``chunked.default_chunk_sizes``): on CUDA with bf16/fp16 inputs, blocks of at most
-            0.4x the [T, D] float32 gradient accumulator (at least 64 MiB); otherwise 1024 x 8192.
-            Peak extra memory in backward: 4 T D bytes (grad_hidden accumulator) plus about
-            6 * chunk_size * vocab_chunk_size (bf16/fp16; 4-8 for float32) plus, when chunk_size
-            < T, 4 * vocab_chunk_size * D.
+            half the [T, D] float32 gradient accumulator (at least 64 MiB), the gradient blocks
+            spanning all T tokens where that fits; otherwise 1024 x 8192. Peak extra memory in
+            backward: 4 T D bytes (grad_hidden accumulator) plus about 6 * chunk_size *
+            vocab_chunk_size for bf16/fp16 (4 or 8 for float32) plus, when chunk_size < T and the
+            weight is not float32, 4 * vocab_chunk_size * D.
         return_entropy: also return the entropy (its gradient flows too).
         backend: None | "torch" | "triton".
 
@@ -105,11 +108,12 @@ def fused_logprobs(
         from .triton import TritonChunkOps as ops
     else:
         ops = TorchChunkOps
-    if chunk_size is None or vocab_chunk_size is None:
-        tc, vc = default_chunk_sizes(T, V, D, native_low_precision(hidden, weight))
-        chunk_size = tc if chunk_size is None else chunk_size
-        vocab_chunk_size = vc if vocab_chunk_size is None else vocab_chunk_size
+    tz, vc, td = chunked.default_chunk_sizes(T, V, D, chunked.native_low_precision(hidden, weight))
+    if chunk_size is not None:  # explicit tokens per block: the gradient blocks have as many
+        tz = td = chunk_size
+    if vocab_chunk_size is not None:
+        vc = vocab_chunk_size
     logprobs, entropy = ChunkedLogprobs.apply(
         hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), inv_temp, unit_temp,
-        chunk_size, vocab_chunk_size, bool(return_entropy), ops)
+        tz, vc, td, bool(return_entropy), ops)
     return logprobs, (entropy if return_entropy else None)

@@ -134,28 +134,39 @@ def native_low_precision(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return True
 
 
-def default_chunk_sizes(T: int, V: int, D: int, native: bool) -> tuple[int, int]:
-    """(tokens, vocabulary rows) per logits block when the caller gives none.
+def default_chunk_sizes(T: int, V: int, D: int, native: bool) -> tuple[int, int, int]:
+    """(tokens per logits block, vocabulary rows per block, tokens per gradient block).
 
-    bf16/fp16 tensor-core GEMMs (``native``): the backward holds a [T, D] float32 grad_hidden
-    accumulator (4 T D bytes); the blocks may add 0.4x that (at least 64 MiB): a float32 logits
-    block and a bf16 gradient block (6 Tc Vc bytes) plus, when Tc < T, a [Vc, D] float32
-    weight-gradient accumulator. Within that, large Vc first: each vocabulary chunk re-reads and
-    re-writes the grad_hidden accumulator (8 T D bytes against 2 T D Vc flops, intensity Vc / 4
-    flop/byte), each token chunk the weight accumulator (intensity Tc / 4); above ~1000 both stay
-    well under the GEMMs' time on an H200 (~700 TFLOP/s against ~4 TB/s).
-    Otherwise (float32 GEMMs, CPU): 1024 x 8192, as measured on CPU.
+    bf16/fp16 tensor-core GEMMs (``native``): backward holds a [T, D] float32 grad_hidden
+    accumulator (4 T D bytes); the blocks may add half that (at least 64 MiB): a float32 logits
+    block [Tz, Vc] (4 Tz Vc), a bf16 gradient block [Td, Vc] that the two gradient GEMMs read
+    (2 Td Vc) and, when Td < T, a [Vc, D] float32 weight-gradient accumulator. Among the fits, the
+    least accumulator traffic: each vocabulary chunk re-reads and re-writes grad_hidden (8 T D
+    bytes against 2 T D Vc flops: intensity Vc / 4 flop/byte), each gradient block the weight
+    accumulator (8 V D bytes per block); with Td = T the weight gradient of a vocabulary chunk is
+    one GEMM written once. Ties: the larger logits block (fewer, larger GEMMs; Tz <= 4096).
+    At (T, D, V) = (16384, 4096, 151936): (4096, 2048, T), blocks 101 MB; (32768, 6144, 154880):
+    (4096, 4096, T), 336 MB. An H200 does ~700 TFLOP/s against ~4 TB/s: above intensity ~500
+    the accumulator traffic overlaps the GEMMs' arithmetic.
+    Otherwise (float32 GEMMs, CPU): 1024 x 8192 blocks, as measured on CPU.
     """
-    if not native:
-        return 1024, 8192
-    budget = max(8 * T * D // 5, 64 << 20)
-    for vc in (4096, 2048, 1024):
-        for tc in (T, 8192, 4096, 2048):
-            if tc > T:
-                continue
-            if 6 * tc * vc + (4 * vc * D if tc < T else 0) <= budget:
-                return max(1, tc), min(vc, V)
-    return max(1, min(T, 1024)), min(V, 1024)
+    if not native or T == 0:
+        return 1024, 8192, 1024
+    budget = max(2 * T * D, 64 << 20)
+    best = None
+    for vc in sorted({min(v, V) for v in (8192, 4096, 2048, 1024, 512)}, reverse=True):
+        for tz in sorted({min(t, T) for t in (4096, 2048, 1024)}, reverse=True):
+            for td in sorted({T, tz}, reverse=True):
+                mem = 4 * tz * vc + 2 * td * vc + (4 * vc * D if td < T else 0)
+                if mem > budget:
+                    continue
+                traffic = 8 * T * D * -(-V // vc) + (8 * V * D * -(-T // td) if td < T else 0)
+                key = (traffic, -tz * vc)
+                if best is None or key < best[0]:
+                    best = (key, (tz, vc, td))
+    if best is None:
+        return min(T, 1024), min(V, 512), min(T, 1024)
+    return best[1]
 
 
 def _gemm(out, a, b, accumulate=False):
@@ -238,8 +249,11 @@ def chunked_forward(hidden, weight, targets, inv_temp, unit_temp, chunk_size, vo
 
 
 def chunked_backward(hidden, weight, targets, inv_temp, unit_temp, logprobs, entropy, stats, g_lp, g_ent,
-                     chunk_size, vocab_chunk_size, need_hidden, need_weight, ops):
-    """-> (grad_hidden [T, D] in hidden.dtype or None, grad_weight [V, D] in weight.dtype or None)."""
+                     chunk_size, vocab_chunk_size, grad_chunk_size, need_hidden, need_weight, ops):
+    """-> (grad_hidden [T, D] in hidden.dtype or None, grad_weight [V, D] in weight.dtype or None).
+
+    The gradient blocks dz [grad_chunk_size, Vc] are filled logits block by logits block
+    ([chunk_size, Vc]), then feed grad_hidden += dz @ W_c and grad_weight_c (+)= dz^T @ h."""
     T, D = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -248,38 +262,44 @@ def chunked_backward(hidden, weight, targets, inv_temp, unit_temp, logprobs, ent
     tgt_grad = -g_lp * torch.expm1(logprobs)
     if g_ent is not None:
         tgt_grad = tgt_grad - g_ent * torch.exp(logprobs) * (logprobs + entropy)
-    tc_max, vc_max = min(chunk_size, T), min(vocab_chunk_size, V)
-    one_token_chunk = chunk_size >= T
+    td_max, vc_max = min(grad_chunk_size, T), min(vocab_chunk_size, V)
+    tz_max = min(chunk_size, td_max)
+    # the gradient block is the logits block itself (in place) for float32 operands of equal chunks
+    in_place = not opnd.lowp and tz_max == td_max
     grad_h = torch.empty(T, D, dtype=torch.float32, device=dev) if need_hidden else None
     grad_w = None
     if need_weight:
         grad_w = (torch.empty if T else torch.zeros)(V, D, dtype=weight.dtype, device=dev)
-    # the weight gradient of a vocabulary chunk sums over token chunks: in float32 (grad_w itself
-    # when float32); with a single token chunk one GEMM writes it directly
+    # the weight gradient of a vocabulary chunk sums over gradient blocks: in float32 (grad_w itself
+    # when float32); with a single gradient block one GEMM writes it directly
     gw_acc = None
-    if need_weight and not one_token_chunk and grad_w.dtype != torch.float32:
+    if need_weight and grad_chunk_size < T and grad_w.dtype != torch.float32:
         gw_acc = torch.empty(vc_max, D, dtype=torch.float32, device=dev)
-    buf_z = torch.empty(tc_max * vc_max, dtype=torch.float32, device=dev)
-    buf_w = torch.empty(tc_max * vc_max, dtype=torch.float32, device=dev) if ops.needs_work else None
-    buf_dz = torch.empty(tc_max * vc_max, dtype=opnd.dtype, device=dev) if opnd.lowp else None
+    buf_z = torch.empty(tz_max * vc_max, dtype=torch.float32, device=dev)
+    buf_w = torch.empty(tz_max * vc_max, dtype=torch.float32, device=dev) if ops.needs_work else None
+    buf_dz = None if in_place else torch.empty(td_max * vc_max, dtype=opnd.dtype, device=dev)
     for v0 in range(0, V, vocab_chunk_size):
         v1 = min(v0 + vocab_chunk_size, V)
         w_c = opnd.cast(weight[v0:v1])
         if need_weight:
             gw = grad_w[v0:v1] if gw_acc is None else gw_acc[: v1 - v0]
-        for t0 in range(0, T, chunk_size):
-            t1 = min(t0 + chunk_size, T)
-            h = opnd.rows(t0, t1)
-            z = _gemm(_block(buf_z, t1 - t0, v1 - v0), h, w_c.t())
-            dz = _block(buf_dz, t1 - t0, v1 - v0) if opnd.lowp else z
-            ops.backward_chunk(z, None if buf_w is None else _block(buf_w, t1 - t0, v1 - v0), dz, targets[t0:t1], v0,
-                               m[t0:t1], ls[t0:t1], c[t0:t1], g_lp[t0:t1], None if g_ent is None else g_ent[t0:t1],
-                               tgt_grad[t0:t1], None if opnd.kernel_temp is None else opnd.kernel_temp[t0:t1])
-            dz = opnd.cast(dz)
+        for d0 in range(0, T, grad_chunk_size):
+            d1 = min(d0 + grad_chunk_size, T)
+            dz_block = None if in_place else _block(buf_dz, d1 - d0, v1 - v0)
+            for t0 in range(d0, d1, chunk_size):
+                t1 = min(t0 + chunk_size, d1)
+                z = _gemm(_block(buf_z, t1 - t0, v1 - v0), opnd.rows(t0, t1), w_c.t())
+                if in_place:
+                    dz_block = z
+                ops.backward_chunk(z, None if buf_w is None else _block(buf_w, t1 - t0, v1 - v0),
+                                   z if in_place else dz_block[t0 - d0: t1 - d0], targets[t0:t1], v0,
+                                   m[t0:t1], ls[t0:t1], c[t0:t1], g_lp[t0:t1], None if g_ent is None else g_ent[t0:t1],
+                                   tgt_grad[t0:t1], None if opnd.kernel_temp is None else opnd.kernel_temp[t0:t1])
+            dz = opnd.cast(dz_block)
             if need_hidden:
-                _gemm(grad_h[t0:t1], dz, w_c, accumulate=v0 > 0)
+                _gemm(grad_h[d0:d1], dz, w_c, accumulate=v0 > 0)
             if need_weight:
-                _gemm(gw, dz.t(), h, accumulate=t0 > 0)
+                _gemm(gw, dz.t(), opnd.rows(d0, d1), accumulate=d0 > 0)
         if gw_acc is not None:
             grad_w[v0:v1].copy_(gw_acc[: v1 - v0])
     if grad_h is not None:
@@ -291,11 +311,12 @@ def chunked_backward(hidden, weight, targets, inv_temp, unit_temp, logprobs, ent
 
 class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, unit_temp, chunk_size, vocab_chunk_size, with_entropy, ops):
+    def forward(ctx, hidden, weight, targets, inv_temp, unit_temp, chunk_size, vocab_chunk_size, grad_chunk_size,
+                with_entropy, ops):
         logprobs, entropy, (m, ls, c) = chunked_forward(hidden, weight, targets, inv_temp, unit_temp, chunk_size,
                                                         vocab_chunk_size, with_entropy, ops)
         ctx.save_for_backward(hidden, weight, targets, inv_temp, logprobs, entropy, m, ls, c)
-        ctx.cfg = (unit_temp, chunk_size, vocab_chunk_size, with_entropy, ops)
+        ctx.cfg = (unit_temp, chunk_size, vocab_chunk_size, grad_chunk_size, with_entropy, ops)
         # an unused output (typically the entropy, logged only) then arrives as None, not zeros
         ctx.set_materialize_grads(False)
         return logprobs, entropy
@@ -303,12 +324,13 @@ class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, targets, inv_temp, logprobs, entropy, m, ls, c = ctx.saved_tensors
-        unit_temp, chunk_size, vocab_chunk_size, with_entropy, ops = ctx.cfg
+        unit_temp, chunk_size, vocab_chunk_size, grad_chunk_size, with_entropy, ops = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w) or (g_lp is None and (g_ent is None or not with_entropy)):
-            return (None,) * 9
+            return (None,) * 10
         g_lp = torch.zeros_like(m) if g_lp is None else g_lp.float().contiguous()
         g_ent = None if (g_ent is None or not with_entropy) else g_ent.float().contiguous()
         grad_h, grad_w = chunked_backward(hidden, weight, targets, inv_temp, unit_temp, logprobs, entropy, (m, ls, c),
-                                          g_lp, g_ent, chunk_size, vocab_chunk_size, need_h, need_w, ops)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+                                          g_lp, g_ent, chunk_size, vocab_chunk_size, grad_chunk_size, need_h, need_w,
+                                          ops)
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
