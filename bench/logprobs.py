@@ -128,7 +128,7 @@ def _cuda_step(path, hidden, weight, targets, g_lp, g_ent):
     return go
 
 
-def _cuda_measure(go, repeats: int = 5):
+def _cuda_measure(go, repeats: int = 3):
     """(median seconds by do_bench, peak extra bytes of one step after warm-up)."""
     from triton.testing import do_bench
 
