@@ -288,7 +288,8 @@ def chunked_backward(hidden, weight, targets, inv_temp, unit_temp, logprobs, ent
             dz_block = None if in_place else _block(buf_dz, d1 - d0, v1 - v0)
             for t0 in range(d0, d1, chunk_size):
                 t1 = min(t0 + chunk_size, d1)
-                z = _gemm(_block(buf_z, t1 - t0, v1 - v0), opnd.rows(t0, t1), w_c.t())
+                h = opnd.rows(t0, t1)
+                z = _gemm(_block(buf_z, t1 - t0, v1 - v0), h, w_c.t())
                 if in_place:
                     dz_block = z
                 ops.backward_chunk(z, None if buf_w is None else _block(buf_w, t1 - t0, v1 - v0),
@@ -299,7 +300,8 @@ def chunked_backward(hidden, weight, targets, inv_temp, unit_temp, logprobs, ent
             if need_hidden:
                 _gemm(grad_h[d0:d1], dz, w_c, accumulate=v0 > 0)
             if need_weight:
-                _gemm(gw, dz.t(), opnd.rows(d0, d1), accumulate=d0 > 0)
+                # one logits block per gradient block: its rows are these
+                _gemm(gw, dz.t(), h if t0 == d0 else opnd.rows(d0, d1), accumulate=d0 > 0)
         if gw_acc is not None:
             grad_w[v0:v1].copy_(gw_acc[: v1 - v0])
     if grad_h is not None:
