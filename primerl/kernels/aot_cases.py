@@ -8,14 +8,14 @@ Shapes: DeepGEMM's benchmark GEMMs (M in {128, 4096}, N x K in {2112 x 7168, 716
 4096 x 7168}; grouped: 4-8 groups at N x K = 4096 x 7168), FP8 quantization at K = 7168, MoE with
 8 of 256 experts over 4096 tokens at hidden 7168 / intermediate 2048, attention over two causal
 4096-token sequences with GQA (32 query / 4 KV heads at head_dim 128, 16 / 2 at 64), log-probs at
-V = 152064 with the public op's default chunk sizes. ``ci=True`` marks the subset the test suite
-compiles: one case per kernel and per distinct tile configuration.
+T = 16384, D = 4096, V = 151936 (bf16 and float32) with the chunk sizes the public op picks.
+``ci=True`` marks the subset the test suite compiles: one case per kernel and per distinct tile
+configuration.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 
@@ -216,23 +216,25 @@ def _attention_cases():
 
 # ------------------------------------------------------------------------------ log-probs
 
-LP_T, LP_D, LP_V = 4096, 4096, 152064
+LP_T, LP_D, LP_V = 16384, 4096, 151936
 
 
 def _logprobs_cases():
-    from .logprobs import chunked, fused_logprobs
+    from .logprobs import chunked
     from .logprobs.triton import TritonChunkOps
 
-    params = inspect.signature(fused_logprobs).parameters
-    chunk, vchunk = params["chunk_size"].default, params["vocab_chunk_size"].default
+    def fwd_bwd(dtype, temperature):
+        # the chunk sizes fused_logprobs picks for these tensors (bf16: the tensor-core path)
+        hidden, weight, targets = _cuda(LP_T, LP_D, dtype=dtype), _cuda(LP_V, LP_D, dtype=dtype), _cuda(LP_T, dtype=torch.int64)
+        tz, vc, td = chunked.default_chunk_sizes(LP_T, LP_V, LP_D, chunked.native_low_precision(hidden, weight))
+        inv_temp, unit = (_cuda(LP_T, dtype=F32), False) if temperature else (None, True)
+        lp, ent, stats = chunked.chunked_forward(hidden, weight, targets, inv_temp, unit, tz, vc, True, TritonChunkOps)
+        chunked.chunked_backward(hidden, weight, targets, inv_temp, unit, lp, ent, stats, _cuda(LP_T, dtype=F32),
+                                 _cuda(LP_T, dtype=F32), tz, vc, td, True, True, TritonChunkOps)
 
-    def fwd_bwd():
-        hidden, weight, targets = _cuda(LP_T, LP_D), _cuda(LP_V, LP_D), _cuda(LP_T, dtype=torch.int64)
-        lp, ent, stats = chunked.chunked_forward(hidden, weight, targets, None, True, chunk, vchunk, True, TritonChunkOps)
-        chunked.chunked_backward(hidden, weight, targets, None, True, lp, ent, stats, _cuda(LP_T, dtype=F32),
-                                 _cuda(LP_T, dtype=F32), chunk, vchunk, True, True, TritonChunkOps)
-
-    return [Case(f"logprobs fwd+bwd T={LP_T} D={LP_D} V={LP_V} chunks {chunk}x{vchunk} entropy", fwd_bwd, None, ci=True)]
+    shape = f"T={LP_T} D={LP_D} V={LP_V} entropy"
+    return [Case(f"logprobs fwd+bwd bf16 {shape} per-token temperature", functools.partial(fwd_bwd, BF16, True), None, ci=True),
+            Case(f"logprobs fwd+bwd float32 {shape}", functools.partial(fwd_bwd, F32, False), None, ci=True)]
 
 
 def all_cases() -> list[Case]:

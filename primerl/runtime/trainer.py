@@ -67,7 +67,7 @@ def lr_lambda(cfg: RLConfig) -> Callable[[int], float]:
     return f
 
 
-def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int = 1024, padded: bool = False):
+def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int | None = None, padded: bool = False):
     """Per-token log-probs aligned with ``mb.input_ids`` (token t from the hidden state at t-1;
     0 at each sequence's first token) and entropies, both [T] float32."""
     ids = mb.input_ids
@@ -108,7 +108,7 @@ def next_token_batch(mb):
 
 
 def next_token_logprobs(model, mb, targets, *, replay: bool, plan=None, padded: bool = False,
-                        chunk_size: int = 1024):
+                        chunk_size: int | None = None):
     """Fused log-probs of ``targets`` and entropies from each hidden state of ``mb`` (a
     ``next_token_batch``, sharded by ``plan`` under context parallelism), both [t] float32."""
     replay_ids = mb.replay_ids if replay else None

@@ -4,6 +4,11 @@ Oracle: ``logprobs_reference`` evaluated in float64 on the same float32 inputs (
 reference itself is off by up to 1e-2 relative on peaked distributions, where 1 - p and
 lse - E[z] cancel; the chunked path avoids both). Metric: max_rel_err = max|a - e| / max|e|;
 threshold 1e-5 for logprobs, entropies and the gradients w.r.t. hidden and weight.
+
+bf16/fp16 inputs (the tensor-core path on CUDA, emulated on CPU by exact upcasts): logprobs and
+entropies within 1e-3 absolute of the float64 reference on the same low-precision values; the
+gradients within one epsilon of the dtype relative to their scale (the gradient block and the
+result are each rounded once to the dtype; measured 1.5-4.6e-3 for bf16, whose epsilon is 7.8e-3).
 """
 
 import zlib
@@ -12,6 +17,7 @@ import pytest
 import torch
 
 from primerl.kernels.logprobs import fused_logprobs, logprobs_reference
+from primerl.kernels.logprobs import chunked
 from primerl.kernels.testing import max_rel_err
 
 BACKENDS = ["torch", "triton"]
@@ -141,6 +147,154 @@ def test_bf16_inputs_match_reference_and_keep_dtype():
     assert max_rel_err(gh, rh) < 1e-2 and max_rel_err(gw, rw) < 1e-2  # one bf16 rounding each
 
 
+def _check_low_precision(logp, ent, hidden, weight, targets, temperature, seed):
+    """bf16/fp16 contract: values within 1e-3 absolute, gradients within eps(dtype) relative to scale."""
+    dtype = hidden.dtype
+    h64 = hidden.detach().double().requires_grad_(hidden.requires_grad)
+    w64 = weight.detach().double().requires_grad_(weight.requires_grad)
+    t64 = temperature.double() if isinstance(temperature, torch.Tensor) else temperature
+    ref_lp, ref_ent = logprobs_reference(h64, w64, targets, t64)
+    assert logp.dtype == ent.dtype == torch.float32
+    assert float((logp.detach().double() - ref_lp.detach()).abs().max()) < 1e-3
+    assert float((ent.detach().double() - ref_ent.detach()).abs().max()) < 1e-3
+    g = torch.Generator().manual_seed(seed)
+    g_lp = torch.randn(targets.shape, generator=g).to(targets.device)
+    g_ent = torch.randn(targets.shape, generator=g).to(targets.device)
+    wrt = [x for x in (hidden, weight) if x.requires_grad]
+    wrt64 = [x for x in (h64, w64) if x.requires_grad]
+    got = torch.autograd.grad((logp * g_lp).sum() + (ent * g_ent).sum(), wrt)
+    want = torch.autograd.grad((ref_lp * g_lp.double()).sum() + (ref_ent * g_ent.double()).sum(), wrt64)
+    for a, e in zip(got, want):
+        assert a.dtype == dtype
+        assert max_rel_err(a, e) < torch.finfo(dtype).eps
+
+
+# backend=None is what a user gets: "torch" on CPU. The Triton kernels run in the interpreter.
+@pytest.mark.parametrize("backend", [None, "torch", "triton"])
+@pytest.mark.parametrize("dtype,temperature", [(torch.bfloat16, "one"), (torch.bfloat16, "per_token"),
+                                               (torch.float16, "scalar")])
+def test_low_precision_at_full_vocabulary(backend, dtype, temperature):
+    # V = 151936 (Qwen's LM head): the log-sum-exp over 152k logits stays within 1e-3
+    T, V, D = 6, 151936, 32
+    seed = zlib.crc32(repr((backend, dtype, temperature)).encode())
+    hidden, weight, targets, g = _inputs(T, V, D, seed, scale=3.0, dtype=dtype)
+    temp = {"one": 1.0, "scalar": 0.7, "per_token": torch.rand(T, generator=g) + 0.3}[temperature]
+    logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, backend=backend)
+    _check_low_precision(logp, ent, hidden, weight, targets, temp, seed)
+
+
+# (T, V, D, chunk_size, vocab_chunk_size): several token chunks (float32 weight-gradient
+# accumulator), one token chunk (the weight gradient written by one GEMM), ragged, length 1
+LOWP_CASES = [(13, 97, 24, 5, 16), (13, 97, 24, 13, 40), (37, 101, 16, 64, 32), (1, 7, 8, 4, 4)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", LOWP_CASES)
+def test_low_precision_chunking(backend, case):
+    T, V, D, tc, vc = case
+    seed = zlib.crc32(repr((backend, case)).encode())
+    hidden, weight, targets, g = _inputs(T, V, D, seed, scale=4.0, dtype=torch.bfloat16)
+    temp = torch.rand(T, generator=g) + 0.3
+    logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, chunk_size=tc, vocab_chunk_size=vc,
+                               backend=backend)
+    _check_low_precision(logp, ent, hidden, weight, targets, temp, seed)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ["hidden", "weight"])
+def test_low_precision_one_input_requires_grad(backend, which):
+    hidden, weight, targets, g = _inputs(9, 50, 16, seed=17, scale=3.0, dtype=torch.bfloat16)
+    (weight if which == "hidden" else hidden).requires_grad_(False)
+    logp, ent = fused_logprobs(hidden, weight, targets, temperature=0.8, chunk_size=4, vocab_chunk_size=16,
+                               backend=backend)
+    _check_low_precision(logp, ent, hidden, weight, targets, 0.8, seed=4)
+
+
+def test_low_precision_gradient_block_is_rounded_like_the_gpu(monkeypatch):
+    # CPU emulation of the tensor-core path: the gradient GEMMs see dz rounded to bf16, not float32
+    seen = []
+    real = chunked._gemm
+
+    def spy(out, a, b, accumulate=False):
+        seen.append(a)
+        return real(out, a, b, accumulate)
+
+    monkeypatch.setattr(chunked, "_gemm", spy)
+    hidden, weight, targets, _ = _inputs(5, 20, 8, seed=3, dtype=torch.bfloat16)
+    logp, ent = fused_logprobs(hidden, weight, targets, chunk_size=5, vocab_chunk_size=20)
+    seen.clear()
+    logp.sum().backward()
+    grads = seen[1:]  # after the logits GEMM: dz @ W and dz^T @ h
+    assert len(grads) == 2 and all(a.dtype == torch.float32 for a in grads)  # upcast on CPU ...
+    assert all(torch.equal(a, a.bfloat16().float()) for a in grads)  # ... of bf16 values
+
+
+# (chunk_size, vocab_chunk_size, grad_chunk_size) as the CUDA policy may pick them: gradient blocks
+# spanning T filled by several (ragged) logits blocks, or spanning some of T (weight accumulator)
+POLICIES = [(5, 16, 13), (4, 40, 9), (13, 97, 13)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gradient_blocks_of_several_logits_blocks(backend, policy, dtype, monkeypatch):
+    monkeypatch.setattr(chunked, "default_chunk_sizes", lambda T, V, D, native: policy)
+    T, V, D = 13, 97, 24
+    seed = zlib.crc32(repr((backend, policy, dtype)).encode())
+    hidden, weight, targets, g = _inputs(T, V, D, seed, scale=4.0, dtype=dtype)
+    temp = torch.rand(T, generator=g) + 0.3
+    logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, backend=backend)
+    if dtype == torch.float32:
+        _check_against_oracle(logp, ent, hidden, weight, targets, temp, seed)
+    else:
+        _check_low_precision(logp, ent, hidden, weight, targets, temp, seed)
+
+
+@pytest.mark.parametrize("T,D,V", [(16384, 4096, 151936), (32768, 6144, 154880), (1024, 1024, 32000),
+                                   (1, 64, 1000), (65536, 1024, 151936), (131072, 8192, 262144)])
+def test_default_chunks_bound_the_blocks(T, D, V):
+    tz, vc, td = chunked.default_chunk_sizes(T, V, D, native=True)
+    assert 1 <= tz <= td <= T and 1 <= vc <= V
+    block_bytes = 4 * tz * vc + 2 * td * vc + (4 * vc * D if td < T else 0)
+    assert block_bytes <= max(2 * T * D, 64 << 20)  # at most half the [T, D] float32 accumulator
+    assert tz * vc < T * V or T * V * 6 <= 64 << 20  # never a [T, V] block unless it is tiny
+    assert chunked.default_chunk_sizes(T, V, D, native=False) == (1024, 8192, 1024)
+
+
+def test_mm_out_dtype_is_detected():
+    # torch 2.13 registers mm / addmm with out_dtype for meta (and CUDA) but has no CPU kernel
+    assert chunked.has_mm_out_dtype("meta")
+    assert not chunked.has_mm_out_dtype("cpu")
+    h = torch.zeros(2, 4, dtype=torch.bfloat16)
+    assert not chunked.native_low_precision(h, torch.zeros(3, 4, dtype=torch.bfloat16))  # CPU: emulated
+
+
+def _cuda_inputs(T, V, D, seed, dtype):
+    hidden, weight, targets, g = _inputs(T, V, D, seed, scale=4.0, dtype=dtype)
+    temp = torch.rand(T, generator=g) + 0.5
+    return (hidden.detach().cuda().requires_grad_(), weight.detach().cuda().requires_grad_(), targets.cuda(),
+            temp.cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "torch", "triton"])
+@pytest.mark.parametrize("chunks", ["default", "sub-blocks", "accumulated"])
+@pytest.mark.parametrize("temperature", ["one", "per_token"])
+def test_cuda_tensor_core_path_matches_oracle(backend, chunks, temperature, monkeypatch):
+    # the H200 path: bf16 GEMMs with float32 logits blocks. "sub-blocks": gradient blocks over all
+    # tokens filled by ragged logits blocks; "accumulated": gradient blocks of 300 tokens, the weight
+    # gradient accumulated in float32 (addmm with out_dtype)
+    if chunks == "sub-blocks":
+        monkeypatch.setattr(chunked, "default_chunk_sizes", lambda T, V, D, native: (300, 3000, T))
+    hidden, weight, targets, temp = _cuda_inputs(1024, 32000, 1024, seed=31, dtype=torch.bfloat16)
+    temp = 1.0 if temperature == "one" else temp
+    assert chunked.native_low_precision(hidden, weight)
+    tc, vc = (300, 3000) if chunks == "accumulated" else (None, None)
+    logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, chunk_size=tc, vocab_chunk_size=vc,
+                               backend=backend)
+    _check_low_precision(logp, ent, hidden, weight, targets, temp, seed=9)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cuda_matches_oracle(backend, monkeypatch):
@@ -175,7 +329,7 @@ def test_empty_batch():
         (dict(temperature=torch.ones(3)), r"temperature must be a scalar or shape \(2,\)"),
         (dict(temperature=torch.tensor([1.0, -1.0])), "every temperature must be > 0"),
         (dict(weight=torch.randn(9, 3)), r"weight must be \[V, 4\]"),
-        (dict(chunk_size=0), "chunk sizes must be >= 1"),
+        (dict(chunk_size=0), "chunk sizes must be None or integers >= 1"),
         (dict(backend="cuda"), "not implemented"),
     ],
 )

@@ -10,8 +10,9 @@ materialising the [T, V] logits.
 >>> (logp.sum() + 0.01 * ent.sum()).backward()           # grads w.r.t. hidden and weight
 
 Backends: ``"torch"`` (chunked PyTorch, CPU and GPU) and ``"triton"`` (the same chunk loop with
-the per-chunk softmax work in Triton kernels; matmuls stay torch's); ``reference.logprobs_reference``
-is the full-logits specification.
+the per-chunk softmax work in one fused Triton pass per block; matmuls stay torch's: on CUDA with
+bf16/fp16 inputs, tensor-core GEMMs with float32 accumulation and float32 logits blocks);
+``reference.logprobs_reference`` is the full-logits specification.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
+from . import chunked
 from .chunked import ChunkedLogprobs, TorchChunkOps
 from .reference import logprobs_reference
 
@@ -51,8 +53,8 @@ def fused_logprobs(
     targets: torch.Tensor,
     *,
     temperature: float | torch.Tensor = 1.0,
-    chunk_size: int = 1024,
-    vocab_chunk_size: int = 8192,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
     return_entropy: bool = True,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -63,8 +65,14 @@ def fused_logprobs(
         weight: [V, D] same dtype (the LM head).
         targets: [T] integer token ids in [0, V).
         temperature: a float or a [T] tensor (per-token sampling temperature, > 0; no gradient).
-        chunk_size: tokens per chunk; vocab_chunk_size: vocabulary rows per chunk. Peak extra
-            memory is about 8 * chunk_size * vocab_chunk_size bytes plus the gradient buffers.
+        chunk_size: tokens per chunk (logits block and, in backward, gradient block);
+            vocab_chunk_size: vocabulary rows per chunk. None picks them
+            (``chunked.default_chunk_sizes``): on CUDA with bf16/fp16 inputs, blocks of at most
+            half the [T, D] float32 gradient accumulator (at least 64 MiB), the gradient blocks
+            spanning all T tokens where that fits; otherwise 1024 x 8192. Peak extra memory in
+            backward: 4 T D bytes (grad_hidden accumulator) plus about 6 * chunk_size *
+            vocab_chunk_size for bf16/fp16 (4 or 8 for float32) plus, when chunk_size < T and the
+            weight is not float32, 4 * vocab_chunk_size * D.
         return_entropy: also return the entropy (its gradient flows too).
         backend: None | "torch" | "triton".
 
@@ -89,8 +97,9 @@ def fused_logprobs(
         raise ValueError(f"fused_logprobs: targets must be an integer tensor of shape ({T},), got {targets.dtype} {tuple(targets.shape)}")
     if T and (int(targets.min()) < 0 or int(targets.max()) >= V):
         raise ValueError(f"fused_logprobs: targets must lie in [0, {V}), got range [{int(targets.min())}, {int(targets.max())}]")
-    if int(chunk_size) < 1 or int(vocab_chunk_size) < 1:
-        raise ValueError(f"fused_logprobs: chunk sizes must be >= 1, got chunk_size={chunk_size}, vocab_chunk_size={vocab_chunk_size}")
+    for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"fused_logprobs: chunk sizes must be None or integers >= 1, got {name}={size!r}")
     inv_temp = _inv_temperature(temperature, T, hidden.device)
     unit_temp = not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0
     name = resolve_backend("fused_logprobs", backend, hidden.device, supported=("torch", "triton"),
@@ -99,7 +108,12 @@ def fused_logprobs(
         from .triton import TritonChunkOps as ops
     else:
         ops = TorchChunkOps
+    tz, vc, td = chunked.default_chunk_sizes(T, V, D, chunked.native_low_precision(hidden, weight))
+    if chunk_size is not None:  # explicit tokens per block: the gradient blocks have as many
+        tz = td = chunk_size
+    if vocab_chunk_size is not None:
+        vc = vocab_chunk_size
     logprobs, entropy = ChunkedLogprobs.apply(
         hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), inv_temp, unit_temp,
-        int(chunk_size), int(vocab_chunk_size), bool(return_entropy), ops)
+        tz, vc, td, bool(return_entropy), ops)
     return logprobs, (entropy if return_entropy else None)
