@@ -2,7 +2,7 @@
 the CPU) run as ``primerl rl`` for a fixed wall time, then read from its ``metrics.jsonl``.
 
 ``python -m bench job [--device cuda] [--quick]`` (``PRIMERL_JOB_SECONDS`` overrides the time:
-45 s, 20 with --quick, start-up included; keep it under the GPU check's 60 s per module)
+40 s, 20 with --quick, start-up included: under the GPU check's 60 s per module)
 
 One row, the job's steady state (its first 3 steps, start-up and Triton compiles, left out):
 steps/s (1 / median ``time/step_s``), trainer tokens/s (tokens / ``time/train_s``, the trainer's
@@ -73,7 +73,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def run(args) -> list[Row]:
-    seconds = float(os.environ.get("PRIMERL_JOB_SECONDS", 20 if args.quick else 45))
+    seconds = float(os.environ.get("PRIMERL_JOB_SECONDS", 20 if args.quick else 40))
     with tempfile.TemporaryDirectory() as d:
         try:
             rows = run_job(args.device, seconds, Path(d) / "job")

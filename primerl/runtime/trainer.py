@@ -233,6 +233,9 @@ class Trainer:
             return mb, targets
         from primerl.parallel.context import ContextShardPlan
 
+        if self.device.type != "cpu":  # the plan's index tensors live where its cu_seqlens do
+            mb, targets = mb.to(self.device), targets.to(self.device)
+
         plan = ContextShardPlan(mb.cu_seqlens, self.cp_group, layout=self.cfg.trainer.parallel.cp_layout)
         return mb.shard_for_context(plan), plan.shard(targets)
 
