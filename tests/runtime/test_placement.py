@@ -119,3 +119,19 @@ def test_gpu_example_without_a_gpu_is_a_config_error(capsys):
         pytest.skip("this machine has a GPU")
     assert cli.main(["rl", "--config", str(ROOT / "examples" / "reverse_text_gpu.toml"), "--dry-run"]) == 2
     assert "config error: device: 'cuda' but torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_large_gpu_example_is_about_100m_parameters_and_places_on_one_gpu():
+    from primerl.models import MoETransformer
+    from primerl.rl.envs import load_environment
+    from primerl.runtime.policy import model_config
+
+    cfg = _cfg(example="reverse_text_gpu_large.toml")
+    env = load_environment(cfg.env.id, **cfg.env.args)
+    with torch.device("meta"):
+        model = MoETransformer(model_config(cfg, env.vocab_size))
+    n = sum(p.numel() for p in model.parameters())
+    assert 90e6 < n < 130e6, n
+    p = resolve_placement(cfg, 1)
+    assert (p.trainer_gpus, p.engine_gpu, p.mixed_precision) == ((0,), 0, True)
+    load_config(ROOT / "examples" / "reverse_text_gpu_large.toml", ["--device", "cpu"])  # every other check passes
