@@ -1,14 +1,18 @@
 """The RL job: async level 1 vs 0 on a long-tailed generation-length task, and the
 trainer-vs-sampler mismatch KL with FP8 inference experts, with and without router replay.
 
-``python -m bench runtime [--quick]``
+``python -m bench runtime [--quick] [--device cuda]``
 
 Rows:
-- ``rl_step async=0`` / ``async=1``: the median wall time per step of the whole job (trainer and
+- ``rl_step async=0`` / ``async=1`` (CPU only): the median wall time per step of the whole job (trainer and
   orchestrator processes, embedded engine) on reverse-text with lognormal lengths (2..48 symbols,
   so a few samples per batch are much longer than the rest). ``ratio`` of the async row is
   (time per step at level 0) / (time per step at level 1): > 1 means the async job is faster.
-- ``mismatch_kl fp8 replay=off|on``: k3 KL between the trainer's log-probs (full precision) and
+- ``decode`` (``--device cuda`` only): the embedded engine alone on the GPU, the example's policy,
+  256 requests of 6 prompt tokens x 64 new tokens decoded together (KV cache, sampling on the
+  device): generated tokens per second in bf16 (the job's engine dtype under mixed precision),
+  against the same in float32 (``ratio`` = bf16 rate / float32 rate).
+- ``mismatch_kl fp8 replay=off|on`` (CPU only): k3 KL between the trainer's log-probs (full precision) and
   the sampler's (FP8 experts, re-quantized at load) on the same weights and tokens; ``ratio`` of
   the replay row is KL(off) / KL(on).
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,21 +31,21 @@ from .harness import Row
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _job_cfg(out: Path, level: int, steps: int):
+def _job_cfg(out: Path, level: int, steps: int, device: str = "cpu"):
     from primerl.runtime.config import load_config
 
-    return load_config(ROOT / "examples" / "reverse_text.toml", [
+    return load_config(ROOT / "examples" / "reverse_text.toml", ["--device", device,
         "--output_dir", str(out), "--max_steps", str(steps), "--orchestrator.max_async_level", str(level),
         "--orchestrator.max_off_policy_steps", "2", "--orchestrator.batch_size", "16", "--orchestrator.group_size", "4",
         "--env.args", '{"num_symbols": 8, "min_length": 2, "max_length": 48, "length_dist": "lognormal"}',
         "--checkpoint.interval", "0", "--log.plot", "false", "--log.progress", "false"])
 
 
-def _step_times(level: int, steps: int) -> tuple[float, dict]:
+def _step_times(level: int, steps: int, device: str = "cpu") -> tuple[float, dict]:
     from primerl.runtime.job import run_rl
 
     with tempfile.TemporaryDirectory() as d:
-        rows = run_rl(_job_cfg(Path(d), level, steps), quiet=True)
+        rows = run_rl(_job_cfg(Path(d), level, steps, device), quiet=True)
     skip = 2  # process start-up and the first weight load
     times = [r["time/step_s"] for r in rows[skip:]]
     return statistics.median(times), {"steps": len(times), "seq_len_max": max(r["seq_len/max"] for r in rows),
@@ -82,12 +87,54 @@ def _mismatch_kl(replay: bool, n_prompts: int) -> float:
     return kl_sum / n_tok
 
 
+def decode_rate(dtype: torch.dtype, *, requests: int = 256, prompt_len: int = 6, new_tokens: int = 64,
+                device: str = "cuda") -> tuple[float, int]:
+    """Generated tokens per second of the embedded engine alone (after a warm-up generation that
+    compiles the kernels), and the tokens counted."""
+    from primerl.rl.envs import ReverseText
+    from primerl.runtime.config import load_config
+    from primerl.runtime.engine import InferenceEngine, Request, SamplingParams
+    from primerl.runtime.policy import build_model
+
+    env = ReverseText(num_symbols=8, min_length=4, max_length=4)
+    cfg = load_config(ROOT / "examples" / "reverse_text.toml", ["--device", device])
+    engine = InferenceEngine(build_model(cfg, env.vocab_size, device=device, dtype=dtype), max_batch_size=requests)
+    g = torch.Generator().manual_seed(0)
+
+    def batch(n, m, base):
+        return [Request(base + i, torch.randint(0, env.vocab_size, (prompt_len,), generator=g).tolist(),
+                        SamplingParams(max_new_tokens=m, seed=base + i)) for i in range(n)]
+
+    engine.generate(batch(requests, 4, 0))  # kernels compiled, cache allocated
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = engine.generate(batch(requests, new_tokens, 10_000))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    n = sum(len(o.tokens) for o in outs)
+    return n / (time.perf_counter() - t), n
+
+
 def run(args) -> list[Row]:
     torch.set_num_threads(1)
-    steps = 6 if args.quick else 12
     rows = []
-    t0, info0 = _step_times(0, steps)
-    t1, info1 = _step_times(1, steps)
+    if args.device == "cuda":
+        shape = "256 req x (6 + 64 tok), example policy"
+        rates = {}
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            try:
+                rates[name], n = decode_rate(dtype)
+                base = rates.get("fp32") if name != "fp32" else None
+                rows.append(Row("decode", shape, name, "engine cuda", n / rates[name],
+                                ratio=rates[name] / base if base else None, baseline="fp32" if base else "",
+                                extra={"tok/s": f"{rates[name]:.0f}"}))
+            except Exception as e:  # noqa: BLE001 - report the failure as a row
+                rows.append(Row("decode", shape, name, "engine cuda", float("nan"), extra={"error": repr(e)[:300]}))
+        return rows  # the job on CUDA is `python -m bench job --device cuda` (this module has ~60 s there)
+    steps = 6 if args.quick else 12
+    t0, info0 = _step_times(0, steps, args.device)
+    t1, info1 = _step_times(1, steps, args.device)
     rows.append(Row("rl_step", "reverse-text lognormal len 2..48, 16x4", "fp32", "async=0", t0, extra=info0))
     rows.append(Row("rl_step", "reverse-text lognormal len 2..48, 16x4", "fp32", "async=1", t1, ratio=t0 / t1,
                     baseline="async=0", extra=info1))

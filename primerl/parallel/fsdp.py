@@ -79,6 +79,9 @@ def apply_fsdp(
                          "already live in host memory)")
     blocks = find_blocks(model)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # An experts unit's inputs arrive in param_dtype already (its block casts them); casting them
+    # again would turn the router's float32 top-k weights into bf16, which the kernels refuse.
+    mp_experts = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     dense_mesh = _dp_mesh(mesh, "dp_shard_cp")
     expert_mesh = _dp_mesh(mesh, "efsdp")
@@ -102,7 +105,7 @@ def apply_fsdp(
                     dim1 = p.dim() >= 2 and efsdp > n and p.shape[1] % efsdp == 0
                     return Shard(1) if dim1 else Shard(0)
 
-                fully_shard(sub, mesh=expert_mesh, mp_policy=mp, offload_policy=offload,
+                fully_shard(sub, mesh=expert_mesh, mp_policy=mp_experts, offload_policy=offload,
                             reshard_after_forward=reshard_after_forward, shard_placement_fn=placement)
                 # Under expert parallelism the MoE calls experts.forward_grouped, not forward:
                 # it needs FSDP's unshard/reshard hooks too.

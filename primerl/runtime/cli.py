@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from .config import ConfigError, describe_parallel, load_config, to_toml
+from .placement import describe_placement
 
 SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command")
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(to_toml(cfg), end="")
         print(describe_parallel(cfg), end="")
+        print(describe_placement(cfg), end="")
         return 0
     from . import job
     from .output_dir import OutputDirError

@@ -88,6 +88,15 @@ class VLLMConfig:
 @dataclass
 class InferenceConfig:
     backend: str = "embedded"  # "embedded" (this process, CPU or one GPU) or "vllm"
+    # GPUs of the engine (device = cuda). []: with one GPU the engine shares it with the trainer,
+    # with two or more it takes GPU 0 and the trainer ranks the next ones. The embedded engine uses one.
+    gpu_ids: list = field(default_factory=list)
+    kv_cache_gb: float = 0.0  # the embedded engine's KV-cache budget (0: grows as requests need, no cap)
+    # embedded engine: "auto" (broadcast when the engine has its own GPU, else filesystem),
+    # "filesystem" (safetensors through output_dir) or "broadcast" (torch.distributed from trainer rank 0:
+    # NCCL between GPUs, gloo on CPU); vLLM has its own inference.vllm.weight_update
+    weight_update: str = "auto"
+    broadcast_port: int = 29610  # the embedded engine's broadcast group (on 127.0.0.1)
     temperature: float = 1.0
     top_p: float = 1.0
     max_batch_size: int = 256  # sequences decoded together (continuous batching slots)
@@ -150,6 +159,9 @@ class TrainerConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     router_replay: bool = True
+    # "auto" (bf16 on CUDA with model.dtype = float32, else off), "bf16" (bf16 compute, float32 master
+    # weights and optimizer state, gradients reduced in float32: FSDP2 MixedPrecisionPolicy) or "off"
+    mixed_precision: str = "auto"
     mini_batches: int = 1  # optimizer steps per rollout batch (each on a slice of its micro-batches)
     fsdp: bool = True  # with several ranks: FSDP2 from primerl.parallel (False: replicated weights + all-reduce)
     attention: str = "auto"  # "kernel" (the model's varlen kernel), "padded" (dense SDPA) or "auto" (padded on CPU)
@@ -184,8 +196,9 @@ class RLConfig:
     overwrite: bool = False  # a non-empty output_dir is refused unless this or checkpoint.resume is true
     seed: int = 0
     max_steps: int = 50
+    device: str = "auto"  # "auto" (cuda when torch sees a GPU), "cpu" or "cuda": where trainer and engine run
     threads: int = 1  # torch threads per process
-    num_trainer_ranks: int = 1  # torchrun processes of the trainer (gloo on CPU)
+    num_trainer_ranks: int = 1  # torchrun processes of the trainer (gloo on CPU, nccl on GPUs)
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
@@ -400,6 +413,20 @@ def validate(cfg: RLConfig) -> None:
     _need(cfg.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0", cfg.checkpoint.interval)
     _need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", cfg.checkpoint.keep)
     _need(m.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", m.dtype)
+    _need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda", cfg.device)
+    _need(t.mixed_precision in ("auto", "bf16", "off"), "trainer.mixed_precision", "must be auto, bf16 or off",
+          t.mixed_precision)
+    _need(t.mixed_precision != "bf16" or m.dtype == "float32", "trainer.mixed_precision",
+          "'bf16' keeps float32 master weights: it needs model.dtype = 'float32' (model.dtype = 'bfloat16' "
+          "trains in pure bf16; set trainer.mixed_precision = 'off' or 'auto' for that)", t.mixed_precision)
+    _need(i.kv_cache_gb >= 0, "inference.kv_cache_gb", "must be >= 0 (0: no cap)", i.kv_cache_gb)
+    _need(i.weight_update in ("auto", "filesystem", "broadcast"), "inference.weight_update",
+          "must be auto, filesystem or broadcast", i.weight_update)
+    _need(i.weight_update != "broadcast" or i.backend == "embedded", "inference.weight_update",
+          "'broadcast' is the embedded engine's; vLLM's is inference.vllm.weight_update", i.weight_update)
+    _need(0 < i.broadcast_port < 65536, "inference.broadcast_port", "must be a TCP port", i.broadcast_port)
+    _need(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in i.gpu_ids)
+          and len(set(i.gpu_ids)) == len(i.gpu_ids), "inference.gpu_ids", "must be distinct GPU indices >= 0", i.gpu_ids)
     _need(m.top_k >= 1 and m.top_k <= m.num_experts, "model.top_k", f"must be in [1, num_experts={m.num_experts}]", m.top_k)
     _need(bool(cfg.env.id), "env.id", "must be set", cfg.env.id)
     _need(cfg.env.timeout_s > 0, "env.timeout_s", "must be > 0", cfg.env.timeout_s)
@@ -408,6 +435,9 @@ def validate(cfg: RLConfig) -> None:
     _need(cfg.env.max_abs_reward > 0, "env.max_abs_reward", "must be > 0", cfg.env.max_abs_reward)
     validate_names(cfg)
     validate_parallel(cfg)
+    from .placement import resolve_placement
+
+    resolve_placement(cfg)  # device, GPUs, precision and weight path: named errors before anything starts
 
 
 FP8_RECIPES = ("blockwise", "blockwise_fp8_wgrad", "rowwise")

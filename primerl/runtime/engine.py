@@ -18,11 +18,19 @@ generated token that was fed back), the ``[L, k]`` expert ids used there; the re
 ``kv_cache=False`` recomputes every request's whole prefix with ``model.forward`` each step: the
 slow reference the cached path is tested against.
 
+Device: the engine runs where the model's parameters are (CPU or one GPU). The KV cache,
+logits, sampling (the request's uniforms are drawn on the host and copied in) and router
+capture stay on that device; one step reads back ONE small tensor (the sampled ids, their
+log-probs and a finite flag, plus the step's routing when captured), the host sync continuous
+batching needs to decide which requests stop. ``kv_cache_gb`` caps the cache (it is allocated
+lazily, doubling its capacity as sequences grow; an allocation beyond the cap raises).
+
 Shape legend: T tokens in a step, S cache capacity, H/Hkv heads, Dh head dim, L MoE layers, k top-k.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
@@ -84,28 +92,45 @@ class NonFiniteLogitsError(RuntimeError):
     """The policy produced NaN/inf logits (its weights are almost certainly non-finite)."""
 
 
+def _host_column(values: list[float], device: torch.device) -> torch.Tensor:
+    """[B, 1] float32 on ``device`` from host numbers (an asynchronous copy: no wait on the device)."""
+    return torch.tensor(values, dtype=torch.float32)[:, None].to(device, non_blocking=True)
+
+
+def sample_on_device(logits_BV: torch.Tensor, temperature: list[float], top_p: list[float], uniforms: list[float]):
+    """Inverse-CDF sampling per row, without any host sync: -> (token ids [B] int64, log-probs [B]
+    float32, finite [B] bool: whether the row's logits were all finite), all on the logits' device.
+    A row that is not finite yields garbage; the caller must check ``finite`` before using it."""
+    dev = logits_BV.device
+    finite = torch.isfinite(logits_BV).all(dim=-1)
+    logits = logits_BV.float() / _host_column(temperature, dev)
+    logp = torch.log_softmax(logits, dim=-1)
+    probs_sorted, idx_sorted = logp.exp().sort(dim=-1, descending=True)
+    cum = probs_sorted.cumsum(-1)
+    keep = (cum - probs_sorted) < _host_column(top_p, dev)  # the token that crosses top_p is kept
+    probs_sorted = probs_sorted * keep
+    cdf = probs_sorted.cumsum(-1)
+    u = _host_column(uniforms, dev) * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1)
+    pick = torch.minimum(pick, (keep.sum(-1, keepdim=True) - 1).clamp_(min=0))
+    token = idx_sorted.gather(-1, pick).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1), finite
+
+
+def _non_finite_error(finite_rows: list[bool]) -> NonFiniteLogitsError:
+    rows = [i for i, ok in enumerate(finite_rows) if not ok]
+    return NonFiniteLogitsError(f"sample_next: the logits of {len(rows)} of {len(finite_rows)} rows are not finite "
+                                f"(NaN/inf; rows {rows[:8]}): the sampler's policy weights are probably non-finite")
+
+
 def sample_next(logits_BV: torch.Tensor, temperature: list[float], top_p: list[float], uniforms: list[float]):
     """Inverse-CDF sampling per row: -> (token ids [B] int64, log-probs [B] float32).
 
     Raises NonFiniteLogitsError on a row with NaN/inf logits (there is no distribution to sample)."""
-    finite = torch.isfinite(logits_BV).all(dim=-1)
+    token, logp, finite = sample_on_device(logits_BV, temperature, top_p, uniforms)
     if not bool(finite.all()):
-        rows = (~finite).nonzero().flatten().tolist()
-        raise NonFiniteLogitsError(f"sample_next: the logits of {len(rows)} of {logits_BV.shape[0]} rows are not finite "
-                                   f"(NaN/inf; rows {rows[:8]}): the sampler's policy weights are probably non-finite")
-    logits = logits_BV.float() / torch.tensor(temperature, dtype=torch.float32)[:, None]
-    logp = torch.log_softmax(logits, dim=-1)
-    probs_sorted, idx_sorted = logp.exp().sort(dim=-1, descending=True)
-    cum = probs_sorted.cumsum(-1)
-    tp = torch.tensor(top_p, dtype=torch.float32)[:, None]
-    keep = (cum - probs_sorted) < tp  # the token that crosses top_p is kept
-    probs_sorted = probs_sorted * keep
-    cdf = probs_sorted.cumsum(-1)
-    u = torch.tensor(uniforms, dtype=torch.float32)[:, None] * cdf[:, -1:]
-    pick = torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1)
-    pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)
-    token = idx_sorted.gather(-1, pick).squeeze(-1)
-    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+        raise _non_finite_error(finite.tolist())
+    return token, logp
 
 
 class InferenceEngine:
@@ -117,9 +142,12 @@ class InferenceEngine:
     """
 
     def __init__(self, model, *, max_batch_size: int = 64, kv_cache: bool = True, capture_routing: bool = True,
-                 fp8_experts: bool = False, router_noise: float = 0.0, noise_seed: int = 0):
+                 fp8_experts: bool = False, router_noise: float = 0.0, noise_seed: int = 0, kv_cache_gb: float = 0.0):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if not kv_cache_gb >= 0:
+            raise ValueError(f"kv_cache_gb must be >= 0 (0: no cap), got {kv_cache_gb}")
+        self.kv_cache_gb = kv_cache_gb
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -133,7 +161,8 @@ class InferenceEngine:
         self._k = self._v = None
         self._capacity = 0
         self.tokens_generated = 0
-        self._noise_gen = torch.Generator().manual_seed(noise_seed)
+        self.device = model.embed.weight.device
+        self._noise_gen = torch.Generator(device=self.device).manual_seed(noise_seed)
         self._hooks = []
         if router_noise > 0:
             self._install_router_noise()
@@ -167,7 +196,8 @@ class InferenceEngine:
             if getattr(layer, "is_moe", False):
                 gate = _find_router(layer.ffn)
                 self._hooks.append(gate.register_forward_hook(
-                    lambda m, i, out: out + self.router_noise * torch.randn(out.shape, generator=self._noise_gen)))
+                    lambda m, i, out: out + self.router_noise * torch.randn(out.shape, generator=self._noise_gen,
+                                                                          device=out.device, dtype=out.dtype)))
 
     # ---------------------------------------------------------------- requests
     def add_request(self, req: Request) -> None:
@@ -224,18 +254,22 @@ class InferenceEngine:
             return []
         active = list(self.running.values())
         logits, routing = (self._forward_cached if self.kv_cache else self._forward_full)(active)
-        try:
-            tokens, logps = sample_next(logits, [a.req.params.temperature for a in active],
-                                        [a.req.params.top_p for a in active], [a.rng.random() for a in active])
-        except NonFiniteLogitsError as e:
-            raise NonFiniteLogitsError(f"{e} (policy version {self.policy_version})") from None
+        tokens, logps, finite = sample_on_device(logits, [a.req.params.temperature for a in active],
+                                                 [a.req.params.top_p for a in active], [a.rng.random() for a in active])
+        # the step's one read-back: ids (exact in float64), log-probs and the finite flags together
+        host = torch.cat([tokens.double(), logps.double(), finite.double()]).tolist()
+        B = len(active)
+        if not all(host[2 * B:]):
+            raise NonFiniteLogitsError(f"{_non_finite_error([bool(x) for x in host[2 * B:]])} "
+                                       f"(policy version {self.policy_version})")
+        routing = self._split_routing(routing)
         finished = []
         for i, a in enumerate(active):
             if routing is not None:
                 a.routing.append(routing[i])
-            tok = int(tokens[i])
+            tok = int(host[i])
             a.tokens.append(tok)
-            a.logprobs.append(float(logps[i]))
+            a.logprobs.append(host[B + i])
             self.tokens_generated += 1
             p = a.req.params
             reason = "stop" if tok in p.stop_token_ids else ("length" if len(a.tokens) >= p.max_new_tokens else None)
@@ -252,6 +286,14 @@ class InferenceEngine:
         return Completion(a.req.request_id, list(a.req.prompt), a.tokens, a.logprobs, routing, reason,
                           a.version, self.policy_version)
 
+    @staticmethod
+    def _split_routing(routing):
+        """``(r_all [T', L, k] on the device, per-request row counts)`` -> one host copy, split per request."""
+        if routing is None:
+            return None
+        r_all, counts = routing
+        return list(r_all.cpu().split(counts))
+
     def _new_positions(self, a: _Active) -> list[int]:
         """Tokens of ``a`` not yet in its cache: the whole prompt first, then the last sampled one."""
         return list(a.req.prompt) if a.fed == 0 else [a.tokens[-1]]
@@ -265,22 +307,22 @@ class InferenceEngine:
     def _forward_full(self, active: list[_Active]):
         """Reference: recompute each request's full sequence; logits at each last position."""
         seqs = [a.req.prompt + a.tokens for a in active]
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-        pos = torch.cat([torch.arange(len(s)) for s in seqs])
+        dev = self.device
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long).to(dev)
+        pos = torch.cat([torch.arange(len(s)) for s in seqs]).to(dev)
         lens = torch.tensor([len(s) for s in seqs])
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         cu[1:] = lens.cumsum(0)
-        logits = self.model(ids, pos, cu, return_logits=True)
+        logits = self.model(ids, pos, cu.to(dev), return_logits=True)
         r_all = self._routing_now()
         routing = None
-        if r_all is not None:
-            routing = []
-            for a, s, e in zip(active, cu[:-1].tolist(), cu[1:].tolist()):
-                new = len(a.req.prompt) if a.fed == 0 else 1
-                routing.append(r_all[e - new:e])
+        if r_all is not None:  # the rows of the positions fed this step: each sequence's new tail
+            new = [len(a.req.prompt) if a.fed == 0 else 1 for a in active]
+            rows = torch.cat([torch.arange(e - n, e) for n, e in zip(new, cu[1:].tolist())]).to(dev)
+            routing = (r_all[rows], new)
         for a, s in zip(active, seqs):
             a.fed = len(s)
-        return logits[cu[1:].long() - 1], routing
+        return logits[(cu[1:].long() - 1).to(dev)], routing
 
     def _ensure_cache(self, need: int) -> None:
         if need <= self._capacity:
@@ -289,6 +331,11 @@ class InferenceEngine:
         c = self.cfg
         ref = self.model.embed.weight
         n_layers, shape = c.n_layers, (self.max_batch_size, cap, c.n_kv_heads, c.head_dim)
+        nbytes = 2 * n_layers * math.prod(shape) * ref.element_size()
+        if self.kv_cache_gb and nbytes > self.kv_cache_gb * 2**30:
+            raise EngineError(f"the KV cache for {self.max_batch_size} slots x {need} positions needs "
+                              f"{nbytes / 2**30:.3f} GB (capacity {cap}), over inference.kv_cache_gb = {self.kv_cache_gb:g}; "
+                              "raise it, or lower inference.max_batch_size or the generation length")
         k = torch.zeros((n_layers, *shape), dtype=ref.dtype, device=ref.device)
         v = torch.zeros_like(k)
         if self._k is not None:
@@ -299,11 +346,13 @@ class InferenceEngine:
     def _forward_cached(self, active: list[_Active]):
         new_tokens = [self._new_positions(a) for a in active]
         counts = [len(t) for t in new_tokens]
-        dev = self.model.embed.weight.device
-        ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long, device=dev)
-        pos = torch.cat([torch.arange(a.fed, a.fed + n) for a, n in zip(active, counts)]).to(dev)
-        slot = torch.cat([torch.full((n,), a.slot, dtype=torch.long) for a, n in zip(active, counts)]).to(dev)
-        S = int(pos.max()) + 1
+        dev = self.device
+        # built on the host, copied in without waiting on the device
+        ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long).to(dev, non_blocking=True)
+        pos = torch.cat([torch.arange(a.fed, a.fed + n) for a, n in zip(active, counts)]).to(dev, non_blocking=True)
+        slot = torch.cat([torch.full((n,), a.slot, dtype=torch.long) for a, n in zip(active, counts)]).to(
+            dev, non_blocking=True)
+        S = max(a.fed + n for a, n in zip(active, counts))
         self._ensure_cache(S)
         mask_TS = torch.arange(S, device=dev)[None, :] <= pos[:, None]
         h = self.model.embed(ids)
@@ -320,13 +369,10 @@ class InferenceEngine:
             h = h + attn.o_proj(o.reshape(T, attn.n_heads * attn.head_dim))
             x = layer.ffn_norm(h)
             h = h + layer.ffn(x)
-        last = torch.tensor(counts).cumsum(0) - 1
-        logits = self.model.lm_head(self.model.norm(h[last.to(dev)]))
+        last = (torch.tensor(counts).cumsum(0) - 1).to(dev, non_blocking=True)
+        logits = self.model.lm_head(self.model.norm(h[last]))
         r_all = self._routing_now()
-        routing = None
-        if r_all is not None:
-            offs = [0, *torch.tensor(counts).cumsum(0).tolist()]
-            routing = [r_all[s:e].cpu() for s, e in zip(offs[:-1], offs[1:])]
+        routing = None if r_all is None else (r_all, counts)
         for a, n in zip(active, counts):
             a.fed += n
         return logits, routing

@@ -27,6 +27,7 @@ from .config import RLConfig, to_toml
 from .lifetime import LAUNCHER_PID_ENV, die_with_parent, pid_alive, watch_launcher
 from .metrics import ascii_curve, progress_line, read_metrics, save_plot
 from .output_dir import claim_output_dir
+from .placement import resolve_placement
 from .transport import FileTransport
 
 log = logging.getLogger("primerl")
@@ -57,8 +58,11 @@ def trainer_main(cfg: RLConfig) -> None:
     watch_launcher()
     torch.set_num_threads(cfg.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    placement = resolve_placement(cfg)
+    if placement.device == "cuda":  # before the process group: NCCL binds this rank to its GPU
+        torch.cuda.set_device(placement.trainer_device(int(os.environ.get("LOCAL_RANK", "0"))))
     if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        torch.distributed.init_process_group(placement.dist_backend)
     try:
         env = load_environment(cfg.env.id, **cfg.env.args)
         run_trainer(cfg, env.vocab_size, orchestrator_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))))
@@ -82,10 +86,22 @@ def make_client(cfg: RLConfig, vocab_size: int):
     from .policy import build_model
 
     i = cfg.inference
-    engine = InferenceEngine(build_model(cfg, vocab_size), max_batch_size=i.max_batch_size, kv_cache=i.kv_cache,
+    placement = resolve_placement(cfg)
+    device = placement.engine_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build_model(cfg, vocab_size, device=device, dtype=placement.param_dtype)
+    engine = InferenceEngine(model, max_batch_size=i.max_batch_size, kv_cache=i.kv_cache,
                              capture_routing=i.capture_routing, fp8_experts=i.fp8_experts,
-                             router_noise=i.router_noise, noise_seed=cfg.seed)
-    return EmbeddedClient(engine, timeout_s=i.timeout_s)
+                             router_noise=i.router_noise, noise_seed=cfg.seed, kv_cache_gb=i.kv_cache_gb)
+    log.info("embedded engine on %s in %s; weights by %s", device, placement.param_dtype, placement.weight_update)
+    receiver = None
+    if placement.weight_update == "broadcast":
+        from .weight_sync import EngineWeightReceiver
+
+        receiver = EngineWeightReceiver("127.0.0.1", i.broadcast_port, backend=placement.broadcast_backend,
+                                        device=device, timeout_s=cfg.orchestrator.weights_timeout_s).start()
+    return EmbeddedClient(engine, timeout_s=i.timeout_s, receiver=receiver)
 
 
 def orchestrator_main(cfg: RLConfig) -> None:
@@ -258,17 +274,18 @@ def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:
     return rows
 
 
-def run_threads(cfg: RLConfig, *, quiet: bool = True) -> list[dict]:
+def run_threads(cfg: RLConfig, *, quiet: bool = True, parts: dict | None = None) -> list[dict]:
     """The same job in ONE process: trainer in a thread, orchestrator + engine in this one.
 
     For tests, notebooks and experiments; each side still talks only through the transport.
-    Holds ``output_dir``'s lock for the job's life, as ``run_rl`` does.
+    Holds ``output_dir``'s lock for the job's life, as ``run_rl`` does. ``parts``, when given,
+    receives the job's ``"client"`` (with the engine) and, at the end, its ``"trainer"``.
     """
     with claim_output_dir(cfg), launched_vllm(cfg):
-        return _run_threads(cfg, quiet=quiet)
+        return _run_threads(cfg, quiet=quiet, parts={} if parts is None else parts)
 
 
-def _run_threads(cfg: RLConfig, *, quiet: bool) -> list[dict]:
+def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
     import threading
 
     from primerl.rl.envs import load_environment
@@ -285,7 +302,7 @@ def _run_threads(cfg: RLConfig, *, quiet: bool) -> list[dict]:
 
     def trainer_thread():
         try:
-            run_trainer(cfg, env.vocab_size, orchestrator_alive=lambda: not errors)
+            parts["trainer"] = run_trainer(cfg, env.vocab_size, orchestrator_alive=lambda: not errors)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
         finally:
@@ -295,7 +312,7 @@ def _run_threads(cfg: RLConfig, *, quiet: bool) -> list[dict]:
     th = threading.Thread(target=trainer_thread, name="trainer", daemon=True)
     th.start()
     transport = FileTransport(out / "transport")
-    client = make_client(cfg, env.vocab_size)
+    client = parts["client"] = make_client(cfg, env.vocab_size)
     orch = Orchestrator(cfg, env, client, transport, start_step=start,
                         trainer_alive=lambda: not done.is_set() or not errors, top_k=model_config(cfg, env.vocab_size).top_k)
     try:
@@ -307,4 +324,7 @@ def _run_threads(cfg: RLConfig, *, quiet: bool) -> list[dict]:
     th.join(timeout=cfg.trainer.batch_timeout_s + 60)
     if errors:
         raise errors[0]
+    receiver = getattr(client, "receiver", None)
+    if receiver is not None:  # the trainer said goodbye: let the receiving thread leave its group
+        receiver.join(timeout=30)
     return read_metrics(out / "metrics.jsonl")

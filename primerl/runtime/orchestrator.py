@@ -211,6 +211,9 @@ class Orchestrator:
             "turns/mean": sum(st.turn for grp in groups for st in grp) / len(off), **adv_metrics,
         }
         self._t_last_write, self._tokens_since_write = now, 0
+        dev = getattr(getattr(self.client, "engine", None), "device", None)
+        if dev is not None and dev.type == "cuda":
+            metrics["memory/engine_peak_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
         return samples, metrics
 
     def _write(self, step: int, samples, metrics: dict) -> None:
@@ -266,9 +269,10 @@ class Orchestrator:
 class EmbeddedClient:
     """The orchestrator's view of the in-process engine (same interface as the vLLM client)."""
 
-    def __init__(self, engine, *, timeout_s: float = 300.0):
+    def __init__(self, engine, *, timeout_s: float = 300.0, receiver=None):
         self.engine = engine
         self.timeout_s = timeout_s
+        self.receiver = receiver  # weight_sync.EngineWeightReceiver (broadcast), or None: files
         self._last_progress = time.monotonic()
 
     def submit(self, req) -> None:
@@ -292,7 +296,10 @@ class EmbeddedClient:
         return out
 
     def update_weights(self, version: int, transport: FileTransport) -> None:
-        self.engine.load_weights(transport.load_weights(version), version)
+        if self.receiver is not None:  # the marker is written once the broadcast is complete
+            self.engine.load_weights(self.receiver.take(version), version)
+        else:
+            self.engine.load_weights(transport.load_weights(version), version)
 
 
 __all__ = ["Orchestrator", "EmbeddedClient", "EnvError", "TransportTimeout", "ProducerDied"]

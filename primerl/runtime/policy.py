@@ -34,14 +34,17 @@ def model_config(cfg: RLConfig, vocab_size: int) -> MoETransformerConfig:
         raise ConfigError(f"model: {e}") from None
 
 
-def build_model(cfg: RLConfig, vocab_size: int) -> MoETransformer:
-    """The same weights in every process: random init seeded by ``cfg.seed``, or the checkpoint."""
-    dtype = _DTYPES[cfg.model.dtype]
+def build_model(cfg: RLConfig, vocab_size: int, *, device: torch.device | str = "cpu",
+                dtype: torch.dtype | None = None) -> MoETransformer:
+    """The same weights in every process: random init seeded by ``cfg.seed`` (drawn on the CPU, so
+    every device starts from the same numbers), or the checkpoint; then moved to ``device`` in
+    ``dtype`` (default ``model.dtype``)."""
+    dtype = dtype or _DTYPES[cfg.model.dtype]
     if cfg.model.path:
-        return MoETransformer.from_pretrained(cfg.model.path, dtype=dtype)
+        return MoETransformer.from_pretrained(cfg.model.path, dtype=dtype).to(device)
     mc = model_config(cfg, vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = MoETransformer(mc)
         model.init_weights(seed=cfg.seed)
-    return model.to(dtype)
+    return model.to(device=device, dtype=dtype)

@@ -49,10 +49,11 @@ def weight_specs(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ..
     return out
 
 
-def iter_full_weights(model: nn.Module, *, dst: int = 0) -> Iterator[tuple[str, torch.Tensor | None]]:
+def iter_full_weights(model: nn.Module, *, dst: int = 0, to_cpu: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Yield ``(name, full CPU tensor)`` on rank ``dst`` (``(name, None)`` elsewhere) for every
     entry of ``model.state_dict()``, in order. Collective: all ranks must exhaust the iterator.
-    Without torch.distributed it yields the model's own tensors (detached, on CPU)."""
+    Without torch.distributed it yields the model's own tensors (detached, on CPU).
+    ``to_cpu=False``: the full tensors stay on the model's device (for a GPU broadcast)."""
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     ep = _ep_slices(model) if distributed else {}
@@ -62,7 +63,7 @@ def iter_full_weights(model: nn.Module, *, dst: int = 0) -> Iterator[tuple[str, 
             t = t.full_tensor()  # every rank of the tensor's mesh holds it until the next one
         if name in ep:
             t = _gather_experts(t, *ep[name], rank=rank, dst=dst)
-        yield name, (t.cpu() if rank == dst else None)
+        yield name, ((t.cpu() if to_cpu else t) if rank == dst else None)
         del t
 
 
@@ -146,13 +147,15 @@ def publish_streamed(publisher, version: int, model: nn.Module) -> None:
     The embedded engine's files and vLLM's filesystem updates stream to disk (rank 0 holds one
     full tensor at a time). vLLM updates by broadcast or in FP8 collect the stream into one
     state dict on rank 0 first (one full copy, as the sender needs every tensor's spec up front)."""
-    stream = iter_full_weights(model)
+    stream = iter_full_weights(model, to_cpu=publisher is None or publisher.engine_sender is None)
     if publisher is None:
         for _ in stream:
             pass
         return
     meta = {"version": str(version)}
-    if not publisher.hf:
+    if publisher.engine_sender is not None:  # GPU to GPU: every full tensor cast to the engine's dtype first
+        publisher.publish(version, {name: t.to(publisher.engine_dtype) for name, t in stream})
+    elif not publisher.hf:
         specs = weight_specs(model)
         publisher.transport.publish_weights(
             version, None, write=lambda path: write_safetensors_stream(path, specs, stream, metadata=meta))

@@ -181,14 +181,20 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000) -> None:
     from primerl.rl.envs import load_environment
 
     from .job import setup_logging
+    from .placement import resolve_placement
     from .policy import build_model
 
     setup_logging("inference")
     torch.set_num_threads(cfg.threads)
     env = load_environment(cfg.env.id, **cfg.env.args)
     i = cfg.inference
-    engine = InferenceEngine(build_model(cfg, env.vocab_size), max_batch_size=i.max_batch_size, kv_cache=i.kv_cache,
-                             capture_routing=i.capture_routing, fp8_experts=i.fp8_experts, router_noise=i.router_noise)
+    placement = resolve_placement(cfg)  # on GPUs: the first of inference.gpu_ids (default GPU 0)
+    device = torch.device("cuda", (i.gpu_ids or [0])[0]) if placement.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    engine = InferenceEngine(build_model(cfg, env.vocab_size, device=device, dtype=placement.param_dtype),
+                             max_batch_size=i.max_batch_size, kv_cache=i.kv_cache, capture_routing=i.capture_routing,
+                             fp8_experts=i.fp8_experts, router_noise=i.router_noise, kv_cache_gb=i.kv_cache_gb)
     srv = EngineServer(engine, host, port, request_timeout=i.timeout_s).start()
     print(f"primerl inference: serving on {srv.url}", flush=True)
     try:

@@ -8,6 +8,11 @@ n+1 (``weight_sync.WeightPublisher``: files, or a broadcast to vLLM workers). A 
 a row, then stops the run with an error.
 
 Launched as one process, or with ``torchrun --nproc-per-node N`` (gloo on CPU, nccl on GPU).
+Placement (``placement.resolve_placement``): rank r on the GPU of its LOCAL_RANK, the mesh on
+that device type, micro-batches moved there after packing-side preparation on the CPU. Under
+``trainer.mixed_precision = bf16`` the model is always an FSDP2 module (one rank: a one-rank
+mesh of a process group the trainer opens itself) whose ``MixedPrecisionPolicy`` computes in
+bf16 and keeps float32 master weights, optimizer state and gradient reduction.
 Over several ranks the trainer is the composition of the parallel layer (``trainer.parallel``):
 ``ParallelDims`` + ``build_mesh``, FP8 (``primerl.models.convert_to_fp8``) and then
 ``primerl.models.parallelize`` (expert parallel, ring attention, activation checkpointing,
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import Callable
 
@@ -40,6 +46,7 @@ from .dcp_checkpoint import is_dcp_checkpoint, load_dcp_checkpoint, save_dcp_che
 from .config import RLConfig, parallel_dims
 from .guards import check_finite_parameters
 from .padded_attention import padded_forward
+from .placement import resolve_placement
 from .policy import build_model
 from .publish import publish_streamed
 from .transport import FileTransport
@@ -127,25 +134,33 @@ class Trainer:
             raise ValueError(f"num_trainer_ranks = {cfg.num_trainer_ranks} but the trainer runs with {world_size} process(es)")
         t, par = cfg.trainer, cfg.trainer.parallel
         self.dims = parallel_dims(cfg)
-        self.model = build_model(cfg, vocab_size)
+        self.placement = resolve_placement(cfg)
+        self.device = self.placement.trainer_device(int(os.environ.get("LOCAL_RANK", "0")) if world_size > 1 else 0)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.mixed_precision = self.placement.mixed_precision
+        self.fsdp = (world_size > 1 and t.fsdp) or self.mixed_precision
+        # a single process under mixed precision shards nothing but needs FSDP2's policy: one rank
+        self._own_group = self.fsdp and world_size == 1 and open_single_rank_group(self.placement.dist_backend)
+        self.model = build_model(cfg, vocab_size, device=self.device)
         self.model.train()
         self.ref_model = _rl.reference_model(t.loss, self.model)  # frozen initial policy, when the loss needs one
         if par.fp8 != "off":
             from primerl.models import convert_to_fp8
 
             convert_to_fp8(self.model, par.fp8)
-        self.fsdp = world_size > 1 and t.fsdp
         self.mesh = None
-        if world_size > 1:
-            self.mesh = self.dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
+        if world_size > 1 or self.fsdp:
+            self.mesh = self.dims.build_mesh(self.device.type)
         from primerl.models import parallelize
 
+        param_dtype = self.placement.param_dtype  # bf16 under mixed precision, else the stored dtype
         parallelize(self.model, self.dims, self.mesh, fsdp=self.fsdp,
                     activation_checkpointing=None if par.activation_checkpointing == "none" else par.activation_checkpointing,
-                    ac_every=2, param_dtype=self.model.embed.weight.dtype, reduce_dtype=torch.float32)
+                    ac_every=2, param_dtype=param_dtype, reduce_dtype=torch.float32)
         if self.ref_model is not None:  # the same layout: it reads the same sharded micro-batches
             parallelize(self.ref_model, self.dims, self.mesh, fsdp=self.fsdp,
-                        param_dtype=self.model.embed.weight.dtype, reduce_dtype=torch.float32)
+                        param_dtype=param_dtype, reduce_dtype=torch.float32)
         # which packed batch this rank reads (the ranks of a cp group read the same one)
         self.data_rank = self.mesh["batch"].get_local_rank() if self.mesh is not None else 0
         self.cp_group = self.mesh["cp"].get_group() if self.dims.cp > 1 else None
@@ -160,11 +175,17 @@ class Trainer:
         self.nan_streak = 0
         self.nan_skipped = 0
 
+    def close(self) -> None:
+        """Close the one-rank process group this trainer opened for mixed precision (if any)."""
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._own_group = False
+
     # ---------------------------------------------------------------- state
     def state_dict_for_publish(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights at their global shapes. Collective when distributed: every rank
         calls it; rank 0 gets them (the others get {})."""
-        if self.world_size == 1:
+        if self.world_size == 1 and not self.fsdp:
             return {k: v.detach() for k, v in self.model.state_dict().items()}
         return full_state.full_model_state(self.model, ep_group=self.ep_group, keep=self.rank == 0)
 
@@ -212,6 +233,9 @@ class Trainer:
             return mb, targets
         from primerl.parallel.context import ContextShardPlan
 
+        if self.device.type != "cpu":  # the plan's index tensors live where its cu_seqlens do
+            mb, targets = mb.to(self.device), targets.to(self.device)
+
         plan = ContextShardPlan(mb.cu_seqlens, self.cp_group, layout=self.cfg.trainer.parallel.cp_layout)
         return mb.shard_for_context(plan), plan.shard(targets)
 
@@ -248,6 +272,8 @@ class Trainer:
             mbs = [mb for mb in mbs if not mb.is_padding and mb.num_tokens > 0]
         mbs = [self._local_batch(mb) for mb in mbs]  # (shifted and cp-sharded micro-batch, targets)
         counts = _rl.loss_counts([mb for mb, _ in mbs], t.loss)  # [loss tokens, loss sequences, ...]
+        if self.device.type != "cpu":  # counted on the host above (no syncs); the model reads them here
+            mbs = [(mb.to(self.device, non_blocking=True), tg.to(self.device, non_blocking=True)) for mb, tg in mbs]
         if self.world_size > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         total = max(int(counts[0]), 1)
@@ -291,8 +317,8 @@ class Trainer:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         loss_all, kl_all, ent_all, n_loss_all, n_tok_all, cl, ch, ess = stats.tolist()
         denom = max(n_loss_all, 1)
-        finite = math.isfinite(loss_all) and all(
-            bool(torch.isfinite(_local(p.grad)).all()) for p in self.model.parameters() if p.grad is not None)
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        finite = math.isfinite(loss_all) and (not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()))
         if self.world_size > 1:
             flag = torch.tensor([0.0 if finite else 1.0])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -326,13 +352,24 @@ class Trainer:
         return metrics
 
 
+def open_single_rank_group(backend: str) -> bool:
+    """Open a one-rank default process group (a TCP store on a free local port) unless one is open;
+    True when this call opened it (its caller destroys it)."""
+    if dist.is_initialized():
+        return False
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    return True
+
+
 def _grad_norm_of(params, fsdp: bool, dp_replicate: int = 1) -> float:
     # FSDP2 shards every parameter (on two meshes: dense and experts, which DTensor cannot mix in
     # one op), so the global norm is the square root of the all-reduced sum of local squares;
     # every shard (an expert-parallel slice too) exists once per dp_replicate replica.
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        sq += _local(p.grad).double().pow(2).sum()
+    grads = [_local(p.grad) for p in params]
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        sq += g.double().pow(2).sum()
     if fsdp:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM)
         sq /= dp_replicate
@@ -373,8 +410,9 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
     out = Path(cfg.output_dir)
     transport = FileTransport(out / "transport")
     trainer = Trainer(cfg, vocab_size, rank=rank, world_size=world)
-    log.info("trainer rank %d/%d started (%s) on mesh %s, reading batches rank_%d", rank, world,
-             dist.get_backend() if dist.is_initialized() else "single process", trainer.dims.view_sizes(),
+    log.info("trainer rank %d/%d started (%s) on %s, mesh %s, %s, reading batches rank_%d", rank, world,
+             dist.get_backend() if dist.is_initialized() else "single process", trainer.device,
+             trainer.dims.view_sizes(), "bf16 mixed precision" if trainer.mixed_precision else "no mixed precision",
              trainer.data_rank)
     ckpt_root = out / "checkpoints"
     if cfg.checkpoint.resume:
@@ -412,6 +450,8 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             row = {"step": step, **payload["metrics"], **m,
                    "tokens_per_s": m["tokens"] / max(now - t_prev, 1e-9),
                    "time/step_s": now - t_prev, "time/wait_s": t1 - t0, "time/train_s": t2 - t1}
+            if trainer.device.type == "cuda":
+                row["memory/trainer_peak_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
             t_prev = now
             if rank == 0:
                 logger.log(row)
@@ -425,4 +465,5 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             logger.close()
         if publisher is not None:
             publisher.close()
+        trainer.close()
     return trainer

@@ -154,17 +154,21 @@ def _prepack_cpu_experts(model) -> None:
             experts.process_weights_after_loading(layer)
 
 
-def new_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float = 300.0):
+def new_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float = 300.0,
+              backend: str | None = None):
     """A process group outside vLLM's own (its own TCPStore rendezvous; rank 0 = the trainer).
-    Joining and every collective give up after ``timeout_s`` (a dead peer raises, never hangs)."""
+    Joining and every collective give up after ``timeout_s`` (a dead peer raises, never hangs).
+    ``backend``: "nccl" or "gloo" (default: NCCL when CUDA is available)."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
+    if backend not in (None, "nccl", "gloo"):
+        raise ValueError(f"new_group: backend must be 'nccl', 'gloo' or None, got {backend!r}")
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
-    if torch.cuda.is_available():
+    if backend == "nccl" or (backend is None and torch.cuda.is_available()):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
@@ -219,7 +223,10 @@ def _ack(group) -> None:
     flight; the trainer writes the version's marker, or tears the group down, only after this)."""
     import torch
 
-    group.allreduce([torch.zeros(1, device=_group_device(group))]).wait()
+    dev = _group_device(group)
+    group.allreduce([torch.zeros(1, device=dev)]).wait()
+    if dev == "cuda":  # NCCL's wait() only orders the stream: wait on the host for the bytes too
+        torch.cuda.current_stream().synchronize()
 
 
 def receive_update(group, device="cpu") -> tuple[int, list]:

@@ -1,7 +1,12 @@
 """How the trainer hands each policy version to inference (``inference.backend``,
 ``inference.vllm.weight_update``):
 
-- embedded engine: ``model.safetensors`` under primerl's names through the :class:`FileTransport`;
+- embedded engine, ``filesystem``: ``model.safetensors`` under primerl's names through the
+  :class:`FileTransport`;
+- embedded engine, ``broadcast`` (``inference.weight_update``; "auto" picks it when the engine
+  has a GPU of its own): trainer rank 0 broadcasts primerl's tensors, in the engine's dtype, to
+  the orchestrator process (:class:`EngineWeightReceiver`, a background thread with its own CUDA
+  stream) over NCCL, or gloo on the CPU, then publishes a marker-only version directory;
 - vLLM, ``filesystem``: the Hugging Face layout (``hf_weights.publish_hf``: safetensors +
   ``config.json`` + marker; block-FP8 experts with ``update_fp8``), loaded by the server on the
   orchestrator's ``update_weights_from_path``;
@@ -38,10 +43,10 @@ class BroadcastWeightSender:
     this side broadcasts; without it the receivers call ``receive_update`` in a loop themselves."""
 
     def __init__(self, host: str, port: int, num_receivers: int, *, timeout_s: float = 300.0,
-                 rpc_url: str | None = None):
+                 rpc_url: str | None = None, backend: str | None = None):
         if num_receivers < 1:
             raise ValueError(f"num_receivers must be >= 1, got {num_receivers}")
-        self.host, self.port, self.num_receivers = host, port, num_receivers
+        self.host, self.port, self.num_receivers, self.backend = host, port, num_receivers, backend
         self.timeout_s, self.rpc_url = timeout_s, rpc_url.rstrip("/") if rpc_url else None
         self.group = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-rpc") if self.rpc_url else None
@@ -101,7 +106,8 @@ class BroadcastWeightSender:
                 raise WeightSyncError(str(e)) from e
         fut = self._rpc("init_broadcast", self.host, self.port, 1, self.num_receivers + 1, self.timeout_s)
         try:
-            self.group = new_group(self.host, self.port, 0, self.num_receivers + 1, timeout_s=self.timeout_s)
+            self.group = new_group(self.host, self.port, 0, self.num_receivers + 1, timeout_s=self.timeout_s,
+                                   backend=self.backend)
         except Exception as e:  # noqa: BLE001 (the store raises a bare RuntimeError/DistNetworkError on timeout)
             raise WeightSyncError(f"weight broadcast group at {self.host}:{self.port}: {self.num_receivers} "
                                   f"receiver(s) did not join within {self.timeout_s} s ({e})") from e
@@ -121,26 +127,117 @@ class BroadcastWeightSender:
                                   f"after {self.timeout_s} s): {e}") from e
         self._finish(fut, f"weights version {version}")
 
-    def close(self) -> None:
+    def close(self, *, goodbye: bool = False) -> None:
+        """``goodbye``: first tell receivers that loop on :func:`receive_update` that no version
+        follows (version -1), so they stop instead of waiting out the timeout."""
+        if goodbye and self.group is not None:
+            from .vllm_worker import send_update
+
+            try:
+                send_update(self.group, END_OF_UPDATES, {})
+            except Exception as e:  # noqa: BLE001 - a receiver that is already gone
+                log.warning("weight broadcast: the end-of-updates message failed: %s", e)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self.group = None
+
+
+END_OF_UPDATES = -1  # the version of the goodbye message
+
+
+class EngineWeightReceiver:
+    """The embedded engine's end of the trainer's weight broadcast (rank 1 of a two-rank group,
+    trainer rank 0 is rank 0): a daemon thread receives every version into fresh tensors on
+    ``device`` and keeps them until :meth:`take` hands one over.
+
+    On a GPU the thread runs on a CUDA stream of its own: a broadcast it waits for must not hold
+    up the engine's kernels on the default stream (the trainer only sends the next version after
+    training on what the engine is generating)."""
+
+    def __init__(self, host: str, port: int, *, backend: str, device: torch.device, timeout_s: float = 300.0):
+        import threading
+
+        self.host, self.port, self.backend, self.device, self.timeout_s = host, port, backend, device, timeout_s
+        self._cv = threading.Condition()
+        self._got: dict[int, dict[str, torch.Tensor]] = {}
+        self._error: BaseException | None = None
+        self._ended = False
+        self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
+
+    def start(self) -> "EngineWeightReceiver":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from .vllm_worker import new_group, receive_update
+
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                torch.cuda.set_stream(torch.cuda.Stream(self.device))  # this thread's current stream
+            group = new_group(self.host, self.port, 1, 2, timeout_s=self.timeout_s, backend=self.backend)
+            while True:
+                version, weights = receive_update(group, self.device)
+                if version == END_OF_UPDATES:
+                    break
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()  # the tensors are complete before the hand-over
+                with self._cv:
+                    self._got[version] = dict(weights)
+                    self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - reported by take()
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+            return
+        with self._cv:
+            self._ended = True
+            self._cv.notify_all()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def take(self, version: int, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """The tensors of ``version`` (dropping any older version still held); waits for them."""
+        timeout = self.timeout_s if timeout is None else timeout
+        with self._cv:
+            ok = self._cv.wait_for(lambda: version in self._got or self._error is not None or self._ended, timeout)
+            if version not in self._got:
+                why = (f"the receiver failed: {self._error!r}" if self._error is not None else
+                       "the trainer ended its updates" if self._ended else f"not received within {timeout} s")
+                raise WeightSyncError(f"weights version {version} by broadcast from the trainer: {why}")
+            weights = self._got.pop(version)
+            for v in [v for v in self._got if v < version]:
+                del self._got[v]
+            return weights
 
 
 class WeightPublisher:
     """Trainer rank 0: ``publish(version, state_dict)`` per the config (see the module docstring)."""
 
     def __init__(self, cfg: RLConfig, transport: FileTransport, model):
+        from .placement import resolve_placement
+
         self.cfg, self.transport, self.model = cfg, transport, model
         i = cfg.inference
         self.hf = i.backend == "vllm"
         self.sender = BroadcastWeightSender.from_config(i.vllm) if self.hf and i.vllm.weight_update == "broadcast" else None
+        placement = resolve_placement(cfg)
+        self.engine_sender = None  # the embedded engine's broadcast (inference.weight_update)
+        self.engine_dtype = placement.param_dtype
+        if not self.hf and placement.weight_update == "broadcast":
+            self.engine_sender = BroadcastWeightSender("127.0.0.1", i.broadcast_port, 1,
+                                                       timeout_s=cfg.orchestrator.weights_timeout_s,
+                                                       backend=placement.broadcast_backend)
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         from .hf_weights import hf_weights, publish_hf
 
         v = self.cfg.inference.vllm
-        if not self.hf:
+        if self.engine_sender is not None:
+            self.engine_sender.send(version, {k: t.to(self.engine_dtype) for k, t in state_dict.items()})
+            self.transport.publish_weights(version, None)
+        elif not self.hf:
             self.transport.publish_weights(version, state_dict)
         elif self.sender is None:
             publish_hf(self.transport, version, self.model, state_dict, fp8=v.update_fp8)
@@ -157,3 +254,5 @@ class WeightPublisher:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+        if self.engine_sender is not None:
+            self.engine_sender.close(goodbye=True)
