@@ -32,15 +32,17 @@ def _blocks(head_dim: int, device: torch.device) -> tuple[int, int, int]:
     return 64, 32, block_d
 
 
-def _dkdv_blocks(head_dim: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) of the dK/dV kernel. Its dots with the key block as the M side
-    need 64+ key rows for wgmma / tcgen05 (at 32, ptxas falls back to mma.sync); at head_dim 128,
-    64 x 64 tiles spill on sm_90a at 4 and 8 warps, 128 x 64 at 8 warps does not (AOT-measured,
-    primerl.kernels.aot)."""
+def _dkdv_blocks(head_dim: int, device: torch.device, causal: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of the dK/dV kernel. Its dots with the key block as the M
+    side need 64+ key rows for wgmma / tcgen05 (at 32, ptxas falls back to mma.sync); at head_dim
+    128, 64 x 64 tiles spill on sm_90a at 4 and 8 warps, 128 x 64 at 8 warps does not. Non-causal,
+    the loop has no block-skip branch and Triton pipelines it: at 3 stages it needs 242 KB of
+    shared memory and spills (the H200 refused the launch), at 2 it still spills on sm_90a and
+    sm_100a; 1 stage is clean (AOT-measured, primerl.kernels.aot)."""
     block_m, block_n, block_d = _blocks(head_dim, device)
     if device.type == "cuda" and block_d > 64:
-        return 128, 64, 8
-    return block_m, block_n, 4
+        return 128, 64, 8, (3 if causal else 1)
+    return block_m, block_n, 4, 3
 
 
 def _dot_precision(dtype: torch.dtype):
@@ -309,10 +311,11 @@ def backward(dout, q, k, v, out, lse, dlse, spec):
     scales = (spec.softmax_scale, spec.softmax_scale * LOG2E)
     # dk/dv rows of tokens outside every sequence are never visited: only cu_seqlens_k[-1] == Tk
     # is allowed, so each token belongs to one key block of one sequence and gets written.
-    kv_m, kv_n, kv_warps = _dkdv_blocks(D, q.device)
+    kv_m, kv_n, kv_warps, kv_stages = _dkdv_blocks(D, q.device, spec.causal)
     _attn_bwd_dkdv_kernel[(triton.cdiv(max(spec.max_seqlen_k, 1), kv_n), batch, Hkv)](
         q, k, v, dout, lse, delta, dk, dv, spec.cu_seqlens_q, spec.cu_seqlens_k, q_pos, k_pos,
         *strides, dk.stride(0), dk.stride(1), *scales, **dict(common, BLOCK_M=kv_m, BLOCK_N=kv_n), num_warps=kv_warps,
+        num_stages=kv_stages,
     )
     _attn_bwd_dq_kernel[(triton.cdiv(max(spec.max_seqlen_q, 1), block_m), batch, Hq)](
         q, k, v, dout, lse, delta, dq, spec.cu_seqlens_q, spec.cu_seqlens_k, q_pos, k_pos,
