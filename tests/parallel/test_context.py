@@ -67,6 +67,49 @@ def test_zigzag_balances_causal_work():
     assert max(pairs["contiguous"]) / min(pairs["contiguous"]) > 5
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_block_equals_the_positions_mask(layout, world):
+    """Every ring step as the plan cuts it (pseudo-sequences, default mask) gives what the global
+    positions give, for every valid query and key: out, lse and the block gradients from a merged
+    out/lse. Padding (sequences of 1 and 13 tokens do not divide into chunks) and an empty sequence."""
+    from primerl.kernels.attention import attention_backward, attention_forward
+
+    lens = [16, 1, 0, 13, 30]
+    plans = [ContextShardPlan(_cu(lens), layout=layout, world_size=world, rank=r) for r in range(world)]
+    t = plans[0].local_num_tokens
+    g = torch.Generator().manual_seed(world)
+    q, k, v, dout = (torch.randn(t, h, 8, generator=g) for h in (4, 2, 2, 4))
+    for causal in (True, False):
+        for plan in plans:
+            real_q = ~plan.padding_mask
+            dout_r = torch.where(real_q[:, None, None], dout, 0)  # unshard's gradient: 0 at padding
+            for src in range(world):
+                real_k = plans[src].key_positions_of(src) >= 0
+                pos = dict(cu_seqlens=plan.local_cu_seqlens, q_positions=plan.positions,
+                           k_positions=plan.key_positions_of(src), causal=causal, backend="torch")
+                want = attention_forward(q, k, v, **pos)
+                block = plan.ring_block(src, causal)
+                if block is None:
+                    assert torch.isneginf(want[1][:, real_q]).all(), f"src {src}: no visible key expected"
+                    continue
+                assert block != "positions"
+                cu_q, cu_k, blk_causal = block
+                kw = dict(cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=blk_causal, backend="torch")
+                got = attention_forward(q, k, v, **kw)
+                assert _err(got[0][real_q], want[0][real_q]) < 1e-6
+                assert torch.equal(torch.isneginf(got[1][:, real_q]), torch.isneginf(want[1][:, real_q]))
+                fin = torch.isfinite(want[1]) & real_q[None, :]
+                assert _err(got[1][fin], want[1][fin]) < 1e-6
+                # block gradients from a "merged" out/lse (this block's own, rows that see nothing at -inf)
+                out, lse = want
+                gw = attention_backward(dout_r, q, k, v, out, lse, **pos)
+                gg = attention_backward(dout_r, q, k, v, out, lse, **kw)
+                assert _err(gg[0][real_q], gw[0][real_q]) < 1e-6
+                for a, b in zip(gg[1:], gw[1:]):
+                    assert _err(a[real_k], b[real_k]) < 1e-6
+
+
 def test_plan_rejects_bad_input():
     with pytest.raises(ValueError, match="layout must be one of"):
         ContextShardPlan(_cu([3]), layout="striped")
