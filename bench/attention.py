@@ -215,8 +215,59 @@ def _cuda_ring_step_rows(args) -> list[Row]:
     return rows
 
 
+def _cuda_zigzag_step_rows(args) -> list[Row]:
+    """The steps of one rank of a zigzag ring (one sequence over W = 4 ranks) as ring attention runs
+    them: ``backend=None`` on the plan's pseudo-sequences (ContextShardPlan.ring_block) against the
+    Triton kernel with the global positions (what the ring ran before). Forward + block backward
+    (attention_forward + attention_backward), TF/s per visible pair."""
+    from primerl.kernels.attention import attention_backward, attention_forward
+    from primerl.parallel.context import ContextShardPlan
+
+    L, world, hq, hkv, d = (4096, 4, 16, 4, 128) if args.quick else (32768, 4, 32, 8, 128)
+    plans = [ContextShardPlan(_cu([L], "cuda"), layout="zigzag", world_size=world, rank=r) for r in range(world)]
+    plan = plans[1]
+    t = plan.local_num_tokens
+    q, dout = (torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    rows = []
+    for src in (1, 0, 2):
+        kind = "own chunks, causal" if src == 1 else ("earlier chunk, full" if src == 0 else "later keys, full")
+        shape = f"zigzag W={world} L={L} rank 1 <- {src} ({kind}) H={hq}/{hkv} D={d}"
+        k_pos = plans[src].key_positions_of(src)
+        pairs = int(torch.searchsorted(torch.sort(k_pos).values, plan.positions, right=True).sum())
+        cu_q, cu_k, causal = plan.ring_block(src, True)
+        variants = {"None, plan blocks": dict(cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=causal),
+                    "triton, positions": dict(cu_seqlens=plan.local_cu_seqlens, q_positions=plan.positions,
+                                              k_positions=k_pos, causal=True, backend="triton")}
+        times = {}
+        for name, kw in variants.items():
+            try:
+                fwd = lambda kw=kw: attention_forward(q, k, v, **kw)  # noqa: E731
+                out, lse = fwd()
+                out = out.to(q.dtype)
+                tf = time_fn(fwd, device="cuda")
+                tb = time_fn(lambda kw=kw, out=out, lse=lse: (fwd(kw), attention_backward(dout, q, k, v, out, lse, **kw)),
+                             device="cuda")
+                times[name] = (tf, tb)
+            except Exception as exc:  # noqa: BLE001
+                rows.append(_error_row("ring step fwd", shape, name, exc))
+        base = times.get("triton, positions")
+        for name, (tf, tb) in times.items():
+            for op, tm, mult, bt in (("ring step fwd", tf, 1.0, base and base[0]), ("ring step fwd+bwd", tb, 3.5, base and base[1])):
+                rows.append(Row(op, shape, "bfloat16", name, tm, tflops=mult * 4 * hq * d * pairs / tm / 1e12,
+                                ratio=bt / tm if bt else None, baseline="triton, positions" if bt else ""))
+    return rows
+
+
 def _cuda_rows(args) -> list[Row]:
-    return _cuda_square_rows(args) + _cuda_ring_step_rows(args)
+    rows = []
+    for section in (_cuda_square_rows, _cuda_ring_step_rows, _cuda_zigzag_step_rows):
+        try:
+            rows += section(args)
+        except Exception as exc:  # noqa: BLE001 - one section failing on this GPU/torch must not hide the others
+            rows.append(_error_row(section.__name__, "-", "-", exc))
+        torch.cuda.empty_cache()
+    return rows
 
 
 def run(args) -> list[Row]:

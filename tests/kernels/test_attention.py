@@ -15,6 +15,7 @@ from primerl.kernels.attention import (
     merge_attn_states_,
     reference,
 )
+from primerl.kernels import BackendUnavailableError
 from primerl.kernels.testing import assert_bitwise_equal
 
 HAS_CUDA = torch.cuda.is_available()
@@ -242,3 +243,29 @@ def test_flash_attn_backend_matches_reference():
     out, lse = attention_forward(q, k, v, cu_seqlens=cu, backend="flash_attn")
     ref = attention_forward(q, k, v, cu_seqlens=cu, backend="torch")
     assert _max_err(out, ref[0]) < 2e-2 and _max_err(lse, ref[1]) < 1e-3
+
+
+def test_torch_cuda_backends_refuse_cpu_tensors_by_name():
+    q, k, v, *_ = _inputs([4, 4], 4, 2, 16, torch.float32, seed=0)
+    for be in ("cudnn", "varlen_flash"):
+        with pytest.raises(BackendUnavailableError, match=f"backend '{be}' cannot run this case: needs CUDA tensors"):
+            attention(q, k, v, backend=be)
+        with pytest.raises(BackendUnavailableError, match="needs CUDA"):
+            attention_backward(q, q, k, v, q, torch.zeros(4, 8), backend=be)
+
+
+def test_cudnn_single_token_backward_matches_reference():
+    """cuDNN rejects Lq = Lk = 1; its backend computes those runs in torch: check that math on CPU
+    against the reference, with an external lse (as from a ring merge) and GQA."""
+    from primerl.kernels.attention import cudnn
+
+    n, hq, hkv, d = 5, 4, 2, 16
+    q, k, v, dout, _ = _inputs([1] * n, hq, hkv, d, torch.float32, seed=21)
+    cu = _cu([1] * n)
+    qp, kp = reference.default_positions(cu, cu)
+    out = torch.randn(n, hq, d, generator=torch.Generator().manual_seed(22))
+    lse = torch.randn(hq, n, generator=torch.Generator().manual_seed(23))
+    want = reference.attention_backward(dout, q, k, v, out, lse, None, cu, cu, True, 0.25, qp, kp)
+    got = cudnn._single_token_backward(dout, q, k, v, out, lse.t(), 0.25)
+    for name, a, b in zip(["dq", "dk", "dv"], got, want):
+        assert _max_err(a, b) < 1e-6 * (1 + float(b.abs().max())), name

@@ -18,6 +18,8 @@ leaves no room for that at D = 128.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import varlen_flash
@@ -45,20 +47,28 @@ def runs(spec) -> list[tuple[int, int, int, int, int]]:
     return [tuple(r) for r in out if r is not None]
 
 
-def unsupported_reason(q: torch.Tensor, spec) -> str | None:
-    """Why this backend cannot compute the case (None: it can)."""
-    if q.device.type != "cuda":
-        return f"needs CUDA tensors, got {q.device.type}"
+@functools.lru_cache(maxsize=64)
+def _static_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    if device.type != "cuda":
+        return f"needs CUDA tensors, got {device.type}"
     if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
         return f"torch {torch.__version__} has no aten._scaled_dot_product_cudnn_attention"
     if not torch.backends.cudnn.is_available():
         return "cuDNN is not available to torch"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
+    if torch.cuda.get_device_capability(device) < (8, 0):
         return "cuDNN fused attention needs sm_80 or newer"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"cuDNN fused attention takes bf16/fp16, got {q.dtype}"
-    if q.shape[-1] % 8 or q.shape[-1] > MAX_HEAD_DIM:
-        return f"head_dim must be a multiple of 8 up to {MAX_HEAD_DIM}, got {q.shape[-1]}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"cuDNN fused attention takes bf16/fp16, got {dtype}"
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim must be a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}"
+    return None
+
+
+def unsupported_reason(q: torch.Tensor, spec) -> str | None:
+    """Why this backend cannot compute the case (None: it can)."""
+    reason = _static_reason(q.device, q.dtype, q.shape[-1])
+    if reason is not None:
+        return reason
     if spec.q_positions is not None:
         return "explicit q_positions/k_positions are not expressible"
     if spec.causal and any(lq != lk for _, _, _, lq, lk in runs(spec)):

@@ -23,25 +23,35 @@ widened. Inside autograd the gradients stay in q.dtype (no float32 round trip).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 MAX_HEAD_DIM = 256
 _LSE_PAD = 8
 
 
-def unsupported_reason(q: torch.Tensor, spec, dlse: bool = False) -> str | None:
-    """Why this backend cannot compute the case (None: it can)."""
-    if q.device.type != "cuda":
-        return f"needs CUDA tensors, got {q.device.type}"
+@functools.lru_cache(maxsize=64)
+def _static_reason(device: torch.device, dtype: torch.dtype, head_dim: int, dlse: bool) -> str | None:
+    if device.type != "cuda":
+        return f"needs CUDA tensors, got {device.type}"
     if not hasattr(torch.ops.aten, "_flash_attention_forward"):
         return f"torch {torch.__version__} has no aten._flash_attention_forward"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
-        return f"Flash Attention 2 needs sm_80 or newer, got sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"Flash Attention 2 takes bf16/fp16, got {q.dtype}"
-    d = q.shape[-1] + (_LSE_PAD if dlse else 0)
-    if q.shape[-1] % 8 or d > MAX_HEAD_DIM:
-        return f"head_dim must be a multiple of 8 up to {MAX_HEAD_DIM - (_LSE_PAD if dlse else 0)}, got {q.shape[-1]}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "Flash Attention 2 needs sm_80 or newer"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"Flash Attention 2 takes bf16/fp16, got {dtype}"
+    limit = MAX_HEAD_DIM - (_LSE_PAD if dlse else 0)
+    if head_dim % 8 or head_dim > limit:
+        return f"head_dim must be a multiple of 8 up to {limit}{' (with a gradient through lse)' if dlse else ''}, got {head_dim}"
+    return None
+
+
+def unsupported_reason(q: torch.Tensor, spec, dlse: bool = False) -> str | None:
+    """Why this backend cannot compute the case (None: it can)."""
+    reason = _static_reason(q.device, q.dtype, q.shape[-1], bool(dlse))
+    if reason is not None:
+        return reason
     if spec.q_positions is not None:
         return "explicit q_positions/k_positions are not expressible (FA2's mask is the default bottom-right causal one)"
     return None
