@@ -36,8 +36,9 @@ Backends (``backend=``):
 
 ``backend=None`` on CUDA picks, per call: ``"cudnn"`` when it covers the case and the batch is at
 most ``cudnn.MAX_RUNS`` runs of equal-length sequences; else ``"varlen_flash"`` when it covers the
-case; else ``"triton"`` (explicit positions, as ring attention passes, float32 inputs, head_dims
-the torch kernels lack). A named backend that cannot compute the case raises
+case; else ``"triton"`` (explicit positions, float32 inputs, head_dims the torch kernels lack).
+Ring attention (``primerl.parallel.context``) cuts each step into pseudo-sequences with the
+default mask, so its steps take the torch kernels too. A named backend that cannot compute the case raises
 ``BackendUnavailableError`` with the reason. All of them return lse and take a gradient through
 it (cudnn and varlen_flash by widening the head dim in the backward; see ``varlen_flash.py``);
 their backward takes an external (ring-merged) out/lse.

@@ -33,6 +33,8 @@ def runs(spec) -> list[tuple[int, int, int, int, int]]:
     """``(q_start, k_start, n, Lq, Lk)`` for each run of consecutive sequences of equal (Lq, Lk),
     from the host copy of cu_seqlens (no device sync). Sequences without queries or keys are left out."""
     cq, ck = spec.host_cu_q, spec.host_cu_k
+    if not cq:  # a spec built by hand, without the host copy: read the offsets (a sync)
+        cq, ck = spec.cu_seqlens_q.tolist(), spec.cu_seqlens_k.tolist()
     out: list[list[int]] = []
     for b in range(len(cq) - 1):
         lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
@@ -79,6 +81,9 @@ def unsupported_reason(q: torch.Tensor, spec) -> str | None:
 def forward(q, k, v, spec, out_dtype: torch.dtype):
     """q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[T, Hq, D]`` (out_dtype), lse ``[Hq, T]`` float32."""
     T, Hq, D = q.shape
+    if T == 0 or k.shape[0] == 0:
+        return (torch.zeros(T, Hq, D, dtype=out_dtype, device=q.device),
+                torch.full((Hq, T), float("-inf"), dtype=torch.float32, device=q.device))
     outs, lses = [], []
     for qs, ks, n, lq, lk in runs(spec):
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
@@ -116,6 +121,8 @@ def backward(dout, q, k, v, out, lse, dlse, spec):
     T, Hq, D = q.shape
     Tk, Hkv, _ = k.shape
     dt = q.dtype
+    if T == 0 or Tk == 0:
+        return q.new_zeros(T, Hq, D), k.new_zeros(Tk, Hkv, D), k.new_zeros(Tk, Hkv, D)
     dout, out = dout.to(dt), out.to(dt)
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.float())  # rows that saw nothing: P = 0
     seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout 0: never read
