@@ -234,7 +234,8 @@ def _cuda_zigzag_step_rows(args) -> list[Row]:
         kind = "own chunks, causal" if src == 1 else ("earlier chunk, full" if src == 0 else "later keys, full")
         shape = f"zigzag W={world} L={L} rank 1 <- {src} ({kind}) H={hq}/{hkv} D={d}"
         k_pos = plans[src].key_positions_of(src)
-        pairs = int(torch.searchsorted(torch.sort(k_pos).values, plan.positions, right=True).sum())
+        real_k = torch.sort(k_pos[k_pos >= 0]).values
+        pairs = int(torch.searchsorted(real_k, plan.positions[~plan.padding_mask], right=True).sum())
         cu_q, cu_k, causal = plan.ring_block(src, True)
         variants = {"None, plan blocks": dict(cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=causal),
                     "triton, positions": dict(cu_seqlens=plan.local_cu_seqlens, q_positions=plan.positions,
