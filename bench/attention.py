@@ -163,6 +163,35 @@ def _cuda_square_rows(args) -> list[Row]:
     return rows
 
 
+def _cuda_ragged_rows(args) -> list[Row]:
+    """A ragged packed batch (what RL micro-batches are): no SDPA baseline exists for it, so the
+    ratio is against varlen_flash. cuDNN runs one call per run of equal lengths here (9 calls);
+    backend=None takes varlen_flash for more than cudnn.MAX_RUNS runs: these rows say whether
+    per-sequence cuDNN calls would pay at these lengths."""
+    from primerl.kernels.attention import attention
+
+    lens = [700, 300, 150, 90] if args.quick else [4096, 2048, 3000, 1000, 6000, 512, 7000, 4096, 5120]
+    hq, hkv, d = 32, 8, 128
+    shape = f"ragged {len(lens)} seqs, {sum(lens)} tokens H={hq}/{hkv} D={d} causal"
+    q, k, v = (torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    g = torch.randn_like(q)
+    cu = _cu(lens, "cuda")
+    fwd_flops = _causal_flops(lens, hq, d)
+    times, rows = {}, []
+    for be in ("varlen_flash", None, "cudnn", "triton"):
+        try:
+            times[be] = _time_fwd_and_fwd_bwd(lambda a, b, c, be=be: attention(a, b, c, cu_seqlens=cu, backend=be), (q, k, v), g)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(_error_row("attention fwd", shape, f"primerl {be}", exc))
+    base = times.get("varlen_flash")
+    for be, (tf, tb) in times.items():
+        rows.append(Row("attention fwd", shape, "bfloat16", f"primerl {be}", tf, tflops=fwd_flops / tf / 1e12,
+                        ratio=base[0] / tf if base else None, baseline="primerl varlen_flash" if base else ""))
+        rows.append(Row("attention fwd+bwd", shape, "bfloat16", f"primerl {be}", tb, tflops=3.5 * fwd_flops / tb / 1e12,
+                        ratio=base[1] / tb if base else None, baseline="primerl varlen_flash" if base else ""))
+    return rows
+
+
 def _has_flash_attn() -> bool:
     try:
         import flash_attn  # noqa: F401
@@ -262,7 +291,7 @@ def _cuda_zigzag_step_rows(args) -> list[Row]:
 
 def _cuda_rows(args) -> list[Row]:
     rows = []
-    for section in (_cuda_square_rows, _cuda_ring_step_rows, _cuda_zigzag_step_rows):
+    for section in (_cuda_square_rows, _cuda_ragged_rows, _cuda_ring_step_rows, _cuda_zigzag_step_rows):
         try:
             rows += section(args)
         except Exception as exc:  # noqa: BLE001 - one section failing on this GPU/torch must not hide the others
