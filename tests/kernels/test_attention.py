@@ -129,6 +129,26 @@ def test_non_square_with_positions(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_non_square_default_mask_over_several_blocks(backend, monkeypatch):
+    """Default positions (bottom-right causal) with Lq != Lk, at 16-blocks so that the forward's
+    unmasked blocks (fully below the diagonal), the diagonal blocks and the tails all occur."""
+    from primerl.kernels.attention import triton as tri
+
+    monkeypatch.setattr(tri, "INTERPRETER_BLOCK", 16)
+    lq, lk = [20, 3, 34, 50, 7], [34, 5, 20, 50, 0]
+    q, k, v, dout, dlse = _inputs(lq, 4, 2, 16, torch.float32, seed=15, tk=sum(lk))
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    q_pos, k_pos = reference.default_positions(cu_q, cu_k)
+    for causal in (True, False):
+        got = _run(backend, q, k, v, dout, dlse, cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=causal)
+        qq, kk, vv = (t.double().requires_grad_() for t in (q, k, v))
+        out, lse = _dense_oracle(qq, kk, vv, cu_q, cu_k, q_pos, k_pos, causal, 0.25)
+        torch.autograd.backward((out, lse), (dout.double(), dlse.double()))
+        for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, (out, lse, qq.grad, kk.grad, vv.grad)):
+            assert _max_err(a, b) < 2e-5, f"{name} causal={causal}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_block_backward_sums_to_full_gradient(backend):
     """attention_backward on each key half with the merged out/lse sums to the full gradient
     (what ring attention does), and merging the halves' forward equals attention over all keys."""

@@ -2,6 +2,9 @@
 recomputing backward (one kernel for dK/dV per key block, one for dQ per query block, no
 atomics), and the merge of two partial results.
 
+With the default positions the forward runs the key blocks every query of its block sees in full
+(below the causal diagonal, no tail) in a loop without masks, and only the rest masked.
+
 Grids: forward and dQ ``(cdiv(max_seqlen_q, BLOCK_M), B, Hq)``, dK/dV ``(cdiv(max_seqlen_k,
 BLOCK_N), B, Hkv)`` looping over the G query heads of its group. Masking follows the reference
 (same sequence, ``k_pos >= 0``, causal ``k_pos <= q_pos``); a key block that no query of the
@@ -101,9 +104,25 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_end = len_k
-    if CAUSAL and not HAS_POS:
-        n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
-    for n0 in range(0, n_end, BLOCK_N):
+    n_full = 0  # key blocks before this every query of the block sees in full: no mask to apply
+    if not HAS_POS:
+        if CAUSAL:
+            n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
+            n_full = tl.maximum(tl.minimum(len_k, m0 + len_k - len_q + 1), 0) // BLOCK_N * BLOCK_N
+        else:
+            n_full = len_k // BLOCK_N * BLOCK_N
+    for n0 in range(0, n_full, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    for n0 in range(n_full, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
         if CAUSAL:
