@@ -255,9 +255,23 @@ def _attn_bwd_dq_kernel(
     q_pos_max = tl.max(q_pos, axis=0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_end = len_k
-    if CAUSAL and not HAS_POS:
-        n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
-    for n0 in range(0, n_end, BLOCK_N):
+    n_full = 0  # as in the forward: key blocks every query of this block sees, no mask
+    if not HAS_POS:
+        if CAUSAL:
+            n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
+            n_full = tl.maximum(tl.minimum(len_k, m0 + len_k - len_q + 1), 0) // BLOCK_N * BLOCK_N
+        else:
+            n_full = len_k // BLOCK_N * BLOCK_N
+    for n0 in range(0, n_full, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+    for n0 in range(n_full, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
         if CAUSAL:
