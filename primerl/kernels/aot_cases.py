@@ -183,11 +183,11 @@ def _moe_cases():
 # ------------------------------------------------------------------------------ attention
 
 
-def _attention_spec(seqs: int, seqlen: int):
+def _attention_spec(seqs: int, seqlen: int, causal: bool = True):
     from .attention import AttentionSpec
 
     cu = _cuda(seqs + 1, dtype=I32)
-    return AttentionSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, softmax_scale=0.088, q_positions=None,
+    return AttentionSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal, softmax_scale=0.088, q_positions=None,
                          k_positions=None, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
 
 
@@ -195,17 +195,18 @@ def _attention_cases():
     from .attention import triton as at
 
     cases = []
-    for hq, hkv, d, ci in [(32, 4, 128, True), (16, 2, 64, False)]:
+    # non-causal blocks are what a ring step against earlier chunks runs (a different loop to pipeline)
+    for hq, hkv, d, causal, ci in [(32, 4, 128, True, True), (16, 2, 64, True, False), (32, 4, 128, False, True)]:
         t = 2 * 4096
 
-        def fwd(hq=hq, hkv=hkv, d=d):
-            at.forward(_cuda(t, hq, d), _cuda(t, hkv, d), _cuda(t, hkv, d), _attention_spec(2, 4096), BF16)
+        def fwd(hq=hq, hkv=hkv, d=d, causal=causal):
+            at.forward(_cuda(t, hq, d), _cuda(t, hkv, d), _cuda(t, hkv, d), _attention_spec(2, 4096, causal), BF16)
 
-        def bwd(hq=hq, hkv=hkv, d=d):
+        def bwd(hq=hq, hkv=hkv, d=d, causal=causal):
             at.backward(_cuda(t, hq, d), _cuda(t, hq, d), _cuda(t, hkv, d), _cuda(t, hkv, d), _cuda(t, hq, d),
-                        _cuda(hq, t, dtype=F32), None, _attention_spec(2, 4096))
+                        _cuda(hq, t, dtype=F32), None, _attention_spec(2, 4096, causal))
 
-        shape = f"T=2x4096 causal Hq={hq} Hkv={hkv} D={d}"
+        shape = f"T=2x4096 {'causal' if causal else 'full'} Hq={hq} Hkv={hkv} D={d}"
         cases += [Case(f"attention fwd {shape}", fwd, "bf16", ci),
                   Case(f"attention bwd (dk/dv, dq) {shape}", bwd, "bf16", ci)]
     cases.append(Case("attention merge states T=8192 H=32 D=128", lambda: at.merge_attn_states(

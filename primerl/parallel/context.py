@@ -12,9 +12,12 @@ A sequence whose length does not divide by the chunk count is padded at its end 
 same number of tokens per sequence, so the local ``cu_seqlens`` is the same on every rank.
 
 Ring attention keeps the queries still and passes K/V around the ring (rank r sends to r+1):
-at step i rank r holds the K/V of rank r-i, computes that block with the global positions as
-mask (``primerl.kernels.attention.attention_forward``), and merges it into a float32 output with
-``merge_attn_states_``. The backward passes K/V around again with a second ring that carries the
+at step i rank r holds the K/V of rank r-i, computes that block (``primerl.kernels.attention.
+attention_forward``) and merges it into a float32 output with ``merge_attn_states_``. Each step is
+one call with the kernels' default mask over pseudo-sequences cut from the layout
+(:meth:`ContextShardPlan.ring_block`: a causal square on the rank's own keys, a full block against
+earlier chunks), so ``backend=None`` runs torch's cuDNN / Flash Attention kernels per step rather
+than the positions-masked Triton kernel. The backward passes K/V around again with a second ring that carries the
 dK/dV accumulators back to their owners, while dQ accumulates locally in float32.
 
 >>> plan = ContextShardPlan(cu_seqlens, group, layout="zigzag")          # same on every rank
@@ -109,6 +112,8 @@ class ContextShardPlan:
             self._padded_index.append((padded_cu[:-1][seq] + pos).to(self.device))
         self.positions = self._positions[self.rank]
         self.padding_mask = self._index[self.rank] < 0
+        self._lens = lens.tolist()
+        self._ring_blocks: dict[tuple[int, bool], object] = {}
 
     # -- per-token tensors ------------------------------------------------------------------
     def positions_of(self, rank: int) -> torch.Tensor:
@@ -168,6 +173,59 @@ class ContextShardPlan:
     def visible(self, src: int, causal: bool) -> bool:
         """Whether this rank's queries see any key of rank ``src`` (zigzag: always)."""
         return not (causal and self.layout == "contiguous" and src > self.rank)
+
+    def ring_block(self, src: int, causal: bool):
+        """This rank's queries against rank ``src``'s keys as one attention call with the default
+        mask: ``(cu_seqlens_q, cu_seqlens_k, causal)`` over pseudo-sequences, or None when no
+        query sees any key of ``src``, or ``"positions"`` when the visible pairs of some sequence
+        are not one block (then the step needs explicit positions; no layout here produces that).
+
+        Per sequence, the chunks this rank and ``src`` own give the visible pairs: every pair when
+        not causal, chunk index q > k when causal (a full block), the rank's own chunks causal
+        against themselves (a causal square over the valid tokens: the local order is position
+        order). The visible rows and keys form one rectangle; the local tokens are cut into
+        pieces ``(queries, keys)`` in order - the rectangle, queries before/after it with no keys,
+        keys before/after it (and padding keys) with no queries - so the kernels' default mask
+        (bottom-right causal, or none) on the packed pieces is exactly the positions rule for
+        every valid query. Padding queries may see fewer keys than the positions rule gives them;
+        their outputs are dropped by ``unshard`` and their gradients are zero, so nothing changes.
+        Cached per (src, causal): the same cu_seqlens tensors every layer (no host sync)."""
+        key = (src, bool(causal))
+        if key not in self._ring_blocks:
+            self._ring_blocks[key] = self._make_ring_block(src, bool(causal))
+        return self._ring_blocks[key]
+
+    def _make_ring_block(self, src: int, causal: bool):
+        own_q, own_k = self._owned[self.rank], self._owned[src]
+        self_causal = causal and src == self.rank
+        pieces, any_visible = [], False
+        for length, c in zip(self._lens, self.chunk_lengths.tolist()):
+            t = c * len(own_q)
+            valid = [max(0, min(c, length - ch * c)) for ch in own_k]  # valid keys per owned chunk (a prefix)
+            if self_causal:
+                v = sum(valid)
+                pieces += [(v, v), (t - v, 0), (0, t - v)]
+                any_visible |= v > 0
+                continue
+            vis = [[(not causal or qc > kc) and valid[j] > 0 for j, kc in enumerate(own_k)] for qc in own_q]
+            rows = [i for i in range(len(own_q)) if any(vis[i])]
+            cols = [j for j in range(len(own_k)) if any(vis[i][j] for i in range(len(own_q)))]
+            if not rows:
+                pieces += [(t, 0), (0, t)]
+                continue
+            rect = all(vis[i][j] for i in rows for j in cols)
+            if not rect or rows != list(range(rows[0], rows[-1] + 1)) or cols != list(range(cols[0], cols[-1] + 1)):
+                return "positions"
+            qa, qb = rows[0] * c, (rows[-1] + 1) * c
+            ka, kb = cols[0] * c, cols[-1] * c + valid[cols[-1]]
+            pieces += [(qa, 0), (0, ka), (qb - qa, kb - ka), (t - qb, 0), (0, t - kb)]
+            any_visible = True
+        if not any_visible:
+            return None
+        pieces = [p for p in pieces if p != (0, 0)]
+        cu_q = torch.tensor([0] + [p[0] for p in pieces], dtype=torch.int64).cumsum(0).int().to(self.device)
+        cu_k = torch.tensor([0] + [p[1] for p in pieces], dtype=torch.int64).cumsum(0).int().to(self.device)
+        return cu_q, cu_k, self_causal
 
     def attention_pairs(self, rank: int, causal: bool = True) -> int:
         """Visible (query, key) pairs of ``rank``'s queries: its share of the attention FLOPs."""
@@ -251,13 +309,26 @@ def _wait(reqs):
 _KV_TAG, _KV_BWD_TAG, _DKV_TAG = 11, 12, 13
 
 
+def _step_kwargs(plan: ContextShardPlan, src: int, kw: dict) -> dict | None:
+    """The attention arguments of the ring step against rank ``src``'s keys (None: nothing visible):
+    the pseudo-sequences of :meth:`ContextShardPlan.ring_block` with the default mask, which every
+    backend runs (the torch fast paths included), or the global positions as the mask."""
+    block = plan.ring_block(src, kw["causal"])
+    if block is None:
+        return None
+    if block == "positions":
+        return dict(kw, cu_seqlens=plan.local_cu_seqlens, q_positions=plan.positions,
+                    k_positions=plan.key_positions_of(src))
+    cu_q, cu_k, causal = block
+    return dict(kw, cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=causal)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, causal, scale, backend):
         W, rank = plan.world_size, plan.rank
         merge_backend = backend if backend in ("torch", "triton") else None
-        kw = dict(cu_seqlens=plan.local_cu_seqlens, causal=causal, softmax_scale=scale, backend=backend,
-                  q_positions=plan.positions)
+        kw = dict(causal=causal, softmax_scale=scale, backend=backend)
         kv = torch.stack([k, v]).contiguous()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
@@ -266,9 +337,9 @@ class _RingAttention(torch.autograd.Function):
             if step < W - 1:
                 kv_next = torch.empty_like(kv)
                 reqs = _ring_exchange(plan, kv, kv_next, _KV_TAG)  # overlaps the block below
-            if plan.visible(src, causal):
-                o_b, l_b = attention_forward(q, kv[0], kv[1], k_positions=plan.key_positions_of(src),
-                                             out_dtype=torch.float32, **kw)
+            step_kw = _step_kwargs(plan, src, kw)
+            if step_kw is not None:
+                o_b, l_b = attention_forward(q, kv[0], kv[1], out_dtype=torch.float32, **step_kw)
                 merge_attn_states_(out, lse, o_b, l_b, backend=merge_backend)
             if step < W - 1:
                 _wait(reqs)
@@ -292,9 +363,9 @@ class _RingAttention(torch.autograd.Function):
             if step < W - 1:
                 kv_next = torch.empty_like(kv)
                 kv_reqs = _ring_exchange(plan, kv, kv_next, _KV_BWD_TAG)
-            if plan.visible(src, kw["causal"]):
-                dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse,
-                                                      k_positions=plan.key_positions_of(src), **kw)
+            step_kw = _step_kwargs(plan, src, kw)
+            if step_kw is not None:
+                dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, **step_kw)
                 dq += dq_b
                 block = torch.stack([dk_b, dv_b])
             else:

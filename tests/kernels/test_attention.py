@@ -15,6 +15,7 @@ from primerl.kernels.attention import (
     merge_attn_states_,
     reference,
 )
+from primerl.kernels import BackendUnavailableError
 from primerl.kernels.testing import assert_bitwise_equal
 
 HAS_CUDA = torch.cuda.is_available()
@@ -123,6 +124,26 @@ def test_non_square_with_positions(backend, monkeypatch):
         torch.autograd.backward((out, lse), (dout.double(), dlse.double()))
         if causal:  # sequence 2's queries are all before its keys: nothing visible
             assert torch.isinf(got[1][:, -34:]).all() and (got[0][-34:] == 0).all()
+        for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, (out, lse, qq.grad, kk.grad, vv.grad)):
+            assert _max_err(a, b) < 2e-5, f"{name} causal={causal}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_square_default_mask_over_several_blocks(backend, monkeypatch):
+    """Default positions (bottom-right causal) with Lq != Lk, at 16-blocks so that the forward's
+    unmasked blocks (fully below the diagonal), the diagonal blocks and the tails all occur."""
+    from primerl.kernels.attention import triton as tri
+
+    monkeypatch.setattr(tri, "INTERPRETER_BLOCK", 16)
+    lq, lk = [20, 3, 34, 50, 7], [34, 5, 20, 50, 0]
+    q, k, v, dout, dlse = _inputs(lq, 4, 2, 16, torch.float32, seed=15, tk=sum(lk))
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    q_pos, k_pos = reference.default_positions(cu_q, cu_k)
+    for causal in (True, False):
+        got = _run(backend, q, k, v, dout, dlse, cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=causal)
+        qq, kk, vv = (t.double().requires_grad_() for t in (q, k, v))
+        out, lse = _dense_oracle(qq, kk, vv, cu_q, cu_k, q_pos, k_pos, causal, 0.25)
+        torch.autograd.backward((out, lse), (dout.double(), dlse.double()))
         for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, (out, lse, qq.grad, kk.grad, vv.grad)):
             assert _max_err(a, b) < 2e-5, f"{name} causal={causal}"
 
@@ -242,3 +263,29 @@ def test_flash_attn_backend_matches_reference():
     out, lse = attention_forward(q, k, v, cu_seqlens=cu, backend="flash_attn")
     ref = attention_forward(q, k, v, cu_seqlens=cu, backend="torch")
     assert _max_err(out, ref[0]) < 2e-2 and _max_err(lse, ref[1]) < 1e-3
+
+
+def test_torch_cuda_backends_refuse_cpu_tensors_by_name():
+    q, k, v, *_ = _inputs([4, 4], 4, 2, 16, torch.float32, seed=0)
+    for be in ("cudnn", "varlen_flash"):
+        with pytest.raises(BackendUnavailableError, match=f"backend '{be}' cannot run this case: needs CUDA tensors"):
+            attention(q, k, v, backend=be)
+        with pytest.raises(BackendUnavailableError, match="needs CUDA"):
+            attention_backward(q, q, k, v, q, torch.zeros(4, 8), backend=be)
+
+
+def test_cudnn_single_token_backward_matches_reference():
+    """cuDNN rejects Lq = Lk = 1; its backend computes those runs in torch: check that math on CPU
+    against the reference, with an external lse (as from a ring merge) and GQA."""
+    from primerl.kernels.attention import cudnn
+
+    n, hq, hkv, d = 5, 4, 2, 16
+    q, k, v, dout, _ = _inputs([1] * n, hq, hkv, d, torch.float32, seed=21)
+    cu = _cu([1] * n)
+    qp, kp = reference.default_positions(cu, cu)
+    out = torch.randn(n, hq, d, generator=torch.Generator().manual_seed(22))
+    lse = torch.randn(hq, n, generator=torch.Generator().manual_seed(23))
+    want = reference.attention_backward(dout, q, k, v, out, lse, None, cu, cu, True, 0.25, qp, kp)
+    got = cudnn._single_token_backward(dout, q, k, v, out, lse.t(), 0.25)
+    for name, a, b in zip(["dq", "dk", "dv"], got, want):
+        assert _max_err(a, b) < 1e-6 * (1 + float(b.abs().max())), name

@@ -67,6 +67,49 @@ def test_zigzag_balances_causal_work():
     assert max(pairs["contiguous"]) / min(pairs["contiguous"]) > 5
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_block_equals_the_positions_mask(layout, world):
+    """Every ring step as the plan cuts it (pseudo-sequences, default mask) gives what the global
+    positions give, for every valid query and key: out, lse and the block gradients from a merged
+    out/lse. Padding (sequences of 1 and 13 tokens do not divide into chunks) and an empty sequence."""
+    from primerl.kernels.attention import attention_backward, attention_forward
+
+    lens = [16, 1, 0, 13, 30]
+    plans = [ContextShardPlan(_cu(lens), layout=layout, world_size=world, rank=r) for r in range(world)]
+    t = plans[0].local_num_tokens
+    g = torch.Generator().manual_seed(world)
+    q, k, v, dout = (torch.randn(t, h, 8, generator=g) for h in (4, 2, 2, 4))
+    for causal in (True, False):
+        for plan in plans:
+            real_q = ~plan.padding_mask
+            dout_r = torch.where(real_q[:, None, None], dout, 0)  # unshard's gradient: 0 at padding
+            for src in range(world):
+                real_k = plans[src].key_positions_of(src) >= 0
+                pos = dict(cu_seqlens=plan.local_cu_seqlens, q_positions=plan.positions,
+                           k_positions=plan.key_positions_of(src), causal=causal, backend="torch")
+                want = attention_forward(q, k, v, **pos)
+                block = plan.ring_block(src, causal)
+                if block is None:
+                    assert torch.isneginf(want[1][:, real_q]).all(), f"src {src}: no visible key expected"
+                    continue
+                assert block != "positions"
+                cu_q, cu_k, blk_causal = block
+                kw = dict(cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=blk_causal, backend="torch")
+                got = attention_forward(q, k, v, **kw)
+                assert _err(got[0][real_q], want[0][real_q]) < 1e-6
+                assert torch.equal(torch.isneginf(got[1][:, real_q]), torch.isneginf(want[1][:, real_q]))
+                fin = torch.isfinite(want[1]) & real_q[None, :]
+                assert _err(got[1][fin], want[1][fin]) < 1e-6
+                # block gradients from a "merged" out/lse (this block's own, rows that see nothing at -inf)
+                out, lse = want
+                gw = attention_backward(dout_r, q, k, v, out, lse, **pos)
+                gg = attention_backward(dout_r, q, k, v, out, lse, **kw)
+                assert _err(gg[0][real_q], gw[0][real_q]) < 1e-6
+                for a, b in zip(gg[1:], gw[1:]):
+                    assert _err(a[real_k], b[real_k]) < 1e-6
+
+
 def test_plan_rejects_bad_input():
     with pytest.raises(ValueError, match="layout must be one of"):
         ContextShardPlan(_cu([3]), layout="striped")
@@ -191,3 +234,52 @@ def test_ring_and_allgather_match_single_process(world, tmp_path):
     mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
     reports = sorted(tmp_path.glob("rank*.txt"))
     assert not reports, "\n".join(p.read_text() for p in reports)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "varlen_flash", "cudnn", "triton"])
+def test_ring_blocks_on_gpu_match_the_positions_kernel(backend):
+    """The ring steps as the plan cuts them, on CUDA in bf16 with each backend (None picks cuDNN /
+    FA2 per step), against the float32 reference with the global positions: out and lse of every
+    valid query, and the block gradients from the merged out/lse (calc_diff)."""
+    from primerl.kernels import BackendUnavailableError
+    from primerl.kernels.attention import attention_backward, attention_forward, merge_attn_states
+    from primerl.kernels.testing import calc_diff
+
+    lens, world = [1000, 1, 0, 517, 3000], 4
+    plans = [ContextShardPlan(_cu(lens).cuda(), layout="zigzag", world_size=world, rank=r) for r in range(world)]
+    t = plans[0].local_num_tokens
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(t, h, 128, generator=g).cuda().bfloat16() for h in (8, 2, 2, 8))
+    plan = plans[1]
+    real_q = ~plan.padding_mask
+    dout = torch.where(real_q[:, None, None], dout, 0)
+    f32 = [x.float() for x in (q, k, v, dout)]
+    # merged out/lse over all src steps (float32 reference with positions)
+    ref_out, ref_lse = None, None
+    for src in range(world):
+        o, lse = attention_forward(*f32[:3], cu_seqlens=plan.local_cu_seqlens, q_positions=plan.positions,
+                                   k_positions=plans[src].key_positions_of(src), backend="torch")
+        ref_out, ref_lse = (o, lse) if ref_out is None else merge_attn_states(ref_out, ref_lse, o, lse, backend="torch")
+    for src in range(world):
+        block = plan.ring_block(src, True)
+        pos = dict(cu_seqlens=plan.local_cu_seqlens, q_positions=plan.positions, k_positions=plans[src].key_positions_of(src))
+        want = attention_forward(*f32[:3], backend="torch", **pos)
+        want_g = attention_backward(f32[3], *f32[:3], ref_out, ref_lse, backend="torch", **pos)
+        if block is None:
+            continue
+        cu_q, cu_k, causal = block
+        kw = dict(cu_seqlens=cu_q, cu_seqlens_k=cu_k, causal=causal, backend=backend)
+        try:
+            got = attention_forward(q, k, v, out_dtype=torch.float32, **kw)
+        except BackendUnavailableError as exc:  # cudnn: a causal step is square, a full one any shape
+            pytest.fail(f"src {src}: {exc}")
+        fin = torch.isfinite(want[1]) & real_q[None, :]
+        assert torch.equal(torch.isfinite(got[1]) & real_q[None, :], fin), f"src {src}: rows that see nothing"
+        assert calc_diff(got[0][real_q], want[0][real_q]) < 2e-5, f"src {src} out"
+        assert calc_diff(got[1][fin], want[1][fin]) < 1e-6, f"src {src} lse"
+        gg = attention_backward(dout, q, k, v, ref_out.bfloat16(), ref_lse, **kw)
+        real_k = plans[src].key_positions_of(src) >= 0
+        assert calc_diff(gg[0][real_q], want_g[0][real_q]) < 1e-4, f"src {src} dq"
+        for name, a, b in zip(("dk", "dv"), gg[1:], want_g[1:]):
+            assert calc_diff(a[real_k], b[real_k]) < 1e-4, f"src {src} {name}"

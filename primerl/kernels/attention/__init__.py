@@ -18,11 +18,30 @@ A query that sees no key returns ``out = 0``, ``lse = -inf``.
 >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)          # two sequences: 3 and 4 tokens
 >>> out, lse = attention(q, k, v, cu_seqlens=cu, return_lse=True)   # [7, 4, 64], [4, 7]
 
-Backends: ``"torch"`` (the float32 reference, the default on CPU), ``"triton"`` (flash-attention-2
-style forward and recomputing backward, the default on CUDA; on CPU under TRITON_INTERPRET=1),
-``"flash_attn"`` (``flash_attn_varlen_func``, only when asked for; no positions, lse not
-differentiable), ``"sdpa"`` (torch's fused SDPA kernels per run of equal-length sequences, CPU and
-CUDA, only when asked for: on CPU several times faster than the reference; see ``sdpa.py``).
+Backends (``backend=``):
+
+- ``"torch"``: the float32 reference (``reference.py``), the default on CPU.
+- ``"triton"``: flash-attention-2 style forward and a recomputing backward in Triton (``triton.py``);
+  every form (positions, any head_dim, float32); on CPU under TRITON_INTERPRET=1.
+- ``"cudnn"``: cuDNN's fused attention, what SDPA runs on Hopper, per run of equal-length
+  sequences (``cudnn.py``). CUDA, bf16/fp16, head_dim % 8 == 0 up to 128, default positions,
+  causal only on square blocks (Lq == Lk per sequence).
+- ``"varlen_flash"``: torch's bundled Flash Attention 2 on the packed batch (``varlen_flash.py``).
+  CUDA, bf16/fp16, head_dim % 8 == 0 up to 256, default positions (any Lq, Lk: causal is
+  bottom-right aligned), native GQA.
+- ``"flash_attn"``: the flash-attn package's ``flash_attn_varlen_func``, only when named; no
+  positions, lse not differentiable.
+- ``"sdpa"``: torch's SDPA kernels per run of equal-length sequences, CPU and CUDA, only when
+  named (on CPU several times faster than the reference; see ``sdpa.py``).
+
+``backend=None`` on CUDA picks, per call: ``"cudnn"`` when it covers the case and the batch is at
+most ``cudnn.MAX_RUNS`` runs of equal-length sequences; else ``"varlen_flash"`` when it covers the
+case; else ``"triton"`` (explicit positions, float32 inputs, head_dims the torch kernels lack).
+Ring attention (``primerl.parallel.context``) cuts each step into pseudo-sequences with the
+default mask, so its steps take the torch kernels too. A named backend that cannot compute the case raises
+``BackendUnavailableError`` with the reason. All of them return lse and take a gradient through
+it (cudnn and varlen_flash by widening the head dim in the backward; see ``varlen_flash.py``);
+their backward takes an external (ring-merged) out/lse.
 """
 
 from __future__ import annotations
@@ -33,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._backend import resolve_backend
+from .._backend import BackendUnavailableError, resolve_backend
 from . import reference
 
 __all__ = [
@@ -46,7 +65,10 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SUPPORTED = ("torch", "triton", "flash_attn", "sdpa")
+_SUPPORTED = ("torch", "triton", "flash_attn", "sdpa", "varlen_flash", "cudnn")
+# torch's own fused CUDA kernels: availability depends on the case (dtype, head_dim, mask form), so
+# they are checked here per call rather than in primerl.kernels._backend
+_TORCH_CUDA = ("varlen_flash", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -61,6 +83,8 @@ class AttentionSpec:
     k_positions: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
+    host_cu_q: tuple[int, ...] = ()  # cu_seqlens values on the host (read once, cached per tensor)
+    host_cu_k: tuple[int, ...] = ()
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_positions is not None:
@@ -70,13 +94,13 @@ class AttentionSpec:
 
 # Checked cu_seqlens by tensor identity and version: reading the values is a host sync on CUDA,
 # and every layer of a model (every step of a ring) passes the same tensor again.
-_CU_CACHE: dict[int, tuple[weakref.ref, int, int, torch.Tensor, int]] = {}
+_CU_CACHE: dict[int, tuple[weakref.ref, int, int, torch.Tensor, int, tuple]] = {}
 
 
-def _check_cu(op: str, name: str, cu: torch.Tensor, total: int, device) -> tuple[torch.Tensor, int]:
+def _check_cu(op: str, name: str, cu: torch.Tensor, total: int, device) -> tuple[torch.Tensor, int, tuple]:
     hit = _CU_CACHE.get(id(cu)) if isinstance(cu, torch.Tensor) else None
     if hit is not None and hit[0]() is cu and hit[1] == cu._version and hit[2] == total and cu.device == device:
-        return hit[3], hit[4]
+        return hit[3], hit[4], hit[5]
     checked = _check_cu_values(op, name, cu, total, device)
     if len(_CU_CACHE) > 256:
         _CU_CACHE.clear()
@@ -84,7 +108,7 @@ def _check_cu(op: str, name: str, cu: torch.Tensor, total: int, device) -> tuple
     return checked
 
 
-def _check_cu_values(op: str, name: str, cu: torch.Tensor, total: int, device) -> tuple[torch.Tensor, int]:
+def _check_cu_values(op: str, name: str, cu: torch.Tensor, total: int, device) -> tuple[torch.Tensor, int, tuple]:
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{op}: {name} must be a 1-D tensor [B+1] with B >= 1, got {getattr(cu, 'shape', type(cu))}")
     if cu.dtype not in (torch.int32, torch.int64):
@@ -94,7 +118,7 @@ def _check_cu_values(op: str, name: str, cu: torch.Tensor, total: int, device) -
     vals = cu.tolist()
     if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in zip(vals, vals[1:])):
         raise ValueError(f"{op}: {name} must start at 0, be non-decreasing and end at {total}; got {vals[:8]}{'...' if len(vals) > 8 else ''}")
-    return cu.to(torch.int32).contiguous(), max(b - a for a, b in zip(vals, vals[1:]))
+    return cu.to(torch.int32).contiguous(), max(b - a for a, b in zip(vals, vals[1:])), tuple(vals)
 
 
 def _check_positions(op: str, name: str, pos, total: int, device):
@@ -126,17 +150,19 @@ def _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_p
         raise ValueError(f"{op}: head_dim of q ({D}) and k ({Dk}) differ")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    if cu_seqlens is None:
+    if cu_seqlens is None:  # one sequence: the offsets are known without reading a device tensor
         if cu_seqlens_k is not None:
             raise ValueError(f"{op}: cu_seqlens_k given without cu_seqlens")
-        cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=q.device)
-        cu_seqlens_k = torch.tensor([0, Tk], dtype=torch.int32, device=q.device)
-    elif cu_seqlens_k is None:
-        if Tk != T:
-            raise ValueError(f"{op}: k has {Tk} tokens but q has {T}; pass cu_seqlens_k for a non-square block")
-        cu_seqlens_k = cu_seqlens
-    cu_q, max_q = _check_cu(op, "cu_seqlens", cu_seqlens, T, q.device)
-    cu_k, max_k = _check_cu(op, "cu_seqlens_k", cu_seqlens_k, Tk, q.device)
+        cu_q = torch.tensor([0, T], dtype=torch.int32, device=q.device)
+        cu_k = torch.tensor([0, Tk], dtype=torch.int32, device=q.device)
+        max_q, host_q, max_k, host_k = T, (0, T), Tk, (0, Tk)
+    else:
+        if cu_seqlens_k is None:
+            if Tk != T:
+                raise ValueError(f"{op}: k has {Tk} tokens but q has {T}; pass cu_seqlens_k for a non-square block")
+            cu_seqlens_k = cu_seqlens
+        cu_q, max_q, host_q = _check_cu(op, "cu_seqlens", cu_seqlens, T, q.device)
+        cu_k, max_k, host_k = _check_cu(op, "cu_seqlens_k", cu_seqlens_k, Tk, q.device)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"{op}: cu_seqlens ({cu_q.numel() - 1} sequences) and cu_seqlens_k ({cu_k.numel() - 1}) differ")
     q_pos = _check_positions(op, "q_positions", q_positions, T, q.device)
@@ -149,7 +175,7 @@ def _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_p
         softmax_scale = 1.0 / math.sqrt(D)
     elif not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
         raise ValueError(f"{op}: softmax_scale must be a positive float, got {softmax_scale!r}")
-    return AttentionSpec(cu_q, cu_k, bool(causal), float(softmax_scale), q_pos, k_pos, max_q, max_k)
+    return AttentionSpec(cu_q, cu_k, bool(causal), float(softmax_scale), q_pos, k_pos, max_q, max_k, host_q, host_k)
 
 
 def _impl(backend: str):
@@ -159,14 +185,51 @@ def _impl(backend: str):
         from . import flash_attn_backend as impl
     elif backend == "sdpa":
         from . import sdpa as impl
+    elif backend == "varlen_flash":
+        from . import varlen_flash as impl
+    elif backend == "cudnn":
+        from . import cudnn as impl
     else:
         from . import _torch_impl as impl
     return impl
 
 
-def _resolve(op, backend, device, spec: AttentionSpec | None = None) -> str:
-    be = resolve_backend(op, backend, device, supported=_SUPPORTED, preference=("triton", "torch"))
-    if be == "flash_attn" and spec is not None and spec.q_positions is not None:
+def _torch_cuda_reason(backend: str, q: torch.Tensor, spec: AttentionSpec, dlse: bool) -> str | None:
+    """Why a torch CUDA-kernel backend cannot compute this case (None: it can)."""
+    if backend == "cudnn":
+        from . import cudnn
+
+        # a gradient through lse runs varlen_flash's backward (cudnn.py says why)
+        return cudnn.unsupported_reason(q, spec) or (_torch_cuda_reason("varlen_flash", q, spec, True) if dlse else None)
+    from . import varlen_flash
+
+    return varlen_flash.unsupported_reason(q, spec, dlse=dlse)
+
+
+def _auto_cuda(q: torch.Tensor, spec: AttentionSpec, dlse: bool) -> str:
+    """backend=None on CUDA: cuDNN for a few runs of equal-length sequences (square when causal),
+    else torch's varlen Flash Attention 2, else (positions, float32, odd head_dim) Triton."""
+    if _torch_cuda_reason("cudnn", q, spec, dlse) is None:
+        from . import cudnn
+
+        if len(cudnn.runs(spec)) <= cudnn.MAX_RUNS:
+            return "cudnn"
+    if _torch_cuda_reason("varlen_flash", q, spec, dlse) is None:
+        return "varlen_flash"
+    return resolve_backend("attention", None, q.device, supported=_SUPPORTED, preference=("triton", "torch"))
+
+
+def _resolve(op, backend, q: torch.Tensor, spec: AttentionSpec, dlse: bool = False) -> str:
+    """The backend that runs this case. ``dlse``: a gradient through lse will be (or may be) needed."""
+    if backend is None and q.device.type == "cuda":
+        return _auto_cuda(q, spec, dlse)
+    if backend in _TORCH_CUDA:
+        reason = _torch_cuda_reason(backend, q, spec, dlse)
+        if reason is not None:
+            raise BackendUnavailableError(f"{op}: backend {backend!r} cannot run this case: {reason}")
+        return backend
+    be = resolve_backend(op, backend, q.device, supported=_SUPPORTED, preference=("triton", "torch"))
+    if be == "flash_attn" and spec.q_positions is not None:
         raise ValueError(f"{op}: backend 'flash_attn' does not take q_positions/k_positions; use 'triton' or 'torch'")
     return be
 
@@ -211,7 +274,8 @@ def attention(
     docstring for ``cu_seqlens_k`` and the positions (the non-square form).
     """
     spec = _make_spec("attention", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions)
-    be = _resolve("attention", backend, q.device, spec)
+    # an lse the caller may differentiate: a backend that takes dlse in its backward
+    be = _resolve("attention", backend, q, spec, dlse=return_lse and torch.is_grad_enabled())
     if be == "flash_attn":
         out, lse = _impl(be).differentiable(q, k, v, spec)
     else:
@@ -226,7 +290,7 @@ def attention_forward(
     """The forward alone, outside autograd: (out ``[T, Hq, D]`` in ``out_dtype`` (default q.dtype),
     lse ``[Hq, T]`` float32). Ring attention calls it once per key block."""
     spec = _make_spec("attention_forward", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions)
-    be = _resolve("attention_forward", backend, q.device, spec)
+    be = _resolve("attention_forward", backend, q, spec)
     if out_dtype is not None and out_dtype not in _DTYPES:
         raise ValueError(f"attention_forward: out_dtype must be one of {_DTYPES}, got {out_dtype}")
     with torch.no_grad():
@@ -251,9 +315,10 @@ def attention_backward(
     for name, t in (("lse", lse), ("dlse", dlse)):
         if t is not None and (t.shape != want or t.dtype != torch.float32):
             raise ValueError(f"{op}: {name} must be float32 of shape {want}, got {t.dtype} {tuple(t.shape)}")
-    be = _resolve(op, backend, q.device, spec)
+    be = _resolve(op, backend, q, spec, dlse=dlse is not None)
     with torch.no_grad():
-        return _impl(be).backward(dout.contiguous(), q, k, v, out, lse, dlse, spec)
+        grads = _impl(be).backward(dout.contiguous(), q, k, v, out, lse, dlse, spec)
+    return tuple(g.float() for g in grads)  # the torch CUDA kernels return q.dtype
 
 
 def _check_merge(op, out_a, lse_a, out_b, lse_b):

@@ -2,6 +2,9 @@
 recomputing backward (one kernel for dK/dV per key block, one for dQ per query block, no
 atomics), and the merge of two partial results.
 
+With the default positions the forward runs the key blocks every query of its block sees in full
+(below the causal diagonal, no tail) in a loop without masks, and only the rest masked.
+
 Grids: forward and dQ ``(cdiv(max_seqlen_q, BLOCK_M), B, Hq)``, dK/dV ``(cdiv(max_seqlen_k,
 BLOCK_N), B, Hkv)`` looping over the G query heads of its group. Masking follows the reference
 (same sequence, ``k_pos >= 0``, causal ``k_pos <= q_pos``); a key block that no query of the
@@ -32,15 +35,27 @@ def _blocks(head_dim: int, device: torch.device) -> tuple[int, int, int]:
     return 64, 32, block_d
 
 
-def _dkdv_blocks(head_dim: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) of the dK/dV kernel. Its dots with the key block as the M side
-    need 64+ key rows for wgmma / tcgen05 (at 32, ptxas falls back to mma.sync); at head_dim 128,
-    64 x 64 tiles spill on sm_90a at 4 and 8 warps, 128 x 64 at 8 warps does not (AOT-measured,
-    primerl.kernels.aot)."""
+def _fwd_blocks(head_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D) of the forward. At head_dim 128, 64 x 64 tiles ran 3% faster than
+    64 x 32 on the H200 (256 vs 249 TF/s at 8 x 4096 tokens, 32/8 heads; 240 vs 235 at 16 x 2048,
+    64/8; 128 x 64 at 8 warps was slower, 241 / 221)."""
+    block_m, block_n, block_d = _blocks(head_dim, device)
+    if device.type == "cuda" and block_d == 128:
+        return 64, 64, block_d
+    return block_m, block_n, block_d
+
+
+def _dkdv_blocks(head_dim: int, device: torch.device, causal: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of the dK/dV kernel. Its dots with the key block as the M
+    side need 64+ key rows for wgmma / tcgen05 (at 32, ptxas falls back to mma.sync); at head_dim
+    128, 64 x 64 tiles spill on sm_90a at 4 and 8 warps, 128 x 64 at 8 warps does not. Non-causal,
+    the loop has no block-skip branch and Triton pipelines it: at 3 stages it needs 242 KB of
+    shared memory and spills (the H200 refused the launch), at 2 it still spills on sm_90a and
+    sm_100a; 1 stage is clean (AOT-measured, primerl.kernels.aot)."""
     block_m, block_n, block_d = _blocks(head_dim, device)
     if device.type == "cuda" and block_d > 64:
-        return 128, 64, 8
-    return block_m, block_n, 4
+        return 128, 64, 8, (3 if causal else 1)
+    return block_m, block_n, 4, 3
 
 
 def _dot_precision(dtype: torch.dtype):
@@ -89,9 +104,25 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_end = len_k
-    if CAUSAL and not HAS_POS:
-        n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
-    for n0 in range(0, n_end, BLOCK_N):
+    n_full = 0  # key blocks before this every query of the block sees in full: no mask to apply
+    if not HAS_POS:
+        if CAUSAL:
+            n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
+            n_full = tl.maximum(tl.minimum(len_k, m0 + len_k - len_q + 1), 0) // BLOCK_N * BLOCK_N
+        else:
+            n_full = len_k // BLOCK_N * BLOCK_N
+    for n0 in range(0, n_full, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    for n0 in range(n_full, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
         if CAUSAL:
@@ -224,9 +255,23 @@ def _attn_bwd_dq_kernel(
     q_pos_max = tl.max(q_pos, axis=0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_end = len_k
-    if CAUSAL and not HAS_POS:
-        n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
-    for n0 in range(0, n_end, BLOCK_N):
+    n_full = 0  # as in the forward: key blocks every query of this block sees, no mask
+    if not HAS_POS:
+        if CAUSAL:
+            n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
+            n_full = tl.maximum(tl.minimum(len_k, m0 + len_k - len_q + 1), 0) // BLOCK_N * BLOCK_N
+        else:
+            n_full = len_k // BLOCK_N * BLOCK_N
+    for n0 in range(0, n_full, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+    for n0 in range(n_full, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
         if CAUSAL:
@@ -270,7 +315,7 @@ def forward(q, k, v, spec, out_dtype: torch.dtype):
     lse = torch.empty(Hq, T, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    block_m, block_n, block_d = _blocks(D, q.device)
+    block_m, block_n, block_d = _fwd_blocks(D, q.device)
     q_pos, k_pos, has_pos = _pos_args(spec)
     batch = spec.cu_seqlens_q.numel() - 1
     grid = (triton.cdiv(max(spec.max_seqlen_q, 1), block_m), batch, Hq)
@@ -309,10 +354,11 @@ def backward(dout, q, k, v, out, lse, dlse, spec):
     scales = (spec.softmax_scale, spec.softmax_scale * LOG2E)
     # dk/dv rows of tokens outside every sequence are never visited: only cu_seqlens_k[-1] == Tk
     # is allowed, so each token belongs to one key block of one sequence and gets written.
-    kv_m, kv_n, kv_warps = _dkdv_blocks(D, q.device)
+    kv_m, kv_n, kv_warps, kv_stages = _dkdv_blocks(D, q.device, spec.causal)
     _attn_bwd_dkdv_kernel[(triton.cdiv(max(spec.max_seqlen_k, 1), kv_n), batch, Hkv)](
         q, k, v, dout, lse, delta, dk, dv, spec.cu_seqlens_q, spec.cu_seqlens_k, q_pos, k_pos,
         *strides, dk.stride(0), dk.stride(1), *scales, **dict(common, BLOCK_M=kv_m, BLOCK_N=kv_n), num_warps=kv_warps,
+        num_stages=kv_stages,
     )
     _attn_bwd_dq_kernel[(triton.cdiv(max(spec.max_seqlen_q, 1), block_m), batch, Hq)](
         q, k, v, dout, lse, delta, dq, spec.cu_seqlens_q, spec.cu_seqlens_k, q_pos, k_pos,
