@@ -23,6 +23,9 @@ AdamW's normalised update amplifies summation-order noise in near-zero gradients
 process, splitting the batch into 4 micro-batches moved expert weights by 2e-5 (relative) at
 lr 1e-2 and 2.5e-6 at lr 1e-3, so the test runs at lr 1e-3 to keep the 1e-5 bound meaningful.
 AdamW is also nearly blind to a uniformly mis-scaled gradient, hence the step-0 gradient check.
+And its first step is about lr * sign(g): with the default eps (1e-8) a gradient element near zero
+whose sign depends on one CPU's summation order moves its weight by ~2 lr. eps = 1e-4 (as
+tests/runtime/test_trainer_parallel.py) makes such elements move by ~lr * g / eps instead.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ except ImportError as e:  # the attention issue's ring attention has not landed
 
 WORLD = 4
 STEPS, NUM_SEQS, LR = 3, 8, 1e-3
+ADAM_EPS = 1e-4
 LOSS_RTOL, GRAD_RTOL, PARAM_RTOL = 1e-5, 1e-5, 1e-5
 VOCAB = 32
 CONFIGS = {
@@ -112,7 +116,7 @@ def token_loss_sum(model, tokens, positions, cu, labels, replay):
 def reference_run(cfg: MoETransformerConfig, replay: bool):
     """One process, the whole global batch each step: losses, step-0 gradients, final parameters."""
     model = make_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     losses, grads0 = [], None
     for seqs in make_batches(cfg):
         tokens, positions, labels, rep, cu = pack(seqs)
@@ -172,7 +176,7 @@ def run_layout(name: str, p: ParallelDims, mesh, replay: bool, ref):
     cfg = config_of(name)
     model = parallelize(make_model(cfg), p, mesh, activation_checkpointing="full" if name.endswith("_ac") else None,
                         param_dtype=torch.float32, reduce_dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     loss_group = mesh["loss"].get_group()
     losses, errors = [], []
     for step, seqs in enumerate(make_batches(cfg)):
