@@ -335,7 +335,9 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
             raise TypeError(f"{op}: {name} must be a (q, sf) pair from quant_per_group_colwise")
         _check_tensor(op, f"{name}[0] (q)", pair[0], 2, FP8_DTYPES)
         _check_tensor(op, f"{name}[1] (sf)", pair[1], 2, (torch.float32,))
-        pairs.append((pair[0].contiguous(), pair[1].contiguous()))
+        # q keeps its strides: the Triton kernel wants them T-contiguous (as quant_per_group_colwise's
+        # Triton kernel stores them) and copies other layouts itself
+        pairs.append((pair[0], pair[1].contiguous()))
     (aq, asf), (bq, bsf) = pairs
     if aq.shape[0] != bq.shape[0]:
         raise ValueError(f"{op}: a and b must have the same rows T, got {aq.shape[0]} and {bq.shape[0]}")
@@ -359,6 +361,7 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
         return _into(d, reference.k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, c))
     if be == "deep_gemm":
         ks_list = offsets_to_counts(offsets).tolist()
+        pairs = [(q.contiguous(), sf) for q, sf in pairs]
         return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], ks_list,
                                                           _alloc(d, shape, out_dtype, dev), c)
     return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, d, c)

@@ -153,13 +153,11 @@ def _m_grouped_gemm_nt_kernel(
 
 @triton.jit
 def _k_grouped_gemm_tn_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr, m_indices_ptr,
-    N, K, G, num_progs,
-    stride_a, stride_b, stride_sa, stride_sb,
-    SCALED: tl.constexpr, ROW_MASK: tl.constexpr, HAS_C: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+    a_ptr, b_ptr, d_ptr, offsets_ptr, m_indices_ptr, N, K, G, num_progs, stride_a, stride_b,
+    ROW_MASK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """d[g, n, k] = sum over rows t of group g of a[t, n] * b[t, k] (+ c[g, n, k] with HAS_C)."""
+    """16/32-bit weight gradients: d[g, n, k] = sum over rows t of group g of a[t, n] * b[t, k]
+    (row-major operands; Hopper's 16-bit wgmma takes them MN-major from shared memory)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -181,22 +179,91 @@ def _k_grouped_gemm_tn_kernel(
             rows64 = rows.to(tl.int64)
             a = tl.load(a_ptr + rows64[None, :] * stride_a + offs_n[:, None], mask=r_ok[None, :] & n_ok[:, None], other=0.0)
             b = tl.load(b_ptr + rows64[:, None] * stride_b + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            if SCALED:
-                blk = tl.load(block_start_ptr + g) + (t - start) // BT
-                sa = tl.load(sa_ptr + blk.to(tl.int64) * stride_sa + offs_n, mask=n_ok, other=0.0)
-                sb = tl.load(sb_ptr + blk.to(tl.int64) * stride_sb + offs_k, mask=k_ok, other=0.0)
-                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         out_offs = g.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
-        if HAS_C:
-            acc += tl.load(c_ptr + out_offs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         tl.store(d_ptr + out_offs, acc.to(d_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+@triton.jit
+def _tile_in_group(r, tiles_n, tiles_k, SWIZZLE: tl.constexpr):
+    """Tile r of a (tiles_n x tiles_k) grid -> (pn, pk), in bands of SWIZZLE N-tiles walked
+    K-tile-major, so the programs running at once share A and B panels in L2."""
+    width = SWIZZLE * tiles_k
+    band = r // width
+    first = band * SWIZZLE
+    rows = tl.minimum(tiles_n - first, SWIZZLE)
+    return first + (r % width) % rows, (r % width) // rows
 
 
 @triton.jit
+def _k_grouped_fp8_kernel(
+    a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr,
+    N, K, G, num_progs, stride_sa, stride_sb,
+    HAS_C: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SWIZZLE: tl.constexpr,
+):
+    """d[g] = A_g.T @ B_g (+ c[g]) from K-major FP8 group blocks: a_desc over [N, R*BT], b_desc over
+    [K, R*BT], column BT*r + i holding row i of scale block r (zero past its group's end, see
+    _group_blocks_kernel); sa [R, N], sb [R, K] one scale per (block, column); group g owns blocks
+    block_start[g] .. + ceil(rows_g / BT).
+
+    Persistent: each program walks output tiles (g, n-tile, k-tile) with a stride of the number of
+    programs; a tile loops over its group's blocks through TMA, scales each block's partial product
+    in float32 registers (scale promotion) and adds it."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    tiles_k = tl.cdiv(K, BK)
+    per_group = tiles_n * tiles_k
+    for tile in range(pid, G * per_group, num_progs):
+        g = tile // per_group
+        pn, pk = _tile_in_group(tile % per_group, tiles_n, tiles_k, SWIZZLE)
+        n0 = pn * BN
+        k0 = pk * BK
+        offs_n = n0 + tl.arange(0, BN)
+        offs_k = k0 + tl.arange(0, BK)
+        n_ok = offs_n < N
+        k_ok = offs_k < K
+        end = tl.load(offsets_ptr + g)
+        start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0)
+        blk0 = tl.load(block_start_ptr + g)
+        sa_ptrs = sa_ptr + blk0.to(tl.int64) * stride_sa + offs_n
+        sb_ptrs = sb_ptr + blk0.to(tl.int64) * stride_sb + offs_k
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        for j in range(0, tl.cdiv(end - start, BT)):
+            a = a_desc.load([n0, (blk0 + j) * BT])
+            b = b_desc.load([k0, (blk0 + j) * BT])
+            sa = tl.load(sa_ptrs + j * stride_sa, mask=n_ok, other=0.0)
+            sb = tl.load(sb_ptrs + j * stride_sb, mask=k_ok, other=0.0)
+            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        out_offs = g.to(tl.int64) * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+        st_mask = n_ok[:, None] & k_ok[None, :]
+        if HAS_C:
+            acc += tl.load(c_ptr + out_offs, mask=st_mask, other=0.0)
+        tl.store(d_ptr + out_offs, acc.to(d_ptr.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit
+def _group_blocks_kernel(q_ptr, out_ptr, offsets_ptr, block_start_ptr, C, G, used_blocks_ptr, stride_qt, stride_qc,
+                         stride_o, BT: tl.constexpr, BC: tl.constexpr, G_P2: tl.constexpr):
+    """q [T, C] (any strides) -> out [C, R*BT]: column BT*b + i of out = row i of group block b
+    (zero past the group's end). Program (block b, column tile); blocks past the used count exit."""
+    blk = tl.program_id(0)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_ok = cols < C
+    if blk < tl.load(used_blocks_ptr):
+        ent = tl.arange(0, G_P2)
+        starts = tl.load(block_start_ptr + ent, mask=ent < G, other=2**30)
+        g = tl.sum((starts <= blk).to(tl.int32), axis=0) - 1
+        end = tl.load(offsets_ptr + g)
+        row0 = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0) + (blk - tl.load(block_start_ptr + g)) * BT
+        local = tl.arange(0, BT)
+        ok = (row0 + local < end)[:, None] & c_ok[None, :]
+        x = tl.load(q_ptr + (row0 + local).to(tl.int64)[:, None] * stride_qt + cols.to(tl.int64)[None, :] * stride_qc,
+                    mask=ok, other=0.0)
+        dst = out_ptr + cols.to(tl.int64)[None, :] * stride_o + (blk * BT + local).to(tl.int64)[:, None]
+        tl.store(dst, x, mask=c_ok[None, :])
+
+@triton.jit
 def _quant_group_colwise_kernel(
-    x_ptr, q_ptr, sf_ptr, offsets_ptr, block_start_ptr, T, C, G, used_blocks_ptr,
+    x_ptr, q_ptr, sf_ptr, offsets_ptr, block_start_ptr, T, C, G, used_blocks_ptr, stride_qt, stride_qc,
     FMAX: tl.constexpr, UE8M0: tl.constexpr, RECIPROCAL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     G_P2: tl.constexpr,
 ):
@@ -220,12 +287,13 @@ def _quant_group_colwise_kernel(
         x = tl.load(x_ptr + ptrs, mask=ok, other=0.0).to(tl.float32)
         sf = _scale_from_amax(tl.max(_abs_bits(x), axis=0), FMAX, UE8M0)
         tl.store(sf_ptr + blk.to(tl.int64) * C + cols, sf, mask=c_ok)
-        tl.store(q_ptr + ptrs, _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty, RECIPROCAL), mask=ok)
+        q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qt + cols.to(tl.int64)[None, :] * stride_qc
+        tl.store(q_ptrs, _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty, RECIPROCAL), mask=ok)
     else:
         rows = tl.load(offsets_ptr + G - 1) + (blk - used) * BT + tl.arange(0, BT)
         ok = (rows < T)[:, None] & c_ok[None, :]
         zero = tl.zeros((BT, BC), dtype=tl.float32).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], zero, mask=ok)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qt + cols.to(tl.int64)[None, :] * stride_qc, zero, mask=ok)
 
 
 # ------------------------------------------------------------------------------ tile heuristics
@@ -364,28 +432,73 @@ def _grouped_m_indices(a, sa, b, sb, m_indices, out_dtype):
                              rows_per_group=max(1, m // max(b.shape[0], 1)))
 
 
-def _k_grouped(a, sa, b, sb, offsets, out_dtype, m_indices=None, out=None, c=None):
+def _k_grouped(a, b, offsets, out_dtype, m_indices=None):
+    """bf16 / float32 weight gradients: a [T, N], b [T, K] row-major -> [G, N, K]."""
+    t, n = a.shape
+    k = b.shape[1]
+    groups = offsets.numel()
+    out = torch.empty(groups, n, k, dtype=out_dtype, device=a.device)
+    if triton_interpreter_enabled():
+        bn, bk = _pow2_clamp(n, 16, 128), _pow2_clamp(k, 16, 128)
+        bt, warps, stages = _pow2_clamp(t // max(groups, 1), 16, 128), 4, 1
+    else:
+        bn, bk, bt, warps, stages = 128, 128, 64, 8, 3
+    total = groups * triton.cdiv(n, bn) * triton.cdiv(k, bk)
+    num_progs = min(total, _num_sms()) if _num_sms() > 1 else total
+    _k_grouped_gemm_tn_kernel[(num_progs,)](
+        a, b, out, offsets, m_indices if m_indices is not None else offsets, n, k, groups, num_progs,
+        a.stride(0), b.stride(0), ROW_MASK=m_indices is not None, BN=bn, BK=bk, BT=bt,
+        PRECISION=_precision(a.dtype), num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def k_grouped_tiles(interpreter: bool | None = None) -> dict:
+    """Tiles of the FP8 k-grouped kernel: 128 x 128 outputs (two consumer warpgroups of 64 rows),
+    128-wide blocks of the reduction (one scale row each), 4 TMA stages of A+B (128 KB)."""
+    if triton_interpreter_enabled() if interpreter is None else interpreter:
+        return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, num_warps=4, num_stages=1)
+    return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, num_warps=8, num_stages=4)
+
+
+def _group_blocks(q: torch.Tensor, offsets: torch.Tensor, block_start: torch.Tensor, used: torch.Tensor,
+                  num_blocks: int) -> torch.Tensor:
+    """fp8 q [T, C] -> [C, num_blocks * 128] K-major group blocks (see _group_blocks_kernel)."""
+    t, c = q.shape
+    out = torch.empty(c, num_blocks * BLOCK, dtype=q.dtype, device=q.device)
+    bc = 128 if triton_interpreter_enabled() else 64
+    _group_blocks_kernel[(num_blocks, triton.cdiv(c, bc))](
+        q, out, offsets, block_start, c, offsets.numel(), used, q.stride(0), q.stride(1), out.stride(0),
+        BT=BLOCK, BC=bc, G_P2=triton.next_power_of_2(offsets.numel()), num_warps=4,
+    )
+    return out
+
+
+def _k_grouped_fp8(a, sa, b, sb, offsets, out_dtype, out=None, c=None):
+    """a [T, N], b [T, K] fp8 (any strides) with colwise group scales sa [R, N], sb [R, K] -> out [G, N, K]."""
     t, n = a.shape
     k = b.shape[1]
     groups = offsets.numel()
     if out is None:
         out = torch.empty(groups, n, k, dtype=out_dtype, device=a.device)
-    scaled = sa is not None
-    if triton_interpreter_enabled():
-        bn, bk = _pow2_clamp(n, 16, 128), _pow2_clamp(k, 16, 128)
-        bt, warps, stages = BLOCK if scaled else _pow2_clamp(t // max(groups, 1), 16, 128), 4, 1
-    else:
-        bn, bk, bt, warps, stages = 128, 128, (BLOCK if scaled else 64), 8, 3
-    total = groups * triton.cdiv(n, bn) * triton.cdiv(k, bk)
+    num_blocks = min(off.max_group_blocks(t, groups), sa.shape[0], sb.shape[0])
+    if num_blocks == 0 or n == 0 or k == 0:  # no rows in any group (compact scales) or an empty output
+        return out.copy_(c) if c is not None else out.zero_()
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    counts = off.offsets_to_counts(offsets)
+    nblocks = (counts + BLOCK - 1) // BLOCK
+    block_start = (torch.cumsum(nblocks, 0, dtype=torch.int32) - nblocks).to(torch.int32)
+    used = nblocks.sum(dtype=torch.int32).reshape(1)
+    ab, bb = (_group_blocks(q, offsets, block_start, used, num_blocks) for q in (a, b))
+    cfg = k_grouped_tiles()
+    a_desc = TensorDescriptor(ab, list(ab.shape), [ab.stride(0), 1], [cfg["BN"], cfg["BT"]])
+    b_desc = TensorDescriptor(bb, list(bb.shape), [bb.stride(0), 1], [cfg["BK"], cfg["BT"]])
+    total = groups * triton.cdiv(n, cfg["BN"]) * triton.cdiv(k, cfg["BK"])
     num_progs = min(total, _num_sms()) if _num_sms() > 1 else total
-    block_start = off.group_block_starts(offsets) if scaled else offsets
-    _k_grouped_gemm_tn_kernel[(num_progs,)](
-        a, sa if scaled else a, b, sb if scaled else b, out, c if c is not None else out, offsets, block_start,
-        m_indices if m_indices is not None else offsets,
-        n, k, groups, num_progs, a.stride(0), b.stride(0),
-        sa.stride(0) if scaled else 0, sb.stride(0) if scaled else 0,
-        SCALED=scaled, ROW_MASK=m_indices is not None, HAS_C=c is not None, BN=bn, BK=bk, BT=bt,
-        PRECISION=_precision(a.dtype), num_warps=warps, num_stages=stages,
+    _k_grouped_fp8_kernel[(num_progs,)](
+        a_desc, b_desc, sa, sb, out, c if c is not None else out, offsets, block_start,
+        n, k, groups, num_progs, sa.stride(0), sb.stride(0), HAS_C=c is not None, **cfg,
     )
     return out
 
@@ -441,7 +554,7 @@ def quant_per_group_colwise(x, offsets, dtype, ue8m0, rounding="reciprocal"):
     bc = 128 if triton_interpreter_enabled() else 64
     # used blocks + ceil(tail / 128) tail chunks <= bound + 1 (see max_group_blocks)
     _quant_group_colwise_kernel[(bound + 1, triton.cdiv(c, bc))](
-        x, q, sf, offsets, block_start, t, c, groups, used,
+        x, q, sf, offsets, block_start, t, c, groups, used, q.stride(0), q.stride(1),
         FMAX=fp8_max(dtype), UE8M0=ue8m0, RECIPROCAL=rounding == "reciprocal", BT=BLOCK, BC=bc,
         G_P2=triton.next_power_of_2(groups), num_warps=4,
     )
@@ -449,11 +562,11 @@ def quant_per_group_colwise(x, offsets, dtype, ue8m0, rounding="reciprocal"):
 
 
 def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets, out_dtype, d=None, c=None):
-    return _k_grouped(a[0], a[1], b[0], b[1], offsets, out_dtype, out=d, c=c)
+    return _k_grouped_fp8(a[0], a[1], b[0], b[1], offsets, out_dtype, out=d, c=c)
 
 
 def k_grouped_gemm_tn(a, b, offsets, out_dtype):
-    return _k_grouped(a, None, b, None, offsets, out_dtype)
+    return _k_grouped(a, b, offsets, out_dtype)
 
 
 # ------------------------------------------------------------------------------ bf16 autograd
@@ -492,7 +605,7 @@ class _GroupedGemmNT(torch.autograd.Function):
                                            MODE_DENSE, None, rows_per_group=a.shape[0])
             if ctx.needs_input_grad[1]:
                 ones = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
-                grad_b = _k_grouped(grad, None, a, None, ones, torch.float32)[0].to(b.dtype)
+                grad_b = _k_grouped(grad, a, ones, torch.float32)[0].to(b.dtype)
             return grad_a, grad_b, None, None, None
         b_t = b.transpose(1, 2)
         if ctx.needs_input_grad[0]:
@@ -502,10 +615,10 @@ class _GroupedGemmNT(torch.autograd.Function):
                 grad_a = _grouped_m_indices(grad, None, b_t, None, index, a.dtype)
         if ctx.needs_input_grad[1]:
             if ctx.kind == "offsets":
-                grad_b = _k_grouped(grad, None, a, None, index, torch.float32)
+                grad_b = _k_grouped(grad, a, index, torch.float32)
             else:
                 segments = _m_indices_segments(index, b.shape[0])
-                grad_b = _k_grouped(grad, None, a, None, segments, torch.float32, m_indices=index)
+                grad_b = _k_grouped(grad, a, segments, torch.float32, m_indices=index)
             grad_b = grad_b.to(b.dtype)
         return grad_a, grad_b, None, None, None
 
