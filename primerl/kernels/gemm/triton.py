@@ -151,6 +151,94 @@ def _m_grouped_gemm_nt_kernel(
             tl.store(d_ptrs, out.to(d_ptr.dtype.element_ty), mask=st_mask)
 
 
+
+@triton.jit
+def _m_tile_rows(mt, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr, M, num_entries,
+                 MODE: tl.constexpr, ENTRIES_P2: tl.constexpr, BM: tl.constexpr):
+    """M-tile mt -> (first row, rows [BM], rows to store, rows to compute, group, foreign rows):
+    DENSE / M_INDICES tiles cover rows mt*BM..; TABLE tiles look their entry up (see the module doc)."""
+    if MODE == 1:
+        ent = tl.arange(0, ENTRIES_P2)
+        tile_ends = tl.load(group_ptr + ent, mask=ent < num_entries, other=2**30)
+        e = tl.sum((tile_ends <= mt).to(tl.int32), axis=0)
+        e_safe = tl.minimum(e, num_entries - 1)
+        prev = tl.load(group_ptr + e_safe - 1, mask=e_safe > 0, other=0)
+        count = tl.load(row_count_ptr + e_safe)
+        g = tl.load(b_index_ptr + e_safe)
+        row0 = tl.load(row_start_ptr + e_safe) + (mt - prev) * BM
+        local = (mt - prev) * BM + tl.arange(0, BM)
+        store_ok = (local < count) & (e < num_entries)
+        row_ok = store_ok & (g >= 0)
+        foreign = store_ok & False
+    else:
+        row0 = mt * BM
+        rows_in = row0 + tl.arange(0, BM) < M
+        store_ok = rows_in
+        if MODE == 2:
+            # one group per tile: the tile's group is the max of its rows' m_indices
+            row_group = tl.load(group_ptr + row0 + tl.arange(0, BM), mask=rows_in, other=-1)
+            g = tl.max(row_group, axis=0)
+            row_ok = (row_group == g) & (g >= 0)
+            foreign = (row_group >= 0) & (row_group != g)
+        else:
+            g = mt * 0
+            row_ok = rows_in
+            foreign = rows_in & False
+    return row0, row0 + tl.arange(0, BM), store_ok, row_ok, g, foreign
+
+
+@triton.jit
+def _m_grouped_fp8_kernel(
+    a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr,
+    M, N, K, num_entries, num_m_tiles, num_progs, stride_dm, stride_cm, stride_sam, stride_sbg, stride_sbn,
+    MODE: tl.constexpr, HAS_C: tl.constexpr, SB_GRAN: tl.constexpr, ENTRIES_P2: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIZZLE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """FP8 D[rows] = A[rows] @ B[g].T (+ C) with TMA: a_desc over A [M, K], b_desc over B [G*N, K]
+    (both K-major), sa [M, K/128] per-row scales, sb [G, N/SB_GRAN, K/128] (SB_GRAN 128: one scale
+    per 128x128 block, a scalar per BN <= 128 tile; 1: per row of B).
+
+    Persistent: program p takes tiles p, p + num_progs, ..; tile t -> (M-tile, N-tile) in bands of
+    SWIZZLE M-tiles walked N-tile-major, so the programs running at once share B panels in L2.
+    Each 128-wide K block's partial product is scaled in float32 registers and added (scale
+    promotion). Rows another group owns are read (TMA loads whole boxes) but never stored."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    num_k = tl.cdiv(K, BK)
+    for tile in range(pid, num_m_tiles * tiles_n, num_progs):
+        mt, pn = _tile_in_group(tile, num_m_tiles, tiles_n, SWIZZLE)
+        row0, rows, store_ok, row_ok, g, foreign = _m_tile_rows(
+            mt, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr, M, num_entries, MODE, ENTRIES_P2, BM)
+        n0 = pn * BN
+        offs_n = n0 + tl.arange(0, BN)
+        n_ok = offs_n < N
+        g64 = tl.maximum(g, 0).to(tl.int64)
+        sa_ptrs = sa_ptr + rows.to(tl.int64) * stride_sam
+        if SB_GRAN == 1:
+            sb_ptrs = sb_ptr + g64 * stride_sbg + offs_n * stride_sbn
+        else:
+            sb_ptrs = sb_ptr + g64 * stride_sbg + (n0 // SB_GRAN) * stride_sbn
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in tl.range(0, tl.where(g >= 0, num_k, 0), warp_specialize=WARP_SPECIALIZE):
+            a = a_desc.load([row0, kb * BK])
+            b = b_desc.load([g * N + n0, kb * BK])
+            sa = tl.load(sa_ptrs + kb, mask=row_ok, other=0.0)
+            if SB_GRAN == 1:
+                sb = tl.load(sb_ptrs + kb, mask=n_ok, other=0.0)
+                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+            else:
+                acc += tl.dot(a, b.T) * (sa * tl.load(sb_ptrs + kb))[:, None]
+        out = tl.where(row_ok[:, None], acc, 0.0)
+        if MODE == 2:
+            # a row of another group here means the layout's alignment is not the one the launch
+            # assumed: NaN, never a silent zero
+            out = tl.where(foreign[:, None], float("nan"), out)
+        st_mask = store_ok[:, None] & n_ok[None, :]
+        if HAS_C:
+            out += tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=st_mask, other=0.0)
+        tl.store(d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :], out.to(d_ptr.dtype.element_ty),
+                 mask=st_mask)
+
 @triton.jit
 def _k_grouped_gemm_tn_kernel(
     a_ptr, b_ptr, d_ptr, offsets_ptr, m_indices_ptr, N, K, G, num_progs, stride_a, stride_b,
@@ -227,7 +315,7 @@ def _k_grouped_fp8_kernel(
         sa_ptrs = sa_ptr + blk0.to(tl.int64) * stride_sa + offs_n
         sb_ptrs = sb_ptr + blk0.to(tl.int64) * stride_sb + offs_k
         acc = tl.zeros((BN, BK), dtype=tl.float32)
-        for j in range(0, tl.cdiv(end - start, BT)):
+        for j in tl.range(0, tl.cdiv(end - start, BT), warp_specialize=True):
             a = a_desc.load([n0, (blk0 + j) * BT])
             b = b_desc.load([k0, (blk0 + j) * BT])
             sa = tl.load(sa_ptrs + j * stride_sa, mask=n_ok, other=0.0)
@@ -355,6 +443,9 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
     if mode == MODE_M_INDICES:
         cfg["BM"] = min(cfg["BM"], BLOCK)
         mixed = _tiles_mix_groups(group, cfg["BM"])
+    if scaled and not mixed:
+        return _launch_m_grouped_fp8(a, sa, b, sb, out, mode, group, row_start, row_count, b_index, num_entries,
+                                     num_m_tiles, c, sb_gran, cfg)
     if scaled and sb_gran == 1 and not triton_interpreter_enabled():
         # per-row B scales: each thread keeps a distinct scale per accumulator column (block scales:
         # one per 128 columns); at 128x128 tiles ptxas spills (sm_90a, 50 LDL/STL measured with
@@ -388,6 +479,52 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
         sa.stride(0) if scaled else 0, sb.stride(0) if scaled else 0, sb.stride(1) if scaled else 0,
         MODE=mode, SCALED=scaled, HAS_C=c is not None, SB_GRAN=sb_gran, MIXED=mixed,
         ENTRIES_P2=triton.next_power_of_2(max(num_entries, 1)), BM=bm, PRECISION=_precision(a.dtype), **cfg,
+    )
+    return out
+
+
+def fp8_structure(cfg: dict, sb_gran: int, mode: int, has_c: bool, interpreter: bool | None = None) -> dict:
+    """The TMA FP8 kernel's launch options beyond the tile table: SWIZZLE (M-tiles per L2 band),
+    WARP_SPECIALIZE (a TMA producer warpgroup beside the consumers; off: Triton's software
+    pipeline over `num_stages` TMA stages), and BN caps where 128 columns spill (per-row B
+    scales, measured with primerl.kernels.aot)."""
+    out = dict(cfg, SWIZZLE=8, WARP_SPECIALIZE=False)
+    if not (triton_interpreter_enabled() if interpreter is None else interpreter):
+        out["num_stages"] = min(out["num_stages"], 4)
+    return out
+
+
+def _launch_m_grouped_fp8(a, sa, b, sb, out, mode, group, row_start, row_count, b_index, num_entries, num_m_tiles,
+                          c, sb_gran, cfg):
+    """TMA path of _launch_m_grouped: a [M, K] and b [G, N, K] fp8 with unit K stride."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a.shape
+    groups, n = b.shape[:2]
+    cfg = fp8_structure(cfg, sb_gran, mode, c is not None)
+    bm = cfg.pop("BM")
+    if mode != MODE_TABLE:
+        num_m_tiles = triton.cdiv(m, bm)
+    elif num_m_tiles == 0:
+        num_m_tiles = triton.cdiv(m, bm) + num_entries
+    total = num_m_tiles * triton.cdiv(n, cfg["BN"])
+    if total == 0 or n == 0 or m == 0:
+        return out
+    if a.stride(1) != 1 or b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
+        raise ValueError(f"fp8 gemm (triton): operands must be K-major (a strides {a.stride()}, b strides {b.stride()})")
+    b2 = b.view(groups * n, k)
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, cfg["BK"]])
+    b_desc = TensorDescriptor(b2, [groups * n, k], [k, 1], [cfg["BN"], cfg["BK"]])
+    num_progs = min(total, _num_sms()) if _num_sms() > 1 else total
+    dummy = group if group is not None else out
+    _m_grouped_fp8_kernel[(num_progs,)](
+        a_desc, b_desc, sa, sb, out, c if c is not None else out,
+        dummy, row_start if row_start is not None else dummy, row_count if row_count is not None else dummy,
+        b_index if b_index is not None else dummy,
+        m, n, k, num_entries, num_m_tiles, num_progs, out.stride(0), c.stride(0) if c is not None else 0,
+        sa.stride(0), sb.stride(0), sb.stride(1),
+        MODE=mode, HAS_C=c is not None, SB_GRAN=sb_gran, ENTRIES_P2=triton.next_power_of_2(max(num_entries, 1)),
+        BM=bm, **cfg,
     )
     return out
 
