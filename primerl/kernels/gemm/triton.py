@@ -37,7 +37,7 @@ from ..fp8.triton import _abs_bits, _cast_scaled, _scale_from_amax
 from . import offsets as off
 
 BLOCK = 128
-MODE_DENSE, MODE_TABLE, MODE_M_INDICES = 0, 1, 2
+MODE_DENSE, MODE_TABLE, MODE_M_INDICES, MODE_MASKED = 0, 1, 2, 3  # MASKED: FP8 (TMA) kernel only
 BN_PER_ROW_B = 64
 
 
@@ -153,10 +153,12 @@ def _m_grouped_gemm_nt_kernel(
 
 
 @triton.jit
-def _m_tile_rows(mt, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr, M, num_entries,
+def _m_tile_rows(mt, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr, M, num_entries, max_m,
                  MODE: tl.constexpr, ENTRIES_P2: tl.constexpr, BM: tl.constexpr):
-    """M-tile mt -> (first row, rows [BM], rows to store, rows to compute, group, foreign rows):
-    DENSE / M_INDICES tiles cover rows mt*BM..; TABLE tiles look their entry up (see the module doc)."""
+    """M-tile mt -> (first row, rows [BM], rows to store, rows to compute, group or -1 when the
+    tile computes nothing, foreign rows). DENSE / M_INDICES tiles cover rows mt*BM..; TABLE tiles
+    look their entry up (see the module doc); MASKED tiles are group mt // ceil(max_m / BM)'s,
+    rows past row_count[g] (masked_m) neither computed nor stored."""
     if MODE == 1:
         ent = tl.arange(0, ENTRIES_P2)
         tile_ends = tl.load(group_ptr + ent, mask=ent < num_entries, other=2**30)
@@ -164,11 +166,21 @@ def _m_tile_rows(mt, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr, M, nu
         e_safe = tl.minimum(e, num_entries - 1)
         prev = tl.load(group_ptr + e_safe - 1, mask=e_safe > 0, other=0)
         count = tl.load(row_count_ptr + e_safe)
-        g = tl.load(b_index_ptr + e_safe)
+        g = tl.where(e < num_entries, tl.load(b_index_ptr + e_safe), -1)
         row0 = tl.load(row_start_ptr + e_safe) + (mt - prev) * BM
         local = (mt - prev) * BM + tl.arange(0, BM)
         store_ok = (local < count) & (e < num_entries)
         row_ok = store_ok & (g >= 0)
+        foreign = store_ok & False
+    elif MODE == 3:
+        tiles_per_group = tl.cdiv(max_m, BM)
+        g = mt // tiles_per_group
+        first = (mt % tiles_per_group) * BM
+        count = tl.minimum(tl.load(row_count_ptr + g), max_m)
+        row0 = g * max_m + first
+        store_ok = first + tl.arange(0, BM) < count
+        row_ok = store_ok
+        g = tl.where(first < count, g, -1)
         foreign = store_ok & False
     else:
         row0 = mt * BM
@@ -190,7 +202,7 @@ def _m_tile_rows(mt, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr, M, nu
 @triton.jit
 def _m_grouped_fp8_kernel(
     a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr,
-    M, N, K, num_entries, num_m_tiles, num_progs, stride_dm, stride_cm, stride_sam, stride_sbg, stride_sbn,
+    M, N, K, num_entries, max_m, num_m_tiles, num_progs, stride_dm, stride_cm, stride_sam, stride_sbg, stride_sbn,
     MODE: tl.constexpr, HAS_C: tl.constexpr, SB_GRAN: tl.constexpr, ENTRIES_P2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIZZLE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
@@ -201,14 +213,16 @@ def _m_grouped_fp8_kernel(
     Persistent: program p takes tiles p, p + num_progs, ..; tile t -> (M-tile, N-tile) in bands of
     SWIZZLE M-tiles walked N-tile-major, so the programs running at once share B panels in L2.
     Each 128-wide K block's partial product is scaled in float32 registers and added (scale
-    promotion). Rows another group owns are read (TMA loads whole boxes) but never stored."""
+    promotion); the block's A and B scales are loaded one K step ahead (the TMA pipeline does not
+    cover them, and their L2 latency would otherwise sit between the wgmma and the FMAs). Rows
+    another group owns are read (TMA loads whole boxes) but never stored."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
     num_k = tl.cdiv(K, BK)
     for tile in range(pid, num_m_tiles * tiles_n, num_progs):
         mt, pn = _tile_in_group(tile, num_m_tiles, tiles_n, SWIZZLE)
         row0, rows, store_ok, row_ok, g, foreign = _m_tile_rows(
-            mt, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr, M, num_entries, MODE, ENTRIES_P2, BM)
+            mt, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr, M, num_entries, max_m, MODE, ENTRIES_P2, BM)
         n0 = pn * BN
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < N
@@ -218,16 +232,23 @@ def _m_grouped_fp8_kernel(
             sb_ptrs = sb_ptr + g64 * stride_sbg + offs_n * stride_sbn
         else:
             sb_ptrs = sb_ptr + g64 * stride_sbg + (n0 // SB_GRAN) * stride_sbn
+        steps = tl.where(g >= 0, num_k, 0)
+        sa_next = tl.load(sa_ptrs, mask=row_ok & (steps > 0), other=0.0)
+        if SB_GRAN != 1:
+            sb_next = tl.load(sb_ptrs, mask=steps > 0, other=0.0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in tl.range(0, tl.where(g >= 0, num_k, 0), warp_specialize=WARP_SPECIALIZE):
+        for kb in tl.range(0, steps, warp_specialize=WARP_SPECIALIZE):
             a = a_desc.load([row0, kb * BK])
             b = b_desc.load([g * N + n0, kb * BK])
-            sa = tl.load(sa_ptrs + kb, mask=row_ok, other=0.0)
+            sa = sa_next
+            sa_next = tl.load(sa_ptrs + (kb + 1), mask=row_ok & (kb + 1 < steps), other=0.0)
             if SB_GRAN == 1:
                 sb = tl.load(sb_ptrs + kb, mask=n_ok, other=0.0)
                 acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
             else:
-                acc += tl.dot(a, b.T) * (sa * tl.load(sb_ptrs + kb))[:, None]
+                scale = sa * sb_next
+                sb_next = tl.load(sb_ptrs + (kb + 1), mask=kb + 1 < steps, other=0.0)
+                acc += tl.dot(a, b.T) * scale[:, None]
         out = tl.where(row_ok[:, None], acc, 0.0)
         if MODE == 2:
             # a row of another group here means the layout's alignment is not the one the launch
@@ -238,6 +259,7 @@ def _m_grouped_fp8_kernel(
             out += tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=st_mask, other=0.0)
         tl.store(d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :], out.to(d_ptr.dtype.element_ty),
                  mask=st_mask)
+
 
 @triton.jit
 def _k_grouped_gemm_tn_kernel(
@@ -284,9 +306,9 @@ def _tile_in_group(r, tiles_n, tiles_k, SWIZZLE: tl.constexpr):
 
 @triton.jit
 def _k_grouped_fp8_kernel(
-    a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr,
-    N, K, G, num_progs, stride_sa, stride_sb,
+    a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr, N, K, G, num_progs, stride_sa, stride_sb,
     HAS_C: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SWIZZLE: tl.constexpr,
+    PREFETCH_SCALES: tl.constexpr,
 ):
     """d[g] = A_g.T @ B_g (+ c[g]) from K-major FP8 group blocks: a_desc over [N, R*BT], b_desc over
     [K, R*BT], column BT*r + i holding row i of scale block r (zero past its group's end, see
@@ -294,8 +316,11 @@ def _k_grouped_fp8_kernel(
     block_start[g] .. + ceil(rows_g / BT).
 
     Persistent: each program walks output tiles (g, n-tile, k-tile) with a stride of the number of
-    programs; a tile loops over its group's blocks through TMA, scales each block's partial product
-    in float32 registers (scale promotion) and adds it."""
+    programs; a tile loops over its group's blocks through TMA, scales each block's partial
+    product in float32 registers (scale promotion) and adds it. A thread needs one B scale per
+    accumulator column (32 at 128x128 / 8 warps): PREFETCH_SCALES loads block j+1's scales while
+    block j computes (their L2 latency is otherwise paid after every wait; it costs ~30 registers,
+    which spill on sm_100a, where the loads stay in step)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
     tiles_k = tl.cdiv(K, BK)
@@ -312,14 +337,24 @@ def _k_grouped_fp8_kernel(
         end = tl.load(offsets_ptr + g)
         start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0)
         blk0 = tl.load(block_start_ptr + g)
+        steps = tl.cdiv(end - start, BT)
         sa_ptrs = sa_ptr + blk0.to(tl.int64) * stride_sa + offs_n
         sb_ptrs = sb_ptr + blk0.to(tl.int64) * stride_sb + offs_k
+        if PREFETCH_SCALES:
+            sa_next = tl.load(sa_ptrs, mask=n_ok & (steps > 0), other=0.0)
+            sb_next = tl.load(sb_ptrs, mask=k_ok & (steps > 0), other=0.0)
         acc = tl.zeros((BN, BK), dtype=tl.float32)
-        for j in tl.range(0, tl.cdiv(end - start, BT), warp_specialize=True):
+        for j in range(0, steps):
             a = a_desc.load([n0, (blk0 + j) * BT])
             b = b_desc.load([k0, (blk0 + j) * BT])
-            sa = tl.load(sa_ptrs + j * stride_sa, mask=n_ok, other=0.0)
-            sb = tl.load(sb_ptrs + j * stride_sb, mask=k_ok, other=0.0)
+            if PREFETCH_SCALES:
+                sa = sa_next
+                sb = sb_next
+                sa_next = tl.load(sa_ptrs + (j + 1) * stride_sa, mask=n_ok & (j + 1 < steps), other=0.0)
+                sb_next = tl.load(sb_ptrs + (j + 1) * stride_sb, mask=k_ok & (j + 1 < steps), other=0.0)
+            else:
+                sa = tl.load(sa_ptrs + j * stride_sa, mask=n_ok, other=0.0)
+                sb = tl.load(sb_ptrs + j * stride_sb, mask=k_ok, other=0.0)
             acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
         out_offs = g.to(tl.int64) * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
         st_mask = n_ok[:, None] & k_ok[None, :]
@@ -394,6 +429,14 @@ def _num_sms() -> int:
     return 1
 
 
+@functools.lru_cache(maxsize=None)
+def _arch_major() -> int:
+    """The current CUDA device's compute capability major (9 Hopper, 10 Blackwell); 9 without one."""
+    if torch.cuda.is_available() and not triton_interpreter_enabled():
+        return torch.cuda.get_device_capability(torch.cuda.current_device())[0]
+    return 9
+
+
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(int(x), 1))))
 
@@ -421,7 +464,8 @@ def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: 
         bn = 64
     bk = BLOCK if scaled else (64 if element_size == 2 else 32)
     stage_bytes = (bm + bn) * bk * element_size
-    stages = max(2, min(5, (200 * 1024) // stage_bytes))
+    # FP8 (TMA kernel): 4 stages (128 KB at 128x128x128); 3 measured 10% slower on the H200
+    stages = max(2, min(4 if scaled else 5, (200 * 1024) // stage_bytes))
     return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
 
 
@@ -489,21 +533,26 @@ def fp8_structure(cfg: dict, sb_gran: int, mode: int, has_c: bool, interpreter: 
     pipeline over `num_stages` TMA stages), and BN caps where 128 columns spill (per-row B
     scales, measured with primerl.kernels.aot)."""
     out = dict(cfg, SWIZZLE=8, WARP_SPECIALIZE=False)
-    if not (triton_interpreter_enabled() if interpreter is None else interpreter):
-        out["num_stages"] = min(out["num_stages"], 4)
+    if sb_gran == 1 and not (triton_interpreter_enabled() if interpreter is None else interpreter):
+        # per-row B scales: a thread keeps one B scale per accumulator column; at 128 columns
+        # ptxas spills on sm_100a (170 LDL/STL measured with primerl.kernels.aot)
+        out["BN"] = min(out["BN"], BN_PER_ROW_B)
     return out
 
 
 def _launch_m_grouped_fp8(a, sa, b, sb, out, mode, group, row_start, row_count, b_index, num_entries, num_m_tiles,
-                          c, sb_gran, cfg):
-    """TMA path of _launch_m_grouped: a [M, K] and b [G, N, K] fp8 with unit K stride."""
+                          c, sb_gran, cfg, max_m=0):
+    """TMA path of _launch_m_grouped: a [M, K] and b [G, N, K] fp8 with unit K stride; MASKED mode:
+    a holds G blocks of max_m rows, row_count = masked_m."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = a.shape
     groups, n = b.shape[:2]
     cfg = fp8_structure(cfg, sb_gran, mode, c is not None)
     bm = cfg.pop("BM")
-    if mode != MODE_TABLE:
+    if mode == MODE_MASKED:
+        num_m_tiles = groups * triton.cdiv(max_m, bm)
+    elif mode != MODE_TABLE:
         num_m_tiles = triton.cdiv(m, bm)
     elif num_m_tiles == 0:
         num_m_tiles = triton.cdiv(m, bm) + num_entries
@@ -521,7 +570,7 @@ def _launch_m_grouped_fp8(a, sa, b, sb, out, mode, group, row_start, row_count, 
         a_desc, b_desc, sa, sb, out, c if c is not None else out,
         dummy, row_start if row_start is not None else dummy, row_count if row_count is not None else dummy,
         b_index if b_index is not None else dummy,
-        m, n, k, num_entries, num_m_tiles, num_progs, out.stride(0), c.stride(0) if c is not None else 0,
+        m, n, k, num_entries, max_m, num_m_tiles, num_progs, out.stride(0), c.stride(0) if c is not None else 0,
         sa.stride(0), sb.stride(0), sb.stride(1),
         MODE=mode, HAS_C=c is not None, SB_GRAN=sb_gran, ENTRIES_P2=triton.next_power_of_2(max(num_entries, 1)),
         BM=bm, **cfg,
@@ -590,12 +639,14 @@ def _k_grouped(a, b, offsets, out_dtype, m_indices=None):
     return out
 
 
-def k_grouped_tiles(interpreter: bool | None = None) -> dict:
+def k_grouped_tiles(interpreter: bool | None = None, arch_major: int | None = None) -> dict:
     """Tiles of the FP8 k-grouped kernel: 128 x 128 outputs (two consumer warpgroups of 64 rows),
-    128-wide blocks of the reduction (one scale row each), 4 TMA stages of A+B (128 KB)."""
+    128-wide blocks of the reduction (one scale row each), 4 TMA stages of A+B (128 KB); scale
+    prefetch on Hopper (see _k_grouped_fp8_kernel)."""
     if triton_interpreter_enabled() if interpreter is None else interpreter:
-        return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, num_warps=4, num_stages=1)
-    return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, num_warps=8, num_stages=4)
+        return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=True, num_warps=4, num_stages=1)
+    major = _arch_major() if arch_major is None else arch_major
+    return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=major == 9, num_warps=8, num_stages=4)
 
 
 def _group_blocks(q: torch.Tensor, offsets: torch.Tensor, block_start: torch.Tensor, used: torch.Tensor,
@@ -609,6 +660,19 @@ def _group_blocks(q: torch.Tensor, offsets: torch.Tensor, block_start: torch.Ten
         BT=BLOCK, BC=bc, G_P2=triton.next_power_of_2(offsets.numel()), num_warps=4,
     )
     return out
+
+
+def _scale_rows_desc(sf: torch.Tensor, width: int):
+    """Descriptor over float32 scale rows sf [R, C] read [1, width] at a time; rows padded to a
+    multiple of 4 columns (TMA's 16-byte stride rule) by a copy when C is not."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows, cols = sf.shape
+    if sf.stride(1) != 1 or sf.stride(0) % 4 or sf.storage_offset() % 4:
+        padded = sf.new_zeros(rows, -(-cols // 4) * 4)
+        padded[:, :cols] = sf
+        sf = padded[:, :cols]
+    return TensorDescriptor(sf, [rows, cols], [sf.stride(0), 1], [1, width])
 
 
 def _k_grouped_fp8(a, sa, b, sb, offsets, out_dtype, out=None, c=None):
@@ -661,18 +725,15 @@ def m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype):
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out, sb_gran=BLOCK):
-    """out [G, max_m, N] contiguous: rows past masked_m[g] are not written."""
+    """out [G, max_m, N] contiguous: rows past masked_m[g] are neither read nor written. Tiles are
+    laid out per group (ceil(max_m / BM) each, BM from expected_m); a tile past masked_m[g] exits
+    at once, so the launch needs no host-side table."""
     (aq, asf), (bq, bsf) = a, b
     groups, max_m, k = aq.shape
     n = bq.shape[1]
-    bm = pick_tiles(max(expected_m, 1), n, k, True, 1)["BM"]
-    counts = masked_m.clamp(0, max_m)
-    starts = torch.arange(groups, device=aq.device, dtype=torch.int32) * max_m
-    tile_ends = torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)
-    b_index = torch.arange(groups, device=aq.device, dtype=torch.int32)
-    _launch_m_grouped(aq.view(groups * max_m, k), asf.view(groups * max_m, -1), bq, bsf, out.view(groups * max_m, n),
-                      MODE_TABLE, tile_ends, starts, counts, b_index, num_entries=groups,
-                      num_m_tiles=groups * triton.cdiv(max_m, bm), rows_per_group=max(expected_m, 1), sb_gran=sb_gran)
+    cfg = pick_tiles(max(expected_m, 1), n, k, True, 1, num_groups=groups)
+    _launch_m_grouped_fp8(aq.view(groups * max_m, k), asf.view(groups * max_m, -1), bq, bsf, out.view(groups * max_m, n),
+                          MODE_MASKED, None, None, masked_m, None, 1, 0, None, sb_gran, cfg, max_m=max_m)
     return out
 
 
