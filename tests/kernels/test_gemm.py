@@ -377,14 +377,75 @@ def test_deep_gemm_scale_layout(shape):
 # ------------------------------------------------------------------------------ GPU
 
 
+# GPU shapes cover every launch configuration of the TMA kernels: BM 64 (M <= 64) and 128, BN 64
+# (fewer 128-wide tiles than SMs) and 128, more tiles than programs (the persistent loop), M and N
+# not multiples of the tile.
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(128, 2112, 7168), (4096, 7168, 2048), (3, 4096, 512)])
+@pytest.mark.parametrize("m,n,k", [(128, 2112, 7168), (4096, 7168, 2048), (3, 4096, 512), (64, 7168, 2048),
+                                   (300, 4160, 1024)])
 def test_fp8_gemm_nt_gpu(m, n, k):
     x, w = _randn(m, k, seed=0), _randn(n, k, seed=1, scale=0.02)
     a, b = _quant_a(x), quant_per_block(w)
     deq = R.fp8_gemm_nt(a, b, torch.float32)
+    exact = x.double() @ w.double().t()
     for be in ["triton"] + (["deep_gemm"] if backend_status("deep_gemm").available else []):
-        assert calc_diff(G.fp8_gemm_nt(a, b, backend=be), deq) < 1e-5, be
+        out = G.fp8_gemm_nt(a, b, backend=be)
+        assert calc_diff(out, deq) < 1e-5 and calc_diff(out, exact) < 1e-3, be
+
+
+@pytest.mark.gpu
+def test_fp8_gemm_nt_row_scaled_b_and_c_gpu():
+    """Recipe (1, 1, 128) (a scale per row of B: BN 64 tiles) and D = A @ B.T + C into float32."""
+    m, n, k = 1000, 2048, 1024
+    x, w = _randn(m, k, seed=2), _randn(n, k, seed=3, scale=0.02)
+    a, b = _quant_a(x), quant_per_token_group(w, 128)
+    out = G.fp8_gemm_nt(a, b, recipe=(1, 1, 128), backend="triton")
+    assert calc_diff(out, R.fp8_gemm_nt(a, b, torch.float32, 1)) < 1e-5
+    c = _randn(m, n, seed=4, dtype=torch.float32)
+    d = c.clone()
+    G.fp8_gemm_nt(a, quant_per_block(w), d, c=d, backend="triton")
+    assert calc_diff(d, x.double() @ w.double().t() + c.double()) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expected_m", [32, 256])
+def test_m_grouped_fp8_masked_gpu(expected_m):
+    """Masked layout (per-group tiles of BM 64 / 128, tiles past masked_m exit): rows past masked_m
+    are not written, NaN rows there are not read into valid rows."""
+    groups, max_m, n, k = 4, 256, 4096, 1024
+    masked_m = torch.tensor([0, 1, 100, 256], dtype=torch.int32, device=DEV)
+    x, w = _randn(groups, max_m, k, seed=5), _randn(groups, n, k, seed=6, scale=0.02)
+    past = torch.arange(max_m, device=DEV)[None, :] >= masked_m[:, None]
+    a, b = _poison_rows(_quant_a(x), past), quant_per_block(w)
+    d = torch.full((groups, max_m, n), 3.0, dtype=torch.bfloat16, device=DEV)
+    G.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, backend="triton")
+    assert bool((d[past] == 3.0).all())
+    deq = R.dequant_token_group(*a).nan_to_num(0) @ R.dequant_block(*b).transpose(1, 2)
+    exact = x.double() @ w.double().transpose(1, 2)
+    assert calc_diff(d[~past], deq[~past]) < 1e-5 and calc_diff(d[~past], exact[~past]) < 1e-3
+
+
+@pytest.mark.gpu
+def test_k_grouped_fp8_gpu():
+    """Weight gradients: ragged groups (empty, one row, not multiples of 128) through the K-major
+    group-block re-layout, static and compact scale rows, and + C."""
+    counts, n, k = [300, 0, 1, 1000, 128], 4096, 2048
+    offs = _offsets(counts)
+    total = sum(counts)
+    dy, x = _randn(total + 5, n, seed=7), _randn(total + 5, k, seed=8)
+    qa, qb = G.quant_per_group_colwise(dy, offs), G.quant_per_group_colwise(x, offs)
+    out = G.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, backend="triton")
+    exact = torch.stack([dy[s - c:s].double().t() @ x[s - c:s].double() for s, c in zip(offs.tolist(), counts)])
+    assert calc_diff(out, R.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, torch.float32)) < 1e-5
+    assert calc_diff(out, exact) < 1e-3 and bool((out[1] == 0).all())
+    ks = counts[:-1] + [counts[-1] + 5]  # the tail rows join the last group
+    qa, qb = (G.quant_per_group_colwise(t, ks=ks, compact=True) for t in (dy, x))
+    c = _randn(len(ks), n, k, seed=9, dtype=torch.float32)
+    d = c.clone()
+    G.k_grouped_fp8_gemm_tn_contiguous(qa, qb, d=d, c=d, ks=ks, backend="triton")
+    offs = _offsets(ks)
+    want = R.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, torch.float32, c)
+    assert calc_diff(d, want) < 1e-5
 
 
 @pytest.mark.gpu
