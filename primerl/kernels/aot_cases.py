@@ -71,6 +71,9 @@ def _quant_cases():
         Case("fp8 tensorwise 4096x7168", lambda: fp8.quant_tensorwise(_cuda(4096, 7168), backend=T), None, ci=True),
         Case("fp8 per-group colwise T=4x2048 C=7168",
              lambda: gemm.quant_per_group_colwise(_cuda(4 * 2048, 7168), _offsets(4, 2048), backend=T), None, ci=True),
+        Case("fp8 per-group colwise T=4x2048 C=7168 group blocks",
+             lambda: gemm.quant_per_group_colwise(_cuda(4 * 2048, 7168), _offsets(4, 2048), layout="blocks", backend=T),
+             None, ci=True),
     ]
 
 

@@ -26,10 +26,11 @@ the next block's scales loaded a step ahead. Rows another group owns may be read
 whole boxes) but are never stored, so NaN there never enters a valid row.
 
 K-grouped FP8: each group's rows are cut into 128-row blocks (one scale row each, see
-:func:`quant_per_group_colwise`); one pass re-lays both operands out K-major, block-aligned
-(``[C, blocks*128]``, zero past a group's end), so every TMA box starts at a 128-aligned column
-and the kernel needs no masks; output tiles 128 x 128, scales ``sa[block, n] * sb[block, k]``
-applied per block.
+:func:`quant_per_group_colwise`). The kernel reads the group-blocks layout ``[blocks, C, 128]``
+(a block's rows K-major, zero past its group's end), which ``quant_per_group_colwise(...,
+layout="blocks")`` writes directly; row-major operands are re-laid out in one pass first. Every
+TMA box then starts at a block boundary and the kernel needs no masks; output tiles 128 x 128,
+scales ``sa[block, n] * sb[block, k]`` applied per block.
 
 Warp specialization (``tl.range(warp_specialize=True)``) compiles on sm_90a with triton 3.6-3.7
 only at 64-row tiles and measured 0.6x the software pipeline on the H200: off by default.
@@ -324,10 +325,11 @@ def _k_grouped_fp8_kernel(
     HAS_C: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SWIZZLE: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr,
 ):
-    """d[g] = A_g.T @ B_g (+ c[g]) from K-major FP8 group blocks: a_desc over [N, R*BT], b_desc over
-    [K, R*BT], column BT*r + i holding row i of scale block r (zero past its group's end, see
-    _group_blocks_kernel); sa [R, N], sb [R, K] one scale per (block, column); group g owns blocks
-    block_start[g] .. + ceil(rows_g / BT).
+    """d[g] = A_g.T @ B_g (+ c[g]) from K-major FP8 group blocks: a_desc over A [R*N, BT], b_desc
+    over B [R*K, BT], rows r*N + n holding column n of scale block r (row i of the block at
+    column i, zero past its group's end; see _group_blocks_kernel); sa [R, N], sb [R, K] one scale
+    per (block, column); group g owns blocks block_start[g] .. + ceil(rows_g / BT). A box past N
+    (K) reads the next block's rows into accumulator rows (columns) that are not stored.
 
     Persistent: each program walks output tiles (g, n-tile, k-tile) with a stride of the number of
     programs; a tile loops over its group's blocks through TMA, scales each block's partial
@@ -359,8 +361,8 @@ def _k_grouped_fp8_kernel(
             sb_next = tl.load(sb_ptrs, mask=k_ok & (steps > 0), other=0.0)
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         for j in range(0, steps):
-            a = a_desc.load([n0, (blk0 + j) * BT])
-            b = b_desc.load([k0, (blk0 + j) * BT])
+            a = a_desc.load([(blk0 + j) * N + n0, 0])
+            b = b_desc.load([(blk0 + j) * K + k0, 0])
             if PREFETCH_SCALES:
                 sa = sa_next
                 sb = sb_next
@@ -379,9 +381,9 @@ def _k_grouped_fp8_kernel(
 
 @triton.jit
 def _group_blocks_kernel(q_ptr, out_ptr, offsets_ptr, block_start_ptr, C, G, used_blocks_ptr, stride_qt, stride_qc,
-                         stride_o, BT: tl.constexpr, BC: tl.constexpr, G_P2: tl.constexpr):
-    """q [T, C] (any strides) -> out [C, R*BT]: column BT*b + i of out = row i of group block b
-    (zero past the group's end). Program (block b, column tile); blocks past the used count exit."""
+                         BT: tl.constexpr, BC: tl.constexpr, G_P2: tl.constexpr):
+    """q [T, C] (any strides) -> out [R, C, BT]: out[b, c, i] = q[row i of group block b, c] (zero
+    past the group's end). Program (block b, column tile); blocks past the used count exit."""
     blk = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     c_ok = cols < C
@@ -395,18 +397,20 @@ def _group_blocks_kernel(q_ptr, out_ptr, offsets_ptr, block_start_ptr, C, G, use
         ok = (row0 + local < end)[:, None] & c_ok[None, :]
         x = tl.load(q_ptr + (row0 + local).to(tl.int64)[:, None] * stride_qt + cols.to(tl.int64)[None, :] * stride_qc,
                     mask=ok, other=0.0)
-        dst = out_ptr + cols.to(tl.int64)[None, :] * stride_o + (blk * BT + local).to(tl.int64)[:, None]
+        dst = out_ptr + blk.to(tl.int64) * C * BT + cols.to(tl.int64)[None, :] * BT + local[:, None]
         tl.store(dst, x, mask=c_ok[None, :])
 
 @triton.jit
 def _quant_group_colwise_kernel(
-    x_ptr, q_ptr, sf_ptr, offsets_ptr, block_start_ptr, T, C, G, used_blocks_ptr, stride_qt, stride_qc,
+    x_ptr, q_ptr, sf_ptr, offsets_ptr, block_start_ptr, T, C, G, R, used_blocks_ptr,
     FMAX: tl.constexpr, UE8M0: tl.constexpr, RECIPROCAL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    G_P2: tl.constexpr,
+    G_P2: tl.constexpr, BLOCKS: tl.constexpr,
 ):
     """Program (scale block b, column tile). Blocks below the used count quantize BT rows of one
     group (found by comparing b against every group's block range); the next programs zero the
-    rows past offsets[-1]; the rest exit (their scale rows were pre-filled)."""
+    rows past offsets[-1]; the rest exit (their scale rows were pre-filled). BLOCKS: q is the
+    group-blocks layout [R, C, BT] (block b's rows K-major, zero past the group's end; the
+    programs past the used count zero the spare blocks) instead of [T, C]."""
     blk = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     c_ok = cols < C
@@ -424,13 +428,21 @@ def _quant_group_colwise_kernel(
         x = tl.load(x_ptr + ptrs, mask=ok, other=0.0).to(tl.float32)
         sf = _scale_from_amax(tl.max(_abs_bits(x), axis=0), FMAX, UE8M0)
         tl.store(sf_ptr + blk.to(tl.int64) * C + cols, sf, mask=c_ok)
-        q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qt + cols.to(tl.int64)[None, :] * stride_qc
-        tl.store(q_ptrs, _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty, RECIPROCAL), mask=ok)
+        q = _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty, RECIPROCAL)
+        if BLOCKS:
+            slots = blk.to(tl.int64) * C * BT + cols.to(tl.int64)[None, :] * BT + tl.arange(0, BT)[:, None]
+            tl.store(q_ptr + slots, q, mask=c_ok[None, :])
+        else:
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q, mask=ok)
     else:
-        rows = tl.load(offsets_ptr + G - 1) + (blk - used) * BT + tl.arange(0, BT)
-        ok = (rows < T)[:, None] & c_ok[None, :]
         zero = tl.zeros((BT, BC), dtype=tl.float32).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qt + cols.to(tl.int64)[None, :] * stride_qc, zero, mask=ok)
+        if BLOCKS:
+            slots = blk.to(tl.int64) * C * BT + cols.to(tl.int64)[None, :] * BT + tl.arange(0, BT)[:, None]
+            tl.store(q_ptr + slots, zero, mask=c_ok[None, :] & (blk < R))
+        else:
+            rows = tl.load(offsets_ptr + G - 1) + (blk - used) * BT + tl.arange(0, BT)
+            ok = (rows < T)[:, None] & c_ok[None, :]
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], zero, mask=ok)
 
 
 # ------------------------------------------------------------------------------ tile heuristics
@@ -675,12 +687,12 @@ def k_grouped_tiles(interpreter: bool | None = None, arch_major: int | None = No
 
 def _group_blocks(q: torch.Tensor, offsets: torch.Tensor, block_start: torch.Tensor, used: torch.Tensor,
                   num_blocks: int) -> torch.Tensor:
-    """fp8 q [T, C] -> [C, num_blocks * 128] K-major group blocks (see _group_blocks_kernel)."""
+    """fp8 q [T, C] -> [num_blocks, C, 128] K-major group blocks (see _group_blocks_kernel)."""
     t, c = q.shape
-    out = torch.empty(c, num_blocks * BLOCK, dtype=q.dtype, device=q.device)
+    out = torch.empty(num_blocks, c, BLOCK, dtype=q.dtype, device=q.device)
     bc = 128 if triton_interpreter_enabled() else 64
     _group_blocks_kernel[(num_blocks, _cdiv(c, bc))](
-        q, out, offsets, block_start, c, offsets.numel(), used, q.stride(0), q.stride(1), out.stride(0),
+        q, out, offsets, block_start, c, offsets.numel(), used, q.stride(0), q.stride(1),
         BT=BLOCK, BC=bc, G_P2=_next_pow2(offsets.numel()), num_warps=4,
     )
     return out
@@ -700,9 +712,10 @@ def _scale_rows_desc(sf: torch.Tensor, width: int):
 
 
 def _k_grouped_fp8(a, sa, b, sb, offsets, out_dtype, out=None, c=None):
-    """a [T, N], b [T, K] fp8 (any strides) with colwise group scales sa [R, N], sb [R, K] -> out [G, N, K]."""
-    t, n = a.shape
-    k = b.shape[1]
+    """a [T, N], b [T, K] fp8 (any strides) or their group blocks [R, N, 128], [R, K, 128], with
+    colwise group scales sa [R, N], sb [R, K] -> out [G, N, K]."""
+    n, k = sa.shape[1], sb.shape[1]
+    t = a.shape[0] * BLOCK if a.dim() == 3 else a.shape[0]
     groups = offsets.numel()
     if out is None:
         out = torch.empty(groups, n, k, dtype=out_dtype, device=a.device)
@@ -715,10 +728,11 @@ def _k_grouped_fp8(a, sa, b, sb, offsets, out_dtype, out=None, c=None):
     nblocks = (counts + BLOCK - 1) // BLOCK
     block_start = (torch.cumsum(nblocks, 0, dtype=torch.int32) - nblocks).to(torch.int32)
     used = nblocks.sum(dtype=torch.int32).reshape(1)
-    ab, bb = (_group_blocks(q, offsets, block_start, used, num_blocks) for q in (a, b))
+    ab, bb = (q if q.dim() == 3 else _group_blocks(q, offsets, block_start, used, num_blocks) for q in (a, b))
     cfg = k_grouped_tiles()
-    a_desc = TensorDescriptor(ab, list(ab.shape), [ab.stride(0), 1], [cfg["BN"], cfg["BT"]])
-    b_desc = TensorDescriptor(bb, list(bb.shape), [bb.stride(0), 1], [cfg["BK"], cfg["BT"]])
+    ab, bb = ab.reshape(-1, BLOCK), bb.reshape(-1, BLOCK)
+    a_desc = TensorDescriptor(ab, list(ab.shape), [BLOCK, 1], [cfg["BN"], cfg["BT"]])
+    b_desc = TensorDescriptor(bb, list(bb.shape), [BLOCK, 1], [cfg["BK"], cfg["BT"]])
     total = groups * _cdiv(n, cfg["BN"]) * _cdiv(k, cfg["BK"])
     num_progs = min(total, _num_sms()) if _num_sms() > 1 else total
     _k_grouped_fp8_kernel[(num_progs,)](
@@ -761,14 +775,16 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out, sb_gran=BLOCK)
     return out
 
 
-def quant_per_group_colwise(x, offsets, dtype, ue8m0, rounding="reciprocal"):
+def quant_per_group_colwise(x, offsets, dtype, ue8m0, rounding="reciprocal", layout="rows"):
+    """layout "rows": q [T, C]; "blocks": q [R, C, 128] (see _k_grouped_fp8_kernel)."""
     t, c = x.shape
     groups = offsets.numel()
-    q = torch.empty_like(x, dtype=dtype)
+    blocks = layout == "blocks"
     # spare scale rows get the scale of an all-zero block, as in the reference
     zero_block_sf = fp8_ref.scale_from_amax(torch.zeros(1, device=x.device), dtype, ue8m0)
     bound = off.max_group_blocks(t, groups)
     sf = zero_block_sf.expand(bound, c).contiguous()
+    q = torch.empty((bound, c, BLOCK) if blocks else (t, c), dtype=dtype, device=x.device)
     counts = off.offsets_to_counts(offsets)
     nblocks = (counts + BLOCK - 1) // BLOCK
     block_start = torch.cumsum(nblocks, 0, dtype=torch.int32) - nblocks
@@ -776,9 +792,9 @@ def quant_per_group_colwise(x, offsets, dtype, ue8m0, rounding="reciprocal"):
     bc = 128 if triton_interpreter_enabled() else 64
     # used blocks + ceil(tail / 128) tail chunks <= bound + 1 (see max_group_blocks)
     _quant_group_colwise_kernel[(bound + 1, _cdiv(c, bc))](
-        x, q, sf, offsets, block_start, t, c, groups, used, q.stride(0), q.stride(1),
+        x, q, sf, offsets, block_start, t, c, groups, bound, used,
         FMAX=fp8_max(dtype), UE8M0=ue8m0, RECIPROCAL=rounding == "reciprocal", BT=BLOCK, BC=bc,
-        G_P2=_next_pow2(groups), num_warps=4,
+        G_P2=_next_pow2(groups), BLOCKS=blocks, num_warps=4,
     )
     return q, sf
 
