@@ -45,13 +45,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import triton_interpreter_enabled
+from .._backend import triton_interpreter_enabled as _interpreter_env
 from ..fp8 import reference as fp8_ref
 from ..fp8.reference import fp8_max
 from ..fp8.triton import _abs_bits, _cast_scaled, _scale_from_amax
 from . import offsets as off
 
 BLOCK = 128
+
+
+@functools.lru_cache(maxsize=None)
+def triton_interpreter_enabled() -> bool:
+    """TRITON_INTERPRET=1, read once: it must be set before the first @triton.jit runs, so it does not
+    change later (reading the environment costs ~1-10 us, several times per launch)."""
+    return _interpreter_env()
+
 MODE_DENSE, MODE_TABLE, MODE_M_INDICES, MODE_MASKED = 0, 1, 2, 3  # MASKED: FP8 (TMA) kernel only
 BN_PER_ROW_B = 64
 
