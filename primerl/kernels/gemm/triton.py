@@ -608,7 +608,10 @@ def _launch_m_grouped_fp8(a, sa, b, sb, out, mode, group, row_start, row_count, 
     b2 = b.view(groups * n, k)
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, cfg["BK"]])
     b_desc = TensorDescriptor(b2, [groups * n, k], [k, 1], [cfg["BN"], cfg["BK"]])
-    num_progs = min(total, _num_sms()) if _num_sms() > 1 else total
+    # 64-row tiles (4 warps, 96 KB of stages, < 180 registers): two programs fit an SM, and the
+    # second overlaps its loads and scale FMAs with the first's wgmma
+    per_sm = 2 if bm == 64 else 1
+    num_progs = min(total, per_sm * _num_sms()) if _num_sms() > 1 else total
     dummy = group if group is not None else out
     _m_grouped_fp8_kernel[(num_progs,)](
         a_desc, b_desc, sa, sb, out, c if c is not None else out,
