@@ -606,6 +606,8 @@ def _launch_m_grouped_fp8(a, sa, b, sb, out, mode, group, row_start, row_count, 
     if a.stride(1) != 1 or b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
         raise ValueError(f"fp8 gemm (triton): operands must be K-major (a strides {a.stride()}, b strides {b.stride()})")
     b2 = b.view(groups * n, k)
+    # TMA needs 16-byte aligned bases (a view can start anywhere): copy such an operand
+    a, b2 = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, b2))
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, cfg["BK"]])
     b_desc = TensorDescriptor(b2, [groups * n, k], [k, 1], [cfg["BN"], cfg["BK"]])
     # 64-row tiles (4 warps, 96 KB of stages, < 180 registers): two programs fit an SM, and the
@@ -741,7 +743,7 @@ def _k_grouped_fp8(a, sa, b, sb, offsets, out_dtype, out=None, c=None):
     used = nblocks.sum(dtype=torch.int32).reshape(1)
     ab, bb = (q if q.dim() == 3 else _group_blocks(q, offsets, block_start, used, num_blocks) for q in (a, b))
     cfg = k_grouped_tiles()
-    ab, bb = ab.reshape(-1, BLOCK), bb.reshape(-1, BLOCK)
+    ab, bb = (t.reshape(-1, BLOCK) if t.data_ptr() % 16 == 0 else t.reshape(-1, BLOCK).clone() for t in (ab, bb))
     a_desc = TensorDescriptor(ab, list(ab.shape), [BLOCK, 1], [cfg["BN"], cfg["BT"]])
     b_desc = TensorDescriptor(bb, list(bb.shape), [BLOCK, 1], [cfg["BK"], cfg["BT"]])
     total = groups * _cdiv(n, cfg["BN"]) * _cdiv(k, cfg["BK"])
