@@ -113,7 +113,7 @@ def test_structure_columns(reports):
     for arch in aot.CI_ARCHS:
         rep = _only(reports, "fp8 gemm nt M=4096 N=7168 K=2048", arch)
         assert rep.tma_loads > 0 and rep.persistent and rep.tile == "128x128x128 w8 s4", rep
-        assert rep.setmaxnreg == 0  # warp specialization is off (see primerl.kernels.gemm.triton)
+        assert rep.setmaxnreg == 0  # warp specialization is off (see primerl.kernels.gemm.triton_fp8)
         k_grouped = [r for r in _reports_of(reports, "fp8 k-grouped tn G=4 T=8192 N=4096 K=7168", arch)
                      if r.expected_mma]
         assert len(k_grouped) == 1 and k_grouped[0].tma_loads > 0 and k_grouped[0].persistent, k_grouped

@@ -506,6 +506,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from primerl.kernels.gemm import triton as T
+from primerl.kernels.gemm import triton_fp8 as F
 
 def check(fn, sig, const, div16, stages, warps, label=None):
     sig = dict(sig)
@@ -534,13 +535,13 @@ tsig.update({n: "i32" for n in ["M", "N", "K", "num_entries", "max_m", "num_m_ti
                                 "stride_sam", "stride_sbg", "stride_sbn"]})
 tconst = dict(MODE=T.MODE_TABLE, HAS_C=False, SB_GRAN=128, ENTRIES_P2=16, BM=128, BN=128, BK=128, SWIZZLE=8,
               WARP_SPECIALIZE=False)
-check(T._m_grouped_fp8_kernel, tsig, tconst, ["sa_ptr", "sb_ptr", "d_ptr", "N", "K"], cfg["num_stages"], 8)
-check(T._m_grouped_fp8_kernel, tsig, dict(tconst, MODE=T.MODE_DENSE, HAS_C=True), ["d_ptr", "N", "K"], cfg["num_stages"], 8,
+check(F._m_grouped_fp8_kernel, tsig, tconst, ["sa_ptr", "sb_ptr", "d_ptr", "N", "K"], cfg["num_stages"], 8)
+check(F._m_grouped_fp8_kernel, tsig, dict(tconst, MODE=T.MODE_DENSE, HAS_C=True), ["d_ptr", "N", "K"], cfg["num_stages"], 8,
       label="dense_with_c")
 ksig = dict(a_desc=desc, b_desc=desc, sa_ptr="*fp32", sb_ptr="*fp32", d_ptr="*fp32", c_ptr="*fp32", offsets_ptr="*i32",
             block_start_ptr="*i32")
 ksig.update({n: "i32" for n in ["N", "K", "G", "num_progs", "stride_sa", "stride_sb"]})
-check(T._k_grouped_fp8_kernel, ksig, dict(HAS_C=False, BN=128, BK=128, BT=128, SWIZZLE=8, PREFETCH_SCALES=True),
+check(F._k_grouped_fp8_kernel, ksig, dict(HAS_C=False, BN=128, BK=128, BT=128, SWIZZLE=8, PREFETCH_SCALES=True),
       ["sa_ptr", "sb_ptr", "N", "K", "stride_sa", "stride_sb"], 4, 8)
 qsig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", sf_ptr="*fp32", offsets_ptr="*i32", block_start_ptr="*i32", T="i32",
             C="i32", G="i32", R="i32", used_blocks_ptr="*i32")
