@@ -37,10 +37,8 @@ def _wgrad(dy, x, ends, fp8: bool):
     from ..gemm import k_grouped_fp8_gemm_tn_contiguous, k_grouped_gemm_tn, quant_per_group_colwise
 
     if fp8 and dy.shape[0] > 0:
-        # group blocks: the layout the Triton kernel reads, no re-layout pass (nor its copies)
         return k_grouped_fp8_gemm_tn_contiguous(
-            quant_per_group_colwise(dy, ends, layout="blocks"), quant_per_group_colwise(x, ends, layout="blocks"), ends,
-            out_dtype=torch.float32,
+            quant_per_group_colwise(dy, ends), quant_per_group_colwise(x, ends), ends, out_dtype=torch.float32
         )
     return k_grouped_gemm_tn(dy, x.to(dy.dtype), ends, out_dtype=torch.float32)
 
