@@ -624,3 +624,24 @@ def test_triton_small_tiles(monkeypatch):
     xa = _quant_a(xs)
     out = G.m_grouped_fp8_gemm_nt_offsets(xa, wg, offs, backend="triton")
     assert calc_diff(out, R.m_grouped_fp8_gemm_nt_offsets(xa, wg, offs, torch.float32)) < 1e-5
+
+
+def test_triton_fp8_tile_bands(monkeypatch):
+    """The FP8 kernels walk tiles in bands of 8 M-tiles (k-grouped: N-tiles), the last band
+    partial: with 16-row / 16-column tiles, 11 M-tiles x 3 N-tiles and 13 x 4 output tiles cover
+    every output once (outputs are NaN-poisoned, so a skipped tile fails)."""
+    from primerl.kernels.gemm import triton as T
+    from primerl.kernels.gemm import triton_fp8 as F
+
+    real_tiles, real_k = T.pick_tiles, F.k_grouped_tiles
+    monkeypatch.setattr(T, "pick_tiles", lambda *a, **kw: {**real_tiles(*a, **kw), "BM": 16, "BN": 32})
+    x, w = _randn(170, 256, seed=0), _randn(96, 256, seed=1, scale=0.05)
+    a, b = _quant_a(x), quant_per_block(w)
+    assert calc_diff(G.fp8_gemm_nt(a, b, backend="triton"), R.fp8_gemm_nt(a, b, torch.float32)) < 1e-5
+    monkeypatch.setattr(F, "k_grouped_tiles", lambda *a, **kw: {**real_k(*a, **kw), "BN": 16, "BK": 16})
+    counts = [130, 0, 7]
+    offs = _offsets(counts)
+    dy, xs = _randn(sum(counts), 200, seed=2), _randn(sum(counts), 64, seed=3)
+    qa, qb = G.quant_per_group_colwise(dy, offs), G.quant_per_group_colwise(xs, offs)
+    out = G.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, backend="triton")
+    assert calc_diff(out, R.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, torch.float32)) < 1e-5
