@@ -1,6 +1,7 @@
 """Ahead-of-time compilation of the package's Triton kernels for Hopper (sm_90a) and Blackwell
 (sm_100a) on a machine without a GPU, and what the compiled code says about each kernel:
-registers, spills, shared memory and the tensor-core instruction.
+registers, spills, shared memory, the tensor-core instruction, and the structure of a fast Hopper
+kernel (TMA loads, warp-specialized register reallocation, a persistent grid, the tile shape).
 
 Launch configurations are the package's own: each case (:mod:`.aot_cases`) calls a public op
 (``backend="triton"``) or a Triton launcher at a representative shape on storage-less tensors
