@@ -1,6 +1,7 @@
 """Ahead-of-time compilation of the package's Triton kernels for Hopper (sm_90a) and Blackwell
 (sm_100a) on a machine without a GPU, and what the compiled code says about each kernel:
-registers, spills, shared memory and the tensor-core instruction.
+registers, spills, shared memory, the tensor-core instruction, and the structure of a fast Hopper
+kernel (TMA loads, warp-specialized register reallocation, a persistent grid, the tile shape).
 
 Launch configurations are the package's own: each case (:mod:`.aot_cases`) calls a public op
 (``backend="triton"``) or a Triton launcher at a representative shape on storage-less tensors
@@ -103,6 +104,10 @@ class Report:
     stack_bytes: int | None = None
     shared_bytes: int | None = None
     mma: list[str] = dataclasses.field(default_factory=list)  # MMA-family SASS opcodes seen
+    tma_loads: int | None = None  # UTMALDG (tensor TMA) + UBLKCP (bulk copy) instructions in the SASS
+    setmaxnreg: int | None = None  # SETMAXNREG / USETMAXREG: register reallocation between warpgroups
+    persistent: bool | None = None  # the kernel loops over tiles with a stride of its program count
+    tile: str = ""  # BMxBNxBK (BNxBKxBT for the k-grouped kernel), warps, stages
     tcgen05_ptx: bool = False
     compile_s: float = 0.0
     error: str | None = None
@@ -146,7 +151,7 @@ class _MetaAsCuda(torch.overrides.TorchFunctionMode):
 def capture_launches(target: Target):
     """Within the block, Triton launches are recorded (not run) into the yielded list, tensors made
     with ``device="cuda"`` are storage-less (meta) stand-ins that report cuda, and the package's
-    SM count is the target card's."""
+    SM count and architecture are the target card's."""
     from triton.runtime.jit import JITFunction
 
     from . import _backend
@@ -160,15 +165,16 @@ def capture_launches(target: Target):
     def record(self, *args, grid, warmup, **kwargs):
         launches.append((self, args, kwargs))
 
-    saved = JITFunction.run, gemm_triton._num_sms, _backend._triton_status
+    saved = JITFunction.run, gemm_triton._num_sms, gemm_triton._arch_major, _backend._triton_status
     JITFunction.run, gemm_triton._num_sms = record, lambda: target.num_sms
+    gemm_triton._arch_major = lambda: target.capability // 10
     # public ops resolve backend="triton" against a (here absent) CUDA device
     _backend._triton_status = lambda: _backend.BackendStatus(True, f"AOT capture for {target.arch}")
     try:
         with _MetaAsCuda():
             yield launches
     finally:
-        JITFunction.run, gemm_triton._num_sms, _backend._triton_status = saved
+        JITFunction.run, gemm_triton._num_sms, gemm_triton._arch_major, _backend._triton_status = saved
 
 
 def launches_of(cases: list[Case], target: Target) -> list[Launch]:
@@ -209,6 +215,16 @@ def _config(launch: Launch, options) -> str:
     return " ".join(consts + [f"w{options.num_warps}", f"s{options.num_stages}"])
 
 
+def _structure(launch: Launch, options) -> tuple[str, bool]:
+    """(tile "BMxBNxBK w8 s4" from the launch's block constexprs, whether the kernel is persistent:
+    it takes its program count and strides over tiles)."""
+    kw = launch.kwargs
+    dims = [kw[k] for k in ("BM", "BN", "BK", "BT", "BC", "BLOCK_M", "BLOCK_N", "BLOCK_K") if isinstance(kw.get(k), int)]
+    tile = "x".join(str(d) for d in dims[:3])
+    tile = f"{tile} w{options.num_warps} s{options.num_stages}" if tile else f"w{options.num_warps} s{options.num_stages}"
+    return tile, "num_progs" in launch.fn.arg_names
+
+
 def _tool(name: str) -> str:
     import triton
 
@@ -231,6 +247,8 @@ def read_cubin(cubin: bytes) -> dict:
         "stack_bytes": int(stack.group(1)) if stack else None,
         "spill_ops": opcodes["LDL"] + opcodes["STL"],
         "mma": sorted(op for op in opcodes if "MMA" in op),
+        "tma_loads": sum(n for op, n in opcodes.items() if op.startswith(("UTMALDG", "UBLKCP"))),
+        "setmaxnreg": sum(n for op, n in opcodes.items() if op.startswith(("SETMAXNREG", "USETMAXREG"))),
     }
 
 
@@ -243,9 +261,12 @@ def compile_launch(launch: Launch, target: Target) -> Report:
     try:
         gpu, src, options = _specialise(launch, target)
         rep.config = _config(launch, options)
+        rep.tile, rep.persistent = _structure(launch, options)
         with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX when ptxas fails
             k = triton.compile(src, target=gpu, options=options.__dict__)
         rep.shared_bytes = int(k.metadata.shared)
+        if "tt.dot" not in k.asm["ttir"]:  # a helper kernel of a GEMM case (e.g. an operand re-layout)
+            rep.expected_mma = None
         rep.tcgen05_ptx = "tcgen05.mma" in k.asm["ptx"]
         for key, value in read_cubin(k.asm["cubin"]).items():
             setattr(rep, key, value)
@@ -366,15 +387,20 @@ def compile_reports(archs=("sm_90a", "sm_100a"), subset: str = "all", extra: str
 
 
 def format_reports(reports: list[Report]) -> str:
-    cols = ["kernel", "target", "config", "regs", "spills", "shared", "MMA", "case", "check"]
+    """One row per compiled kernel. Structure columns: ``tile`` (block shape, warps, stages),
+    ``TMA`` (UTMALDG/UBLKCP count in the SASS), ``maxreg`` (SETMAXNREG/USETMAXREG count:
+    warp-specialized register reallocation), ``pers`` (persistent grid)."""
+    cols = ["kernel", "target", "tile", "TMA", "maxreg", "pers", "regs", "spills", "shared", "MMA", "case", "config",
+            "check"]
     rows = []
     for r in reports:
         bad = problems(r)
         mma = ",".join(op for op in r.mma) or "-"
         case = r.case + (f" (+{len(r.also_cases)} more)" if r.also_cases else "")
-        rows.append([r.kernel.lstrip("_"), r.target, r.config, "-" if r.regs is None else str(r.regs),
-                     "-" if r.spill_ops is None else str(r.spill_ops),
-                     "-" if r.shared_bytes is None else f"{r.shared_bytes / 1024:.1f} KB", mma, case,
+        num = lambda v: "-" if v is None else str(v)  # noqa: E731
+        rows.append([r.kernel.lstrip("_"), r.target, r.tile or "-", num(r.tma_loads), num(r.setmaxnreg),
+                     "-" if r.persistent is None else ("yes" if r.persistent else "no"), num(r.regs), num(r.spill_ops),
+                     "-" if r.shared_bytes is None else f"{r.shared_bytes / 1024:.1f} KB", mma, case, r.config,
                      "ok" if not bad else "FAIL: " + "; ".join(bad)])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)), "-+-".join("-" * w for w in widths)]

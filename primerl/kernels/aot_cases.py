@@ -71,6 +71,9 @@ def _quant_cases():
         Case("fp8 tensorwise 4096x7168", lambda: fp8.quant_tensorwise(_cuda(4096, 7168), backend=T), None, ci=True),
         Case("fp8 per-group colwise T=4x2048 C=7168",
              lambda: gemm.quant_per_group_colwise(_cuda(4 * 2048, 7168), _offsets(4, 2048), backend=T), None, ci=True),
+        Case("fp8 per-group colwise T=4x2048 C=7168 group blocks",
+             lambda: gemm.quant_per_group_colwise(_cuda(4 * 2048, 7168), _offsets(4, 2048), layout="blocks", backend=T),
+             None, ci=True),
     ]
 
 
@@ -95,6 +98,20 @@ def _fp8_dense(m, n, k):
     from . import gemm
 
     gemm.fp8_gemm_nt(_act(m, k), tuple(t[0] for t in _weight(1, n, k)), out_dtype=BF16, backend=T)
+
+
+def _fp8_dense_row_scaled_b(m, n, k):
+    from . import gemm
+
+    b = (_cuda(n, k, dtype=E4M3), _cuda(n, k // 128, dtype=F32))  # one scale per row of B (SM100's 1D1D)
+    gemm.fp8_gemm_nt(_act(m, k), b, recipe=(1, 1, 128), out_dtype=BF16, backend=T)
+
+
+def _fp8_dense_plus_c(m, n, k):
+    from . import gemm
+
+    d = _cuda(m, n, dtype=F32)
+    gemm.fp8_gemm_nt(_act(m, k), tuple(t[0] for t in _weight(1, n, k)), d, c=d, backend=T)
 
 
 def _fp8_contiguous(groups, m, n, k):
@@ -135,6 +152,9 @@ def _gemm_cases():
             ci = (m, n, k) in CI_GEMMS
             cases.append(Case(f"fp8 gemm nt M={m} N={n} K={k}", P(_fp8_dense, m, n, k), "fp8", ci))
             cases.append(Case(f"bf16 gemm nt fwd+bwd M={m} N={n} K={k}", P(_bf16_dense_fwd_bwd, m, n, k), "bf16", ci and m == 4096))
+    m, n, k = 4096, 7168, 2048
+    cases.append(Case(f"fp8 gemm nt recipe (1,1,128) M={m} N={n} K={k}", P(_fp8_dense_row_scaled_b, m, n, k), "fp8", True))
+    cases.append(Case(f"fp8 gemm nt + c float32 M={m} N={n} K={k}", P(_fp8_dense_plus_c, m, n, k), "fp8", True))
     n, k = GROUPED_NK
     for groups, rows in [(4, 8192), (8, 4096)]:
         m = groups * rows

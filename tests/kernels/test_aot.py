@@ -107,6 +107,22 @@ def test_launch_configuration_is_the_gpu_one(reports):
         assert want <= set(rep.config.split()), (rep.config, want)
 
 
+def test_structure_columns(reports):
+    """The FP8 GEMMs show their Hopper structure in the table: TMA loads in the SASS, a persistent
+    grid, the tile; a kernel without descriptors shows no TMA."""
+    for arch in aot.CI_ARCHS:
+        rep = _only(reports, "fp8 gemm nt M=4096 N=7168 K=2048", arch)
+        assert rep.tma_loads > 0 and rep.persistent and rep.tile == "128x128x128 w8 s4", rep
+        assert rep.setmaxnreg == 0  # warp specialization is off (see primerl.kernels.gemm.triton_fp8)
+        k_grouped = [r for r in _reports_of(reports, "fp8 k-grouped tn G=4 T=8192 N=4096 K=7168", arch)
+                     if r.expected_mma]
+        assert len(k_grouped) == 1 and k_grouped[0].tma_loads > 0 and k_grouped[0].persistent, k_grouped
+    quant = _reports_of(reports, "fp8 per-token-group 4096x7168 g128", "sm_90a")
+    assert quant and all(r.tma_loads == 0 and r.persistent is False for r in quant), quant
+    header = aot.format_reports([rep]).splitlines()[0].split(" | ")
+    assert [h.strip() for h in header[2:6]] == ["tile", "TMA", "maxreg", "pers"], header
+
+
 def test_problems_of_a_clean_and_a_broken_report():
     clean = aot.Report(kernel="k", case="c", target="sm_100a", config="", expected_mma="bf16", regs=128, spill_ops=0,
                        stack_bytes=0, shared_bytes=100 * 1024, mma=["UTCHMMA"], tcgen05_ptx=True)

@@ -322,6 +322,36 @@ def test_k_grouped_fp8_gemm_tn(backend, counts):
     _check_fp8(out, deq, exact)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("counts", [[0, 130, 1, 0], [256, 3]])
+def test_quant_per_group_colwise_blocks_layout(backend, counts):
+    """layout="blocks": the same values as group blocks [R, C, 128] (zero past a group's end and
+    in spare blocks), the same scales; the GEMM gives bitwise the rows layout's result."""
+    total, tail, cols = sum(counts), 3, 80
+    x = _randn(total + tail, cols, seed=total, scale=2.0)
+    offs = _offsets(counts)
+    q, sf = G.quant_per_group_colwise(x, offs, backend=backend)
+    qb, sfb = G.quant_per_group_colwise(x, offs, layout="blocks", backend=backend)
+    assert qb.shape == (sf.shape[0], cols, 128) and torch.equal(sfb, sf)
+    assert torch.equal(qb.view(torch.uint8), R.rows_to_group_blocks(q, offs, sf.shape[0]).view(torch.uint8))
+    back = R.group_blocks_to_rows(qb, offs, total + tail)
+    assert torch.equal(back.view(torch.uint8)[:total], q.view(torch.uint8)[:total]) and bool((back[total:] == 0).all())
+    used = sum(-(-c // 128) for c in counts)
+    assert bool((qb[used:].float() == 0).all())
+    y = _randn(total + tail, 48, seed=1)
+    pair_rows = G.quant_per_group_colwise(y, offs, backend=backend)
+    pair_blocks = G.quant_per_group_colwise(y, offs, layout="blocks", backend=backend)
+    want = G.k_grouped_fp8_gemm_tn_contiguous((q, sf), pair_rows, offs, backend=backend)
+    got = G.k_grouped_fp8_gemm_tn_contiguous((qb, sfb), pair_blocks, offs, backend=backend)
+    assert torch.equal(got, want)
+    qc, sfc = G.quant_per_group_colwise(x, offs, layout="blocks", compact=True, backend=backend)
+    assert qc.shape[0] == sfc.shape[0] == used
+    with pytest.raises(ValueError, match="share a layout"):
+        G.k_grouped_fp8_gemm_tn_contiguous((qb, sfb), pair_rows, offs, backend=backend)
+    with pytest.raises(ValueError, match="layout must be"):
+        G.quant_per_group_colwise(x, offs, layout="cols", backend=backend)
+
+
 # ------------------------------------------------------------------------------ validation, adapter
 
 
@@ -377,14 +407,77 @@ def test_deep_gemm_scale_layout(shape):
 # ------------------------------------------------------------------------------ GPU
 
 
+# GPU shapes cover every launch configuration of the TMA kernels: BM 64 (M <= 64) and 128, BN 64
+# (fewer 128-wide tiles than SMs) and 128, more tiles than programs (the persistent loop), M and N
+# not multiples of the tile.
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(128, 2112, 7168), (4096, 7168, 2048), (3, 4096, 512)])
+@pytest.mark.parametrize("m,n,k", [(128, 2112, 7168), (4096, 7168, 2048), (3, 4096, 512), (64, 7168, 2048),
+                                   (300, 4160, 1024)])
 def test_fp8_gemm_nt_gpu(m, n, k):
     x, w = _randn(m, k, seed=0), _randn(n, k, seed=1, scale=0.02)
     a, b = _quant_a(x), quant_per_block(w)
     deq = R.fp8_gemm_nt(a, b, torch.float32)
+    exact = x.double() @ w.double().t()
     for be in ["triton"] + (["deep_gemm"] if backend_status("deep_gemm").available else []):
-        assert calc_diff(G.fp8_gemm_nt(a, b, backend=be), deq) < 1e-5, be
+        out = G.fp8_gemm_nt(a, b, backend=be)
+        assert calc_diff(out, deq) < 1e-5 and calc_diff(out, exact) < 1e-3, be
+
+
+@pytest.mark.gpu
+def test_fp8_gemm_nt_row_scaled_b_and_c_gpu():
+    """Recipe (1, 1, 128) (a scale per row of B: BN 64 tiles) and D = A @ B.T + C into float32."""
+    m, n, k = 1000, 2048, 1024
+    x, w = _randn(m, k, seed=2), _randn(n, k, seed=3, scale=0.02)
+    a, b = _quant_a(x), quant_per_token_group(w, 128)
+    out = G.fp8_gemm_nt(a, b, recipe=(1, 1, 128), backend="triton")
+    assert calc_diff(out, R.fp8_gemm_nt(a, b, torch.float32, 1)) < 1e-5
+    c = _randn(m, n, seed=4, dtype=torch.float32)
+    d = c.clone()
+    G.fp8_gemm_nt(a, quant_per_block(w), d, c=d, backend="triton")
+    assert calc_diff(d, x.double() @ w.double().t() + c.double()) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expected_m", [32, 256])
+def test_m_grouped_fp8_masked_gpu(expected_m):
+    """Masked layout (per-group tiles of BM 64 / 128, tiles past masked_m exit): rows past masked_m
+    are not written, NaN rows there are not read into valid rows."""
+    groups, max_m, n, k = 4, 256, 4096, 1024
+    masked_m = torch.tensor([0, 1, 100, 256], dtype=torch.int32, device=DEV)
+    x, w = _randn(groups, max_m, k, seed=5), _randn(groups, n, k, seed=6, scale=0.02)
+    past = torch.arange(max_m, device=DEV)[None, :] >= masked_m[:, None]
+    a, b = _poison_rows(_quant_a(x), past), quant_per_block(w)
+    d = torch.full((groups, max_m, n), 3.0, dtype=torch.bfloat16, device=DEV)
+    G.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, backend="triton")
+    assert bool((d[past] == 3.0).all())
+    deq = R.dequant_token_group(*a).nan_to_num(0) @ R.dequant_block(*b).transpose(1, 2)
+    exact = x.double() @ w.double().transpose(1, 2)
+    assert calc_diff(d[~past], deq[~past]) < 1e-5 and calc_diff(d[~past], exact[~past]) < 1e-3
+
+
+@pytest.mark.gpu
+def test_k_grouped_fp8_gpu():
+    """Weight gradients: ragged groups (empty, one row, not multiples of 128) through the K-major
+    group-block re-layout, static and compact scale rows, and + C."""
+    counts, n, k = [300, 0, 1, 1000, 128], 4096, 2048
+    offs = _offsets(counts)
+    total = sum(counts)
+    dy, x = _randn(total + 5, n, seed=7), _randn(total + 5, k, seed=8)
+    qa, qb = G.quant_per_group_colwise(dy, offs), G.quant_per_group_colwise(x, offs)
+    out = G.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, backend="triton")
+    exact = torch.stack([dy[s - c:s].double().t() @ x[s - c:s].double() for s, c in zip(offs.tolist(), counts)])
+    assert calc_diff(out, R.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, torch.float32)) < 1e-5
+    assert calc_diff(out, exact) < 1e-3 and bool((out[1] == 0).all())
+    blocks = [G.quant_per_group_colwise(t, offs, layout="blocks") for t in (dy, x)]
+    assert torch.equal(G.k_grouped_fp8_gemm_tn_contiguous(*blocks, offs, backend="triton"), out)
+    ks = counts[:-1] + [counts[-1] + 5]  # the tail rows join the last group
+    qa, qb = (G.quant_per_group_colwise(t, ks=ks, compact=True) for t in (dy, x))
+    c = _randn(len(ks), n, k, seed=9, dtype=torch.float32)
+    d = c.clone()
+    G.k_grouped_fp8_gemm_tn_contiguous(qa, qb, d=d, c=d, ks=ks, backend="triton")
+    offs = _offsets(ks)
+    want = R.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, torch.float32, c)
+    assert calc_diff(d, want) < 1e-5
 
 
 @pytest.mark.gpu
@@ -413,6 +506,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from primerl.kernels.gemm import triton as T
+from primerl.kernels.gemm import triton_fp8 as F
 
 def check(fn, sig, const, div16, stages, warps, label=None):
     sig = dict(sig)
@@ -431,23 +525,28 @@ sig = dict(zip(ptrs, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*fp32"
 ints = ["M", "N", "K", "num_entries", "num_m_tiles", "num_progs", "stride_am", "stride_bg", "stride_bn",
         "stride_dm", "stride_cm", "stride_sam", "stride_sbg", "stride_sbn"]
 sig.update({n: "i32" for n in ints})
-const = dict(stride_ak=1, stride_bk=1, MODE=T.MODE_TABLE, SCALED=True, HAS_C=False, SB_GRAN=128, MIXED=False, ENTRIES_P2=16,
-             BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], PRECISION="tf32")
-check(T._m_grouped_gemm_nt_kernel, sig, const, ptrs + ["N", "K", "stride_am", "stride_bg", "stride_bn", "stride_dm"],
-      cfg["num_stages"], cfg["num_warps"])
-check(T._m_grouped_gemm_nt_kernel, sig, dict(const, MODE=T.MODE_M_INDICES, SB_GRAN=1, MIXED=True), ptrs + ["N", "K"],
-      cfg["num_stages"], cfg["num_warps"], label="m_indices_mode")
-check(T._m_grouped_gemm_nt_kernel, sig, dict(const, MODE=T.MODE_DENSE, HAS_C=True), ptrs + ["N", "K"],
-      cfg["num_stages"], cfg["num_warps"], label="dense_with_c")
-kptrs = ["a_ptr", "sa_ptr", "b_ptr", "sb_ptr", "d_ptr", "c_ptr", "offsets_ptr", "block_start_ptr", "m_indices_ptr"]
-ksig = dict(zip(kptrs, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32"]))
-ksig.update({n: "i32" for n in ["N", "K", "G", "num_progs", "stride_a", "stride_b", "stride_sa", "stride_sb"]})
-check(T._k_grouped_gemm_tn_kernel, ksig, dict(SCALED=True, ROW_MASK=False, HAS_C=False, BN=128, BK=128, BT=128,
-                                              PRECISION="tf32"),
-      kptrs + ["N", "K", "stride_a", "stride_b", "stride_sa", "stride_sb"], 3, 8)
+const = dict(stride_ak=1, stride_bk=1, MODE=T.MODE_M_INDICES, SCALED=True, HAS_C=False, SB_GRAN=1, MIXED=True,
+             ENTRIES_P2=1, BM=cfg["BM"], BN=64, BK=cfg["BK"], PRECISION="tf32")
+check(T._m_grouped_gemm_nt_kernel, sig, const, ptrs + ["N", "K"], cfg["num_stages"], cfg["num_warps"], label="m_indices_mode")
+desc = "tensordesc<fp8e4nv[128, 128]>"
+tsig = dict(a_desc=desc, b_desc=desc, sa_ptr="*fp32", sb_ptr="*fp32", d_ptr="*bf16", c_ptr="*fp32", group_ptr="*i32",
+            row_start_ptr="*i32", row_count_ptr="*i32", b_index_ptr="*i32")
+tsig.update({n: "i32" for n in ["M", "N", "K", "num_entries", "max_m", "num_m_tiles", "num_progs", "stride_dm", "stride_cm",
+                                "stride_sam", "stride_sbg", "stride_sbn"]})
+tconst = dict(MODE=T.MODE_TABLE, HAS_C=False, SB_GRAN=128, ENTRIES_P2=16, BM=128, BN=128, BK=128, SWIZZLE=8,
+              WARP_SPECIALIZE=False)
+check(F._m_grouped_fp8_kernel, tsig, tconst, ["sa_ptr", "sb_ptr", "d_ptr", "N", "K"], cfg["num_stages"], 8)
+check(F._m_grouped_fp8_kernel, tsig, dict(tconst, MODE=T.MODE_DENSE, HAS_C=True), ["d_ptr", "N", "K"], cfg["num_stages"], 8,
+      label="dense_with_c")
+ksig = dict(a_desc=desc, b_desc=desc, sa_ptr="*fp32", sb_ptr="*fp32", d_ptr="*fp32", c_ptr="*fp32", offsets_ptr="*i32",
+            block_start_ptr="*i32")
+ksig.update({n: "i32" for n in ["N", "K", "G", "num_progs", "stride_sa", "stride_sb"]})
+check(F._k_grouped_fp8_kernel, ksig, dict(HAS_C=False, BN=128, BK=128, BT=128, SWIZZLE=8, PREFETCH_SCALES=True),
+      ["sa_ptr", "sb_ptr", "N", "K", "stride_sa", "stride_sb"], 4, 8)
 qsig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", sf_ptr="*fp32", offsets_ptr="*i32", block_start_ptr="*i32", T="i32",
-            C="i32", G="i32", used_blocks_ptr="*i32")
-check(T._quant_group_colwise_kernel, qsig, dict(FMAX=448.0, UE8M0=True, RECIPROCAL=True, BT=128, BC=64, G_P2=8), [], 1, 4)
+            C="i32", G="i32", R="i32", used_blocks_ptr="*i32")
+check(T._quant_group_colwise_kernel, qsig, dict(FMAX=448.0, UE8M0=True, RECIPROCAL=True, BT=128, BC=64, G_P2=8,
+                                                BLOCKS=True), [], 1, 4)
 '''
 
 
@@ -466,11 +565,11 @@ def test_triton_kernels_lower_for_hopper():
     res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = dict((ln.split()[0], ln.split()[1:]) for ln in res.stdout.strip().splitlines())
-    shared, wgmma = lines["_m_grouped_gemm_nt_kernel"]
-    assert wgmma == "True" and int(shared) >= 3 * (128 + 128) * 128  # >= 3 pipelined stages of A+B
+    shared, wgmma = lines["_m_grouped_fp8_kernel"]
+    assert wgmma == "True" and int(shared) >= 3 * (128 + 128) * 128  # >= 3 pipelined TMA stages of A+B
     # the per-group loop of m_indices tiles (any alignment) and the C epilogue keep the wgmma path
     assert lines["m_indices_mode"][1] == "True" and lines["dense_with_c"][1] == "True"
-    assert lines["_k_grouped_gemm_tn_kernel"][1] == "True" and "_quant_group_colwise_kernel" in lines
+    assert lines["_k_grouped_fp8_kernel"][1] == "True" and "_quant_group_colwise_kernel" in lines
 
 
 @pytest.mark.parametrize("scaled,elt", [(True, 1), (False, 2), (False, 4)])
@@ -525,3 +624,24 @@ def test_triton_small_tiles(monkeypatch):
     xa = _quant_a(xs)
     out = G.m_grouped_fp8_gemm_nt_offsets(xa, wg, offs, backend="triton")
     assert calc_diff(out, R.m_grouped_fp8_gemm_nt_offsets(xa, wg, offs, torch.float32)) < 1e-5
+
+
+def test_triton_fp8_tile_bands(monkeypatch):
+    """The FP8 kernels walk tiles in bands of 8 M-tiles (k-grouped: N-tiles), the last band
+    partial: with 16-row / 16-column tiles, 11 M-tiles x 3 N-tiles and 13 x 4 output tiles cover
+    every output once (outputs are NaN-poisoned, so a skipped tile fails)."""
+    from primerl.kernels.gemm import triton as T
+    from primerl.kernels.gemm import triton_fp8 as F
+
+    real_tiles, real_k = T.pick_tiles, F.k_grouped_tiles
+    monkeypatch.setattr(T, "pick_tiles", lambda *a, **kw: {**real_tiles(*a, **kw), "BM": 16, "BN": 32})
+    x, w = _randn(170, 256, seed=0), _randn(96, 256, seed=1, scale=0.05)
+    a, b = _quant_a(x), quant_per_block(w)
+    assert calc_diff(G.fp8_gemm_nt(a, b, backend="triton"), R.fp8_gemm_nt(a, b, torch.float32)) < 1e-5
+    monkeypatch.setattr(F, "k_grouped_tiles", lambda *a, **kw: {**real_k(*a, **kw), "BN": 16, "BK": 16})
+    counts = [130, 0, 7]
+    offs = _offsets(counts)
+    dy, xs = _randn(sum(counts), 200, seed=2), _randn(sum(counts), 64, seed=3)
+    qa, qb = G.quant_per_group_colwise(dy, offs), G.quant_per_group_colwise(xs, offs)
+    out = G.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, backend="triton")
+    assert calc_diff(out, R.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, torch.float32)) < 1e-5

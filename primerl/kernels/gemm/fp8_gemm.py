@@ -314,7 +314,8 @@ def _reject_sizes_as_offsets(op: str, offsets: torch.Tensor, num_rows: int) -> N
 
 def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor | None = None, *, ks=None,
                             dtype: torch.dtype = torch.float8_e4m3fn, ue8m0: bool = False,
-                            rounding: str = "reciprocal", compact: bool = False, backend: str | None = None):
+                            rounding: str = "reciprocal", compact: bool = False, layout: str = "rows",
+                            backend: str | None = None):
     """Column-wise FP8 quantization in 128-row blocks that never cross a group boundary.
 
     x ``[T, C]`` with groups along T given by ``offsets[G]`` (cumulative ends) or ``ks[G]``
@@ -324,10 +325,17 @@ def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor | None = None
     Group g's blocks start at scale row ``group_block_starts(offsets)[g]``; spare scale rows are
     finite; rows past the last group quantize to zero. The operand layout of
     :func:`k_grouped_fp8_gemm_tn_contiguous`. ``rounding`` and the NaN / inf policy are those of
-    :mod:`primerl.kernels.fp8` (default ``"reciprocal"``, DeepGEMM's ``per_channel_cast_to_fp8``)."""
+    :mod:`primerl.kernels.fp8` (default ``"reciprocal"``, DeepGEMM's ``per_channel_cast_to_fp8``).
+
+    ``layout="blocks"`` returns q as group blocks ``[R, C, 128]`` instead: ``q[r, c, i]`` is
+    column c of row i of scale block r (zero past its group's end and in spare blocks), the
+    K-major layout the Triton k-grouped GEMM reads with TMA (rows are re-laid out there first);
+    same values, same sf."""
     op = "quant_per_group_colwise"
     if rounding not in ROUNDINGS:
         raise ValueError(f"{op}: rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if layout not in ("rows", "blocks"):
+        raise ValueError(f"{op}: layout must be 'rows' or 'blocks', got {layout!r}")
     _check_tensor(op, "x", x, 2, (torch.bfloat16, torch.float16, torch.float32))
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{op}: x is empty (shape {tuple(x.shape)})")
@@ -336,9 +344,12 @@ def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor | None = None
     offsets = _group_offsets(op, offsets, ks, x.shape[0], x.device)
     dev = _check_same_device(op, x=x, offsets=offsets)
     be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
-    q, sf = _impl(be).quant_per_group_colwise(x.contiguous(), offsets, dtype, ue8m0, rounding)
+    q, sf = _impl(be).quant_per_group_colwise(x.contiguous(), offsets, dtype, ue8m0, rounding, layout)
     if compact:
-        sf = sf[:_compact_rows(offsets)].contiguous()
+        rows = _compact_rows(offsets)
+        sf = sf[:rows].contiguous()
+        if layout == "blocks":
+            q = q[:rows]
     return q, sf
 
 
@@ -355,7 +366,9 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
 
     a = (q [T, N], sf), b = (q [T, K], sf), both from :func:`quant_per_group_colwise` with the same
     groups; sf holds the static ``max_group_blocks(T, G)`` rows or DeepGEMM's compact
-    ``sum(ceil(ks / 128))``. Empty groups give zero (or C). Output float32 by default.
+    ``sum(ceil(ks / 128))``. Empty groups give zero (or C). Output float32 by default. Both q may
+    instead be group blocks ``[R, N, 128]`` / ``[R, K, 128]`` (``layout="blocks"``, R = sf rows):
+    the Triton kernel's own layout, read without a re-layout pass.
 
     ``backend="deep_gemm"`` (only when named: ``None`` never picks it) calls DeepGEMM's op of this
     name with ``ks`` (a host list; one sync when offsets / ks live on the GPU) and the compact scale
@@ -367,18 +380,36 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
     for name, pair in (("a", a), ("b", b)):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise TypeError(f"{op}: {name} must be a (q, sf) pair from quant_per_group_colwise")
-        _check_tensor(op, f"{name}[0] (q)", pair[0], 2, FP8_DTYPES)
+        dims = pair[0].dim() if isinstance(pair[0], torch.Tensor) else 2
+        _check_tensor(op, f"{name}[0] (q)", pair[0], 3 if dims == 3 else 2, FP8_DTYPES)
         _check_tensor(op, f"{name}[1] (sf)", pair[1], 2, (torch.float32,))
-        pairs.append((pair[0].contiguous(), pair[1].contiguous()))
+        # row-major q keeps its strides (the Triton path re-lays it out itself); group blocks must
+        # be packed
+        pairs.append((pair[0].contiguous() if dims == 3 else pair[0], pair[1].contiguous()))
     (aq, asf), (bq, bsf) = pairs
-    if aq.shape[0] != bq.shape[0]:
+    blocks = aq.dim() == 3
+    if bq.dim() != aq.dim():
+        raise ValueError(f"{op}: a and b must share a layout (both rows [T, C] or both group blocks [R, C, 128]), "
+                         f"got q shapes {tuple(aq.shape)} and {tuple(bq.shape)}")
+    if blocks:
+        for name, q, sf in (("a", aq, asf), ("b", bq, bsf)):
+            if q.shape[2] != BLOCK or tuple(sf.shape) != tuple(q.shape[:2]):
+                raise ValueError(f"{op}: {name} group blocks must be [R, C, {BLOCK}] with scales [R, C], got q "
+                                 f"{tuple(q.shape)} and sf {tuple(sf.shape)}")
+        if aq.shape[0] != bq.shape[0]:
+            raise ValueError(f"{op}: a and b must have the same blocks R, got {aq.shape[0]} and {bq.shape[0]}")
+    elif aq.shape[0] != bq.shape[0]:
         raise ValueError(f"{op}: a and b must have the same rows T, got {aq.shape[0]} and {bq.shape[0]}")
-    offsets = _group_offsets(op, offsets, ks, aq.shape[0], aq.device)
-    bound = max_group_blocks(aq.shape[0], offsets.numel())
+    num_rows = aq.shape[0] * BLOCK if blocks else aq.shape[0]  # blocks: a bound on offsets[-1]
+    offsets = _group_offsets(op, offsets, ks, num_rows, aq.device)
+    bound = max_group_blocks(num_rows, offsets.numel())
     exact = _compact_rows(offsets) if offsets.device.type == "cpu" else None
     for name, q, sf in (("a", aq, asf), ("b", bq, bsf)):
-        rows_ok = sf.shape[0] == bound or (exact is not None and sf.shape[0] == exact) or \
-            (exact is None and sf.shape[0] <= bound)
+        if blocks:
+            rows_ok = exact is None or sf.shape[0] >= exact
+        else:
+            rows_ok = sf.shape[0] == bound or (exact is not None and sf.shape[0] == exact) or \
+                (exact is None and sf.shape[0] <= bound)
         if sf.shape[1] != q.shape[1] or not rows_ok:
             raise ValueError(f"{op}: {name} scales must be ({bound}, {q.shape[1]}) (quant_per_group_colwise's static "
                              f"layout) or ({exact}, {q.shape[1]}) (compact rows for these groups), got {tuple(sf.shape)}")
@@ -389,10 +420,13 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
     # DeepGEMM's input contract (SM100, UE8M0, 128-aligned ks) is narrower than what
     # quant_per_group_colwise gives by default, so the automatic choice never takes it
     be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=("triton", "torch"))
+    if blocks and be != "triton":
+        pairs = [(reference.group_blocks_to_rows(q, offsets, num_rows), sf) for q, sf in pairs]
     if be == "torch":
         return _into(d, reference.k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, c))
     if be == "deep_gemm":
         ks_list = offsets_to_counts(offsets).tolist()
+        pairs = [(q.contiguous(), sf) for q, sf in pairs]
         return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], ks_list,
                                                           _alloc(d, shape, out_dtype, dev), c)
     return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, d, c)

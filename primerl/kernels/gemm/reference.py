@@ -216,8 +216,9 @@ def _row_blocks(offsets: torch.Tensor, num_rows: int, block: int = BLOCK) -> tor
 
 
 def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, ue8m0: bool,
-                            rounding: str = "reciprocal"):
-    """x [T, C] -> q [T, C] fp8, sf [max_group_blocks(T, G), C] float32.
+                            rounding: str = "reciprocal", layout: str = "rows"):
+    """x [T, C] -> q [T, C] fp8 (layout "blocks": [R, C, 128], see rows_to_group_blocks),
+    sf [R = max_group_blocks(T, G), C] float32.
 
     Column-wise scales over 128-row blocks that restart at every group's first row (a block never
     crosses a group boundary). Scale row of row r in group g: ``group_block_starts(offsets)[g] +
@@ -233,6 +234,8 @@ def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor, dtype: torch
     sf = fp8_ref.scale_from_amax(amax[:nblocks], dtype, ue8m0)
     operand = fp8_ref.cast_operand(sf, rounding)[idx[:, 0].clamp_max(nblocks - 1)]
     q = fp8_ref.cast_with(xa, operand, dtype, rounding)
+    if layout == "blocks":
+        q = rows_to_group_blocks(q, offsets, nblocks)
     return q, sf.contiguous()
 
 
@@ -241,6 +244,40 @@ def dequant_group_colwise(q: torch.Tensor, sf: torch.Tensor, offsets: torch.Tens
     valid = blk >= 0
     out = q.float() * sf[blk.clamp_min(0).long()]
     return torch.where(valid[:, None], out, torch.zeros((), device=q.device))
+
+
+def _block_rows(offsets: torch.Tensor, num_blocks: int, block: int = BLOCK) -> torch.Tensor:
+    """[num_blocks, block] source row of each slot of the group-blocks layout (-1: padding, spare)."""
+    counts = off.offsets_to_counts(offsets)
+    nblocks = (counts + block - 1) // block
+    starts = off.group_block_starts(offsets, block)
+    blk = torch.arange(num_blocks, device=offsets.device, dtype=torch.int32)
+    g = (torch.searchsorted(starts + nblocks, blk, right=True)).clamp_max(offsets.numel() - 1)
+    local = (blk - starts[g])[:, None] * block + torch.arange(block, device=offsets.device, dtype=torch.int32)
+    rows = off.offsets_to_starts(offsets)[g][:, None] + local
+    valid = (blk < (starts + nblocks)[-1])[:, None] & (local < counts[g][:, None])
+    return torch.where(valid, rows, -1)
+
+
+def rows_to_group_blocks(q: torch.Tensor, offsets: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """q [T, C] (a K-grouped operand, rows grouped by offsets) -> [num_blocks, C, 128]: slot
+    [r, c, i] holds row i of scale block r (see quant_per_group_colwise), zero past its group's
+    end and in spare blocks."""
+    src = _block_rows(offsets, num_blocks)
+    taken = q.view(torch.uint8)[src.clamp_min(0).long()]  # [R, 128, C]
+    taken = torch.where((src >= 0)[:, :, None], taken, torch.zeros((), dtype=torch.uint8, device=q.device))
+    return taken.transpose(1, 2).contiguous().view(q.dtype)
+
+
+def group_blocks_to_rows(qb: torch.Tensor, offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Inverse of :func:`rows_to_group_blocks`: [R, C, 128] -> q [num_rows, C], rows outside every
+    group zero."""
+    blk = _row_blocks(offsets, num_rows)
+    local = (torch.arange(num_rows, device=qb.device) - off.offsets_to_starts(offsets)[
+        off.offsets_to_m_indices(offsets, num_rows).clamp_min(0).long()]) % BLOCK
+    rows = qb.view(torch.uint8)[blk.clamp_min(0).long(), :, local.long()]  # [T, C]
+    rows = torch.where((blk >= 0)[:, None], rows, torch.zeros((), dtype=torch.uint8, device=qb.device))
+    return rows.view(qb.dtype)
 
 
 def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets, out_dtype, c=None):

@@ -1,23 +1,24 @@
-"""Triton GEMMs: one M-grouped NT kernel (dense, offsets, m_indices, masked; FP8 block-scaled or
-plain) and one K-grouped TN kernel (weight gradients), both persistent and group-aware.
+"""Triton GEMMs: the mode and tile choice for every op, the pointer-load M-grouped NT kernel
+(16/32-bit; FP8 m_indices layouts whose tiles mix groups) and K-grouped TN kernel (16/32-bit weight
+gradients), the colwise group quantizer, and the bf16 autograd. The FP8 TMA kernels (dense,
+offsets, aligned m_indices, masked, k-grouped) live in :mod:`.triton_fp8`. All persistent.
 
-Scheduling. The M-grouped kernel walks a flat list of (M-tile, N-tile) pairs with a stride of
-the number of programs (persistent on a GPU: one program per SM). How an M-tile maps to rows
-depends on the mode:
+Scheduling. The M-grouped kernels walk a flat list of (M-tile, N-tile) pairs with a stride of
+the number of programs (one program per SM on a GPU). How an M-tile maps to rows depends on the
+mode:
 
 * DENSE: tile ``mt`` covers rows ``mt*BM ..``, group 0.
 * TABLE: a small device-side table of row ranges ``(start, count, b_index)`` with cumulative tile
   ends; tile ``mt`` belongs to the entry whose tile range holds it (a vector compare against
   all entries). Offsets layouts add a tail entry with ``b_index = -1`` that writes zeros for rows
-  past ``offsets[-1]``; the masked layout has one entry per group, so no tile is spent on rows
-  past ``masked_m``. The table is built with torch ops on the device: no host sync.
+  past ``offsets[-1]``. The table is built with torch ops on the device: no host sync.
+* MASKED (FP8): group ``mt // ceil(max_m / BM)``; a tile past ``masked_m`` computes and stores
+  nothing (no table: nothing to build on the host).
 * M_INDICES: DeepGEMM's aligned layout; a tile's group is the max of its rows' ``m_indices``
   (every 128-row block holds one group), rows whose index differs are padding and give zero.
 
-FP8: BK = 128, one A scale per row and one B scale per (128-column, 128-K) block; each K block's
-partial product is scaled in float32 and added (``acc += dot(a, b) * sa[:, None] * sb[None, :]``).
-Rows that are not read (padding, past ``masked_m``) are masked at the load, so NaN there never
-enters a valid row.
+Pointer-kernel FP8 (mixed m_indices tiles): BK = 128, ``acc += dot(a, b) * sa[:, None] *
+sb[None, :]``, rows that are not read masked at the load.
 
 Tile shapes come from :func:`pick_tiles`, a table keyed on (rows per group, N, K), not autotuning.
 """
@@ -30,14 +31,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import triton_interpreter_enabled
+from .._backend import triton_interpreter_enabled as _interpreter_env
 from ..fp8 import reference as fp8_ref
 from ..fp8.reference import fp8_max
 from ..fp8.triton import _abs_bits, _cast_scaled, _scale_from_amax
 from . import offsets as off
+from . import triton_fp8 as _fp8
 
 BLOCK = 128
-MODE_DENSE, MODE_TABLE, MODE_M_INDICES = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=None)
+def triton_interpreter_enabled() -> bool:
+    """TRITON_INTERPRET=1, read once: it must be set before the first @triton.jit runs, so it does not
+    change later (reading the environment costs ~1-10 us, several times per launch)."""
+    return _interpreter_env()
+
+MODE_DENSE, MODE_TABLE, MODE_M_INDICES, MODE_MASKED = 0, 1, 2, 3  # MASKED: FP8 (TMA) kernel only
 BN_PER_ROW_B = 64
 
 
@@ -151,15 +161,14 @@ def _m_grouped_gemm_nt_kernel(
             tl.store(d_ptrs, out.to(d_ptr.dtype.element_ty), mask=st_mask)
 
 
+
 @triton.jit
 def _k_grouped_gemm_tn_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr, m_indices_ptr,
-    N, K, G, num_progs,
-    stride_a, stride_b, stride_sa, stride_sb,
-    SCALED: tl.constexpr, ROW_MASK: tl.constexpr, HAS_C: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+    a_ptr, b_ptr, d_ptr, offsets_ptr, m_indices_ptr, N, K, G, num_progs, stride_a, stride_b,
+    ROW_MASK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """d[g, n, k] = sum over rows t of group g of a[t, n] * b[t, k] (+ c[g, n, k] with HAS_C)."""
+    """16/32-bit weight gradients: d[g, n, k] = sum over rows t of group g of a[t, n] * b[t, k]
+    (row-major operands; Hopper's 16-bit wgmma takes them MN-major from shared memory)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -181,28 +190,21 @@ def _k_grouped_gemm_tn_kernel(
             rows64 = rows.to(tl.int64)
             a = tl.load(a_ptr + rows64[None, :] * stride_a + offs_n[:, None], mask=r_ok[None, :] & n_ok[:, None], other=0.0)
             b = tl.load(b_ptr + rows64[:, None] * stride_b + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            if SCALED:
-                blk = tl.load(block_start_ptr + g) + (t - start) // BT
-                sa = tl.load(sa_ptr + blk.to(tl.int64) * stride_sa + offs_n, mask=n_ok, other=0.0)
-                sb = tl.load(sb_ptr + blk.to(tl.int64) * stride_sb + offs_k, mask=k_ok, other=0.0)
-                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         out_offs = g.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
-        if HAS_C:
-            acc += tl.load(c_ptr + out_offs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         tl.store(d_ptr + out_offs, acc.to(d_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
-
 
 @triton.jit
 def _quant_group_colwise_kernel(
-    x_ptr, q_ptr, sf_ptr, offsets_ptr, block_start_ptr, T, C, G, used_blocks_ptr,
+    x_ptr, q_ptr, sf_ptr, offsets_ptr, block_start_ptr, T, C, G, R, used_blocks_ptr,
     FMAX: tl.constexpr, UE8M0: tl.constexpr, RECIPROCAL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    G_P2: tl.constexpr,
+    G_P2: tl.constexpr, BLOCKS: tl.constexpr,
 ):
     """Program (scale block b, column tile). Blocks below the used count quantize BT rows of one
     group (found by comparing b against every group's block range); the next programs zero the
-    rows past offsets[-1]; the rest exit (their scale rows were pre-filled)."""
+    rows past offsets[-1]; the rest exit (their scale rows were pre-filled). BLOCKS: q is the
+    group-blocks layout [R, C, BT] (block b's rows K-major, zero past the group's end; the
+    programs past the used count zero the spare blocks) instead of [T, C]."""
     blk = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     c_ok = cols < C
@@ -220,12 +222,21 @@ def _quant_group_colwise_kernel(
         x = tl.load(x_ptr + ptrs, mask=ok, other=0.0).to(tl.float32)
         sf = _scale_from_amax(tl.max(_abs_bits(x), axis=0), FMAX, UE8M0)
         tl.store(sf_ptr + blk.to(tl.int64) * C + cols, sf, mask=c_ok)
-        tl.store(q_ptr + ptrs, _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty, RECIPROCAL), mask=ok)
+        q = _cast_scaled(x, sf[None, :], FMAX, q_ptr.dtype.element_ty, RECIPROCAL)
+        if BLOCKS:
+            slots = blk.to(tl.int64) * C * BT + cols.to(tl.int64)[None, :] * BT + tl.arange(0, BT)[:, None]
+            tl.store(q_ptr + slots, q, mask=c_ok[None, :])
+        else:
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], q, mask=ok)
     else:
-        rows = tl.load(offsets_ptr + G - 1) + (blk - used) * BT + tl.arange(0, BT)
-        ok = (rows < T)[:, None] & c_ok[None, :]
         zero = tl.zeros((BT, BC), dtype=tl.float32).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], zero, mask=ok)
+        if BLOCKS:
+            slots = blk.to(tl.int64) * C * BT + cols.to(tl.int64)[None, :] * BT + tl.arange(0, BT)[:, None]
+            tl.store(q_ptr + slots, zero, mask=c_ok[None, :] & (blk < R))
+        else:
+            rows = tl.load(offsets_ptr + G - 1) + (blk - used) * BT + tl.arange(0, BT)
+            ok = (rows < T)[:, None] & c_ok[None, :]
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], zero, mask=ok)
 
 
 # ------------------------------------------------------------------------------ tile heuristics
@@ -238,8 +249,26 @@ def _num_sms() -> int:
     return 1
 
 
+@functools.lru_cache(maxsize=None)
+def _arch_major() -> int:
+    """The current CUDA device's compute capability major (9 Hopper, 10 Blackwell); 9 without one."""
+    if torch.cuda.is_available() and not triton_interpreter_enabled():
+        return torch.cuda.get_device_capability(torch.cuda.current_device())[0]
+    return 9
+
+
+# host-side integer helpers: triton.cdiv / next_power_of_2 are ConstexprFunctions, ~10 us a call
+# from Python, several per launch
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(int(x), 1))))
+    return max(lo, min(hi, _next_pow2(max(int(x), 1))))
 
 
 def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: int = 2,
@@ -261,11 +290,12 @@ def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: 
         bm, warps = 128, 8
     bn = 128 if n > 64 else _pow2_clamp(n, 16, 128)
     sms = _num_sms() if num_sms is None else num_sms
-    if bn == 128 and num_groups * triton.cdiv(rows_per_group, bm) * triton.cdiv(n, 128) < sms:
+    if bn == 128 and num_groups * _cdiv(rows_per_group, bm) * _cdiv(n, 128) < sms:
         bn = 64
     bk = BLOCK if scaled else (64 if element_size == 2 else 32)
     stage_bytes = (bm + bn) * bk * element_size
-    stages = max(2, min(5, (200 * 1024) // stage_bytes))
+    # FP8 (TMA kernel): 4 stages (128 KB at 128x128x128); 3 measured 10% slower on the H200
+    stages = max(2, min(4 if scaled else 5, (200 * 1024) // stage_bytes))
     return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
 
 
@@ -287,6 +317,9 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
     if mode == MODE_M_INDICES:
         cfg["BM"] = min(cfg["BM"], BLOCK)
         mixed = _tiles_mix_groups(group, cfg["BM"])
+    if scaled and not mixed:
+        return _fp8.launch_m_grouped(a, sa, b, sb, out, mode, group, row_start, row_count, b_index, num_entries,
+                                     num_m_tiles, c, sb_gran, cfg)
     if scaled and sb_gran == 1 and not triton_interpreter_enabled():
         # per-row B scales: each thread keeps a distinct scale per accumulator column (block scales:
         # one per 128 columns); at 128x128 tiles ptxas spills (sm_90a, 50 LDL/STL measured with
@@ -302,10 +335,10 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
         cfg["BN"] = min(cfg["BN"], BN_PER_ROW_B)
     bm = cfg.pop("BM")
     if mode != MODE_TABLE:
-        num_m_tiles = triton.cdiv(m, bm)
+        num_m_tiles = _cdiv(m, bm)
     elif num_m_tiles == 0:
-        num_m_tiles = triton.cdiv(m, bm) + num_entries
-    total = num_m_tiles * triton.cdiv(n, cfg["BN"])
+        num_m_tiles = _cdiv(m, bm) + num_entries
+    total = num_m_tiles * _cdiv(n, cfg["BN"])
     if total == 0 or n == 0:
         return out
     num_progs = max(1, min(total, _num_sms() * (2 if bm == 64 else 1))) if _num_sms() > 1 else total
@@ -319,7 +352,7 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
         c.stride(0) if c is not None else 0,
         sa.stride(0) if scaled else 0, sb.stride(0) if scaled else 0, sb.stride(1) if scaled else 0,
         MODE=mode, SCALED=scaled, HAS_C=c is not None, SB_GRAN=sb_gran, MIXED=mixed,
-        ENTRIES_P2=triton.next_power_of_2(max(num_entries, 1)), BM=bm, PRECISION=_precision(a.dtype), **cfg,
+        ENTRIES_P2=_next_pow2(max(num_entries, 1)), BM=bm, PRECISION=_precision(a.dtype), **cfg,
     )
     return out
 
@@ -364,27 +397,22 @@ def _grouped_m_indices(a, sa, b, sb, m_indices, out_dtype):
                              rows_per_group=max(1, m // max(b.shape[0], 1)))
 
 
-def _k_grouped(a, sa, b, sb, offsets, out_dtype, m_indices=None, out=None, c=None):
+def _k_grouped(a, b, offsets, out_dtype, m_indices=None):
+    """bf16 / float32 weight gradients: a [T, N], b [T, K] row-major -> [G, N, K]."""
     t, n = a.shape
     k = b.shape[1]
     groups = offsets.numel()
-    if out is None:
-        out = torch.empty(groups, n, k, dtype=out_dtype, device=a.device)
-    scaled = sa is not None
+    out = torch.empty(groups, n, k, dtype=out_dtype, device=a.device)
     if triton_interpreter_enabled():
         bn, bk = _pow2_clamp(n, 16, 128), _pow2_clamp(k, 16, 128)
-        bt, warps, stages = BLOCK if scaled else _pow2_clamp(t // max(groups, 1), 16, 128), 4, 1
+        bt, warps, stages = _pow2_clamp(t // max(groups, 1), 16, 128), 4, 1
     else:
-        bn, bk, bt, warps, stages = 128, 128, (BLOCK if scaled else 64), 8, 3
-    total = groups * triton.cdiv(n, bn) * triton.cdiv(k, bk)
+        bn, bk, bt, warps, stages = 128, 128, 64, 8, 3
+    total = groups * _cdiv(n, bn) * _cdiv(k, bk)
     num_progs = min(total, _num_sms()) if _num_sms() > 1 else total
-    block_start = off.group_block_starts(offsets) if scaled else offsets
     _k_grouped_gemm_tn_kernel[(num_progs,)](
-        a, sa if scaled else a, b, sb if scaled else b, out, c if c is not None else out, offsets, block_start,
-        m_indices if m_indices is not None else offsets,
-        n, k, groups, num_progs, a.stride(0), b.stride(0),
-        sa.stride(0) if scaled else 0, sb.stride(0) if scaled else 0,
-        SCALED=scaled, ROW_MASK=m_indices is not None, HAS_C=c is not None, BN=bn, BK=bk, BT=bt,
+        a, b, out, offsets, m_indices if m_indices is not None else offsets, n, k, groups, num_progs,
+        a.stride(0), b.stride(0), ROW_MASK=m_indices is not None, BN=bn, BK=bk, BT=bt,
         PRECISION=_precision(a.dtype), num_warps=warps, num_stages=stages,
     )
     return out
@@ -411,49 +439,48 @@ def m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype):
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out, sb_gran=BLOCK):
-    """out [G, max_m, N] contiguous: rows past masked_m[g] are not written."""
+    """out [G, max_m, N] contiguous: rows past masked_m[g] are neither read nor written. Tiles are
+    laid out per group (ceil(max_m / BM) each, BM from expected_m); a tile past masked_m[g] exits
+    at once, so the launch needs no host-side table."""
     (aq, asf), (bq, bsf) = a, b
     groups, max_m, k = aq.shape
     n = bq.shape[1]
-    bm = pick_tiles(max(expected_m, 1), n, k, True, 1)["BM"]
-    counts = masked_m.clamp(0, max_m)
-    starts = torch.arange(groups, device=aq.device, dtype=torch.int32) * max_m
-    tile_ends = torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)
-    b_index = torch.arange(groups, device=aq.device, dtype=torch.int32)
-    _launch_m_grouped(aq.view(groups * max_m, k), asf.view(groups * max_m, -1), bq, bsf, out.view(groups * max_m, n),
-                      MODE_TABLE, tile_ends, starts, counts, b_index, num_entries=groups,
-                      num_m_tiles=groups * triton.cdiv(max_m, bm), rows_per_group=max(expected_m, 1), sb_gran=sb_gran)
+    cfg = pick_tiles(max(expected_m, 1), n, k, True, 1, num_groups=groups)
+    _fp8.launch_m_grouped(aq.view(groups * max_m, k), asf.view(groups * max_m, -1), bq, bsf, out.view(groups * max_m, n),
+                          MODE_MASKED, None, None, masked_m, None, 1, 0, None, sb_gran, cfg, max_m=max_m)
     return out
 
 
-def quant_per_group_colwise(x, offsets, dtype, ue8m0, rounding="reciprocal"):
+def quant_per_group_colwise(x, offsets, dtype, ue8m0, rounding="reciprocal", layout="rows"):
+    """layout "rows": q [T, C]; "blocks": q [R, C, 128] (see _k_grouped_fp8_kernel)."""
     t, c = x.shape
     groups = offsets.numel()
-    q = torch.empty_like(x, dtype=dtype)
+    blocks = layout == "blocks"
     # spare scale rows get the scale of an all-zero block, as in the reference
     zero_block_sf = fp8_ref.scale_from_amax(torch.zeros(1, device=x.device), dtype, ue8m0)
     bound = off.max_group_blocks(t, groups)
     sf = zero_block_sf.expand(bound, c).contiguous()
+    q = torch.empty((bound, c, BLOCK) if blocks else (t, c), dtype=dtype, device=x.device)
     counts = off.offsets_to_counts(offsets)
     nblocks = (counts + BLOCK - 1) // BLOCK
     block_start = torch.cumsum(nblocks, 0, dtype=torch.int32) - nblocks
     used = nblocks.sum(dtype=torch.int32).reshape(1)
     bc = 128 if triton_interpreter_enabled() else 64
     # used blocks + ceil(tail / 128) tail chunks <= bound + 1 (see max_group_blocks)
-    _quant_group_colwise_kernel[(bound + 1, triton.cdiv(c, bc))](
-        x, q, sf, offsets, block_start, t, c, groups, used,
+    _quant_group_colwise_kernel[(bound + 1, _cdiv(c, bc))](
+        x, q, sf, offsets, block_start, t, c, groups, bound, used,
         FMAX=fp8_max(dtype), UE8M0=ue8m0, RECIPROCAL=rounding == "reciprocal", BT=BLOCK, BC=bc,
-        G_P2=triton.next_power_of_2(groups), num_warps=4,
+        G_P2=_next_pow2(groups), BLOCKS=blocks, num_warps=4,
     )
     return q, sf
 
 
 def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets, out_dtype, d=None, c=None):
-    return _k_grouped(a[0], a[1], b[0], b[1], offsets, out_dtype, out=d, c=c)
+    return _fp8.k_grouped(a[0], a[1], b[0], b[1], offsets, out_dtype, out=d, c=c)
 
 
 def k_grouped_gemm_tn(a, b, offsets, out_dtype):
-    return _k_grouped(a, None, b, None, offsets, out_dtype)
+    return _k_grouped(a, b, offsets, out_dtype)
 
 
 # ------------------------------------------------------------------------------ bf16 autograd
@@ -492,7 +519,7 @@ class _GroupedGemmNT(torch.autograd.Function):
                                            MODE_DENSE, None, rows_per_group=a.shape[0])
             if ctx.needs_input_grad[1]:
                 ones = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
-                grad_b = _k_grouped(grad, None, a, None, ones, torch.float32)[0].to(b.dtype)
+                grad_b = _k_grouped(grad, a, ones, torch.float32)[0].to(b.dtype)
             return grad_a, grad_b, None, None, None
         b_t = b.transpose(1, 2)
         if ctx.needs_input_grad[0]:
@@ -502,10 +529,10 @@ class _GroupedGemmNT(torch.autograd.Function):
                 grad_a = _grouped_m_indices(grad, None, b_t, None, index, a.dtype)
         if ctx.needs_input_grad[1]:
             if ctx.kind == "offsets":
-                grad_b = _k_grouped(grad, None, a, None, index, torch.float32)
+                grad_b = _k_grouped(grad, a, index, torch.float32)
             else:
                 segments = _m_indices_segments(index, b.shape[0])
-                grad_b = _k_grouped(grad, None, a, None, segments, torch.float32, m_indices=index)
+                grad_b = _k_grouped(grad, a, segments, torch.float32, m_indices=index)
             grad_b = grad_b.to(b.dtype)
         return grad_a, grad_b, None, None, None
 
