@@ -183,7 +183,7 @@ def _run_cuda() -> list[Row]:
         offs = G.counts_to_offsets(torch.full((groups,), rows_g, dtype=torch.int32, device=dev))
         x = torch.randn(groups * rows_g, k, device=dev, dtype=torch.bfloat16)
         dy = torch.randn(groups * rows_g, n, device=dev, dtype=torch.bfloat16)
-        qa, qb = G.quant_per_group_colwise(dy, offs), G.quant_per_group_colwise(x, offs)
+        qa, qb = (G.quant_per_group_colwise(t, offs, layout="blocks") for t in (dy, x))
         dyt = dy.t()
         base = cases.time("bf16_k_grouped_mm", shape, "torch", lambda: torch._grouped_mm(dyt, x, offs=offs), flops)
         cases.time("k_grouped_fp8_tn", shape, "triton",

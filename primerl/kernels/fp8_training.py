@@ -65,8 +65,9 @@ def _wgrad(grad, x, offsets, recipe, backend, out_dtype):
     if recipe == "blockwise":
         dw = _gemm.k_grouped_gemm_tn(grad, x.to(grad.dtype), offsets, out_dtype=direct, backend=be)
     else:
-        ga = _gemm.quant_per_group_colwise(grad, offsets, backend=be)
-        xa = _gemm.quant_per_group_colwise(x, offsets, backend=be)
+        # the K-major group blocks the Triton k-grouped GEMM reads with TMA (no re-layout pass)
+        ga = _gemm.quant_per_group_colwise(grad, offsets, layout="blocks", backend=be)
+        xa = _gemm.quant_per_group_colwise(x, offsets, layout="blocks", backend=be)
         dw = _gemm.k_grouped_fp8_gemm_tn_contiguous(ga, xa, offsets, out_dtype=direct, backend=be)
     return dw.to(out_dtype)
 

@@ -43,7 +43,7 @@ def _wgrad(dy, x, ends, fp8: bool, out_dtype: torch.dtype):
 
     direct = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     if fp8:  # dy quantized here, x by the caller
-        dw = k_grouped_fp8_gemm_tn_contiguous(quant_per_group_colwise(dy, ends), x, ends, out_dtype=direct)
+        dw = k_grouped_fp8_gemm_tn_contiguous(quant_per_group_colwise(dy, ends, layout="blocks"), x, ends, out_dtype=direct)
     else:
         dw = k_grouped_gemm_tn(dy, x.to(dy.dtype), ends, out_dtype=direct)
     return dw.to(out_dtype)
@@ -82,7 +82,7 @@ class FP8GroupedExperts(torch.autograd.Function):
         del h_q
         fp8_wgrad = recipe == "blockwise_fp8_wgrad"
         if fp8_wgrad and x_perm.shape[0] > 0:
-            xq, xsf = quant_per_group_colwise(x_perm.to(torch.bfloat16), ends)
+            xq, xsf = quant_per_group_colwise(x_perm.to(torch.bfloat16), ends, layout="blocks")
             ctx.save_for_backward(xq, xsf, gu, w13, w2, ends)
         else:
             ctx.save_for_backward(x_perm, gu, w13, w2, ends)
@@ -117,7 +117,7 @@ class FP8GroupedExperts(torch.autograd.Function):
         dw2 = dw13 = None
         if ctx.needs_input_grad[2]:
             h = swiglu(gu)
-            dw2 = _wgrad(dy, quant_per_group_colwise(h, ends) if ctx.fp8_wgrad else h, ends, ctx.fp8_wgrad, w2.dtype)
+            dw2 = _wgrad(dy, quant_per_group_colwise(h, ends, layout="blocks") if ctx.fp8_wgrad else h, ends, ctx.fp8_wgrad, w2.dtype)
             del h
         if ctx.needs_input_grad[1]:
             dw13 = _wgrad(dgu, x_saved, ends, ctx.fp8_wgrad, w13.dtype)
