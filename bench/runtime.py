@@ -56,7 +56,7 @@ def _mismatch_kl(replay: bool, n_prompts: int) -> float:
     from primerl.rl.envs import ReverseText
     from primerl.rl.packing import Sample, pack
     from primerl.runtime.config import load_config
-    from primerl.runtime.engine import InferenceEngine, Request, SamplingParams
+    from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
     from primerl.runtime.policy import build_model
     from primerl.runtime.trainer import shifted_logprobs
 
@@ -93,7 +93,7 @@ def decode_rate(dtype: torch.dtype, *, requests: int = 256, prompt_len: int = 6,
     compiles the kernels), and the tokens counted."""
     from primerl.rl.envs import ReverseText
     from primerl.runtime.config import load_config
-    from primerl.runtime.engine import InferenceEngine, Request, SamplingParams
+    from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
     from primerl.runtime.policy import build_model
 
     env = ReverseText(num_symbols=8, min_length=4, max_length=4)

@@ -11,7 +11,7 @@
    single rank needs for the full length (``fits``, as a multiple of that length).
 2. Publishing weights: rank 0's peak memory while it receives the full weights of a ~40M-parameter
    model sharded on 4 ranks (FSDP2 dp_shard=4) and writes them as safetensors, streamed one
-   tensor at a time (``primerl.runtime.publish``) against the full-state-dict gather
+   tensor at a time (``primerl.runtime.trainer.publish``) against the full-state-dict gather
    (``get_model_state_dict(full_state_dict=True)`` + ``FileTransport.publish_weights``); the
    ratio is baseline peak / streamed peak (> 1: the stream needs less). A streamed row for
    dp_shard=2 x ep=2 (experts gathered per ep group) has no baseline: the full-state-dict gather
@@ -176,7 +176,7 @@ def _publish_worker(rank: int, world: int, quick: bool, out: str) -> None:
 
     from primerl.models import parallelize
     from primerl.parallel.mesh import ParallelDims, build_mesh
-    from primerl.runtime.publish import iter_full_weights, weight_specs, write_safetensors_stream
+    from primerl.runtime.trainer.publish import iter_full_weights, weight_specs, write_safetensors_stream
     from primerl.runtime.transport import FileTransport
 
     torch.set_num_threads(1)

@@ -28,7 +28,7 @@ def test_float_sizes_are_type_errors_naming_the_argument(call, message):
 
 @pytest.mark.parametrize("rewards", [["0.5", "1", "0", "1"], [0.5, None, 1.0, 0.0]])
 def test_rewards_that_are_not_numbers(rewards):
-    # where rewards enter the job, primerl.runtime.env_calls.check_reward rejects them (tested there)
+    # where rewards enter the job, primerl.runtime.orchestrator.env_calls.check_reward rejects them (tested there)
     with pytest.raises(TypeError, match="grpo: rewards must be real numbers"):
         grpo(rewards, 2)
 

@@ -1,23 +1,21 @@
-"""The async RL runtime: embedded inference engine, orchestrator, trainer, the `primerl` command.
+"""The async RL runtime: the `primerl` command, the job and its config at the top, and one room per
+process below (imports are lazy; nothing heavy loads with the package).
 
-Modules (imports are lazy; nothing heavy loads with the package):
   config        typed job config (dataclasses), TOML + ``--key.sub value`` overrides, validation
-  engine        InferenceEngine: continuous batching, KV cache, sampling, log-probs, router capture, FP8 experts
-  orchestrator  Orchestrator: rollouts, async level, off-policy accounting, advantages, packing, hand-over
-  rollout       episodes in flight (multi-turn transcripts, log-probs, routing record)
-  trainer       Trainer / run_trainer: loss, AdamW, schedule, NaN handling, checkpoints, weight publication
-  transport     FileTransport: atomic rollout batches and versioned weights
-  checkpoint    atomic checkpoint save / load / latest
-  dcp_checkpoint  sharded DCP checkpoints (save_dcp_checkpoint / load_dcp_checkpoint, optional async), any layout
-  publish       iter_full_weights / publish_streamed: full weights to rank 0 one tensor at a time, streamed safetensors
   job           process entry points; run_rl (two processes) and run_threads (one process)
   cli           the ``primerl`` command (rl, trainer, orchestrator, inference, vllm-command)
-  vllm, vllm_launch, vllm_worker, server   vLLM client, launcher, worker-side weight updates, the engine's HTTP server
-  hf_weights    published weights in the Hugging Face layout (models.checkpoint.hf_layout), FP8 transfer
-  weight_sync   WeightPublisher (trainer rank 0): files, or a torch.distributed broadcast to vLLM workers
+  placement     device resolution: where the trainer ranks and the engine run, NCCL or gloo, dtypes
+  policy        the policy model a config describes (model_config / build_model), for every process
+  transport     FileTransport: atomic rollout batches and versioned weights between the processes
   metrics       metrics.jsonl (strict JSON: NaN/inf as null), progress line, plot
   output_dir    the job's exclusive lock on output_dir; refusal of a previous run's directory
   lifetime      trainer/orchestrator processes end with the launcher (PR_SET_PDEATHSIG + watchdog)
-  env_calls     concurrent environment calls with per-call deadlines; reward checks (rejected / clipped)
-  guards        parameters checked finite after every update, before publication
+  vllm_worker   compatibility path of ``inference.vllm_worker`` (the vLLM worker extension)
+
+  trainer/      the trainer process: Trainer / run_trainer, loss glue (_rl), checkpoints (full state,
+                DCP), weight publication, finite-parameter guards, the padded attention path
+  inference/    the engine and its HTTP server, the vLLM client / launcher / worker extension,
+                weight sync to the engine, weights in the Hugging Face layout
+  orchestrator/ the orchestrator process: Orchestrator, rollouts, batching (advantages, packing),
+                environment calls
 """

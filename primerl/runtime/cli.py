@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "orchestrator":
         job.orchestrator_main(cfg)
     elif args.command == "inference":
-        from .server import serve
+        from .inference.server import serve
 
         serve(cfg, host=args.host, port=args.port)
     elif args.command == "vllm-command":
-        from .vllm_launch import serve_command_line
+        from .inference.vllm_launch import serve_command_line
 
         print(serve_command_line(cfg))
     return 0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import latest_checkpoint, remove_stale_tmp_dirs
+from .trainer.checkpoint import latest_checkpoint, remove_stale_tmp_dirs
 from .config import RLConfig, to_toml
 from .lifetime import LAUNCHER_PID_ENV, die_with_parent, pid_alive, watch_launcher
 from .metrics import ascii_curve, progress_line, read_metrics, save_plot
@@ -52,7 +52,7 @@ def setup_logging(name: str) -> None:
 def trainer_main(cfg: RLConfig) -> None:
     from primerl.rl.envs import load_environment
 
-    from .trainer import run_trainer
+    from .trainer.trainer import run_trainer
 
     setup_logging("trainer")
     watch_launcher()
@@ -72,17 +72,17 @@ def trainer_main(cfg: RLConfig) -> None:
 
 
 def make_client(cfg: RLConfig, vocab_size: int):
-    from .orchestrator import EmbeddedClient
+    from .orchestrator.orchestrator import EmbeddedClient
 
     if cfg.inference.backend == "vllm":
         from .policy import model_config
-        from .vllm import VLLMClient
-        from .vllm_launch import wants_routing
+        from .inference.vllm_client import VLLMClient
+        from .inference.vllm_launch import wants_routing
 
         mc = model_config(cfg, vocab_size)  # to check routed experts [N, L, k]
         return VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s, output_dir=cfg.output_dir,
                           num_layers=len(mc.moe_layer_ids), top_k=mc.top_k, expect_routing=wants_routing(cfg))
-    from .engine import InferenceEngine
+    from .inference.engine import InferenceEngine
     from .policy import build_model
 
     i = cfg.inference
@@ -97,7 +97,7 @@ def make_client(cfg: RLConfig, vocab_size: int):
     log.info("embedded engine on %s in %s; weights by %s", device, placement.param_dtype, placement.weight_update)
     receiver = None
     if placement.weight_update == "broadcast":
-        from .weight_sync import EngineWeightReceiver
+        from .inference.weight_sync import EngineWeightReceiver
 
         receiver = EngineWeightReceiver("127.0.0.1", i.broadcast_port, backend=placement.broadcast_backend,
                                         device=device, timeout_s=cfg.orchestrator.weights_timeout_s).start()
@@ -107,7 +107,7 @@ def make_client(cfg: RLConfig, vocab_size: int):
 def orchestrator_main(cfg: RLConfig) -> None:
     from primerl.rl.envs import load_environment
 
-    from .orchestrator import Orchestrator
+    from .orchestrator.orchestrator import Orchestrator
     from .policy import model_config
 
     setup_logging("orchestrator")
@@ -201,14 +201,14 @@ def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[d
 @contextlib.contextmanager
 def launched_vllm(cfg: RLConfig, *, quiet: bool = True):
     """``inference.vllm.launch``: vLLM serves the job's initial policy for the job's life; its whole
-    process group is stopped when the job ends, failed or not (``vllm.launch_for_job``)."""
+    process group is stopped when the job ends, failed or not (``inference.vllm_launch.launch_for_job``)."""
     if cfg.inference.backend != "vllm" or not cfg.inference.vllm.launch:
         yield None
         return
     from primerl.rl.envs import load_environment
 
-    from .vllm import InferenceServerError
-    from .vllm_launch import launch_for_job
+    from .inference.vllm_client import InferenceServerError
+    from .inference.vllm_launch import launch_for_job
 
     if not quiet:
         print(f"primerl rl: starting vLLM on {cfg.inference.vllm.url} (log: {Path(cfg.output_dir) / 'logs' / 'vllm.log'})",
@@ -290,9 +290,9 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
 
     from primerl.rl.envs import load_environment
 
-    from .orchestrator import Orchestrator
+    from .orchestrator.orchestrator import Orchestrator
     from .policy import model_config
-    from .trainer import run_trainer
+    from .trainer.trainer import run_trainer
 
     out = Path(cfg.output_dir)
     start = prepare_output(cfg)

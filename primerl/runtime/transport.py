@@ -131,7 +131,7 @@ class FileTransport:
                 shutil.rmtree(final)
             os.replace(tmp, final)
         except BaseException:
-            from .checkpoint import remove_stale_tmp_dirs  # (checkpoint imports this module)
+            from .trainer.checkpoint import remove_stale_tmp_dirs  # (checkpoint imports this module)
 
             remove_stale_tmp_dirs(self.weights)
             raise

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from _parallel_dist import spawn  # noqa: E402
 
 from primerl.models import MoETransformer, MoETransformerConfig, parallelize  # noqa: E402
-from primerl.runtime.dcp_checkpoint import (is_dcp_checkpoint, latest_checkpoint, load_dcp_checkpoint,  # noqa: E402
+from primerl.runtime.trainer.dcp_checkpoint import (is_dcp_checkpoint, latest_checkpoint, load_dcp_checkpoint,  # noqa: E402
                                             save_dcp_checkpoint, wait_pending_save)
-from primerl.runtime.publish import iter_full_weights, weight_specs, write_safetensors_stream  # noqa: E402
+from primerl.runtime.trainer.publish import iter_full_weights, weight_specs, write_safetensors_stream  # noqa: E402
 
 LENS = (5, 9, 3, 7)
 # MoE's per-rank routing-count accumulator: each rank counts its own tokens, DCP keeps one rank's
@@ -62,7 +62,7 @@ def _full_state(model, optimizer) -> tuple[dict, dict]:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from primerl.runtime.publish import _ep_slices, _gather_experts
+    from primerl.runtime.trainer.publish import _ep_slices, _gather_experts
 
     weights = {k: v for k, v in iter_full_weights(model) if v is not None}
     ep = _ep_slices(model)
@@ -174,10 +174,10 @@ def _case_publish(rank, world, tmp):
     import torch.distributed as dist
 
     from primerl.runtime.config import load_config
-    from primerl.runtime.hf_weights import hf_weights
-    from primerl.runtime.publish import publish_streamed
+    from primerl.runtime.inference.hf_weights import hf_weights
+    from primerl.runtime.trainer.publish import publish_streamed
     from primerl.runtime.transport import FileTransport
-    from primerl.runtime.weight_sync import WeightPublisher
+    from primerl.runtime.inference.weight_sync import WeightPublisher
 
     errors: list = []
     model, opt, _ = _parallel(dict(dp_shard=2, cp=2, ep=2), world, seed=7)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from primerl.runtime.config import load_config
-from primerl.runtime.engine import EngineError, InferenceEngine, Request, SamplingParams
+from primerl.runtime.inference.engine import EngineError, InferenceEngine, Request, SamplingParams
 from primerl.runtime.job import run_threads
 from primerl.runtime.policy import build_model
 from primerl.runtime.trainer import Trainer
-from primerl.runtime.weight_sync import EngineWeightReceiver, WeightSyncError
+from primerl.runtime.inference.weight_sync import EngineWeightReceiver, WeightSyncError
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--max_steps", "4", "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
@@ -56,7 +56,7 @@ def test_receiver_that_never_joins_reports_why():
 
 
 def test_new_group_refuses_an_unknown_backend():
-    from primerl.runtime.vllm_worker import new_group
+    from primerl.runtime.inference.vllm_worker import new_group
 
     with pytest.raises(ValueError, match="backend must be 'nccl', 'gloo' or None"):
         new_group("127.0.0.1", _port(), 0, 1, backend="mpi")

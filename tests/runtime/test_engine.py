@@ -6,7 +6,7 @@ import torch
 
 from primerl.models.config import MoETransformerConfig
 from primerl.models.transformer import MoETransformer
-from primerl.runtime.engine import EngineTimeout, InferenceEngine, Request, SamplingParams, sample_next
+from primerl.runtime.inference.engine import EngineTimeout, InferenceEngine, Request, SamplingParams, sample_next
 
 V = 13
 

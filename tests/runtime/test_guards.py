@@ -4,8 +4,8 @@ import pytest
 import torch
 from test_trainer import V, _cfg, _payload, _samples
 
-from primerl.runtime.engine import InferenceEngine, NonFiniteLogitsError, Request, SamplingParams, sample_next
-from primerl.runtime.guards import NonFiniteParametersError, check_finite_parameters
+from primerl.runtime.inference.engine import InferenceEngine, NonFiniteLogitsError, Request, SamplingParams, sample_next
+from primerl.runtime.trainer.guards import NonFiniteParametersError, check_finite_parameters
 from primerl.runtime.policy import build_model
 from primerl.runtime.trainer import Trainer
 

@@ -12,12 +12,12 @@ from primerl.kernels.fp8 import dequant
 from primerl.models.config import MoETransformerConfig
 from primerl.models.transformer import MoETransformer
 from primerl.runtime.config import load_config
-from primerl.runtime.engine import InferenceEngine, Request, SamplingParams
-from primerl.runtime.hf_weights import hf_weights, primerl_weights, publish_hf
-from primerl.runtime.server import EngineServer
+from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
+from primerl.runtime.inference.hf_weights import hf_weights, primerl_weights, publish_hf
+from primerl.runtime.inference.server import EngineServer
 from primerl.runtime.transport import FileTransport
-from primerl.runtime.vllm import VLLMClient
-from primerl.runtime.weight_sync import WeightPublisher
+from primerl.runtime.inference.vllm_client import VLLMClient
+from primerl.runtime.inference.weight_sync import WeightPublisher
 
 V = 13
 

@@ -123,7 +123,7 @@ def test_kill_two_rank_trainer_then_resume_from_dcp_checkpoint(tmp_path):
     """A 2-rank torchrun trainer (FSDP2) killed with kill -9 on one rank after its step-2 DCP
     checkpoint (saved asynchronously); the job resumes from that sharded checkpoint, once on the same 2 ranks and once in
     one process (another layout), and metrics.jsonl ends with every step exactly once."""
-    from primerl.runtime.dcp_checkpoint import is_dcp_checkpoint
+    from primerl.runtime.trainer.dcp_checkpoint import is_dcp_checkpoint
 
     cfg = _cfg(tmp_path / "killed", "--num_trainer_ranks", "2", "--trainer.lr_schedule", "constant",
                "--checkpoint.async_save", "true")  # interval saves written in the background

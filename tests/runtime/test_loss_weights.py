@@ -13,7 +13,7 @@ from test_trainer import V, _cfg, _payload, _samples
 from primerl.rl.envs import Environment, ReverseText, has_token_weights
 from primerl.rl.packing import pack
 from primerl.runtime.config import load_config
-from primerl.runtime.env_calls import check_token_weights
+from primerl.runtime.orchestrator.env_calls import check_token_weights
 from primerl.runtime.job import run_threads
 from primerl.runtime.trainer import Trainer
 from trainer_testing import assert_same_grads, grad_gap, record_grads

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from primerl.rl.packing import Sample, pack
-from primerl.runtime import _rl
-from primerl.runtime.checkpoint import save_checkpoint
+from primerl.runtime.trainer import _rl
+from primerl.runtime.trainer.checkpoint import save_checkpoint
 from primerl.runtime.config import load_config
 from primerl.runtime.trainer import NonFiniteLossError, Trainer, lr_lambda, shifted_logprobs
 from trainer_testing import assert_same_grads, grad_gap, record_grads
@@ -136,7 +136,7 @@ def test_checkpoint_restores_the_exact_training_state(tmp_path):
 def test_dcp_checkpoint_restores_the_exact_training_state(tmp_path):
     """Trainer.save_checkpoint writes a sharded DCP checkpoint (one process here); Trainer.load
     of it continues exactly as the uninterrupted trainer, counters and schedule included."""
-    from primerl.runtime.dcp_checkpoint import is_dcp_checkpoint
+    from primerl.runtime.trainer.dcp_checkpoint import is_dcp_checkpoint
 
     cfg = _cfg("--trainer.warmup_steps", "3")
     a = Trainer(cfg, V)
@@ -154,7 +154,7 @@ def test_dcp_checkpoint_restores_the_exact_training_state(tmp_path):
 
 
 def test_padded_attention_path_matches_the_kernel_path():
-    from primerl.runtime.padded_attention import padded_forward
+    from primerl.runtime.trainer.padded_attention import padded_forward
 
     t = Trainer(_cfg("--model.n_layers", "2"), V)
     mb = _payload(_samples(7), 64)["micro_batches"][0]

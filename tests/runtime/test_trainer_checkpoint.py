@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from primerl.models.checkpoint import CheckpointError
-from primerl.runtime import checkpoint as ckpt
+from primerl.runtime.trainer import checkpoint as ckpt
 from primerl.runtime.config import load_config
 from primerl.runtime.job import prepare_output
 from primerl.runtime.transport import FileTransport

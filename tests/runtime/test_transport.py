@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from primerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from primerl.runtime.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from primerl.runtime.transport import FileTransport, ProducerDied, TransportTimeout, atomic_write_bytes
 
 
@@ -80,7 +80,7 @@ def test_checkpoint_round_trip_keep_and_crash_mid_save(tmp_path, monkeypatch):
     step, sd, state = load_checkpoint(latest_checkpoint(tmp_path)[1])
     assert step == 6 and state["k"] == 6 and torch.equal(sd["weight"], m.weight)
 
-    import primerl.runtime.checkpoint as ck
+    import primerl.runtime.trainer.checkpoint as ck
 
     def boom(*a, **k):
         raise OSError("disk full")

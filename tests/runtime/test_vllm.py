@@ -16,12 +16,12 @@ from primerl.kernels.fp8 import dequant
 from primerl.models.config import MoETransformerConfig
 from primerl.models.transformer import MoETransformer
 from primerl.runtime.config import ConfigError, load_config
-from primerl.runtime.engine import InferenceEngine, Request, SamplingParams
-from primerl.runtime.server import EngineServer
+from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
+from primerl.runtime.inference.server import EngineServer
 from primerl.runtime.transport import FileTransport
-from primerl.runtime.vllm import (InferenceServerError, VLLMClient, decode_routed_experts, encode_routed_experts,
+from primerl.runtime.inference.vllm_client import (InferenceServerError, VLLMClient, decode_routed_experts, encode_routed_experts,
                                   quantize_for_transfer)
-from primerl.runtime.vllm_launch import serve_command_line, vllm_env, vllm_serve_command
+from primerl.runtime.inference.vllm_launch import serve_command_line, vllm_env, vllm_serve_command
 
 from orchestrator_testing import run_orchestrator_with_stub_trainer
 
@@ -261,7 +261,7 @@ def test_launcher_command_line(tmp_path):
     for frag in ("--data-parallel-size 4", "--tensor-parallel-size 2", "--enable-expert-parallel", "--quantization fp8",
                  "--all2all-backend deepep_low_latency", "--port 9001", "--max-model-len 32768", "--dtype bfloat16",
                  "--logprobs-mode processed_logprobs", "--enable-return-routed-experts",
-                 "--worker-extension-cls primerl.runtime.vllm_worker.WeightUpdateExtension"):
+                 "--worker-extension-cls primerl.runtime.inference.vllm_worker.WeightUpdateExtension"):
         assert frag in line, frag
     assert "--skip-tokenizer-init" not in cmd  # not a local directory: the hub name has its tokenizer
     kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
@@ -288,7 +288,7 @@ def test_launch_refuses_what_cannot_work_before_starting(tmp_path):
     launched host:port, a port already taken, a missing interpreter: clear errors, nothing started."""
     import socket
 
-    from primerl.runtime.vllm_launch import VLLMLauncher, launch_for_job
+    from primerl.runtime.inference.vllm_launch import VLLMLauncher, launch_for_job
 
     base = ["--output_dir", str(tmp_path), "--inference.backend", "vllm", "--inference.vllm.launch", "true"]
     if not torch.cuda.is_available():
@@ -316,7 +316,7 @@ def test_launch_refuses_what_cannot_work_before_starting(tmp_path):
 def test_launcher_stops_the_whole_process_group(tmp_path):
     """A stand-in server (a /health endpoint in a child that forks a grandchild, as vLLM's API server
     starts its engine core): start waits for /health, stop leaves no process of the group."""
-    from primerl.runtime.vllm_launch import VLLMLauncher, _group_alive
+    from primerl.runtime.inference.vllm_launch import VLLMLauncher, _group_alive
 
     port = _free_port()
     script = ("import http.server, os, sys, time\n"
@@ -349,7 +349,7 @@ def test_broadcast_weight_transfer_between_trainer_and_worker():
     """The broadcast path's two ends (trainer rank 0 and a worker) over a gloo group, without vLLM."""
     import socket
 
-    from primerl.runtime.vllm_worker import new_group, receive_weights, send_weights, weight_specs
+    from primerl.runtime.inference.vllm_worker import new_group, receive_weights, send_weights, weight_specs
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

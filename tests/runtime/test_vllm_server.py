@@ -13,11 +13,11 @@ import torch
 from primerl.models.config import MoETransformerConfig
 from primerl.models.transformer import MoETransformer
 from primerl.runtime.config import load_config
-from primerl.runtime.hf_weights import hf_weights
+from primerl.runtime.inference.hf_weights import hf_weights
 from primerl.runtime.transport import FileTransport
-from primerl.runtime.vllm import InferenceServerError, VLLMClient, decode_routed_experts
-from primerl.runtime.vllm_launch import VLLMLauncher
-from primerl.runtime.weight_sync import WeightPublisher
+from primerl.runtime.inference.vllm_client import InferenceServerError, VLLMClient, decode_routed_experts
+from primerl.runtime.inference.vllm_launch import VLLMLauncher
+from primerl.runtime.inference.weight_sync import WeightPublisher
 
 from vllm_testing import free_port, logprob_gap, need_vllm
 
@@ -178,7 +178,7 @@ def test_routed_experts_from_the_server_match_primerls_routing(tmp_path):
     names a CUDA build of vLLM): the server's routed experts of every fed position are the
     experts primerl's router picks on the same weights and tokens."""
     py = need_vllm()
-    from primerl.runtime.engine import Request, SamplingParams
+    from primerl.runtime.inference.engine import Request, SamplingParams
 
     model = _model()
     model.save_pretrained(tmp_path / "init")

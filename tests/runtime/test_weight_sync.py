@@ -17,13 +17,13 @@ import torch
 
 from primerl.rl.packing import Sample, pack
 from primerl.runtime.config import ConfigError, load_config
-from primerl.runtime.hf_weights import hf_weights
+from primerl.runtime.inference.hf_weights import hf_weights
 from primerl.runtime.policy import build_model
 from primerl.runtime.trainer import run_trainer
 from primerl.runtime.transport import FileTransport
-from primerl.runtime.vllm import VLLMClient
-from primerl.runtime.vllm_worker import WeightUpdateExtension
-from primerl.runtime.weight_sync import BroadcastWeightSender, WeightSyncError
+from primerl.runtime.inference.vllm_client import VLLMClient
+from primerl.runtime.inference.vllm_worker import WeightUpdateExtension
+from primerl.runtime.inference.weight_sync import BroadcastWeightSender, WeightSyncError
 
 V = 12
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def _payload(n=4, seed=0):
 
 _RECEIVER = textwrap.dedent("""
     import sys, torch
-    from primerl.runtime.vllm_worker import new_group, receive_update
+    from primerl.runtime.inference.vllm_worker import new_group, receive_update
     port, n, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     g = new_group("127.0.0.1", port, 1, 2, timeout_s=60)
     torch.save([receive_update(g) for _ in range(n)], out)

@@ -64,7 +64,7 @@ def primerl_logprobs(model, prompt: list[int], tokens: list[int], temperature: f
 
 def logprob_gap(client, model, temperature: float = 1.0, max_new_tokens: int = 6, seed: int = 0) -> float:
     """Mean |sampled log-prob from the server - primerl's on the same tokens| over the probe prompts."""
-    from primerl.runtime.engine import Request, SamplingParams
+    from primerl.runtime.inference.engine import Request, SamplingParams
 
     reqs = [Request(i, p, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i))
             for i, p in enumerate(PROBE_PROMPTS)]

@@ -16,7 +16,7 @@ inference`` serves the same one):
   launcher passes ``--logprobs-mode processed_logprobs`` (vLLM's default is the raw
   ``log_softmax(logits)``, wrong for T != 1).
 - ``GET /health``; ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``) calls a method of the
-  worker extension ``primerl.runtime.vllm_worker.WeightUpdateExtension`` on every worker:
+  worker extension ``primerl.runtime.inference.vllm_worker.WeightUpdateExtension`` on every worker:
   ``update_weights_from_path(path)`` (filesystem: Hugging Face-named safetensors + ``STABLE``
   marker written by the trainer, ``hf_weights.publish_hf``) or ``init_broadcast`` /
   ``update_weights_from_broadcast`` (a torch.distributed group shared with trainer rank 0, driven
@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-from .config import VLLMConfig
+from ..config import VLLMConfig
 from .engine import Completion, Request
 
-WORKER_EXTENSION = "primerl.runtime.vllm_worker.WeightUpdateExtension"
+WORKER_EXTENSION = "primerl.runtime.inference.vllm_worker.WeightUpdateExtension"
 log = logging.getLogger("primerl.vllm")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .transport import atomic_torch_save, atomic_write_bytes
+from ..transport import atomic_torch_save, atomic_write_bytes
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -38,7 +38,7 @@ def remove_stale_tmp_dirs(root: str | Path) -> list[Path]:
     what was removed. A failed save (ENOSPC, a crash) would otherwise leave them forever, filling
     the disk and making the next save fail too. Any checkpoint writer names its temp directory
     ``TMP_PREFIX + <anything>.<pid>`` so this finds it."""
-    from .lifetime import pid_alive
+    from ..lifetime import pid_alive
 
     removed = []
     for d in Path(root).glob(TMP_PREFIX + "*"):

@@ -122,7 +122,7 @@ def _hf_stream(model: nn.Module, stream) -> tuple[list, Iterator]:
     (``hf_weights``'s names), in the order the primerl tensors arrive."""
     from primerl.models.checkpoint import hf_layout
 
-    from .hf_weights import _expert_format
+    from ..inference.hf_weights import _expert_format
 
     slots: dict[str, list] = {}
     for key, slot in hf_layout(model, _expert_format(model, None)).items():
@@ -141,7 +141,7 @@ def _hf_stream(model: nn.Module, stream) -> tuple[list, Iterator]:
 
 
 def publish_streamed(publisher, version: int, model: nn.Module) -> None:
-    """Publish ``model``'s weights as ``version`` through a ``weight_sync.WeightPublisher``,
+    """Publish ``model``'s weights as ``version`` through a ``inference.weight_sync.WeightPublisher``,
     gathered one tensor at a time. Collective: rank 0 passes its publisher, the others None.
 
     The embedded engine's files and vLLM's filesystem updates stream to disk (rank 0 holds one

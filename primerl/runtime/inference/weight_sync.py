@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .config import RLConfig, VLLMConfig
-from .transport import FileTransport
+from ..config import RLConfig, VLLMConfig
+from ..transport import FileTransport
 
 log = logging.getLogger("primerl.weight_sync")
 
@@ -60,7 +60,7 @@ class BroadcastWeightSender:
     def _rpc(self, method: str, *args, version: int | None = None):
         """``POST /collective_rpc`` in the background; for an update, every worker must answer
         ``version`` (a worker whose load failed raises, HTTP 500), then the prefix cache is reset."""
-        from .vllm import InferenceServerError, _http, _rpc_versions, reset_prefix_cache
+        from .vllm_client import InferenceServerError, _http, _rpc_versions, reset_prefix_cache
 
         if self._pool is None:
             return None
@@ -90,8 +90,8 @@ class BroadcastWeightSender:
         from .vllm_worker import new_group
 
         if self.rpc_url:  # the trainer may come up before the server: wait for it (bounded)
-            from .transport import wait_for
-            from .vllm import InferenceServerError, _http
+            from ..transport import wait_for
+            from .vllm_client import InferenceServerError, _http
 
             def healthy():
                 try:
@@ -216,7 +216,7 @@ class WeightPublisher:
     """Trainer rank 0: ``publish(version, state_dict)`` per the config (see the module docstring)."""
 
     def __init__(self, cfg: RLConfig, transport: FileTransport, model):
-        from .placement import resolve_placement
+        from ..placement import resolve_placement
 
         self.cfg, self.transport, self.model = cfg, transport, model
         i = cfg.inference
@@ -244,7 +244,7 @@ class WeightPublisher:
         else:
             tensors = hf_weights(self.model, state_dict)
             if v.update_fp8:
-                from .vllm import quantize_for_transfer
+                from .vllm_client import quantize_for_transfer
 
                 tensors = quantize_for_transfer(tensors)
             self.sender.send(version, tensors)

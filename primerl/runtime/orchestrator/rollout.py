@@ -18,7 +18,7 @@ import torch
 
 from primerl.rl.envs import Episode, Prompt, Turn
 
-from .engine import Completion, Request, SamplingParams
+from ..inference.engine import Completion, Request, SamplingParams
 
 
 def mix_seed(*parts: int) -> int:

@@ -13,7 +13,20 @@ import torch
 
 from primerl.rl.packing import MicroBatch, Sample, pack
 
-from ._rl import advantages as compute_advantages
+# orchestrator.advantage: "rloo_std" is leave-one-out divided by the std of the step's rewards
+ADVANTAGE_METHODS = ("grpo", "drgrpo", "rloo", "rloo_std", "max_rl")
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, *, method: str):
+    """rewards [N] (groups contiguous) -> (advantages [N], {"num_zero_groups": int})."""
+    from primerl.rl import advantages as adv
+
+    fns = {"grpo": adv.grpo, "drgrpo": adv.drgrpo, "rloo": adv.rloo, "max_rl": adv.max_rl,
+           "rloo_std": lambda r, g: adv.rloo(r, g, std_normalize="batch")}
+    if method not in fns:
+        raise ValueError(f"advantage method must be one of {ADVANTAGE_METHODS}, got {method!r}")
+    out = fns[method](rewards, group_size)
+    return out.advantages, {"num_zero_groups": int(out.uniform_groups.sum())}
 
 
 def build_samples(groups, method: str, top_k: int, *, replay: bool, temperature: float):

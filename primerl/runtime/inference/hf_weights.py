@@ -85,7 +85,7 @@ def publish_hf(transport, version: int, model, state_dict: dict[str, torch.Tenso
     ``MoETransformer.from_pretrained`` and, without ``fp8``, ``transformers`` load). With ``fp8``,
     expert weights are block-FP8 (``<name>`` e4m3 + ``<name>_scale_inv``), the layout of a
     block-FP8 checkpoint. Returns the directory."""
-    from .vllm import quantize_for_transfer
+    from .vllm_client import quantize_for_transfer
 
     tensors = hf_weights(model, state_dict, expert_format=expert_format)
     if fp8:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, VLLMConfig
-from .lifetime import die_with_parent
-from .vllm import WORKER_EXTENSION, InferenceServerError, _http
+from ..config import ModelConfig, VLLMConfig
+from ..lifetime import die_with_parent
+from .vllm_client import WORKER_EXTENSION, InferenceServerError, _http
 
 log = logging.getLogger("primerl.vllm")
 
@@ -126,7 +126,7 @@ class VLLMLauncher:
             except InferenceServerError:
                 pass
             if self.proc.poll() is not None:
-                from .job import _tail
+                from ..job import _tail
 
                 raise InferenceServerError(f"the vLLM server exited with code {self.proc.returncode} before answering "
                                            f"/health; end of {self.log_path}:\n{_tail(self.log_path)}")
@@ -215,7 +215,7 @@ def launch_for_job(cfg, vocab_size: int) -> VLLMLauncher:
                                    "inference.capture_routing = false")
     checkpoint = v.model or cfg.model.path
     if not checkpoint:
-        from .policy import build_model
+        from ..policy import build_model
 
         checkpoint = str(Path(cfg.output_dir).resolve() / "vllm_init")
         build_model(cfg, vocab_size).save_pretrained(checkpoint)

@@ -4,7 +4,7 @@ One optimizer step per batch: for every micro-batch, the model's hidden states (
 sampler's routing replayed when ``trainer.router_replay``), fused log-probs of each next token,
 the policy loss normalised by the batch's global loss-token count, backward; then gradient
 clipping, AdamW and the learning-rate schedule. Weights after step n are published as version
-n+1 (``weight_sync.WeightPublisher``: files, or a broadcast to vLLM workers). A non-finite loss skips the update (counted, logged) up to ``trainer.nan_retries`` steps in
+n+1 (``inference.weight_sync.WeightPublisher``: files, or a broadcast to vLLM workers). A non-finite loss skips the update (counted, logged) up to ``trainer.nan_retries`` steps in
 a row, then stops the run with an error.
 
 Launched as one process, or with ``torchrun --nproc-per-node N`` (gloo on CPU, nccl on GPU).
@@ -43,13 +43,13 @@ from . import _rl
 from . import full_state
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .dcp_checkpoint import is_dcp_checkpoint, load_dcp_checkpoint, save_dcp_checkpoint
-from .config import RLConfig, parallel_dims
+from ..config import RLConfig, parallel_dims
 from .guards import check_finite_parameters
 from .padded_attention import padded_forward
-from .placement import resolve_placement
-from .policy import build_model
+from ..placement import resolve_placement
+from ..policy import build_model
 from .publish import publish_streamed
-from .transport import FileTransport
+from ..transport import FileTransport
 
 log = logging.getLogger("primerl.trainer")
 
@@ -403,7 +403,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
     """The trainer process's main loop (rank 0 publishes weights, writes metrics and checkpoints)."""
     from pathlib import Path
 
-    from .metrics import MetricsLogger, progress_line
+    from ..metrics import MetricsLogger, progress_line
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -423,7 +423,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
     start = trainer.step
     logger = publisher = None
     if rank == 0:
-        from .weight_sync import WeightPublisher
+        from ..inference.weight_sync import WeightPublisher
 
         transport.drop_weights_after(start)
         publisher = WeightPublisher(cfg, transport, trainer.model)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import TMP_PREFIX, _step_dirs, latest_checkpoint, remove_stale_tmp_dirs
-from .transport import atomic_torch_save, atomic_write_bytes
+from ..transport import atomic_torch_save, atomic_write_bytes
 
 log = logging.getLogger("primerl.checkpoint")
 

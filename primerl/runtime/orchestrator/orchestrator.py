@@ -32,10 +32,10 @@ import torch
 
 from primerl.rl.envs import Environment, check_tokens, has_token_weights
 
-from .config import RLConfig
+from ..config import RLConfig
 from .env_calls import EnvCalls, EnvCallTimeout, RewardRejected, check_reward, check_token_weights
 from .rollout import EpisodeState, mix_seed
-from .transport import FileTransport, ProducerDied, TransportTimeout
+from ..transport import FileTransport, ProducerDied, TransportTimeout
 
 log = logging.getLogger("primerl.orchestrator")
 
@@ -218,7 +218,7 @@ class Orchestrator:
 
     def _write(self, step: int, samples, metrics: dict) -> None:
         from .batching import pack_for_ranks
-        from .config import parallel_dims
+        from ..config import parallel_dims
 
         # one packed batch per data rank (the mesh's batch view): a cp group shares one
         per_rank = pack_for_ranks(samples, self.o.seq_len, parallel_dims(self.cfg).batch)
@@ -290,7 +290,7 @@ class EmbeddedClient:
         if out:
             self._last_progress = now
         elif now - self._last_progress > self.timeout_s:
-            from .engine import EngineTimeout
+            from ..inference.engine import EngineTimeout
 
             raise EngineTimeout(f"the inference engine finished no request for {self.timeout_s} s")
         return out

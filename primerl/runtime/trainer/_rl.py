@@ -1,4 +1,4 @@
-"""Adapters to primerl.rl (advantages, packing, policy loss) in the shapes the runtime uses.
+"""Adapters to primerl.rl (reference model, policy loss) in the shapes the trainer uses.
 
 The trainer routes every loss setting of ``trainer.loss`` through this module: ``reference_model``
 once at start (a frozen copy of the initial policy when ``ref_kl_coef > 0``), then per optimizer
@@ -12,21 +12,6 @@ import copy
 
 import torch
 import torch.distributed as dist
-
-# orchestrator.advantage: "rloo_std" is leave-one-out divided by the std of the step's rewards
-ADVANTAGE_METHODS = ("grpo", "drgrpo", "rloo", "rloo_std", "max_rl")
-
-
-def advantages(rewards: torch.Tensor, group_size: int, *, method: str):
-    """rewards [N] (groups contiguous) -> (advantages [N], {"num_zero_groups": int})."""
-    from primerl.rl import advantages as adv
-
-    fns = {"grpo": adv.grpo, "drgrpo": adv.drgrpo, "rloo": adv.rloo, "max_rl": adv.max_rl,
-           "rloo_std": lambda r, g: adv.rloo(r, g, std_normalize="batch")}
-    if method not in fns:
-        raise ValueError(f"advantage method must be one of {ADVANTAGE_METHODS}, got {method!r}")
-    out = fns[method](rewards, group_size)
-    return out.advantages, {"num_zero_groups": int(out.uniform_groups.sum())}
 
 
 def reference_model(loss_cfg, policy: torch.nn.Module) -> torch.nn.Module | None:

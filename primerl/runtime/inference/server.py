@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from .engine import InferenceEngine, Request, SamplingParams
-from .vllm import encode_routed_experts
+from .vllm_client import encode_routed_experts
 
 log = logging.getLogger("primerl.inference")
 
@@ -180,9 +180,9 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000) -> None:
 
     from primerl.rl.envs import load_environment
 
-    from .job import setup_logging
-    from .placement import resolve_placement
-    from .policy import build_model
+    from ..job import setup_logging
+    from ..placement import resolve_placement
+    from ..policy import build_model
 
     setup_logging("inference")
     torch.set_num_threads(cfg.threads)

@@ -1,0 +1,52 @@
+"""Inference: the embedded engine and its HTTP server, the vLLM client / launcher / worker extension,
+and the trainer-to-engine weight transfer.
+
+Modules (imported lazily: the vLLM worker loads ``inference.vllm_worker`` alone):
+  engine       InferenceEngine: continuous batching, KV cache, sampling, log-probs, router capture, FP8 experts
+  server       EngineServer / serve: the engine behind vLLM's HTTP API (``primerl inference``)
+  vllm_client  VLLMClient: requests to a vLLM server, routed experts, weight-update RPCs
+  vllm_launch  the ``vllm serve`` command line a config maps to; VLLMLauncher for ``inference.vllm.launch``
+  vllm_worker  WeightUpdateExtension: runs inside vLLM's workers, receives and loads weights
+  weight_sync  WeightPublisher (trainer rank 0): files, or a torch.distributed broadcast to the engine / vLLM
+  hf_weights   published weights in the Hugging Face layout (models.checkpoint.hf_layout), FP8 transfer
+
+The main classes are re-exported here (``from primerl.runtime.inference import InferenceEngine``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    **{name: "engine" for name in ("InferenceEngine", "SamplingParams", "Request", "Completion", "EngineError",
+                                   "EngineTimeout", "NonFiniteLogitsError", "sample_next")},
+    **{name: "server" for name in ("EngineServer", "serve")},
+    **{name: "vllm_client" for name in ("VLLMClient", "InferenceServerError")},
+    "VLLMLauncher": "vllm_launch",
+    "WeightUpdateExtension": "vllm_worker",
+    **{name: "weight_sync" for name in ("WeightPublisher", "EngineWeightReceiver", "WeightSyncError")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .engine import (Completion, EngineError, EngineTimeout, InferenceEngine, NonFiniteLogitsError,  # noqa: F401
+                         Request, SamplingParams, sample_next)
+    from .server import EngineServer, serve  # noqa: F401
+    from .vllm_client import InferenceServerError, VLLMClient  # noqa: F401
+    from .vllm_launch import VLLMLauncher  # noqa: F401
+    from .vllm_worker import WeightUpdateExtension  # noqa: F401
+    from .weight_sync import EngineWeightReceiver, WeightPublisher, WeightSyncError  # noqa: F401
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

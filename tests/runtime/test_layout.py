@@ -1,0 +1,143 @@
+"""The runtime's layout: one room per process (trainer/, inference/, orchestrator/), every relative
+import resolves, the public import paths of the README keep working, and the rooms load lazily."""
+
+import ast
+import importlib
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import primerl.runtime
+
+RUNTIME = Path(primerl.runtime.__file__).parent
+
+
+def _modules():
+    for path in sorted(RUNTIME.rglob("*.py")):
+        rel = path.relative_to(RUNTIME.parent.parent).with_suffix("")
+        parts = list(rel.parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        yield path, ".".join(parts), is_pkg
+
+
+def _relative_imports():
+    for path, name, is_pkg in _modules():
+        package = name if is_pkg else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):  # function-level (lazy) imports too
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                target = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+                for alias in node.names:
+                    yield f"{path.relative_to(RUNTIME)}:{node.lineno}", target, alias.name
+
+
+def _source_of(module: str) -> Path | None:
+    base = RUNTIME.parent.parent.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """Names a module defines or imports at top level."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_every_relative_import_in_the_runtime_resolves():
+    """Read from the source (no import: optional dependencies such as aiohttp or vllm need not be here)."""
+    bad = []
+    for where, target, name in _relative_imports():
+        src = _source_of(target)
+        if src is None:
+            bad.append(f"{where}: no module {target}")
+        elif name not in _top_level_names(src) and _source_of(f"{target}.{name}") is None:
+            bad.append(f"{where}: {target} has no {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_rooms_hold_their_processes():
+    top = {p.stem for p in RUNTIME.glob("*.py")}
+    assert {"config", "job", "cli", "placement", "policy", "transport", "metrics", "output_dir",
+            "lifetime"} <= top
+    assert top - {"__init__", "config", "job", "cli", "placement", "policy", "transport", "metrics", "output_dir",
+                  "lifetime", "vllm_worker"} == set(), "a new top-level runtime module: give it a room"
+    for room, members in {"trainer": {"trainer", "_rl", "checkpoint", "dcp_checkpoint", "full_state", "publish",
+                                      "guards", "padded_attention"},
+                          "inference": {"engine", "server", "vllm_client", "vllm_launch", "vllm_worker",
+                                        "weight_sync", "hf_weights"},
+                          "orchestrator": {"orchestrator", "rollout", "batching", "env_calls"}}.items():
+        assert members <= {p.stem for p in (RUNTIME / room).glob("*.py")}, room
+
+
+def test_public_import_paths_keep_working():
+    from primerl.runtime import vllm_worker as old
+    from primerl.runtime.cli import main
+    from primerl.runtime.config import load_config
+    from primerl.runtime.inference import InferenceEngine, VLLMClient
+    from primerl.runtime.inference import vllm_worker as new
+    from primerl.runtime.inference.engine import InferenceEngine as engine_cls
+    from primerl.runtime.job import run_threads
+    from primerl.runtime.orchestrator import Orchestrator
+    from primerl.runtime.orchestrator.orchestrator import Orchestrator as orch_cls
+    from primerl.runtime.trainer import NonFiniteLossError, Trainer, lr_lambda, next_token_logprobs, shifted_logprobs
+    from primerl.runtime.trainer import trainer as trainer_mod
+
+    assert callable(main) and callable(load_config) and callable(run_threads)
+    assert old.WeightUpdateExtension is new.WeightUpdateExtension
+    assert old.new_group is new.new_group and old.receive_update is new.receive_update
+    assert (Trainer, lr_lambda, shifted_logprobs, next_token_logprobs, NonFiniteLossError) == (
+        trainer_mod.Trainer, trainer_mod.lr_lambda, trainer_mod.shifted_logprobs, trainer_mod.next_token_logprobs,
+        trainer_mod.NonFiniteLossError)
+    assert Orchestrator is orch_cls and InferenceEngine is engine_cls and VLLMClient.__module__.endswith("vllm_client")
+    with pytest.raises(ImportError, match="cannot import name 'Nope'"):
+        from primerl.runtime.trainer import Nope  # noqa: F401
+
+
+def test_vllm_is_told_the_new_worker_extension_path():
+    from primerl.runtime.config import load_config
+    from primerl.runtime.inference.vllm_client import WORKER_EXTENSION
+    from primerl.runtime.inference.vllm_launch import vllm_serve_command
+    from primerl.runtime.inference.vllm_worker import WeightUpdateExtension
+
+    module, _, cls = WORKER_EXTENSION.rpartition(".")
+    assert module == "primerl.runtime.inference.vllm_worker"
+    assert getattr(importlib.import_module(module), cls) is WeightUpdateExtension
+    cfg = load_config(None, ["--inference.vllm.model", "m"])
+    cmd = vllm_serve_command(cfg.inference.vllm, cfg.model)
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+
+
+def test_subprocess_entry_points_are_real_modules():
+    found = set()
+    for path, _, _ in _modules():
+        found |= set(re.findall(r'"-m",\s*"(primerl[\w.]*)"', path.read_text()))
+    assert "primerl.runtime.cli" in found
+    for mod in found:
+        assert importlib.util.find_spec(mod) is not None, mod
+
+
+@pytest.mark.parametrize("imported, not_loaded", [
+    ("primerl.runtime.trainer.checkpoint", "primerl.runtime.trainer.trainer"),
+    ("primerl.runtime.inference.vllm_worker", "primerl.runtime.inference.engine"),
+    ("primerl.runtime.orchestrator.orchestrator", "primerl.runtime.trainer.trainer"),
+    ("primerl.runtime.orchestrator.batching", "primerl.runtime.trainer"),
+])
+def test_rooms_load_lazily(imported, not_loaded):
+    code = f"import sys, {imported}; sys.exit(1 if {not_loaded!r} in sys.modules else 0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"importing {imported} loaded {not_loaded}\n{out.stderr[-2000:]}"
