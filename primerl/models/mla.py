@@ -1,0 +1,218 @@
+"""Multi-head latent attention (DeepSeek-V3 / Kimi-K2, GLM-5) and DeepSeek sparse attention's
+lightning indexer (GLM-5), over packed sequences.
+
+Shape legend: T tokens, D model dim, H heads, Rq ``q_lora_rank``, R ``kv_lora_rank`` (512),
+Dn ``qk_nope_head_dim``, Dr ``qk_rope_head_dim`` (64), Dv ``v_head_dim``, Dqk = Dn + Dr,
+Hi / Di indexer heads / head dim, K ``index_topk``.
+
+MLA (parameter names are Hugging Face's, so checkpoints map one to one)::
+
+    q      = q_b_proj(q_a_layernorm(q_a_proj(x)))          [T, H, Dqk]   (or q_proj(x))
+    c, kr  = split(kv_a_proj_with_mqa(x), [R, Dr])         c: the latent, kr: one shared rope key
+    c      = kv_a_layernorm(c)
+    k_nope, v = split(kv_b_proj(c), [Dn, Dv]) per head
+    k      = [k_nope, rope(kr)]  q = [q_nope, rope(q_rope)]
+
+The rope part is rotated in DeepSeek's interleaved-pair convention (``rope_interleave``; GLM-5
+always), with the output in rotate-half layout, as Hugging Face does (q and k get the same
+permutation, so scores are unchanged).
+
+Dense form (training, and every layer of a deepseek_v3 model): per-head keys and values, attention
+with Dqk != Dv through :func:`primerl.kernels.attention.mla.mla_attention`.
+
+Sparse form (glm_moe_dsa when a sequence is longer than ``index_topk``): the indexer picks K keys
+per query; attention runs in the absorbed form over the shared latent (one kv head: keys
+``[c, rope(kr)]`` of width R + Dr, values ``c``), with ``q_abs = q_nope @ W_uk`` and the output
+``o_lat @ W_uv`` (W_uk / W_uv the two halves of ``kv_b_proj``), in
+:func:`primerl.kernels.sparse_attention.sparse_attention`. Every query attends at least to
+itself; a query with at most K visible keys selects all of them, so short sequences get exactly
+dense attention (which is why a batch whose sequences all fit in K takes the dense form).
+
+The indexer's training: kept frozen. Hugging Face's ``GlmMoeDsaIndexer`` runs under
+``torch.no_grad`` and GLM-5's checkpoints ship a trained indexer; the RL loss has no path to it
+(a top-k is a discrete choice), and DeepSeek-V3.2's own indexer objective (a KL to the dense
+attention distribution) needs the O(T^2) dense attention the sparse form exists to avoid. So the
+selection is computed without gradient and the indexer's weights get none (they are loaded,
+saved and sharded like any other). Router replay is unaffected: it concerns the MoE layers only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoETransformerConfig
+from .layers import RMSNorm, rope_cos_sin
+
+_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: Hugging Face builds them with the default eps
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate all of ``x[T, H, Dr]`` (cos/sin ``[T, Dr]`` from :func:`rope_cos_sin`).
+
+    ``interleave``: pairs ``(x0, x1), (x2, x3), ...`` rotated by one frequency each, written back as
+    ``[evens', odds']`` (Hugging Face's ``apply_rotary_pos_emb_interleave``); else rotate-half.
+    """
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if interleave:
+        half = cos.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _backend(config: MoETransformerConfig, supported: tuple[str, ...]):
+    """The config's attention backend where the op implements it; else the op's default."""
+    return config.attn_backend if config.attn_backend in supported else None
+
+
+class Indexer(nn.Module):
+    """DeepSeek sparse attention's lightning indexer (GLM-5 ``GlmMoeDsaIndexer``).
+
+    ``select(x [T, D], q_latent [T, Rq], position_ids, cu_seqlens) -> indices [T, K]`` int32 rows of
+    the packed batch (-1 = none), no gradient. Keys: ``LayerNorm(wk(x))`` (one head), queries
+    ``wq_b(q_latent)`` with Hi heads, the first Dr dims of both rotated (interleaved), head
+    weights ``weights_proj(x) / sqrt(Hi)`` (float32), score ``sum_h w_h relu(q_h . k / sqrt(Di))``.
+    """
+
+    def __init__(self, config: MoETransformerConfig):
+        super().__init__()
+        c = config
+        self.n_heads, self.head_dim, self.rope_dim, self.topk = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim, c.index_topk
+        self.wq_b = nn.Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(c.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(c.dim, c.index_n_heads, bias=False)  # kept in float32 (as Hugging Face)
+        self.config = c
+
+    @torch.no_grad()
+    def project(self, x, q_latent, cos, sin):
+        """-> q ``[T, Hi, Di]``, k ``[T, Di]``, weights ``[T, Hi]`` float32 (the indexer op's inputs)."""
+        T, r = x.shape[0], self.rope_dim
+        q = self.wq_b(q_latent).view(T, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))[:, None, :]
+        q = torch.cat((rope_pairs(q[..., :r], cos, sin, True), q[..., r:]), dim=-1)
+        k = torch.cat((rope_pairs(k[..., :r], cos, sin, True), k[..., r:]), dim=-1)[:, 0]
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        return q, k, w
+
+    @torch.no_grad()
+    def select(self, x, q_latent, cos, sin, cu_seqlens) -> torch.Tensor:
+        from primerl.kernels.sparse_attention import indexer_topk
+
+        q, k, w = self.project(x, q_latent, cos, sin)
+        return indexer_topk(q, k.to(q.dtype), w, cu_seqlens=cu_seqlens, topk=self.topk,
+                            softmax_scale=self.head_dim ** -0.5, backend=_backend(self.config, ("torch", "triton")))
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention over packed sequences (see the module docstring).
+
+    ``forward(x [T, D], position_ids [T], cu_seqlens, state=None) -> [T, D]``. ``state`` is a dict
+    the model passes through its layers: a ``"shared"`` indexer layer (GLM-5 ``indexer_types``)
+    reads the previous full layer's ``state["indices"]``.
+    """
+
+    def __init__(self, config: MoETransformerConfig, layer_id: int = 0):
+        super().__init__()
+        c = config
+        self.n_heads, self.kv_lora_rank, self.v_head_dim = c.n_heads, c.kv_lora_rank, c.v_head_dim
+        self.nope_dim, self.rope_dim, self.head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.head_dim
+        self.rope_theta, self.rope_interleave = c.rope_theta, c.rope_interleave
+        self.softmax_scale = c.head_dim ** -0.5
+        H, bias = c.n_heads, c.attention_bias
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.dim, H * c.head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.dim, c.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, H * c.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.dim, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * c.v_head_dim, c.dim, bias=c.o_proj_bias)
+        self.sparse = c.is_sparse
+        self.shares_indices = self.sparse and c.indexer_types[layer_id] == "shared"
+        self.indexer = Indexer(c) if self.sparse and not self.shares_indices else None
+        # Set by parallelize() for context parallelism: fn(q, k, v, plan, *, causal, softmax_scale, backend).
+        self.context_attention = None
+        self.config = c
+
+    # ----------------------------------------------------------------------------------------------
+    def project_latent(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """-> q_nope ``[T, H, Dn]``, q_rope ``[T, H, Dr]`` (rotated), latent c ``[T, R]`` (normed),
+        k_rope ``[T, Dr]`` (rotated), q_latent ``[T, Rq]`` (None without q_lora_rank), cos, sin.
+        The inputs of every form (dense, sparse, and an engine's latent KV cache of R + Dr per token)."""
+        T = x.shape[0]
+        if hasattr(self, "q_proj"):
+            q_latent = None
+            q = self.q_proj(x)
+        else:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        q = q.view(T, self.n_heads, self.head_dim)
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c = self.kv_a_layernorm(c)
+        cos, sin = rope_cos_sin(position_ids, self.rope_dim, self.rope_theta, q.dtype)
+        q_rope = rope_pairs(q[..., self.nope_dim:], cos, sin, self.rope_interleave)
+        k_rope = rope_pairs(k_rope[:, None, :], cos, sin, self.rope_interleave)[:, 0]
+        return q[..., :self.nope_dim], q_rope, c, k_rope, q_latent, cos, sin
+
+    def _kv_b_halves(self):
+        """W_uk ``[H, Dn, R]`` and W_uv ``[H, Dv, R]`` from kv_b_proj's weight."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, :self.nope_dim], w[:, self.nope_dim:]
+
+    def _dense(self, q_nope, q_rope, c, k_rope, cu_seqlens):
+        T, H = q_nope.shape[:2]
+        k_nope, v = self.kv_b_proj(c).view(T, H, self.nope_dim + self.v_head_dim).split(
+            [self.nope_dim, self.v_head_dim], dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope[:, None, :].expand(T, H, self.rope_dim)), dim=-1)
+        backend = self.config.attn_backend
+        if self.context_attention is not None and not torch.is_tensor(cu_seqlens):
+            from primerl.kernels.attention.mla import pad_for_square
+
+            qp, kp, vp, dv = pad_for_square(q, k, v)
+            return self.context_attention(qp, kp, vp, cu_seqlens, causal=True, softmax_scale=self.softmax_scale,
+                                          backend=backend)[..., :dv]
+        from primerl.kernels.attention.mla import mla_attention
+
+        return mla_attention(q, k, v, cu_seqlens=cu_seqlens.to(torch.int32), causal=True,
+                             softmax_scale=self.softmax_scale, backend=backend)
+
+    def _sparse(self, q_nope, q_rope, c, k_rope, indices):
+        from primerl.kernels.sparse_attention import sparse_attention
+
+        w_uk, w_uv = self._kv_b_halves()
+        q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q = torch.cat((q_abs, q_rope), dim=-1)  # [T, H, R + Dr]
+        kv = torch.cat((c, k_rope), dim=-1)[:, None, :]  # [T, 1, R + Dr]: one latent head shared by all
+        o_lat = sparse_attention(q, kv, c[:, None, :], indices, softmax_scale=self.softmax_scale,
+                                 backend=_backend(self.config, ("torch", "triton")))
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens, state: dict | None = None) -> torch.Tensor:
+        q_nope, q_rope, c, k_rope, q_latent, cos, sin = self.project_latent(x, position_ids)
+        if self.sparse and not torch.is_tensor(cu_seqlens):
+            raise NotImplementedError("glm_moe_dsa under context parallelism: the sparse path needs every rank's "
+                                      "latent keys (all-gather of R + Dr per token) - not implemented yet")
+        o = None
+        if self.sparse:
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            if longest > self.config.index_topk:  # else every query selects all its keys: the dense form
+                if self.shares_indices:
+                    if state is None or state.get("indices") is None:
+                        raise ValueError("a 'shared' indexer layer needs the previous full layer's indices (state)")
+                    indices = state["indices"]
+                else:
+                    indices = self.indexer.select(x, q_latent, cos, sin, cu_seqlens)
+                    if state is not None:
+                        state["indices"] = indices
+                o = self._sparse(q_nope, q_rope, c, k_rope, indices)
+        if o is None:
+            o = self._dense(q_nope, q_rope, c, k_rope, cu_seqlens)
+        return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.v_head_dim))

@@ -1,0 +1,205 @@
+"""DeepSeek-V3 (MLA) and GLM-5 (MLA + DeepSeek sparse attention) against Hugging Face's
+``DeepseekV3ForCausalLM`` / ``GlmMoeDsaForCausalLM`` in float32: logits over packed batches (one
+sequence longer than ``index_topk``, so the sparse path runs), gradients, routing replay, save /
+load round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primerl.models import MoETransformer, MoETransformerConfig
+from primerl.models.checkpoint import hf_layout
+
+from models_testing import _perturb, hf_packed_logits, packed_batch
+
+transformers = pytest.importorskip("transformers")
+
+INDEX_TOPK = 6
+SEQ_LENS = (5, 1, 17, 3, 9)  # 17 and 9 > INDEX_TOPK: sparse; the rest select every key
+
+
+def hf_deepseek_v3(**overrides):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    kw = dict(vocab_size=61, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_group=2,
+              topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+              q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, attn_implementation="eager")
+    kw.update(overrides)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**kw)).eval()
+    _perturb(model, 3)
+    return model
+
+
+def hf_glm_moe_dsa(**overrides):
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    kw = dict(vocab_size=61, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_group=2,
+              topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+              q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
+              index_topk=INDEX_TOPK, index_head_dim=16, index_n_heads=8,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, attn_implementation="eager")
+    kw.update(overrides)
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**kw)).eval()
+    _perturb(model, 4)
+    return model
+
+
+BUILDERS = {"deepseek_v3": hf_deepseek_v3, "glm_moe_dsa": hf_glm_moe_dsa,
+            "deepseek_v3_no_q_lora": lambda: hf_deepseek_v3(q_lora_rank=None, rope_interleave=False),
+            "glm_moe_dsa_shared_indexer": lambda: hf_glm_moe_dsa(indexer_types=["full", "shared", "full"])}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def loaded(request, tmp_path_factory):
+    name = request.param
+    hf_model = BUILDERS[name]()
+    path = tmp_path_factory.mktemp(name)
+    hf_model.save_pretrained(path)
+    return name, hf_model, MoETransformer.from_pretrained(path), path
+
+
+def test_config_reads_mla_fields(loaded):
+    name, hf_model, model, _ = loaded
+    c, h = model.config, hf_model.config
+    assert c.family == h.model_type and c.is_mla
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == \
+        (h.q_lora_rank, h.kv_lora_rank, h.qk_nope_head_dim, h.qk_rope_head_dim, h.v_head_dim)
+    assert c.head_dim == h.qk_nope_head_dim + h.qk_rope_head_dim
+    if c.is_sparse:
+        assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (h.index_n_heads, h.index_head_dim, h.index_topk)
+        assert list(c.indexer_types) == list(h.indexer_types)
+    assert c.num_params() == _params_without_block_norms(model)
+
+
+def _params_without_block_norms(model):  # num_params() leaves out the pre-norms, as for the other families
+    return sum(p.numel() for n, p in model.named_parameters()
+               if not (n.endswith("attention_norm.weight") or n.endswith("ffn_norm.weight") or n == "norm.weight"))
+
+
+def test_logits_match_hf_packed(loaded):
+    name, hf_model, model, _ = loaded
+    ids, pos, cu = packed_batch(model.config.vocab_size, SEQ_LENS)
+    with torch.no_grad():
+        ours = model(ids, pos, cu, return_logits=True)
+        ref = hf_packed_logits(hf_model, ids, cu)
+    err = (ours - ref).abs().max().item()
+    assert err <= 1e-4, f"{name}: max abs logits error {err:.3e}"
+    assert ref.abs().max() > 1.0
+
+
+def test_sparse_path_is_exercised_and_matters():
+    """With topk below the longest sequence the sparse form runs, and it differs from dense attention
+    (so the logits test above could catch a wrong selection)."""
+    hf_model = hf_glm_moe_dsa()
+    cfg = MoETransformerConfig.from_hf(hf_model.config.to_dict())
+    model = MoETransformer(cfg)
+    ours = {n: p for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for key, slot in hf_layout(model, "fused").items():
+            src = dict(hf_model.named_parameters()).get(key)
+            if src is None:
+                src = dict(hf_model.named_buffers())[key]
+                dict(model.named_buffers())[slot.param].copy_(src)
+            else:
+                ours[slot.param].copy_(src)
+    ids, pos, cu = packed_batch(cfg.vocab_size, SEQ_LENS)
+    calls = []
+    import primerl.models.mla as mla
+
+    real = mla.MLAttention._sparse
+    mla.MLAttention._sparse = lambda self, *a: calls.append(1) or real(self, *a)
+    try:
+        with torch.no_grad():
+            sparse = model(ids, pos, cu, return_logits=True)
+    finally:
+        mla.MLAttention._sparse = real
+    assert len(calls) == cfg.n_layers
+    model.config.index_topk = max(SEQ_LENS)
+    with torch.no_grad():
+        dense = model(ids, pos, cu, return_logits=True)
+    model.config.index_topk = INDEX_TOPK
+    start = sum(SEQ_LENS[:2])
+    assert (sparse - dense)[start + INDEX_TOPK:start + 17].abs().max() > 1e-2
+    assert (sparse - dense)[:start].abs().max() < 1e-4  # same attention, absorbed vs per-head arithmetic
+
+
+def test_gradients_match_hf(loaded):
+    name, hf_model, model, _ = loaded
+    ids, pos, cu = packed_batch(model.config.vocab_size, SEQ_LENS, seed=1)
+    targets = torch.roll(ids, -1)
+    model.zero_grad(set_to_none=True)
+    hf_model.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(ids, pos, cu, return_logits=True), targets).backward()
+    torch.nn.functional.cross_entropy(hf_packed_logits(hf_model, ids, cu), targets).backward()
+    hf_params = dict(hf_model.named_parameters())
+    ours = dict(model.named_parameters())
+    checked = 0
+    for hf_key, slot in hf_layout(model, "fused").items():
+        if hf_key not in hf_params:
+            continue
+        g_ref, g = hf_params[hf_key].grad, ours[slot.param].grad
+        if ".indexer." in hf_key:  # frozen: no gradient on either side
+            assert g is None and g_ref is None, hf_key
+            continue
+        assert g is not None and g_ref is not None, hf_key
+        scale = g_ref.abs().max().item() + 1e-12
+        err = (g.float() - g_ref.float()).abs().max().item()
+        assert err <= 1e-4 * max(1.0, scale), f"{name} grad {hf_key}: max abs err {err:.3e} (scale {scale:.3e})"
+        checked += 1
+    assert checked > 20
+
+
+def test_routing_replay_bitwise(loaded):
+    _, _, model, _ = loaded
+    ids, pos, cu = packed_batch(model.config.vocab_size, SEQ_LENS, seed=2)
+    with torch.no_grad():
+        live = model(ids, pos, cu, return_logits=True)
+        routing = model.routing()
+        assert routing.shape == (ids.shape[0], len(model.config.moe_layer_ids), model.config.top_k)
+        replayed = model(ids, pos, cu, replay_ids=routing, return_logits=True)
+    assert torch.equal(live, replayed)
+
+
+def test_save_load_round_trip(loaded, tmp_path):
+    name, hf_model, model, _ = loaded
+    model.save_pretrained(tmp_path)
+    again = MoETransformer.from_pretrained(tmp_path)
+    assert again.config == model.config
+    theirs = again.state_dict()
+    for n, a in model.state_dict().items():
+        if not n.endswith("tokens_per_expert"):  # a load counter, not part of the checkpoint
+            assert torch.equal(a, theirs[n]), n
+    # and Hugging Face reads what we wrote
+    from transformers import AutoModelForCausalLM
+
+    hf_again = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids, pos, cu = packed_batch(model.config.vocab_size, SEQ_LENS, seed=4)
+    with torch.no_grad():
+        err = (hf_packed_logits(hf_again, ids, cu) - model(ids, pos, cu, return_logits=True)).abs().max().item()
+    assert err <= 1e-4, f"{name}: HF reloading our save: {err:.3e}"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+def test_tiny_configs_build_and_run(family):
+    cfg = MoETransformerConfig.tiny(vocab_size=50, family=family)
+    model = MoETransformer(cfg)
+    ids, pos, cu = packed_batch(50, (4, 20, 7))
+    logits = model(ids, pos, cu, return_logits=True)
+    assert logits.shape == (31, 50) and torch.isfinite(logits).all()
+    logits.sum().backward()
+    assert cfg.num_params() == _params_without_block_norms(model)
+
+
+def test_mla_config_errors():
+    with pytest.raises(ValueError, match="kv_lora_rank must be positive exactly"):
+        MoETransformerConfig.tiny(family="deepseek_v3", kv_lora_rank=0)
+    with pytest.raises(ValueError, match="MLA head_dim"):
+        MoETransformerConfig.tiny(family="deepseek_v3", head_dim=16)
+    with pytest.raises(ValueError, match="indexer_types"):
+        MoETransformerConfig.tiny(family="glm_moe_dsa", indexer_types=("shared", "full", "full"))
