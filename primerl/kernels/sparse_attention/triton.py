@@ -12,9 +12,11 @@ token and BLOCK_H query heads of one key/value group (the MMA's M side: the head
 gathered keys, as in DeepSeek's absorbed MQA form where G = all heads) and walks the token's K
 indices BLOCK_N at a time, gathering key and value rows. The query/key width is split into a
 power-of-two main part and a tail (576 = 512 + 64, 192 = 128 + 64: MLA's latent/nope and rope
-parts) so neither is padded to the next power of two. Backward: one program per (token, head
-block) recomputes P, keeps dQ in registers and adds dK/dV into float32 buffers with atomics
-(different queries select the same keys).
+parts) so neither is padded to the next power of two. Backward: two kernels over (token, head
+block), each recomputing P and dS: one keeps dQ in registers; the other adds dK / dV into float32
+buffers with atomics (different queries select the same keys), column chunk by column chunk.
+The atomics' traffic (T x K x (Dqk + Dv) floats per head group) is this version's cost; a
+key-centric pass over the transposed selection would remove it.
 """
 
 from __future__ import annotations
@@ -179,37 +181,75 @@ def _sparse_fwd_kernel(
 
 
 @triton.jit
-def _sparse_bwd_kernel(
-    Q, K, V, Idx, DO, Lse, Delta, DQ, DK, DV_, n_idx,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_it, stride_dot, stride_doh, stride_lh,
-    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    sm_scale, qk_scale_log2,
-    GROUP: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-    BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
+def _chunked_scores(Q, K, t, heads, h_ok, rows, valid, hk, stride_qt, stride_qh, stride_kt, stride_kh,
+                    DQK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    """q [BH, Dqk] . gathered k [BN, Dqk]^T in column chunks reloaded from memory (cache hits), so
+    the backward keeps no [BH, Dqk] query tile live beside its accumulators."""
+    s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+    offs_c = tl.arange(0, BLOCK_C)
+    for c in tl.static_range(0, DQK, BLOCK_C):
+        c_ok = (c + offs_c) < DQK
+        qc = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + c + offs_c[None, :],
+                     mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+        kc = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + c + offs_c[None, :],
+                     mask=valid[:, None] & c_ok[None, :], other=0.0)
+        s += tl.dot(qc, tl.trans(kc), input_precision=DOT_PREC)
+    return s
+
+
+@triton.jit
+def _recompute_ds(Q, K, V, DO, rows, valid, h_ok, heads, hk, t, lse2, delta,
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                  qk_scale_log2, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_DVC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """P [BH, BN] and dS = P * (dO . V^T - delta) for one block of gathered keys; dO . V^T summed
+    over value chunks of BLOCK_DVC so no [*, Dv] tile stays live."""
+    s = _chunked_scores(Q, K, t, heads, h_ok, rows, valid, hk, stride_qt, stride_qh, stride_kt, stride_kh,
+                        DQK, BLOCK_H, BLOCK_N, BLOCK_DVC, DOT_PREC)
+    p = tl.math.exp2(s * qk_scale_log2 - lse2[:, None])
+    p = tl.where(valid[None, :] & h_ok[:, None], p, 0.0)
+    dp = tl.zeros_like(p)
+    offs_c = tl.arange(0, BLOCK_DVC)
+    for c in tl.static_range(0, DV, BLOCK_DVC):
+        c_ok = (c + offs_c) < DV
+        do = tl.load(DO + t * stride_dot + heads[:, None] * stride_doh + c + offs_c[None, :],
+                     mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+        v = tl.load(V + rows[:, None] * stride_vt + hk * stride_vh + c + offs_c[None, :],
+                    mask=valid[:, None] & c_ok[None, :], other=0.0)
+        dp += tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _bwd_program_setup(Lse, Delta, stride_lh, t, hb, GROUP: tl.constexpr, BLOCK_H: tl.constexpr):
     n_hblocks: tl.constexpr = (GROUP + BLOCK_H - 1) // BLOCK_H
     hk = hb // n_hblocks
     offs_h = (hb % n_hblocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < GROUP
     heads = hk * GROUP + offs_h
-    offs_d1 = tl.arange(0, BLOCK_D1)
-    offs_d2 = tl.arange(0, BLOCK_D2)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < DV
-    q1 = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d1[None, :],
-                 mask=h_ok[:, None] & (offs_d1 < D1)[None, :], other=0.0)
-    q2 = q1
-    if D2 > 0:
-        q2 = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + D1 + offs_d2[None, :],
-                     mask=h_ok[:, None] & (offs_d2 < D2)[None, :], other=0.0)
-    do = tl.load(DO + t * stride_dot + heads[:, None] * stride_doh + offs_dv[None, :],
-                 mask=h_ok[:, None] & dv_ok[None, :], other=0.0)
     lse = tl.load(Lse + heads * stride_lh + t, mask=h_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no key seen: P = 0
     delta = tl.load(Delta + heads * stride_lh + t, mask=h_ok, other=0.0)
+    return hk, h_ok, heads, lse2, delta
+
+
+@triton.jit
+def _sparse_bwd_dq_kernel(
+    Q, K, V, Idx, DO, Lse, Delta, DQ, n_idx,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_it, stride_dot, stride_doh, stride_lh,
+    stride_dqt, stride_dqh, sm_scale, qk_scale_log2,
+    GROUP: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+    BLOCK_DVC: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dQ of one (token, head block, BLOCK_D1 columns of the main part; the tail goes with column
+    block 0), accumulated over the token's selected keys in registers."""
+    t = tl.program_id(0)
+    c = tl.program_id(2)
+    hk, h_ok, heads, lse2, delta = _bwd_program_setup(Lse, Delta, stride_lh, t, tl.program_id(1), GROUP, BLOCK_H)
+    offs_d1 = c * BLOCK_D1 + tl.arange(0, BLOCK_D1)
+    offs_d2 = tl.arange(0, BLOCK_D2)
     dq1 = tl.zeros([BLOCK_H, BLOCK_D1], tl.float32)
     dq2 = tl.zeros([BLOCK_H, BLOCK_D2], tl.float32)
     for n0 in range(0, n_idx, BLOCK_N):
@@ -218,46 +258,74 @@ def _sparse_bwd_kernel(
         valid = idx >= 0
         if tl.max(idx, axis=0) >= 0:
             rows = tl.where(valid, idx, 0).to(tl.int64)
-            s = _gather_scores(q1, q2, K, rows, valid, hk, stride_kt, stride_kh, offs_d1, offs_d2, D1, D2, DOT_PREC)
-            p = tl.math.exp2(s * qk_scale_log2 - lse2[:, None])
-            p = tl.where(valid[None, :] & h_ok[:, None], p, 0.0)
-            v = tl.load(V + rows[:, None] * stride_vt + hk * stride_vh + offs_dv[None, :],
-                        mask=valid[:, None] & dv_ok[None, :], other=0.0)
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)  # [BN, BDV]
-            tl.atomic_add(DV_ + rows[:, None] * stride_dvt + hk * stride_dvh + offs_dv[None, :], dv,
-                          mask=valid[:, None] & dv_ok[None, :])
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-            ds = (p * (dp - delta[:, None])).to(q1.dtype)  # [BH, BN]
+            p, ds = _recompute_ds(Q, K, V, DO, rows, valid, h_ok, heads, hk, t, lse2, delta,
+                                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+                                  stride_doh, qk_scale_log2, D1 + D2, DV, BLOCK_H, BLOCK_N, BLOCK_DVC, DOT_PREC)
+            ds = ds.to(K.dtype.element_ty)
             k1 = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + offs_d1[None, :],
                          mask=valid[:, None] & (offs_d1 < D1)[None, :], other=0.0)
             dq1 += tl.dot(ds, k1, input_precision=DOT_PREC)
-            dk1 = tl.dot(tl.trans(ds), q1, input_precision=DOT_PREC) * sm_scale
-            tl.atomic_add(DK + rows[:, None] * stride_dkt + hk * stride_dkh + offs_d1[None, :], dk1,
-                          mask=valid[:, None] & (offs_d1 < D1)[None, :])
-            if D2 > 0:
+            if (D2 > 0) & (c == 0):
                 k2 = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + D1 + offs_d2[None, :],
                              mask=valid[:, None] & (offs_d2 < D2)[None, :], other=0.0)
                 dq2 += tl.dot(ds, k2, input_precision=DOT_PREC)
-                dk2 = tl.dot(tl.trans(ds), q2, input_precision=DOT_PREC) * sm_scale
-                tl.atomic_add(DK + rows[:, None] * stride_dkt + hk * stride_dkh + D1 + offs_d2[None, :], dk2,
-                              mask=valid[:, None] & (offs_d2 < D2)[None, :])
     tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + offs_d1[None, :], dq1 * sm_scale,
              mask=h_ok[:, None] & (offs_d1 < D1)[None, :])
-    if D2 > 0:
+    if (D2 > 0) & (c == 0):
         tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + D1 + offs_d2[None, :], dq2 * sm_scale,
                  mask=h_ok[:, None] & (offs_d2 < D2)[None, :])
 
 
+@triton.jit
+def _sparse_bwd_dkdv_kernel(
+    Q, K, V, Idx, DO, Lse, Delta, DK, DV_, n_idx,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_it, stride_dot, stride_doh, stride_lh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, sm_scale, qk_scale_log2,
+    GROUP: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+    BLOCK_DVC: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dK, dV contributions of one (token, head block), added to the selected rows with float32
+    atomics (other tokens select the same keys), in value / key chunks of BLOCK_DVC columns."""
+    t = tl.program_id(0)
+    hk, h_ok, heads, lse2, delta = _bwd_program_setup(Lse, Delta, stride_lh, t, tl.program_id(1), GROUP, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_DVC)
+    for n0 in range(0, n_idx, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(Idx + t * stride_it + offs_n, mask=offs_n < n_idx, other=-1)
+        valid = idx >= 0
+        if tl.max(idx, axis=0) >= 0:
+            rows = tl.where(valid, idx, 0).to(tl.int64)
+            p, ds = _recompute_ds(Q, K, V, DO, rows, valid, h_ok, heads, hk, t, lse2, delta,
+                                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+                                  stride_doh, qk_scale_log2, D1 + D2, DV, BLOCK_H, BLOCK_N, BLOCK_DVC, DOT_PREC)
+            pt = tl.trans(p.to(Q.dtype.element_ty))
+            dst = tl.trans((ds * sm_scale).to(Q.dtype.element_ty))
+            for c in tl.static_range(0, DV, BLOCK_DVC):
+                c_ok = (c + offs_c) < DV
+                do = tl.load(DO + t * stride_dot + heads[:, None] * stride_doh + c + offs_c[None, :],
+                             mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+                tl.atomic_add(DV_ + rows[:, None] * stride_dvt + hk * stride_dvh + c + offs_c[None, :],
+                              tl.dot(pt, do, input_precision=DOT_PREC), mask=valid[:, None] & c_ok[None, :])
+            for c in tl.static_range(0, D1 + D2, BLOCK_DVC):
+                c_ok = (c + offs_c) < D1 + D2
+                qc = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + c + offs_c[None, :],
+                             mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+                tl.atomic_add(DK + rows[:, None] * stride_dkt + hk * stride_dkh + c + offs_c[None, :],
+                              tl.dot(dst, qc, input_precision=DOT_PREC), mask=valid[:, None] & c_ok[None, :])
+
+
 def _attn_blocks(group: int, dv: int, device, backward: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, BLOCK_DV, warps). BLOCK_H >= 16 (the MMA's smallest M); on the GPU the
-    forward splits a wide value head (MLA's 512-wide latent) over programs to bound the fp32
-    accumulator; the backward needs dP over the whole value width, so it keeps Dv whole."""
+    """(BLOCK_H, BLOCK_N, BLOCK_DV or the backward's column chunk, warps). BLOCK_H >= 16 (the
+    MMA's smallest M), 64 on the GPU for wgmma; the forward splits a wide value head (MLA's 512-wide
+    latent) over programs to bound its float32 accumulator; the backward walks value and key
+    columns in chunks (AOT-measured on sm_90a: whole 512-wide tiles spill)."""
     block_h = min(64, _pow2(group))
     if device.type != "cuda":
-        return block_h, 16, _pow2(dv), 4
+        return block_h, 16, (16 if backward else _pow2(dv)), 4
     if backward:
-        return min(block_h, 32), 32, _pow2(dv), 8
-    return block_h, 32, min(_pow2(dv), 256), 8
+        return block_h, 64, 64, 8
+    return block_h, 16, min(_pow2(dv), 256), 8  # BLOCK_N 32 spills on sm_100a (AOT)
 
 
 def sparse_forward(q, k, v, indices, softmax_scale: float, out_dtype: torch.dtype):
@@ -300,14 +368,18 @@ def sparse_backward(dout, q, k, v, indices, out, lse, dlse, softmax_scale: float
     if T == 0:
         return dq, dk, dv
     d1, d2 = split_head_dim(D)
-    bh, bn, bdv, warps = _attn_blocks(G, Dv, q.device, backward=True)
+    bh, bn, bc, warps = _attn_blocks(G, Dv, q.device, backward=True)
     grid = (T, Hkv * triton.cdiv(G, bh))
-    _sparse_bwd_kernel[grid](
-        q, k, v, indices, dout, lse, delta, dq, dk, dv, indices.shape[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), indices.stride(0),
-        dout.stride(0), dout.stride(1), lse.stride(0), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
-        dv.stride(0), dv.stride(1), softmax_scale, softmax_scale * LOG2E,
-        GROUP=G, D1=d1, D2=d2, DV=Dv, BLOCK_H=bh, BLOCK_N=bn, BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2),
-        BLOCK_DV=bdv, DOT_PREC=_dot_precision(q.dtype), num_warps=warps,
-    )
+    # 512 columns spill on sm_90a (AOT); 16 under the interpreter so its tests cover several blocks
+    dq_cols = min(_pow2(d1), 256 if q.device.type == "cuda" else 16)
+    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), indices.stride(0),
+              dout.stride(0), dout.stride(1), lse.stride(0))
+    meta = dict(GROUP=G, D1=d1, D2=d2, DV=Dv, BLOCK_H=bh, BLOCK_N=bn, BLOCK_D2=_pow2(d2),
+                BLOCK_DVC=bc, DOT_PREC=_dot_precision(q.dtype), num_warps=warps)
+    _sparse_bwd_dq_kernel[(*grid, triton.cdiv(d1, dq_cols))](
+        q, k, v, indices, dout, lse, delta, dq, indices.shape[1], *common, dq.stride(0), dq.stride(1), softmax_scale,
+        softmax_scale * LOG2E, BLOCK_D1=dq_cols, **meta)
+    _sparse_bwd_dkdv_kernel[grid](q, k, v, indices, dout, lse, delta, dk, dv, indices.shape[1], *common,
+                                  dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), softmax_scale,
+                                  softmax_scale * LOG2E, BLOCK_D1=_pow2(d1), **meta)
     return dq, dk, dv
