@@ -28,12 +28,19 @@ per query; attention runs in the absorbed form over the shared latent (one kv he
 itself; a query with at most K visible keys selects all of them, so short sequences get exactly
 dense attention (which is why a batch whose sequences all fit in K takes the dense form).
 
+Context parallelism (a ``ContextShardPlan`` instead of ``cu_seqlens``): the dense form runs ring
+attention (V zero-padded to Dqk). In the sparse form a query may select a key held by any rank:
+every rank all-gathers the latent KV (R + Dr values per token, 576 for GLM-5: the point of MLA)
+and the indexer keys (Di per token), selects against all of them in the plan's padded global
+order, and attends locally; the gather's backward sums each key's gradient over ranks back to
+its owner. Memory per rank: T x (R + Dr + Di) values, not T x H x (Dqk + Dv).
+
 The indexer's training: kept frozen. Hugging Face's ``GlmMoeDsaIndexer`` runs under
 ``torch.no_grad`` and GLM-5's checkpoints ship a trained indexer; the RL loss has no path to it
 (a top-k is a discrete choice), and DeepSeek-V3.2's own indexer objective (a KL to the dense
 attention distribution) needs the O(T^2) dense attention the sparse form exists to avoid. So the
-selection is computed without gradient and the indexer's weights get none (they are loaded,
-saved and sharded like any other). Router replay is unaffected: it concerns the MoE layers only.
+selection is computed without gradient and the indexer's weights get none (``requires_grad``
+is off; they are loaded, saved and sharded like any other). Router replay is unaffected: it concerns the MoE layers only.
 """
 
 from __future__ import annotations
@@ -87,6 +94,8 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(c.index_head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(c.dim, c.index_n_heads, bias=False)  # kept in float32 (as Hugging Face)
         self.config = c
+        for p in self.parameters():  # frozen (see the module docstring)
+            p.requires_grad_(False)
 
     @torch.no_grad()
     def project(self, x, q_latent, cos, sin):
@@ -101,11 +110,20 @@ class Indexer(nn.Module):
 
     @torch.no_grad()
     def select(self, x, q_latent, cos, sin, cu_seqlens) -> torch.Tensor:
+        """Indices into this batch's tokens (``cu_seqlens`` a tensor) or, under context parallelism
+        (a ``ContextShardPlan``), into every rank's tokens gathered in the plan's padded order."""
         from primerl.kernels.sparse_attention import indexer_topk
 
         q, k, w = self.project(x, q_latent, cos, sin)
-        return indexer_topk(q, k.to(q.dtype), w, cu_seqlens=cu_seqlens, topk=self.topk,
-                            softmax_scale=self.head_dim ** -0.5, backend=_backend(self.config, ("torch", "triton")))
+        kw = dict(topk=self.topk, softmax_scale=self.head_dim ** -0.5, backend=_backend(self.config, ("torch", "triton")))
+        if torch.is_tensor(cu_seqlens):
+            return indexer_topk(q, k.to(q.dtype), w, cu_seqlens=cu_seqlens, **kw)
+        from primerl.parallel.context import gather_shards, padded_key_positions
+
+        plan = cu_seqlens
+        return indexer_topk(q, gather_shards(k, plan).to(q.dtype), w, cu_seqlens=plan.local_cu_seqlens,
+                            cu_seqlens_k=plan.padded_cu_seqlens, q_positions=plan.positions,
+                            k_positions=padded_key_positions(plan), **kw)
 
 
 class MLAttention(nn.Module):
@@ -184,26 +202,24 @@ class MLAttention(nn.Module):
         return mla_attention(q, k, v, cu_seqlens=cu_seqlens.to(torch.int32), causal=True,
                              softmax_scale=self.softmax_scale, backend=backend)
 
-    def _sparse(self, q_nope, q_rope, c, k_rope, indices):
+    def _sparse(self, q_nope, q_rope, kv, indices):
+        """kv ``[Tk, R + Dr]`` the latent keys (its first R columns are the values), indices ``[T, K]`` rows of kv."""
         from primerl.kernels.sparse_attention import sparse_attention
 
         w_uk, w_uv = self._kv_b_halves()
         q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q = torch.cat((q_abs, q_rope), dim=-1)  # [T, H, R + Dr]
-        kv = torch.cat((c, k_rope), dim=-1)[:, None, :]  # [T, 1, R + Dr]: one latent head shared by all
-        o_lat = sparse_attention(q, kv, c[:, None, :], indices, softmax_scale=self.softmax_scale,
+        kv = kv[:, None, :]  # one latent head shared by all heads
+        o_lat = sparse_attention(q, kv, kv[..., :self.kv_lora_rank], indices, softmax_scale=self.softmax_scale,
                                  backend=_backend(self.config, ("torch", "triton")))
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens, state: dict | None = None) -> torch.Tensor:
         q_nope, q_rope, c, k_rope, q_latent, cos, sin = self.project_latent(x, position_ids)
-        if self.sparse and not torch.is_tensor(cu_seqlens):
-            raise NotImplementedError("glm_moe_dsa under context parallelism: the sparse path needs every rank's "
-                                      "latent keys (all-gather of R + Dr per token) - not implemented yet")
         o = None
         if self.sparse:
-            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            if longest > self.config.index_topk:  # else every query selects all its keys: the dense form
+            cu = cu_seqlens if torch.is_tensor(cu_seqlens) else cu_seqlens.cu_seqlens  # global lengths under CP
+            if int((cu[1:] - cu[:-1]).max()) > self.config.index_topk:  # else every query keeps all its keys: dense
                 if self.shares_indices:
                     if state is None or state.get("indices") is None:
                         raise ValueError("a 'shared' indexer layer needs the previous full layer's indices (state)")
@@ -212,7 +228,65 @@ class MLAttention(nn.Module):
                     indices = self.indexer.select(x, q_latent, cos, sin, cu_seqlens)
                     if state is not None:
                         state["indices"] = indices
-                o = self._sparse(q_nope, q_rope, c, k_rope, indices)
+                kv = torch.cat((c, k_rope), dim=-1)
+                if not torch.is_tensor(cu_seqlens):
+                    # Context parallelism: a query may select a key of any rank, so every rank gathers
+                    # the whole latent KV (R + Dr per token: MLA's small cache) and the indexer keys
+                    # (Di per token); the gather's backward sums the key gradients back to their owners.
+                    from primerl.parallel.context import gather_shards
+
+                    kv = gather_shards(kv, cu_seqlens)
+                o = self._sparse(q_nope, q_rope, kv, indices)
         if o is None:
             o = self._dense(q_nope, q_rope, c, k_rope, cu_seqlens)
+        return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.v_head_dim))
+
+    # ----------------------------------------------------------------------------------------------
+    # Decode in the absorbed form (an inference engine's KV cache of latents)
+    def cache_width(self) -> int:
+        """Values cached per token: the latent c (R) and the rotated rope key (Dr), plus the indexer's
+        key (Di) in a sparse model (every layer gets the same width)."""
+        c = self.config
+        return c.kv_lora_rank + c.qk_rope_head_dim + (c.index_head_dim if c.is_sparse else 0)
+
+    def attend_cached(self, x: torch.Tensor, position_ids: torch.Tensor, cache: torch.Tensor, slot: torch.Tensor,
+                      state: dict) -> torch.Tensor:
+        """One engine step of new tokens over the latent cache, in the absorbed form.
+
+        x ``[T, D]`` new tokens (rows of several requests), position_ids ``[T]``, slot ``[T]`` the
+        request's cache row, cache ``[B, S_max, W]`` (``W = cache_width()``; this layer's, written
+        here at ``[slot, position]``). Scores ``q_abs . c + q_rope . k_rope`` with ``q_abs = q_nope
+        @ W_uk``; output ``softmax @ c`` then ``@ W_uv`` and o_proj -> ``[T, D]``. In a sparse model
+        whose request is longer than ``index_topk``, each query attends to its indexer top-k only
+        (``state`` carries the selection to "shared" layers, as in training).
+        """
+        R, Dr = self.kv_lora_rank, self.rope_dim
+        q_nope, q_rope, c, k_rope, q_latent, cos, sin = self.project_latent(x, position_ids)
+        pos = position_ids.long()
+        cache[slot, pos, :R + Dr] = torch.cat((c, k_rope), dim=-1).to(cache.dtype)
+        if self.indexer is not None:
+            _, k_idx, _ = self.indexer.project(x, q_latent, cos, sin)
+            cache[slot, pos, R + Dr:] = k_idx.to(cache.dtype)
+        S = int(pos.max()) + 1
+        rows = cache[slot, :S]  # [T, S, W]
+        visible = torch.arange(S, device=x.device)[None, :] <= pos[:, None]  # [T, S]
+        if self.sparse and S > self.config.index_topk:
+            if self.shares_indices:
+                visible = state["selected"]
+            else:
+                q_i, _, w = self.indexer.project(x, q_latent, cos, sin)
+                s_i = torch.relu(torch.einsum("thd,tsd->ths", q_i.float(), rows[..., R + Dr:].float())
+                                 * self.indexer.head_dim ** -0.5)
+                score = torch.einsum("th,ths->ts", w, s_i).masked_fill(~visible, float("-inf"))
+                top = score.topk(self.config.index_topk, dim=1)
+                chosen = torch.zeros_like(visible).scatter_(1, top.indices, top.values > float("-inf"))
+                visible = visible & chosen
+                state["selected"] = visible
+        w_uk, w_uv = self._kv_b_halves()
+        q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        s = (torch.einsum("thr,tsr->ths", q_abs.float(), rows[..., :R].float())
+             + torch.einsum("thd,tsd->ths", q_rope.float(), rows[..., R:R + Dr].float())) * self.softmax_scale
+        p = torch.softmax(s.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+        o_lat = torch.einsum("ths,tsr->thr", p, rows[..., :R].float()).to(x.dtype)
+        o = torch.einsum("thr,hvr->thv", o_lat, w_uv)
         return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.v_head_dim))

@@ -289,8 +289,10 @@ class InferenceEngine:
         c = self.cfg
         ref = self.model.embed.weight
         n_layers, shape = c.n_layers, (self.max_batch_size, cap, c.n_kv_heads, c.head_dim)
+        if getattr(c, "is_mla", False):  # one latent row per token (primerl/models/mla.py); no separate V
+            shape = (self.max_batch_size, cap, self.model.layers[0].attention.cache_width())
         k = torch.zeros((n_layers, *shape), dtype=ref.dtype, device=ref.device)
-        v = torch.zeros_like(k)
+        v = torch.zeros_like(k) if not getattr(c, "is_mla", False) else k[..., :0]
         if self._k is not None:
             k[:, :, : self._capacity] = self._k
             v[:, :, : self._capacity] = self._v
@@ -308,8 +310,13 @@ class InferenceEngine:
         mask_TS = torch.arange(S, device=dev)[None, :] <= pos[:, None]
         h = self.model.embed(ids)
         T = ids.shape[0]
+        mla_state: dict = {}
         for li, layer in enumerate(self.model.layers):
             attn = layer.attention
+            if hasattr(attn, "attend_cached"):  # MLA: absorbed form over the latent cache
+                h = h + attn.attend_cached(layer.attention_norm(h), pos, self._k[li], slot, mla_state)
+                h = h + layer.ffn(layer.ffn_norm(h))
+                continue
             q, k, v = attn.project_qkv(layer.attention_norm(h), pos)
             self._k[li, slot, pos] = k.to(self._k.dtype)
             self._v[li, slot, pos] = v.to(self._v.dtype)

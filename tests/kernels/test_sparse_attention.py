@@ -173,3 +173,40 @@ def test_sparse_attention_bad_inputs():
         sparse_attention(q, k[..., :8], v, idx)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         sparse_attention(torch.randn(4, 3, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 8), idx)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_indexer_topk_non_square_matches_square(backend):
+    """A context-parallel shard's queries (some rows of each sequence, any order of positions)
+    against every key with padding keys mixed in select the same scores as the square form."""
+    lens = (9, 1, 30)
+    q, k, w = _indexer_inputs(lens, 3, 16, seed=11)
+    cu = _cu(lens)
+    topk = 7
+    square = indexer_topk(q, k, w, cu_seqlens=cu, topk=topk, backend="torch")
+    g = torch.Generator().manual_seed(2)
+    q_rows, k_rows, q_pos, k_pos, cu_q, cu_k = [], [], [], [], [0], [0]
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        n = e - s
+        pick = torch.randperm(n, generator=g)[: max(1, n // 2)]
+        q_rows.append(pick + s)
+        q_pos.append(pick)
+        keys = torch.cat([torch.arange(s, e), torch.full((3,), -1)])  # 3 padding keys per sequence
+        perm = torch.randperm(keys.numel(), generator=g)
+        k_rows.append(keys[perm])
+        k_pos.append(torch.where(keys[perm] >= 0, keys[perm] - s, -1))
+        cu_q.append(cu_q[-1] + pick.numel())
+        cu_k.append(cu_k[-1] + keys.numel())
+    q_rows, k_rows, q_pos, k_pos = (torch.cat(x) for x in (q_rows, k_rows, q_pos, k_pos))
+    kk = torch.where((k_rows >= 0)[:, None], k[k_rows.clamp(min=0)], 1e3)  # garbage in padding keys
+    got = indexer_topk(q[q_rows], kk, w[q_rows], cu_seqlens=torch.tensor(cu_q, dtype=torch.int32), topk=topk,
+                       cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32), q_positions=q_pos.int(),
+                       k_positions=k_pos.int(), backend=backend)
+    mapped = torch.where(got >= 0, k_rows[got.clamp(min=0).long()], -1)
+    assert bool((mapped[got >= 0] >= 0).all())  # never a padding key
+    want = square[q_rows]
+    got_s = _selected_scores(mapped.int(), q, k, w, cu, 16 ** -0.5)
+    want_s = _selected_scores(want, q, k, w, cu, 16 ** -0.5)
+    fin = torch.isfinite(want_s)
+    assert torch.equal(fin, torch.isfinite(got_s))
+    assert (got_s[fin] - want_s[fin]).abs().max() <= 1e-4

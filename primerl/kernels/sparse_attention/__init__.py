@@ -53,20 +53,27 @@ def _check_cu(op, cu, total, device):
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
-                 topk: int, softmax_scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+                 topk: int, softmax_scale: float | None = None, backend: str | None = None,
+                 cu_seqlens_k: torch.Tensor | None = None, q_positions: torch.Tensor | None = None,
+                 k_positions: torch.Tensor | None = None) -> torch.Tensor:
     """The ``topk`` best causal keys per query by ``sum_h weights[t, h] * relu(scale * q[t, h] . k[s])``.
 
     q ``[T, Hi, Di]``, k ``[T, Di]`` (one key head shared by the indexer heads), weights ``[T, Hi]``
     -> int32 ``[T, topk]`` packed key rows, best first, -1 past the visible keys. ``softmax_scale``
     defaults to ``Di ** -0.5``. Not differentiable.
+
+    Non-square form (context parallelism: a rank's queries against every rank's keys): pass
+    ``cu_seqlens_k`` for k ``[Tk, Di]`` and both ``q_positions [T]`` / ``k_positions [Tk]``; query i
+    of sequence b sees key j of sequence b iff ``0 <= k_positions[j] <= q_positions[i]``.
     """
     op = "indexer_topk"
     _check_float(op, "q", q, 3)
     _check_float(op, "k", k, 2)
     _check_float(op, "weights", weights, 2)
     T, Hi, Di = q.shape
-    if k.shape != (T, Di):
-        raise ValueError(f"{op}: k must have shape [T, Di]=({T}, {Di}), got {tuple(k.shape)}")
+    Tk = T if cu_seqlens_k is None else k.shape[0]
+    if k.shape != (Tk, Di):
+        raise ValueError(f"{op}: k must have shape [T, Di]=({Tk}, {Di}), got {tuple(k.shape)}")
     if weights.shape != (T, Hi):
         raise ValueError(f"{op}: weights must have shape [T, Hi]=({T}, {Hi}), got {tuple(weights.shape)}")
     if not (q.device == k.device == weights.device):
@@ -76,21 +83,35 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=q.device)
     cu, max_len = _check_cu(op, cu_seqlens, T, q.device)
+    max_q = max_len
+    q_pos = k_pos = cu_k = None
+    if cu_seqlens_k is not None or q_positions is not None or k_positions is not None:
+        if cu_seqlens_k is None or q_positions is None or k_positions is None:
+            raise ValueError(f"{op}: the non-square form needs cu_seqlens_k, q_positions and k_positions together")
+        cu_k, max_len = _check_cu(op, cu_seqlens_k, Tk, q.device)
+        if cu_k.numel() != cu.numel():
+            raise ValueError(f"{op}: cu_seqlens ({cu.numel() - 1} sequences) and cu_seqlens_k ({cu_k.numel() - 1}) differ")
+        for name, pos, n in (("q_positions", q_positions, T), ("k_positions", k_positions, Tk)):
+            if not isinstance(pos, torch.Tensor) or pos.shape != (n,) or pos.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{op}: {name} must be an int32 tensor [{n}], got {getattr(pos, 'dtype', type(pos))} "
+                                 f"{tuple(getattr(pos, 'shape', ()))}")
+        q_pos, k_pos = q_positions.to(torch.int32).contiguous(), k_positions.to(torch.int32).contiguous()
     scale = Di ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not scale > 0:
         raise ValueError(f"{op}: softmax_scale must be positive, got {softmax_scale!r}")
     be = resolve_backend(op, backend, q.device, supported=_SUPPORTED, preference=("triton", "torch"))
     with torch.no_grad():
         if be == "torch":
-            return reference.indexer_topk(q, k, weights, cu, topk, scale)
+            return reference.indexer_topk(q, k, weights, cu, topk, scale, cu_k, q_pos, k_pos)
         from . import triton as impl
 
         out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
-        starts = torch.repeat_interleave(cu[:-1].long(), cu.diff().long(), output_size=T)
+        key_starts = (cu if cu_k is None else cu_k)[:-1].long()
+        starts = torch.repeat_interleave(key_starts, cu.diff().long(), output_size=T)
         chunk = max(1, INDEXER_CHUNK_ELEMENTS // max(max_len, 1))
         for lo in range(0, T, chunk):
             hi = min(T, lo + chunk)
-            scores = impl.indexer_scores_chunk(q, k, weights, cu, max_len, lo, hi, scale)
+            scores = impl.indexer_scores_chunk(q, k, weights, cu, max_len, lo, hi, scale, cu_k, q_pos, k_pos, max_q)
             out[lo:hi] = reference.topk_from_scores(scores, topk, starts[lo:hi])
         return out
 

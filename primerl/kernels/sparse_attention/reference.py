@@ -44,16 +44,32 @@ def topk_from_scores(scores: torch.Tensor, topk: int, row_offset: torch.Tensor) 
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seqlens: torch.Tensor, topk: int,
-                 softmax_scale: float) -> torch.Tensor:
-    """q ``[T, Hi, Di]``, k ``[T, Di]``, weights ``[T, Hi]`` -> indices ``[T, topk]`` int32 (packed key rows)."""
+                 softmax_scale: float, cu_seqlens_k: torch.Tensor | None = None, q_pos: torch.Tensor | None = None,
+                 k_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """q ``[T, Hi, Di]``, k ``[Tk, Di]``, weights ``[T, Hi]`` -> indices ``[T, topk]`` int32 (packed key rows).
+
+    Square form (``cu_seqlens_k`` None): keys are the queries' own tokens, causal by index. Non-square
+    form (a context-parallel shard's queries against the gathered keys): sequence b's queries
+    ``cu_seqlens[b]:cu_seqlens[b+1]`` see its keys ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` with
+    ``0 <= k_pos <= q_pos`` (negative k_pos: padding)."""
     T = q.shape[0]
     out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
-    bounds = cu_seqlens.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e == s:
+    bq = cu_seqlens.tolist()
+    bk = bq if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    for b in range(len(bq) - 1):
+        qs, qe, ks, ke = bq[b], bq[b + 1], bk[b], bk[b + 1]
+        if qe == qs:
             continue
-        scores = indexer_scores(q[s:e], k[s:e], weights[s:e], softmax_scale)
-        out[s:e] = topk_from_scores(scores, topk, torch.full((e - s,), s, device=q.device))
+        if cu_seqlens_k is None:
+            scores = indexer_scores(q[qs:qe], k[qs:qe], weights[qs:qe], softmax_scale)
+        else:
+            s = torch.einsum("thd,sd->ths", q[qs:qe].float(), k[ks:ke].float()) * softmax_scale
+            scores = torch.einsum("th,ths->ts", weights[qs:qe].float(), torch.relu(s))
+            kp, qp = k_pos[ks:ke].long(), q_pos[qs:qe].long()
+            scores = scores.masked_fill(~((kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])), float("-inf"))
+        if scores.shape[1] == 0:
+            continue
+        out[qs:qe] = topk_from_scores(scores, topk, torch.full((qe - qs,), ks, device=q.device))
     return out
 
 

@@ -49,29 +49,41 @@ def _contig_last(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------- indexer
 @triton.jit
 def _indexer_scores_kernel(
-    Q, K, W, Scores, Cu, q_lo, q_hi,
+    Q, K, W, Scores, CuQ, CuK, QPos, KPos, q_lo, q_hi,
     stride_qt, stride_qh, stride_kt, stride_wt, stride_st,
     scale,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_POS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     pid_n = tl.program_id(2)
-    start = tl.load(Cu + b)
-    length = tl.load(Cu + b + 1) - start
+    q_start = tl.load(CuQ + b)
+    len_q = tl.load(CuQ + b + 1) - q_start
+    k_start = tl.load(CuK + b)
+    len_k = tl.load(CuK + b + 1) - k_start
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
-    row0 = start + m0
-    if (m0 < length) & (n0 < length) & (n0 <= m0 + BLOCK_M - 1) & (row0 < q_hi) & (row0 + BLOCK_M > q_lo):
+    row0 = q_start + m0
+    run = (m0 < len_q) & (n0 < len_k) & (row0 < q_hi) & (row0 + BLOCK_M > q_lo)
+    if not HAS_POS:
+        run = run & (n0 <= m0 + BLOCK_M - 1)  # square and causal by index: skip tiles above the diagonal
+    if run:
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        rows = start + offs_m
-        row_ok = (offs_m < length) & (rows >= q_lo) & (rows < q_hi)
+        rows = q_start + offs_m
+        row_ok = (offs_m < len_q) & (rows >= q_lo) & (rows < q_hi)
+        n_ok = offs_n < len_k
         d_ok = offs_d < HEAD_DIM
-        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + offs_d[None, :],
-                    mask=(offs_n < length)[:, None] & d_ok[None, :], other=0.0)
+        if HAS_POS:
+            q_pos = tl.load(QPos + rows, mask=offs_m < len_q, other=-1)
+            k_pos = tl.load(KPos + k_start + offs_n, mask=n_ok, other=-1)
+        else:
+            q_pos = offs_m
+            k_pos = tl.where(n_ok, offs_n, -1)
+        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for h in range(HEADS):
             q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
@@ -79,19 +91,21 @@ def _indexer_scores_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
             w = tl.load(W + rows * stride_wt + h, mask=row_ok, other=0.0).to(tl.float32)
             acc += w[:, None] * tl.maximum(s, 0.0)
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < length)[None, :]
+        visible = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
         acc = tl.where(visible, acc, float("-inf"))
         tl.store(Scores + (rows - q_lo)[:, None] * stride_st + offs_n[None, :], acc,
-                 mask=row_ok[:, None] & (offs_n < length)[None, :])
+                 mask=row_ok[:, None] & n_ok[None, :])
 
 
 def _indexer_blocks(device) -> tuple[int, int]:
     return (32, 32) if device.type != "cuda" else (64, 64)
 
 
-def indexer_scores_chunk(q, k, weights, cu_seqlens, max_seqlen: int, q_lo: int, q_hi: int, softmax_scale: float):
+def indexer_scores_chunk(q, k, weights, cu_seqlens, max_seqlen: int, q_lo: int, q_hi: int, softmax_scale: float,
+                         cu_seqlens_k=None, q_pos=None, k_pos=None, max_seqlen_q: int | None = None):
     """Scores of query rows ``[q_lo, q_hi)`` against their sequence's keys: ``[q_hi - q_lo, max_seqlen]``
-    float32, column = key index within the sequence, -inf where not visible."""
+    float32 (``max_seqlen``: the longest key range), column = key index within the sequence's keys,
+    -inf where not visible. The non-square form (``cu_seqlens_k``, positions) as in the reference."""
     q, k = _contig_last(q), _contig_last(k)
     weights = _contig_last(weights)
     Hi, Di = q.shape[1], q.shape[2]
@@ -100,11 +114,15 @@ def indexer_scores_chunk(q, k, weights, cu_seqlens, max_seqlen: int, q_lo: int, 
         return scores
     bm, bn = _indexer_blocks(q.device)
     batch = cu_seqlens.numel() - 1
-    grid = (triton.cdiv(max_seqlen, bm), batch, triton.cdiv(max_seqlen, bn))
+    has_pos = cu_seqlens_k is not None
+    cu_k = cu_seqlens_k if has_pos else cu_seqlens
+    q_pos, k_pos = (q_pos, k_pos) if has_pos else (cu_seqlens, cu_seqlens)  # dummies, never read
+    grid = (triton.cdiv(max_seqlen_q or max_seqlen, bm), batch, triton.cdiv(max_seqlen, bn))
     _indexer_scores_kernel[grid](
-        q, k, weights, scores, cu_seqlens, q_lo, q_hi,
+        q, k, weights, scores, cu_seqlens, cu_k, q_pos, k_pos, q_lo, q_hi,
         q.stride(0), q.stride(1), k.stride(0), weights.stride(0), scores.stride(0), softmax_scale,
-        HEADS=Hi, HEAD_DIM=Di, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(Di), DOT_PREC=_dot_precision(q.dtype),
+        HEADS=Hi, HEAD_DIM=Di, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(Di), HAS_POS=has_pos,
+        DOT_PREC=_dot_precision(q.dtype),
     )
     return scores
 
