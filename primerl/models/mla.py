@@ -71,6 +71,24 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+class IndexerState:
+    """The top-k selection one forward passes from a "full" indexer layer to the "shared" layers
+    after it. A plain object, not a dict: FSDP2's pre-forward hook rebuilds dict / list / dataclass
+    arguments when it casts their tensors, which would drop what a layer writes into them."""
+
+    __slots__ = ("indices", "selected")
+
+    def __init__(self):
+        self.indices = None  # [T, K] int32 (training forward)
+        self.selected = None  # [T, S] bool (engine decode)
+
+
+def _is_context_plan(plan) -> bool:
+    from primerl.parallel.context import ContextShardPlan
+
+    return isinstance(plan, ContextShardPlan)
+
+
 def _backend(config: MoETransformerConfig, supported: tuple[str, ...]):
     """The config's attention backend where the op implements it; else the op's default."""
     return config.attn_backend if config.attn_backend in supported else None
@@ -129,9 +147,9 @@ class Indexer(nn.Module):
 class MLAttention(nn.Module):
     """Multi-head latent attention over packed sequences (see the module docstring).
 
-    ``forward(x [T, D], position_ids [T], cu_seqlens, state=None) -> [T, D]``. ``state`` is a dict
-    the model passes through its layers: a ``"shared"`` indexer layer (GLM-5 ``indexer_types``)
-    reads the previous full layer's ``state["indices"]``.
+    ``forward(x [T, D], position_ids [T], cu_seqlens, state=None) -> [T, D]``. ``state`` is the
+    :class:`IndexerState` the model passes through its layers: a ``"shared"`` indexer layer (GLM-5
+    ``indexer_types``) reads the previous full layer's ``state.indices``.
     """
 
     def __init__(self, config: MoETransformerConfig, layer_id: int = 0):
@@ -214,20 +232,23 @@ class MLAttention(nn.Module):
                                  backend=_backend(self.config, ("torch", "triton")))
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens, state: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens,
+                state: IndexerState | None = None) -> torch.Tensor:
         q_nope, q_rope, c, k_rope, q_latent, cos, sin = self.project_latent(x, position_ids)
         o = None
         if self.sparse:
             cu = cu_seqlens if torch.is_tensor(cu_seqlens) else cu_seqlens.cu_seqlens  # global lengths under CP
+            if not torch.is_tensor(cu_seqlens) and not _is_context_plan(cu_seqlens):
+                cu_seqlens = cu  # another plan over the whole batch (the trainer's PaddedPlan): sparse runs on cu
             if int((cu[1:] - cu[:-1]).max()) > self.config.index_topk:  # else every query keeps all its keys: dense
                 if self.shares_indices:
-                    if state is None or state.get("indices") is None:
+                    if state is None or state.indices is None:
                         raise ValueError("a 'shared' indexer layer needs the previous full layer's indices (state)")
-                    indices = state["indices"]
+                    indices = state.indices
                 else:
                     indices = self.indexer.select(x, q_latent, cos, sin, cu_seqlens)
                     if state is not None:
-                        state["indices"] = indices
+                        state.indices = indices
                 kv = torch.cat((c, k_rope), dim=-1)
                 if not torch.is_tensor(cu_seqlens):
                     # Context parallelism: a query may select a key of any rank, so every rank gathers
@@ -250,7 +271,7 @@ class MLAttention(nn.Module):
         return c.kv_lora_rank + c.qk_rope_head_dim + (c.index_head_dim if c.is_sparse else 0)
 
     def attend_cached(self, x: torch.Tensor, position_ids: torch.Tensor, cache: torch.Tensor, slot: torch.Tensor,
-                      state: dict) -> torch.Tensor:
+                      state: IndexerState) -> torch.Tensor:
         """One engine step of new tokens over the latent cache, in the absorbed form.
 
         x ``[T, D]`` new tokens (rows of several requests), position_ids ``[T]``, slot ``[T]`` the
@@ -260,6 +281,8 @@ class MLAttention(nn.Module):
         whose request is longer than ``index_topk``, each query attends to its indexer top-k only
         (``state`` carries the selection to "shared" layers, as in training).
         """
+        from primerl.kernels.sparse_attention.reference import topk_from_scores
+
         R, Dr = self.kv_lora_rank, self.rope_dim
         q_nope, q_rope, c, k_rope, q_latent, cos, sin = self.project_latent(x, position_ids)
         pos = position_ids.long()
@@ -272,16 +295,17 @@ class MLAttention(nn.Module):
         visible = torch.arange(S, device=x.device)[None, :] <= pos[:, None]  # [T, S]
         if self.sparse and S > self.config.index_topk:
             if self.shares_indices:
-                visible = state["selected"]
+                visible = state.selected
             else:
                 q_i, _, w = self.indexer.project(x, q_latent, cos, sin)
                 s_i = torch.relu(torch.einsum("thd,tsd->ths", q_i.float(), rows[..., R + Dr:].float())
                                  * self.indexer.head_dim ** -0.5)
                 score = torch.einsum("th,ths->ts", w, s_i).masked_fill(~visible, float("-inf"))
-                top = score.topk(self.config.index_topk, dim=1)
-                chosen = torch.zeros_like(visible).scatter_(1, top.indices, top.values > float("-inf"))
+                idx = topk_from_scores(score, self.config.index_topk, torch.zeros(score.shape[0], device=x.device))
+                slot_of = torch.where(idx >= 0, idx.long(), S)  # -1 (no key) -> a spare column
+                chosen = visible.new_zeros(visible.shape[0], S + 1).scatter_(1, slot_of, True)[:, :S]
                 visible = visible & chosen
-                state["selected"] = visible
+                state.selected = visible
         w_uk, w_uv = self._kv_b_halves()
         q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         s = (torch.einsum("thr,tsr->ths", q_abs.float(), rows[..., :R].float())

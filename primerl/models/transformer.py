@@ -52,7 +52,7 @@ class DecoderLayer(nn.Module):
         self.ffn = build_moe(config) if self.is_moe else DenseMLP(config.dim, config.ffn_dim)
 
     def forward(self, h: torch.Tensor, position_ids: torch.Tensor, cu_seqlens, replay_ids=None,
-                attn_state: dict | None = None) -> torch.Tensor:
+                attn_state=None) -> torch.Tensor:
         if attn_state is None:
             h = h + self.attention(self.attention_norm(h), position_ids, cu_seqlens)
         else:  # MLA with a sparse-attention indexer: layers may share the previous layer's selection
@@ -131,7 +131,11 @@ class MoETransformer(nn.Module):
         self._validate(input_ids, position_ids, cu_seqlens, replay_ids)
         h = self.embed(input_ids)
         j = 0
-        state = {} if self.config.is_sparse else None
+        state = None
+        if self.config.is_sparse:
+            from .mla import IndexerState
+
+            state = IndexerState()
         for layer in self.layers:
             extra = {} if state is None else {"attn_state": state}
             if layer.is_moe:

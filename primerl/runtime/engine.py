@@ -310,7 +310,11 @@ class InferenceEngine:
         mask_TS = torch.arange(S, device=dev)[None, :] <= pos[:, None]
         h = self.model.embed(ids)
         T = ids.shape[0]
-        mla_state: dict = {}
+        mla_state = None
+        if getattr(self.cfg, "is_sparse", False):
+            from primerl.models.mla import IndexerState
+
+            mla_state = IndexerState()
         for li, layer in enumerate(self.model.layers):
             attn = layer.attention
             if hasattr(attn, "attend_cached"):  # MLA: absorbed form over the latent cache

@@ -203,3 +203,19 @@ def test_mla_config_errors():
         MoETransformerConfig.tiny(family="deepseek_v3", head_dim=16)
     with pytest.raises(ValueError, match="indexer_types"):
         MoETransformerConfig.tiny(family="glm_moe_dsa", indexer_types=("shared", "full", "full"))
+
+
+def test_trainer_padded_plan_matches_packed_forward():
+    """The trainer's CPU fast path (runtime.padded_attention: SDPA over padded sequences, reached
+    through the context_attention hook) gives the packed forward's output on both forms."""
+    from primerl.runtime.padded_attention import padded_forward
+
+    for family in ("deepseek_v3", "glm_moe_dsa"):
+        torch.manual_seed(0)
+        model = MoETransformer(MoETransformerConfig.tiny(vocab_size=50, family=family, index_topk=5)
+                               if family == "glm_moe_dsa" else MoETransformerConfig.tiny(vocab_size=50, family=family))
+        ids, pos, cu = packed_batch(50, SEQ_LENS)
+        with torch.no_grad():
+            want = model(ids, pos, cu)
+            got = padded_forward(model, ids, pos, cu)
+        assert (got - want).abs().max() < 1e-5, family

@@ -10,8 +10,9 @@ Indexer (the "lightning indexer")::
     score[t, s] = sum_h weights[t, h] * relu(softmax_scale * q[t, h] . k[s])
 
 over the keys ``s`` of t's own sequence with ``pos(s) <= pos(t)`` (causal); each query keeps the
-``topk`` best. Indices are rows of the packed key tensor (int32); a query with fewer than ``topk``
-visible keys keeps all of them and pads with -1. Order: best first (``torch.topk``).
+``topk`` best, the earlier key first among equal scores. Indices are rows of the packed key tensor
+(int32); a query with fewer than ``topk`` visible keys keeps all of them and pads with -1. Order:
+best first.
 
 Sparse attention: softmax attention of query t over the keys ``indices[t]`` only (``-1`` = none);
 the indices already encode the causal mask. A query with no key gets ``out = 0``, ``lse = -inf``.
@@ -36,7 +37,11 @@ def topk_from_scores(scores: torch.Tensor, topk: int, row_offset: torch.Tensor) 
     """scores ``[M, N]`` (-inf = not visible), row_offset ``[M]`` -> indices ``[M, topk]`` int32: the
     best ``min(topk, N)`` columns plus ``row_offset``, -1 where the score is -inf or past N."""
     k_eff = min(topk, scores.shape[1])
-    vals, cols = torch.topk(scores, k_eff, dim=1)
+    # A stable sort, not torch.topk: among equal scores (relu makes exact zeros common) the earlier
+    # key wins, whatever the row's length or padding, so every layout (packed, context-parallel
+    # shards, the engine's cache) selects the same keys.
+    vals, cols = torch.sort(scores, dim=1, descending=True, stable=True)
+    vals, cols = vals[:, :k_eff], cols[:, :k_eff]
     idx = torch.where(vals == float("-inf"), -1, cols + row_offset[:, None].to(cols.dtype))
     out = torch.full((scores.shape[0], topk), -1, dtype=torch.int32, device=scores.device)
     out[:, :k_eff] = idx.to(torch.int32)
