@@ -124,6 +124,8 @@ class _SparseAttentionFn(torch.autograd.Function):
         out, lse = impl.sparse_forward(q, k, v, indices, scale, q.dtype)
         ctx.save_for_backward(q, k, v, indices, out, lse)
         ctx.scale = scale
+        # v a view of k's first columns (the absorbed MLA form): one fused dK/dV accumulation
+        ctx.fuse_kv = v._base is not None and (v._base is k or v._base is k._base)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -134,8 +136,10 @@ class _SparseAttentionFn(torch.autograd.Function):
         q, k, v, indices, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = impl.sparse_backward(dout.contiguous(), q, k, v, indices, out, lse, dlse, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = impl.sparse_backward(dout.contiguous(), q, k, v, indices, out, lse, dlse, ctx.scale,
+                                          fuse_kv=ctx.fuse_kv)
+        # dv None: v is a view of k's first columns and dk already holds its gradient there
+        return dq.to(q.dtype), dk.to(k.dtype), (None if dv is None else dv.to(v.dtype)), None, None
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, *,

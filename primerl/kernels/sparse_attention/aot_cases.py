@@ -26,14 +26,17 @@ def _indexer():
                             128 ** -0.5)
 
 
-def _sparse(hq, hkv, dqk, dv, backward):
+def _sparse(hq, hkv, dqk, dv, backward, fused=False):
     from . import triton as st
 
     def run():
         T = T_SPARSE
         q, k, v, idx = _cuda(T, hq, dqk), _cuda(T, hkv, dqk), _cuda(T, hkv, dv), _cuda(T, K_SELECT, dtype=I32)
+        if fused:  # the model's absorbed form: values are the keys' first dv columns
+            v = k[..., :dv]
         if backward:
-            st.sparse_backward(_cuda(T, hq, dv), q, k, v, idx, _cuda(T, hq, dv), _cuda(hq, T, dtype=F32), None, 0.04)
+            st.sparse_backward(_cuda(T, hq, dv), q, k, v, idx, _cuda(T, hq, dv), _cuda(hq, T, dtype=F32), None, 0.04,
+                               fuse_kv=fused)
         else:
             st.sparse_forward(q, k, v, idx, 0.04, BF16)
 
@@ -62,7 +65,8 @@ GLM5 = f"T={T_SPARSE} K={K_SELECT} Hq=64 Hkv=1 Dqk=576 Dv=512"
 CASES = [
     Case("dsa indexer scores T=2x4096 Hi=32 Di=128", _indexer, "bf16", ci=True),
     Case(f"sparse attention fwd (absorbed MLA) {GLM5}", _sparse(64, 1, 576, 512, False), "bf16", ci=True),
-    Case(f"sparse attention bwd (absorbed MLA) {GLM5}", _sparse(64, 1, 576, 512, True), "bf16", ci=True),
+    Case(f"sparse attention bwd (absorbed MLA, fused dKV) {GLM5}", _sparse(64, 1, 576, 512, True, True), "bf16", ci=True),
+    Case(f"sparse attention bwd (separate K, V) {GLM5}", _sparse(64, 1, 576, 512, True), "bf16"),
     Case("mla attention fwd (V padded) T=2x4096 H=16 D=192", _padded_mla(192, False), "bf16", ci=True),
     Case("mla attention fwd T=2x4096 H=16 D=256", _padded_mla(256, False), "bf16", ci=True),
     # Known to spill (2026-12-04, triton 3.7.1): the square kernels' dK/dV and dQ tiles hold

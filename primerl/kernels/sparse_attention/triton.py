@@ -301,10 +301,12 @@ def _sparse_bwd_dkdv_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, sm_scale, qk_scale_log2,
     GROUP: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-    BLOCK_DVC: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_DVC: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
 ):
     """dK, dV contributions of one (token, head block), added to the selected rows with float32
-    atomics (other tokens select the same keys), in value / key chunks of BLOCK_DVC columns."""
+    atomics (other tokens select the same keys), in value / key chunks of BLOCK_DVC columns.
+    SHARED_KV (V is K's first DV columns: the absorbed MLA form): dV is added into dK's columns in
+    the same atomic, halving the atomics."""
     t = tl.program_id(0)
     hk, h_ok, heads, lse2, delta = _bwd_program_setup(Lse, Delta, stride_lh, t, tl.program_id(1), GROUP, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_DVC)
@@ -319,18 +321,25 @@ def _sparse_bwd_dkdv_kernel(
                                   stride_doh, qk_scale_log2, D1 + D2, DV, BLOCK_H, BLOCK_N, BLOCK_DVC, DOT_PREC)
             pt = tl.trans(p.to(Q.dtype.element_ty))
             dst = tl.trans((ds * sm_scale).to(Q.dtype.element_ty))
-            for c in tl.static_range(0, DV, BLOCK_DVC):
-                c_ok = (c + offs_c) < DV
-                do = tl.load(DO + t * stride_dot + heads[:, None] * stride_doh + c + offs_c[None, :],
-                             mask=h_ok[:, None] & c_ok[None, :], other=0.0)
-                tl.atomic_add(DV_ + rows[:, None] * stride_dvt + hk * stride_dvh + c + offs_c[None, :],
-                              tl.dot(pt, do, input_precision=DOT_PREC), mask=valid[:, None] & c_ok[None, :])
+            if not SHARED_KV:
+                for c in tl.static_range(0, DV, BLOCK_DVC):
+                    c_ok = (c + offs_c) < DV
+                    do = tl.load(DO + t * stride_dot + heads[:, None] * stride_doh + c + offs_c[None, :],
+                                 mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+                    tl.atomic_add(DV_ + rows[:, None] * stride_dvt + hk * stride_dvh + c + offs_c[None, :],
+                                  tl.dot(pt, do, input_precision=DOT_PREC), mask=valid[:, None] & c_ok[None, :])
             for c in tl.static_range(0, D1 + D2, BLOCK_DVC):
                 c_ok = (c + offs_c) < D1 + D2
                 qc = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + c + offs_c[None, :],
                              mask=h_ok[:, None] & c_ok[None, :], other=0.0)
-                tl.atomic_add(DK + rows[:, None] * stride_dkt + hk * stride_dkh + c + offs_c[None, :],
-                              tl.dot(dst, qc, input_precision=DOT_PREC), mask=valid[:, None] & c_ok[None, :])
+                acc = tl.dot(dst, qc, input_precision=DOT_PREC)
+                if SHARED_KV:
+                    if c < DV:  # the launcher makes DV a multiple of BLOCK_DVC
+                        do = tl.load(DO + t * stride_dot + heads[:, None] * stride_doh + c + offs_c[None, :],
+                                     mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+                        acc += tl.dot(pt, do, input_precision=DOT_PREC)
+                tl.atomic_add(DK + rows[:, None] * stride_dkt + hk * stride_dkh + c + offs_c[None, :], acc,
+                              mask=valid[:, None] & c_ok[None, :])
 
 
 def _attn_blocks(group: int, dv: int, device, backward: bool) -> tuple[int, int, int, int]:
@@ -370,8 +379,16 @@ def sparse_forward(q, k, v, indices, softmax_scale: float, out_dtype: torch.dtyp
     return out, lse
 
 
-def sparse_backward(dout, q, k, v, indices, out, lse, dlse, softmax_scale: float):
-    """dq ``[T, Hq, Dqk]``, dk ``[Tk, Hkv, Dqk]``, dv ``[Tk, Hkv, Dv]``, all float32."""
+def shares_storage(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """v is k's first Dv columns (the absorbed MLA form: values are the latent part of the keys)."""
+    return (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:2] == k.shape[:2]
+            and v.shape[2] <= k.shape[2])
+
+
+def sparse_backward(dout, q, k, v, indices, out, lse, dlse, softmax_scale: float, fuse_kv: bool = False):
+    """dq ``[T, Hq, Dqk]``, dk ``[Tk, Hkv, Dqk]``, dv ``[Tk, Hkv, Dv]``, all float32. With ``fuse_kv``
+    (the caller knows k and v are autograd views of one tensor) and v a column prefix of k
+    (:func:`shares_storage`), dv is None and dk holds dK + [dV, 0]: that tensor's gradient."""
     q, k, v, indices, dout = (_contig_last(t) for t in (q, k, v, indices, dout))
     T, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
@@ -382,11 +399,12 @@ def sparse_backward(dout, q, k, v, indices, out, lse, dlse, softmax_scale: float
     lse = lse.contiguous()
     dq = torch.empty(T, Hq, D, dtype=torch.float32, device=q.device)
     dk = torch.zeros(Tk, Hkv, D, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(Tk, Hkv, Dv, dtype=torch.float32, device=q.device)
     if T == 0:
-        return dq, dk, dv
+        return dq, dk, torch.zeros(Tk, Hkv, Dv, dtype=torch.float32, device=q.device)
     d1, d2 = split_head_dim(D)
     bh, bn, bc, warps = _attn_blocks(G, Dv, q.device, backward=True)
+    shared = fuse_kv and shares_storage(k, v) and Dv % bc == 0
+    dv = dk[..., :0] if shared else torch.zeros(Tk, Hkv, Dv, dtype=torch.float32, device=q.device)
     grid = (T, Hkv * triton.cdiv(G, bh))
     # 512 columns spill on sm_90a (AOT); 16 under the interpreter so its tests cover several blocks
     dq_cols = min(_pow2(d1), 256 if q.device.type == "cuda" else 16)
@@ -399,5 +417,5 @@ def sparse_backward(dout, q, k, v, indices, out, lse, dlse, softmax_scale: float
         softmax_scale * LOG2E, BLOCK_D1=dq_cols, **meta)
     _sparse_bwd_dkdv_kernel[grid](q, k, v, indices, dout, lse, delta, dk, dv, indices.shape[1], *common,
                                   dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), softmax_scale,
-                                  softmax_scale * LOG2E, BLOCK_D1=_pow2(d1), **meta)
-    return dq, dk, dv
+                                  softmax_scale * LOG2E, BLOCK_D1=_pow2(d1), SHARED_KV=shared, **meta)
+    return dq, dk, (None if shared else dv)
