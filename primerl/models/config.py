@@ -85,6 +85,10 @@ class MoETransformerConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True  # DeepSeek's interleaved rotary pairs on the rope part
+    # YaRN context extension of the rope part (DeepSeek-V3 / Kimi-K2 checkpoints): Hugging Face's
+    # rope_parameters keys factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
+    # mscale_all_dim (optional: attention_factor, truncate). None: plain RoPE.
+    rope_yarn: dict | None = None
     # DeepSeek sparse attention (glm_moe_dsa): a lightning indexer picks index_topk keys per query.
     index_n_heads: int = 0  # 0: dense attention
     index_head_dim: int = 0
@@ -145,6 +149,10 @@ class MoETransformerConfig:
                  f"{self.qk_nope_head_dim + self.qk_rope_head_dim}, got {self.head_dim}")
             need(self.n_kv_heads == self.n_heads, f"MLA needs n_kv_heads == n_heads, got {self.n_kv_heads} and {self.n_heads}")
             need(self.q_lora_rank is None or self.q_lora_rank > 0, f"q_lora_rank must be None or positive, got {self.q_lora_rank}")
+        if self.rope_yarn is not None:
+            need(self.is_mla, "rope_yarn is supported for the MLA families only")
+            need(self.rope_yarn.get("factor", 0) > 0 and self.rope_yarn.get("original_max_position_embeddings", 0) > 0,
+                 f"rope_yarn needs factor and original_max_position_embeddings > 0, got {self.rope_yarn}")
         need((self.family == "glm_moe_dsa") == self.is_sparse,
              f"index_n_heads > 0 (DeepSeek sparse attention) exactly for glm_moe_dsa (family {self.family!r})")
         if self.is_sparse:
@@ -261,10 +269,10 @@ class MoETransformerConfig:
 
         rope = dict(get("rope_parameters") or get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if model_type in MLA_FAMILIES and rope_type != "default":
-            raise UnsupportedCheckpointError(f"{model_type}: rope_type {rope_type!r} is not supported yet (only 'default' "
-                                             f"RoPE; DeepSeek-V3 / Kimi-K2 checkpoints use 'yarn')")
-        if rope_type != "default":
+        if model_type in MLA_FAMILIES and rope_type not in ("default", "yarn"):
+            raise UnsupportedCheckpointError(f"{model_type}: rope_type {rope_type!r} is not supported (only 'default' "
+                                             f"and 'yarn')")
+        if rope_type != "default" and model_type not in MLA_FAMILIES:
             raise UnsupportedCheckpointError(f"rope_type {rope_type!r} is not supported (only 'default' RoPE)")
         rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
         head_dim = get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -327,6 +335,8 @@ class MoETransformerConfig:
         out.pop("rope_theta", None)
         out.pop("partial_rotary_factor", None)
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_yarn:
+            rope = {"rope_type": "yarn", "rope_theta": self.rope_theta, **self.rope_yarn}
         if self.is_mla:
             self._mla_to_hf(out)
         elif self.family == "qwen3_moe":
@@ -409,6 +419,11 @@ def _mla_from_hf(hf: dict[str, Any], common: dict[str, Any], n_layers: int) -> d
                 q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf.get("kv_lora_rank", 512), qk_nope_head_dim=nope,
                 qk_rope_head_dim=rope_dim, v_head_dim=hf.get("v_head_dim", 128),
                 rope_interleave=bool(hf.get("rope_interleave", True)) if model_type == "deepseek_v3" else True)
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if rope.get("rope_type", rope.get("type", "default")) == "yarn":
+        keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "attention_factor", "truncate")
+        args["rope_yarn"] = {k: rope[k] for k in keys if rope.get(k) is not None}
     if model_type == "glm_moe_dsa":
         types = hf.get("indexer_types")
         if types is None:

@@ -45,6 +45,8 @@ is off; they are loaded, saved and sharded like any other). Router replay is una
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +55,55 @@ from .config import MoETransformerConfig
 from .layers import RMSNorm, rope_cos_sin
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: Hugging Face builds them with the default eps
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(dim: int, theta: float, yarn: dict, device=None) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv:2309.00071) inverse frequencies ``[dim / 2]`` and the cos/sin factor: frequencies
+    blend from extrapolated (fast dims) to interpolated by ``factor`` (slow dims) over the dims
+    whose rotation count at the original context lies between beta_fast and beta_slow."""
+    factor, orig = float(yarn["factor"]), yarn["original_max_position_embeddings"]
+    mscale, mscale_all = yarn.get("mscale"), yarn.get("mscale_all_dim")
+    attn_factor = yarn.get("attention_factor")
+    if attn_factor is None:
+        attn_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                       else _yarn_mscale(factor))
+
+    def dim_of(rotations):  # the dim whose wavelength fits `rotations` times in the original context
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(yarn.get("beta_fast") or 32), dim_of(yarn.get("beta_slow") or 1)
+    if yarn.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    keep = 1 - ramp  # 1: extrapolate (unchanged frequency), 0: interpolate (divided by factor)
+    return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep, float(attn_factor)
+
+
+def mla_rope_cos_sin(position_ids: torch.Tensor, config: MoETransformerConfig, dtype: torch.dtype):
+    """cos/sin ``[T, Dr]`` of the rope part: plain RoPE, or YaRN (scaled by its attention factor)."""
+    if not config.rope_yarn:
+        return rope_cos_sin(position_ids, config.qk_rope_head_dim, config.rope_theta, dtype)
+    inv_freq, factor = yarn_inv_freq(config.qk_rope_head_dim, config.rope_theta, config.rope_yarn, position_ids.device)
+    freqs = position_ids.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
+
+
+def mla_softmax_scale(config: MoETransformerConfig) -> float:
+    """``Dqk ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under YaRN (DeepSeek's rule)."""
+    scale = config.head_dim ** -0.5
+    yarn = config.rope_yarn
+    if yarn and yarn.get("mscale_all_dim"):
+        scale *= _yarn_mscale(float(yarn["factor"]), yarn["mscale_all_dim"]) ** 2
+    return scale
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -158,7 +209,7 @@ class MLAttention(nn.Module):
         self.n_heads, self.kv_lora_rank, self.v_head_dim = c.n_heads, c.kv_lora_rank, c.v_head_dim
         self.nope_dim, self.rope_dim, self.head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.head_dim
         self.rope_theta, self.rope_interleave = c.rope_theta, c.rope_interleave
-        self.softmax_scale = c.head_dim ** -0.5
+        self.softmax_scale = mla_softmax_scale(c)
         H, bias = c.n_heads, c.attention_bias
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(c.dim, H * c.head_dim, bias=False)
@@ -192,7 +243,7 @@ class MLAttention(nn.Module):
         q = q.view(T, self.n_heads, self.head_dim)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)
-        cos, sin = rope_cos_sin(position_ids, self.rope_dim, self.rope_theta, q.dtype)
+        cos, sin = mla_rope_cos_sin(position_ids, self.config, q.dtype)
         q_rope = rope_pairs(q[..., self.nope_dim:], cos, sin, self.rope_interleave)
         k_rope = rope_pairs(k_rope[:, None, :], cos, sin, self.rope_interleave)[:, 0]
         return q[..., :self.nope_dim], q_rope, c, k_rope, q_latent, cos, sin

@@ -52,6 +52,10 @@ def hf_glm_moe_dsa(**overrides):
 
 BUILDERS = {"deepseek_v3": hf_deepseek_v3, "glm_moe_dsa": hf_glm_moe_dsa,
             "deepseek_v3_no_q_lora": lambda: hf_deepseek_v3(q_lora_rank=None, rope_interleave=False),
+            # Kimi-K2 / DeepSeek-V3 checkpoints extend the context with YaRN (mscale on the softmax scale too)
+            "deepseek_v3_yarn": lambda: hf_deepseek_v3(max_position_embeddings=64, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
             "glm_moe_dsa_shared_indexer": lambda: hf_glm_moe_dsa(indexer_types=["full", "shared", "full"])}
 
 
