@@ -1,8 +1,8 @@
 """python -m bench mla_attention [--quick]: MLA attention (Dqk != Dv) and DeepSeek sparse attention.
 
 CUDA (bf16, causal):
-- MLA dense, DeepSeek-V3's 192/128 heads over 2 x 4096 tokens: primerl's Triton path (V zero-padded
-  to 192, kernels.attention.mla) against SDPA on the same unpadded tensors (baseline).
+- MLA dense, DeepSeek-V3's 192/128 heads over 2 x 4096 tokens: primerl's Triton kernels for two
+  widths (kernels.attention.mla_triton) against SDPA on the same tensors (baseline).
 - GLM-5 sparse attention in the absorbed form (64 heads over one 576-wide latent key, 512-wide
   values, 2048 keys per query) at T = 4096 and 16384: Triton forward and forward+backward against
   SDPA running the dense causal attention it replaces (GLM-5's 64 heads at 256/256, flash/efficient).
@@ -98,7 +98,7 @@ def _cuda_rows(args) -> list[Row]:
     flops = B * 2 * H * (192 + 128) * L * (L + 1) / 2
     _timed(rows, "mla attention", f"B={B} L={L} H={H} Dqk=192 Dv=128", "bfloat16",
            {"sdpa": (lambda a, b, c: _sdpa(a, b, c, B, L), (q, k, v), g, dev),
-            "triton (V padded)": (lambda a, b, c: mla_attention(a, b, c, cu_seqlens=cu, backend="triton"), (q, k, v), g, dev)},
+            "triton": (lambda a, b, c: mla_attention(a, b, c, cu_seqlens=cu, backend="triton"), (q, k, v), g, dev)},
            {"*": flops}, "sdpa")
     # GLM-5 sparse attention, absorbed form
     # (the backward adds dK/dV with float32 atomics, T x K x 1088 of them: timed once, and only at

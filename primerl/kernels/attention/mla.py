@@ -1,14 +1,14 @@
 """Attention whose value heads are narrower or wider than its query/key heads (multi-head latent
 attention: DeepSeek-V3 192/128, GLM-5 256/256).
 
-``mla_attention`` reduces the case to the square op :func:`primerl.kernels.attention.attention`
-by zero-padding the narrower side (v to Dqk, or q and k to Dv with the softmax scale kept at
-``Dqk ** -0.5``) and slicing the output: exact (the padded columns add 0 to every score and every
-output column beyond Dv is dropped; their gradients are sliced away), and every backend of the
-square op (reference, Triton, SDPA, ring attention under context parallelism via
-:func:`pad_for_square` / the slice) serves MLA unchanged. The cost is the padded width in the
-P @ V product (1.5x on that product at 192/128). The sparse form (DeepSeek sparse attention)
-takes Dv != Dqk natively: :mod:`primerl.kernels.sparse_attention`.
+``backend="triton"`` runs kernels made for the two widths (:mod:`.mla_triton`: the query/key
+width split 128 + 64 at 192, no tile padded). Every other backend, and ring attention under
+context parallelism (:func:`pad_for_square` then a slice), reduces the case to the square op
+:func:`primerl.kernels.attention.attention` by zero-padding the narrower side (v to Dqk, or q and
+k to Dv with the softmax scale kept at ``Dqk ** -0.5``) and slicing the output: exact (the padded
+columns add 0 to every score; output columns beyond Dv and their gradients are dropped), at the
+cost of the padded width in P @ V. The sparse form (DeepSeek sparse attention) takes Dv != Dqk
+natively: :mod:`primerl.kernels.sparse_attention`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,28 @@ def pad_for_square(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[t
     return q, k, v, dv
 
 
+class _MLAAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec):
+        from . import mla_triton
+
+        out, lse = mla_triton.forward(q, k, v, spec, q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from . import mla_triton
+
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = mla_triton.backward(dout.contiguous(), q, k, v, out, lse, dlse, ctx.spec)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
 def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                   causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
                   backend: str | None = None, **kwargs):
@@ -45,6 +67,17 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqle
         raise ValueError(f"mla_attention: k must be [Tk, Hkv, Dqk={q.shape[-1]}] and v [Tk, Hkv, Dv]; got k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    if backend == "triton" and v.shape[-1] != q.shape[-1]:
+        from . import _make_spec, _resolve
+
+        if v.dtype != q.dtype or v.device != q.device:
+            raise ValueError(f"mla_attention: v must share q's dtype and device, got {v.dtype} on {v.device}")
+        # validated as the square op validates (k stands in for v: same tokens and heads, checked above)
+        spec = _make_spec("mla_attention", q, k, k, cu_seqlens, kwargs.get("cu_seqlens_k"), causal, scale,
+                          kwargs.get("q_positions"), kwargs.get("k_positions"))
+        _resolve("mla_attention", backend, q.device, spec)
+        out, lse = _MLAAttentionFn.apply(q, k, v, spec)
+        return (out, lse) if return_lse else out
     qp, kp, vp, dv = pad_for_square(q, k, v)
     res = attention(qp, kp, vp, cu_seqlens=cu_seqlens, causal=causal, softmax_scale=scale, return_lse=return_lse,
                     backend=backend, **kwargs)

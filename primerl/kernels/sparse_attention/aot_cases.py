@@ -61,12 +61,34 @@ def _padded_mla(d, backward):
     return run
 
 
+def _native_mla(dqk, dv, backward):
+    from ..attention import AttentionSpec
+    from ..attention import mla_triton
+
+    def run():
+        t = 2 * 4096
+        cu = _cuda(3, dtype=I32)
+        spec = AttentionSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, softmax_scale=dqk ** -0.5,
+                             q_positions=None, k_positions=None, max_seqlen_q=4096, max_seqlen_k=4096)
+        q, k, v = _cuda(t, 16, dqk), _cuda(t, 16, dqk), _cuda(t, 16, dv)
+        if backward:
+            mla_triton.backward(_cuda(t, 16, dv), q, k, v, _cuda(t, 16, dv), _cuda(16, t, dtype=F32), None, spec)
+        else:
+            mla_triton.forward(q, k, v, spec, BF16)
+
+    return run
+
+
 GLM5 = f"T={T_SPARSE} K={K_SELECT} Hq=64 Hkv=1 Dqk=576 Dv=512"
 CASES = [
     Case("dsa indexer scores T=2x4096 Hi=32 Di=128", _indexer, "bf16", ci=True),
     Case(f"sparse attention fwd (absorbed MLA) {GLM5}", _sparse(64, 1, 576, 512, False), "bf16", ci=True),
     Case(f"sparse attention bwd (absorbed MLA, fused dKV) {GLM5}", _sparse(64, 1, 576, 512, True, True), "bf16", ci=True),
     Case(f"sparse attention bwd (separate K, V) {GLM5}", _sparse(64, 1, 576, 512, True), "bf16"),
+    Case("mla attention fwd (native) T=2x4096 H=16 Dqk=192 Dv=128", _native_mla(192, 128, False), "bf16", ci=True),
+    Case("mla attention bwd (native) T=2x4096 H=16 Dqk=192 Dv=128", _native_mla(192, 128, True), "bf16", ci=True),
+    Case("mla attention fwd (native) T=2x4096 H=16 Dqk=256 Dv=256", _native_mla(256, 256, False), "bf16"),
+    Case("mla attention bwd (native) T=2x4096 H=16 Dqk=256 Dv=256", _native_mla(256, 256, True), "bf16"),
     Case("mla attention fwd (V padded) T=2x4096 H=16 D=192", _padded_mla(192, False), "bf16", ci=True),
     Case("mla attention fwd T=2x4096 H=16 D=256", _padded_mla(256, False), "bf16", ci=True),
     # Known to spill (2026-12-04, triton 3.7.1): the square kernels' dK/dV and dQ tiles hold
