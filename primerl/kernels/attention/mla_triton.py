@@ -145,8 +145,10 @@ def _mla_bwd_dkdv_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, sm_scale, qk_scale_log2,
     GROUP: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, DOT_PREC: tl.constexpr, PART: tl.constexpr,
 ):
+    """PART 0: dV (from P alone); PART 1: dK (P and dP). Two launches, each recomputing P, so that
+    no program holds both float32 accumulators (together at 192/128 they spill on sm_90a: AOT)."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     hk = tl.program_id(2)
@@ -193,8 +195,6 @@ def _mla_bwd_dkdv_kernel(
                     # the key block is re-read each step (cache hits) rather than held: at 192/128 the
                     # held K and V tiles spill beside the three float32 accumulators (AOT, sm_90a)
                     s = _qk(q1, q2, K, k_rows, n_ok, hk, stride_kt, stride_kh, offs_d1, offs_d2, D1, D2, DOT_PREC)
-                    v = tl.load(V + k_rows[:, None] * stride_vt + hk * stride_vh + offs_dv[None, :],
-                                mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
                     do = tl.load(DO + q_rows[:, None] * stride_dot + h * stride_doh + offs_dv[None, :],
                                  mask=m_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
                     lse = tl.load(Lse + h * stride_lh + q_rows, mask=m_ok, other=float("inf"))
@@ -205,19 +205,25 @@ def _mla_bwd_dkdv_kernel(
                     if CAUSAL:
                         visible = visible & (k_pos[None, :] <= q_pos[:, None])
                     p = tl.where(visible, p, 0.0)
-                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
-                    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-                    ds = (p * (dp - delta[:, None])).to(q1.dtype)
-                    dk1 += tl.dot(tl.trans(ds), q1, input_precision=DOT_PREC)
-                    if D2 > 0:
-                        dk2 += tl.dot(tl.trans(ds), q2, input_precision=DOT_PREC)
-    tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d1[None, :], dk1 * sm_scale,
-             mask=n_ok[:, None] & (offs_d1 < D1)[None, :])
-    if D2 > 0:
-        tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + D1 + offs_d2[None, :], dk2 * sm_scale,
-                 mask=n_ok[:, None] & (offs_d2 < D2)[None, :])
-    tl.store(DV_ + k_rows[:, None] * stride_dvt + hk * stride_dvh + offs_dv[None, :], dv,
-             mask=n_ok[:, None] & (offs_dv < DV)[None, :])
+                    if PART == 0:
+                        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+                    else:
+                        v = tl.load(V + k_rows[:, None] * stride_vt + hk * stride_vh + offs_dv[None, :],
+                                    mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+                        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+                        ds = (p * (dp - delta[:, None])).to(q1.dtype)
+                        dk1 += tl.dot(tl.trans(ds), q1, input_precision=DOT_PREC)
+                        if D2 > 0:
+                            dk2 += tl.dot(tl.trans(ds), q2, input_precision=DOT_PREC)
+    if PART == 1:
+        tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d1[None, :], dk1 * sm_scale,
+                 mask=n_ok[:, None] & (offs_d1 < D1)[None, :])
+        if D2 > 0:
+            tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + D1 + offs_d2[None, :], dk2 * sm_scale,
+                     mask=n_ok[:, None] & (offs_d2 < D2)[None, :])
+    else:
+        tl.store(DV_ + k_rows[:, None] * stride_dvt + hk * stride_dvh + offs_dv[None, :], dv,
+                 mask=n_ok[:, None] & (offs_dv < DV)[None, :])
 
 
 @triton.jit
@@ -299,11 +305,14 @@ def _mla_bwd_dq_kernel(
 
 
 def _blocks(device, kernel: str) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) of ``kernel`` ("fwd", "dq", "dkdv"); interpreter: 16 x 16 so small
-    tests cover several blocks. GPU choices AOT-measured at 192/128 (primerl.kernels.aot)."""
+    """(BLOCK_M, BLOCK_N, warps) of ``kernel`` ("fwd", "dq", "dkdv0", "dkdv1"); interpreter: 16 x 16 so small
+    tests cover several blocks. GPU choices AOT-measured at 192/128 (primerl.kernels.aot): fwd,
+    dQ and the dV pass spill-free on sm_90a and sm_100a; the dK pass spills 64 / 24 local
+    loads-stores there (the least of the shapes tried; the square kernels at a padded 192 spill
+    148-152)."""
     if device.type != "cuda":
         return 16, 16, 4
-    return {"fwd": (64, 32, 4), "dq": (64, 32, 4), "dkdv": (128, 64, 8)}[kernel]
+    return {"fwd": (64, 32, 4), "dq": (64, 32, 4), "dkdv0": (128, 64, 8), "dkdv1": (128, 64, 8)}[kernel]
 
 
 def _meta(q, v, spec, blocks):
@@ -352,11 +361,12 @@ def backward(dout, q, k, v, out, lse, dlse, spec):
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
                dout.stride(1), lse.stride(0))
     scales = (spec.softmax_scale, spec.softmax_scale * LOG2E)
-    blocks = _blocks(q.device, "dkdv")
-    pos, meta = _meta(q, v, spec, blocks)
-    _mla_bwd_dkdv_kernel[(triton.cdiv(max(spec.max_seqlen_k, 1), blocks[1]), batch, Hkv)](
-        q, k, v, dout, lse, delta, dk, dv, spec.cu_seqlens_q, spec.cu_seqlens_k, *pos, *strides,
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scales, **meta)
+    for part in (0, 1):
+        blocks = _blocks(q.device, f"dkdv{part}")
+        pos, meta = _meta(q, v, spec, blocks)
+        _mla_bwd_dkdv_kernel[(triton.cdiv(max(spec.max_seqlen_k, 1), blocks[1]), batch, Hkv)](
+            q, k, v, dout, lse, delta, dk, dv, spec.cu_seqlens_q, spec.cu_seqlens_k, *pos, *strides,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scales, PART=part, **meta)
     blocks = _blocks(q.device, "dq")
     pos, meta = _meta(q, v, spec, blocks)
     _mla_bwd_dq_kernel[(triton.cdiv(max(spec.max_seqlen_q, 1), blocks[0]), batch, Hq)](
