@@ -81,8 +81,10 @@ def test_indexer_topk_bad_inputs():
     q, k, w = _indexer_inputs((4,), 2, 16, seed=0)
     with pytest.raises(ValueError, match="k must have shape"):
         indexer_topk(q, k[:, :8], w, topk=2)
-    with pytest.raises(ValueError, match="topk must be a positive int"):
+    with pytest.raises(ValueError, match="topk must be >= 1"):
         indexer_topk(q, k, w, topk=0)
+    with pytest.raises(TypeError, match="topk must be an int, got float"):
+        indexer_topk(q, k, w, topk=2.0)
     with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
         indexer_topk(q, k, w, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32), topk=2)
 

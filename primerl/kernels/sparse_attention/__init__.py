@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from .._args import check_int
 from .._backend import resolve_backend
 from . import reference
 
@@ -78,8 +79,7 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_
         raise ValueError(f"{op}: weights must have shape [T, Hi]=({T}, {Hi}), got {tuple(weights.shape)}")
     if not (q.device == k.device == weights.device):
         raise ValueError(f"{op}: q, k, weights must be on one device, got {q.device}, {k.device}, {weights.device}")
-    if not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"{op}: topk must be a positive int, got {topk!r}")
+    topk = check_int(op, "topk", topk, min_value=1)
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=q.device)
     cu, max_len = _check_cu(op, cu_seqlens, T, q.device)
