@@ -258,3 +258,28 @@ def test_fp8_conversion_of_a_glm5_model():
     assert sqnr_db(want, got.detach().float()) >= 15.0
     got.float().square().mean().backward()
     assert att.q_b_proj.weight.grad is not None and att.kv_b_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa"])
+def test_triton_backend_in_the_model_matches_reference(name, tmp_path):
+    """attn_backend="triton": the model's dense MLA (native two-width kernels), the indexer's scores
+    and the sparse attention (absorbed form, fused dK/dV backward) run the Triton kernels (the CPU
+    interpreter here) and give the reference backend's logits and gradients. (Against Hugging Face
+    directly this batch would not do: its last layer has two keys of exactly zero index score at
+    the top-k boundary, where HF's torch.topk and our stable sort pick different ones.)"""
+    BUILDERS[name]().save_pretrained(tmp_path)
+    ids, pos, cu = packed_batch(61, SEQ_LENS, seed=5)
+    targets = torch.roll(ids, -1)
+    runs = {}
+    for backend in ("torch", "triton"):
+        model = MoETransformer.from_pretrained(tmp_path)
+        model.config.attn_backend = backend
+        logits = model(ids, pos, cu, return_logits=True)
+        torch.nn.functional.cross_entropy(logits, targets).backward()
+        runs[backend] = logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    (want, want_g), (got, got_g) = runs["torch"], runs["triton"]
+    assert (got - want).abs().max().item() <= 1e-4
+    assert want_g.keys() == got_g.keys() and any(".attention." in n for n in got_g)
+    for n, g in want_g.items():
+        err = (got_g[n] - g).abs().max().item()
+        assert err <= 1e-4 * max(1.0, g.abs().max().item()), f"{n}: {err:.3e}"
