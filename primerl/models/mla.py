@@ -127,11 +127,12 @@ class IndexerState:
     after it. A plain object, not a dict: FSDP2's pre-forward hook rebuilds dict / list / dataclass
     arguments when it casts their tensors, which would drop what a layer writes into them."""
 
-    __slots__ = ("indices", "selected")
+    __slots__ = ("indices", "selected", "longest")
 
     def __init__(self):
         self.indices = None  # [T, K] int32 (training forward)
         self.selected = None  # [T, S] bool (engine decode)
+        self.longest = None  # the batch's longest sequence (read once per forward: a host sync on GPU)
 
 
 def _is_context_plan(plan) -> bool:
@@ -291,7 +292,10 @@ class MLAttention(nn.Module):
             cu = cu_seqlens if torch.is_tensor(cu_seqlens) else cu_seqlens.cu_seqlens  # global lengths under CP
             if not torch.is_tensor(cu_seqlens) and not _is_context_plan(cu_seqlens):
                 cu_seqlens = cu  # another plan over the whole batch (the trainer's PaddedPlan): sparse runs on cu
-            if int((cu[1:] - cu[:-1]).max()) > self.config.index_topk:  # else every query keeps all its keys: dense
+            longest = state.longest if state is not None and state.longest is not None else int((cu[1:] - cu[:-1]).max())
+            if state is not None:
+                state.longest = longest
+            if longest > self.config.index_topk:  # else every query keeps all its keys: dense
                 if self.shares_indices:
                     if state is None or state.indices is None:
                         raise ValueError("a 'shared' indexer layer needs the previous full layer's indices (state)")
