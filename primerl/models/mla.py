@@ -131,7 +131,7 @@ class IndexerState:
 
     def __init__(self):
         self.indices = None  # [T, K] int32 (training forward)
-        self.selected = None  # [T, S] bool (engine decode)
+        self.selected = None  # [T, K] int32 rows of the engine's flattened latent cache (decode)
         self.longest = None  # the batch's longest sequence (read once per forward: a host sync on GPU)
 
 
@@ -333,7 +333,8 @@ class MLAttention(nn.Module):
         request's cache row, cache ``[B, S_max, W]`` (``W = cache_width()``; this layer's, written
         here at ``[slot, position]``). Scores ``q_abs . c + q_rope . k_rope`` with ``q_abs = q_nope
         @ W_uk``; output ``softmax @ c`` then ``@ W_uv`` and o_proj -> ``[T, D]``. In a sparse model
-        whose request is longer than ``index_topk``, each query attends to its indexer top-k only
+        whose request is longer than ``index_topk``, each query attends to its indexer top-k only,
+        through :func:`primerl.kernels.sparse_attention.sparse_attention` over the flattened cache
         (``state`` carries the selection to "shared" layers, as in training).
         """
         from primerl.kernels.sparse_attention.reference import topk_from_scores
@@ -346,26 +347,33 @@ class MLAttention(nn.Module):
             _, k_idx, _ = self.indexer.project(x, q_latent, cos, sin)
             cache[slot, pos, R + Dr:] = k_idx.to(cache.dtype)
         S = int(pos.max()) + 1
-        rows = cache[slot, :S]  # [T, S, W]
-        visible = torch.arange(S, device=x.device)[None, :] <= pos[:, None]  # [T, S]
-        if self.sparse and S > self.config.index_topk:
-            if self.shares_indices:
-                visible = state.selected
-            else:
-                q_i, _, w = self.indexer.project(x, q_latent, cos, sin)
-                s_i = torch.relu(torch.einsum("thd,tsd->ths", q_i.float(), rows[..., R + Dr:].float())
-                                 * self.indexer.head_dim ** -0.5)
-                score = torch.einsum("th,ths->ts", w, s_i).masked_fill(~visible, float("-inf"))
-                idx = topk_from_scores(score, self.config.index_topk, torch.zeros(score.shape[0], device=x.device))
-                slot_of = torch.where(idx >= 0, idx.long(), S)  # -1 (no key) -> a spare column
-                chosen = visible.new_zeros(visible.shape[0], S + 1).scatter_(1, slot_of, True)[:, :S]
-                visible = visible & chosen
-                state.selected = visible
         w_uk, w_uv = self._kv_b_halves()
         q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        s = (torch.einsum("thr,tsr->ths", q_abs.float(), rows[..., :R].float())
-             + torch.einsum("thd,tsd->ths", q_rope.float(), rows[..., R:R + Dr].float())) * self.softmax_scale
-        p = torch.softmax(s.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
-        o_lat = torch.einsum("ths,tsr->thr", p, rows[..., :R].float()).to(x.dtype)
+        visible = torch.arange(S, device=x.device)[None, :] <= pos[:, None]  # [T, S]
+        if self.sparse and S > self.config.index_topk:
+            # the trainer's sparse form over the cache: the indexer's top-k rows of the flattened
+            # cache, gathered by the sparse-attention kernel (no [T, S] attention is formed)
+            if self.shares_indices:
+                indices = state.selected
+            else:
+                q_i, _, w = self.indexer.project(x, q_latent, cos, sin)
+                s_i = torch.relu(torch.einsum("thd,tsd->ths", q_i.float(), cache[slot, :S, R + Dr:].float())
+                                 * self.indexer.head_dim ** -0.5)
+                score = torch.einsum("th,ths->ts", w, s_i).masked_fill(~visible, float("-inf"))
+                local = topk_from_scores(score, self.config.index_topk, torch.zeros_like(pos))
+                indices = torch.where(local >= 0, local + (slot * cache.shape[1])[:, None].to(local.dtype), -1)
+                state.selected = indices
+            flat = cache.view(-1, cache.shape[-1])[:, None, :]  # [B * S_max, 1, W]
+            from primerl.kernels.sparse_attention import sparse_attention
+
+            o_lat = sparse_attention(torch.cat((q_abs, q_rope), dim=-1).to(cache.dtype), flat[..., :R + Dr],
+                                     flat[..., :R], indices.to(torch.int32), softmax_scale=self.softmax_scale,
+                                     backend=_backend(self.config, ("torch", "triton"))).to(x.dtype)
+        else:
+            rows = cache[slot, :S]  # [T, S, W]
+            s = (torch.einsum("thr,tsr->ths", q_abs.float(), rows[..., :R].float())
+                 + torch.einsum("thd,tsd->ths", q_rope.float(), rows[..., R:R + Dr].float())) * self.softmax_scale
+            p = torch.softmax(s.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+            o_lat = torch.einsum("ths,tsr->thr", p, rows[..., :R].float()).to(x.dtype)
         o = torch.einsum("thr,hvr->thv", o_lat, w_uv)
         return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.v_head_dim))

@@ -31,11 +31,14 @@ def _requests(n):
     return reqs
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+@pytest.mark.parametrize("family,backend", [("deepseek_v3", None), ("glm_moe_dsa", None), ("glm_moe_dsa", "triton")])
 @pytest.mark.parametrize("kv_cache", [True, False])
-def test_logprobs_and_routing_match_teacher_forcing(family, kv_cache):
+def test_logprobs_and_routing_match_teacher_forcing(family, backend, kv_cache):
+    """backend "triton": the decode's sparse attention over the cache runs the Triton kernel."""
     model = _model(family, 1)
-    engine = InferenceEngine(_model(family), max_batch_size=3, kv_cache=kv_cache)
+    engine_model = _model(family)
+    engine_model.config.attn_backend = backend
+    engine = InferenceEngine(engine_model, max_batch_size=3, kv_cache=kv_cache)
     engine.load_weights(model.state_dict(), version=0)
     outs = engine.generate(_requests(7))
     longest = 0
