@@ -123,15 +123,19 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 class IndexerState:
-    """The top-k selection one forward passes from a "full" indexer layer to the "shared" layers
-    after it. A plain object, not a dict: FSDP2's pre-forward hook rebuilds dict / list / dataclass
-    arguments when it casts their tensors, which would drop what a layer writes into them."""
+    """The top-k selections one forward passes from the "full" indexer layers to the "shared" layers
+    after them, keyed by the full layer's index: under activation checkpointing blocks are
+    recomputed in reverse order, and a shared layer must then still read its own source layer's
+    selection, not the last one written. A plain object, not a dict: FSDP2's pre-forward hook
+    rebuilds dict / list / dataclass arguments when it casts their tensors, which would drop what a
+    layer writes into them."""
 
-    __slots__ = ("indices", "selected", "longest")
+    __slots__ = ("indices", "longest")
 
     def __init__(self):
-        self.indices = None  # [T, K] int32 (training forward)
-        self.selected = None  # [T, K] int32 rows of the engine's flattened latent cache (decode)
+        # layer id -> [T, K] int32 (training: rows of the batch; engine decode: rows of the
+        # flattened latent cache)
+        self.indices: dict[int, torch.Tensor] = {}
         self.longest = None  # the batch's longest sequence (read once per forward: a host sync on GPU)
 
 
@@ -201,7 +205,7 @@ class MLAttention(nn.Module):
 
     ``forward(x [T, D], position_ids [T], cu_seqlens, state=None) -> [T, D]``. ``state`` is the
     :class:`IndexerState` the model passes through its layers: a ``"shared"`` indexer layer (GLM-5
-    ``indexer_types``) reads the previous full layer's ``state.indices``.
+    ``indexer_types``) reads the selection of the nearest full layer before it.
     """
 
     def __init__(self, config: MoETransformerConfig, layer_id: int = 0):
@@ -223,7 +227,11 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * c.v_head_dim, c.dim, bias=c.o_proj_bias)
         self.sparse = c.is_sparse
+        self.layer_id = layer_id
         self.shares_indices = self.sparse and c.indexer_types[layer_id] == "shared"
+        # the layer whose selection this one uses: itself, or the nearest full layer before it
+        self.index_source = max(i for i in range(layer_id + 1) if c.indexer_types[i] == "full") if self.sparse \
+            else layer_id
         self.indexer = Indexer(c) if self.sparse and not self.shares_indices else None
         # Set by parallelize() for context parallelism: fn(q, k, v, plan, *, causal, softmax_scale, backend).
         self.context_attention = None
@@ -297,13 +305,14 @@ class MLAttention(nn.Module):
                 state.longest = longest
             if longest > self.config.index_topk:  # else every query keeps all its keys: dense
                 if self.shares_indices:
-                    if state is None or state.indices is None:
-                        raise ValueError("a 'shared' indexer layer needs the previous full layer's indices (state)")
-                    indices = state.indices
+                    if state is None or self.index_source not in state.indices:
+                        raise ValueError(f"'shared' indexer layer {self.layer_id} needs layer {self.index_source}'s "
+                                         f"selection (the model's IndexerState)")
+                    indices = state.indices[self.index_source]
                 else:
                     indices = self.indexer.select(x, q_latent, cos, sin, cu_seqlens)
                     if state is not None:
-                        state.indices = indices
+                        state.indices[self.layer_id] = indices
                 kv = torch.cat((c, k_rope), dim=-1)
                 if not torch.is_tensor(cu_seqlens):
                     # Context parallelism: a query may select a key of any rank, so every rank gathers
@@ -354,7 +363,7 @@ class MLAttention(nn.Module):
             # the trainer's sparse form over the cache: the indexer's top-k rows of the flattened
             # cache, gathered by the sparse-attention kernel (no [T, S] attention is formed)
             if self.shares_indices:
-                indices = state.selected
+                indices = state.indices[self.index_source]
             else:
                 q_i, _, w = self.indexer.project(x, q_latent, cos, sin)
                 s_i = torch.relu(torch.einsum("thd,tsd->ths", q_i.float(), cache[slot, :S, R + Dr:].float())
@@ -362,7 +371,7 @@ class MLAttention(nn.Module):
                 score = torch.einsum("th,ths->ts", w, s_i).masked_fill(~visible, float("-inf"))
                 local = topk_from_scores(score, self.config.index_topk, torch.zeros_like(pos))
                 indices = torch.where(local >= 0, local + (slot * cache.shape[1])[:, None].to(local.dtype), -1)
-                state.selected = indices
+                state.indices[self.layer_id] = indices
             flat = cache.view(-1, cache.shape[-1])[:, None, :]  # [B * S_max, 1, W]
             from primerl.kernels.sparse_attention import sparse_attention
 

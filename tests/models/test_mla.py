@@ -283,3 +283,30 @@ def test_triton_backend_in_the_model_matches_reference(name, tmp_path):
     for n, g in want_g.items():
         err = (got_g[n] - g).abs().max().item()
         assert err <= 1e-4 * max(1.0, g.abs().max().item()), f"{n}: {err:.3e}"
+
+
+def test_shared_indexer_layers_under_activation_checkpointing():
+    """Blocks recomputed in the backward (in reverse order) still give a shared-indexer layer its own
+    source layer's selection: loss and every gradient as without checkpointing."""
+    from primerl.parallel.fsdp import apply_activation_checkpointing
+
+    cfg = MoETransformerConfig.tiny(vocab_size=50, family="glm_moe_dsa", n_layers=4, index_topk=3,
+                                    indexer_types=("full", "shared", "full", "shared"))
+    ids, pos, cu = packed_batch(50, SEQ_LENS, seed=6)
+    runs = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = MoETransformer(cfg)
+        with torch.no_grad():  # weights large enough that the selections differ between layers
+            for p in model.parameters():
+                if p.ndim >= 2:
+                    p.mul_(20.0)
+        if checkpointed:
+            apply_activation_checkpointing(model, "full")
+        loss = torch.nn.functional.cross_entropy(model(ids, pos, cu, return_logits=True), torch.roll(ids, -1))
+        loss.backward()
+        runs.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = runs
+    assert l0 == l1 and g0.keys() == g1.keys()
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
