@@ -36,11 +36,21 @@ order, and attends locally; the gather's backward sums each key's gradient over 
 its owner. Memory per rank: T x (R + Dr + Di) values, not T x H x (Dqk + Dv).
 
 The indexer's training: kept frozen. Hugging Face's ``GlmMoeDsaIndexer`` runs under
-``torch.no_grad`` and GLM-5's checkpoints ship a trained indexer; the RL loss has no path to it
-(a top-k is a discrete choice), and DeepSeek-V3.2's own indexer objective (a KL to the dense
-attention distribution) needs the O(T^2) dense attention the sparse form exists to avoid. So the
-selection is computed without gradient and the indexer's weights get none (``requires_grad``
-is off; they are loaded, saved and sharded like any other). Router replay is unaffected: it concerns the MoE layers only.
+``torch.no_grad`` and GLM-5's checkpoints ship a trained indexer; the RL loss has no path to it (a
+top-k is a discrete choice). DeepSeek-V3.2 trains its indexer with a separate KL term (to the main
+attention's distribution, over the selected keys in its sparse stage, the indexer's input
+detached) during pre-training; in RL that term would move the selection between the sampler's
+and the trainer's forward passes, adding trainer/inference mismatch for no reward signal. So the
+selection is computed without gradient and the indexer's weights get none (``requires_grad`` is
+off; they are loaded, saved and sharded like any other). The cost shows on a model trained from
+scratch: a random frozen indexer may never offer a query the key it needs
+(``examples/reverse_text_glm5.toml`` plateaus at reward 0.40 with top-4, 0.73 with every key).
+Router replay is unaffected: it concerns the MoE layers only.
+
+Top-k ties: relu makes exact zero index scores common; among equal scores the earlier key wins
+(a stable sort, :mod:`primerl.kernels.sparse_attention.reference`), so the packed, context-parallel
+and engine layouts select the same keys. Hugging Face's ``torch.topk`` breaks such ties its own
+way: at an exact tie on the top-k boundary the two may attend to different keys.
 """
 
 from __future__ import annotations
@@ -48,7 +58,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import MoETransformerConfig
