@@ -147,8 +147,9 @@ def _mla_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, DOT_PREC: tl.constexpr, PART: tl.constexpr,
 ):
-    """PART 0: dV (from P alone); PART 1: dK (P and dP). Two launches, each recomputing P, so that
-    no program holds both float32 accumulators (together at 192/128 they spill on sm_90a: AOT)."""
+    """PART 0: dV (from P alone); PART 1: dK's main columns, PART 2: its tail (P and dP). Separate
+    launches, each recomputing P, so that no program holds more than one float32 accumulator
+    (together at 192/128 they spill on sm_90a and sm_100a: AOT; split this way none does)."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     hk = tl.program_id(2)
@@ -212,15 +213,16 @@ def _mla_bwd_dkdv_kernel(
                                     mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
                         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
                         ds = (p * (dp - delta[:, None])).to(q1.dtype)
-                        dk1 += tl.dot(tl.trans(ds), q1, input_precision=DOT_PREC)
-                        if D2 > 0:
+                        if PART == 1:
+                            dk1 += tl.dot(tl.trans(ds), q1, input_precision=DOT_PREC)
+                        else:
                             dk2 += tl.dot(tl.trans(ds), q2, input_precision=DOT_PREC)
     if PART == 1:
         tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d1[None, :], dk1 * sm_scale,
                  mask=n_ok[:, None] & (offs_d1 < D1)[None, :])
-        if D2 > 0:
-            tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + D1 + offs_d2[None, :], dk2 * sm_scale,
-                     mask=n_ok[:, None] & (offs_d2 < D2)[None, :])
+    elif PART == 2:
+        tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + D1 + offs_d2[None, :], dk2 * sm_scale,
+                 mask=n_ok[:, None] & (offs_d2 < D2)[None, :])
     else:
         tl.store(DV_ + k_rows[:, None] * stride_dvt + hk * stride_dvh + offs_dv[None, :], dv,
                  mask=n_ok[:, None] & (offs_dv < DV)[None, :])
@@ -305,14 +307,13 @@ def _mla_bwd_dq_kernel(
 
 
 def _blocks(device, kernel: str) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) of ``kernel`` ("fwd", "dq", "dkdv0", "dkdv1"); interpreter: 16 x 16 so small
-    tests cover several blocks. GPU choices AOT-measured at 192/128 (primerl.kernels.aot): fwd,
-    dQ and the dV pass spill-free on sm_90a and sm_100a; the dK pass spills 64 / 24 local
-    loads-stores there (the least of the shapes tried; the square kernels at a padded 192 spill
-    148-152)."""
+    """(BLOCK_M, BLOCK_N, warps) of ``kernel`` ("fwd", "dq", "dkdv<part>"); interpreter: 16 x 16 so small
+    tests cover several blocks. GPU choices AOT-measured at 192/128 (primerl.kernels.aot): every
+    kernel spill-free on sm_90a and sm_100a with the tensor-core MMA (the square kernels at a padded
+    192 spill 148-152 local loads-stores in dK/dV)."""
     if device.type != "cuda":
         return 16, 16, 4
-    return {"fwd": (64, 32, 4), "dq": (64, 32, 4), "dkdv0": (128, 64, 8), "dkdv1": (128, 64, 8)}[kernel]
+    return (64, 32, 4) if kernel in ("fwd", "dq") else (128, 64, 8)
 
 
 def _meta(q, v, spec, blocks):
@@ -361,7 +362,7 @@ def backward(dout, q, k, v, out, lse, dlse, spec):
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
                dout.stride(1), lse.stride(0))
     scales = (spec.softmax_scale, spec.softmax_scale * LOG2E)
-    for part in (0, 1):
+    for part in ((0, 1, 2) if split_width(D)[1] else (0, 1)):
         blocks = _blocks(q.device, f"dkdv{part}")
         pos, meta = _meta(q, v, spec, blocks)
         _mla_bwd_dkdv_kernel[(triton.cdiv(max(spec.max_seqlen_k, 1), blocks[1]), batch, Hkv)](
