@@ -1,7 +1,7 @@
 """Attention whose value heads are narrower or wider than its query/key heads (multi-head latent
 attention: DeepSeek-V3 192/128, GLM-5 256/256).
 
-``backend="triton"`` runs kernels made for the two widths (:mod:`.mla_triton`: the query/key
+The Triton backend (``backend="triton"``, or None on CUDA) runs kernels made for the two widths (:mod:`.mla_triton`: the query/key
 width split 128 + 64 at 192, no tile padded). Every other backend, and ring attention under
 context parallelism (:func:`pad_for_square` then a slice), reduces the case to the square op
 :func:`primerl.kernels.attention.attention` by zero-padding the narrower side (v to Dqk, or q and
@@ -67,8 +67,10 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqle
         raise ValueError(f"mla_attention: k must be [Tk, Hkv, Dqk={q.shape[-1]}] and v [Tk, Hkv, Dv]; got k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    if backend == "triton" and v.shape[-1] != q.shape[-1]:
-        from . import _make_spec, _resolve
+    from . import _resolve
+
+    if v.shape[-1] != q.shape[-1] and _resolve("mla_attention", backend, q.device) == "triton":
+        from . import _make_spec
 
         if v.dtype != q.dtype or v.device != q.device:
             raise ValueError(f"mla_attention: v must share q's dtype and device, got {v.dtype} on {v.device}")
