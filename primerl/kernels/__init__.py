@@ -21,6 +21,7 @@ if triton_interpreter_enabled():
 from . import fp8  # noqa: E402,F401
 from .fp8 import dequant, quant_per_block, quant_per_token_group, quant_rowwise, quant_tensorwise  # noqa: E402,F401
 from . import attention  # noqa: E402,F401
+from . import sparse_attention  # noqa: E402,F401
 from .logprobs import fused_logprobs  # noqa: E402,F401
 from . import moe  # noqa: E402,F401
 from . import fp8_training, gemm  # noqa: E402,F401

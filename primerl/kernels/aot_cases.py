@@ -259,4 +259,7 @@ def _logprobs_cases():
 
 
 def all_cases() -> list[Case]:
-    return _quant_cases() + _gemm_cases() + _moe_cases() + _attention_cases() + _logprobs_cases()
+    from .sparse_attention.aot_cases import CASES as sparse_attention_cases  # DSA and MLA shapes
+
+    return _quant_cases() + _gemm_cases() + _moe_cases() + _attention_cases() + _logprobs_cases() \
+        + sparse_attention_cases

@@ -63,6 +63,10 @@ def _layer_slots(model, i: int, expert_format: str) -> dict[str, Slot]:
         f"{hf}.input_layernorm.weight": Slot(f"{src}.attention_norm.weight"),
         f"{hf}.post_attention_layernorm.weight": Slot(f"{src}.ffn_norm.weight"),
     }
+    if cfg.is_mla:  # MLA parameters carry Hugging Face's names: one to one under self_attn
+        for name, _ in layer.attention.named_parameters():
+            out[f"{hf}.self_attn.{name}"] = Slot(f"{src}.attention.{name}")
+        return _ffn_slots(out, layer, src, hf, cfg, expert_format)
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         lin = getattr(layer.attention, proj)
         out[f"{hf}.self_attn.{proj}.weight"] = Slot(f"{src}.attention.{proj}.weight")
@@ -71,6 +75,11 @@ def _layer_slots(model, i: int, expert_format: str) -> dict[str, Slot]:
     if cfg.qk_norm:
         out[f"{hf}.self_attn.q_norm.weight"] = Slot(f"{src}.attention.q_norm.weight")
         out[f"{hf}.self_attn.k_norm.weight"] = Slot(f"{src}.attention.k_norm.weight")
+    return _ffn_slots(out, layer, src, hf, cfg, expert_format)
+
+
+def _ffn_slots(out: dict[str, Slot], layer, src: str, hf: str, cfg: MoETransformerConfig,
+               expert_format: str) -> dict[str, Slot]:
     if not layer.is_moe:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             out[f"{hf}.mlp.{proj}.weight"] = Slot(f"{src}.ffn.{proj}.weight")
@@ -193,6 +202,8 @@ def _fp32_params(model) -> set[str]:
     Hugging Face keeps GLM's gate in float32 too)."""
     out = set()
     for i, layer in enumerate(model.layers):
+        if getattr(layer.attention, "indexer", None) is not None:  # Hugging Face keeps it in float32
+            out.add(f"layers.{i}.attention.indexer.weights_proj.weight")
         if layer.is_moe:
             n = moe_param_names(layer.ffn)
             for role in ("router", "expert_bias"):

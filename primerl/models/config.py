@@ -25,8 +25,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-FAMILIES = ("qwen3_moe", "glm4_moe")
-_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
+MLA_FAMILIES = ("deepseek_v3", "glm_moe_dsa")  # multi-head latent attention (see primerl/models/mla.py)
+_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -75,6 +77,23 @@ class MoETransformerConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # Multi-head latent attention (deepseek_v3 / glm_moe_dsa; kv_lora_rank 0 = GQA). head_dim is then
+    # the query/key head width qk_nope_head_dim + qk_rope_head_dim and n_kv_heads == n_heads.
+    q_lora_rank: int | None = None  # None: one full q projection
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True  # DeepSeek's interleaved rotary pairs on the rope part
+    # YaRN context extension of the rope part (DeepSeek-V3 / Kimi-K2 checkpoints): Hugging Face's
+    # rope_parameters keys factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
+    # mscale_all_dim (optional: attention_factor, truncate). None: plain RoPE.
+    rope_yarn: dict | None = None
+    # DeepSeek sparse attention (glm_moe_dsa): a lightning indexer picks index_topk keys per query.
+    index_n_heads: int = 0  # 0: dense attention
+    index_head_dim: int = 0
+    index_topk: int = 0
+    indexer_types: tuple[str, ...] = ()  # per layer "full" (own indexer) or "shared" (the previous full layer's keys)
     # primerl.kernels.attention backend for every layer (None: the op's default; "sdpa": torch's fused
     # kernels, the fast choice on CPU). A runtime choice, not part of the checkpoint: never written to
     # config.json, and settable after loading (``model.config.attn_backend = "sdpa"``).
@@ -84,6 +103,9 @@ class MoETransformerConfig:
 
     def __post_init__(self):
         self.dense_layers = tuple(sorted(int(i) for i in self.dense_layers))
+        self.indexer_types = tuple(self.indexer_types)
+        if self.is_sparse and not self.indexer_types:
+            self.indexer_types = ("full",) * self.n_layers
         self.validate()
 
     # ----------------------------------------------------------------------------------------------
@@ -115,9 +137,46 @@ class MoETransformerConfig:
             need(1 <= self.topk_groups <= self.n_groups, f"topk_groups must be in [1, n_groups={self.n_groups}], got {self.topk_groups}")
         if self.dense_layers:
             need(self.ffn_dim > 0, "ffn_dim must be positive when dense_layers is not empty")
+        need((self.family in MLA_FAMILIES) == self.is_mla,
+             f"kv_lora_rank must be positive exactly for the MLA families {MLA_FAMILIES} (family {self.family!r}, "
+             f"kv_lora_rank {self.kv_lora_rank})")
+        if self.is_mla:
+            for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                need(getattr(self, name) > 0, f"{name} must be positive for MLA, got {getattr(self, name)}")
+            need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+            need(self.head_dim == self.qk_nope_head_dim + self.qk_rope_head_dim,
+                 f"MLA head_dim must be qk_nope_head_dim + qk_rope_head_dim = "
+                 f"{self.qk_nope_head_dim + self.qk_rope_head_dim}, got {self.head_dim}")
+            need(self.n_kv_heads == self.n_heads, f"MLA needs n_kv_heads == n_heads, got {self.n_kv_heads} and {self.n_heads}")
+            need(self.q_lora_rank is None or self.q_lora_rank > 0, f"q_lora_rank must be None or positive, got {self.q_lora_rank}")
+        if self.rope_yarn is not None:
+            need(self.is_mla, "rope_yarn is supported for the MLA families only")
+            need(self.rope_yarn.get("factor", 0) > 0 and self.rope_yarn.get("original_max_position_embeddings", 0) > 0,
+                 f"rope_yarn needs factor and original_max_position_embeddings > 0, got {self.rope_yarn}")
+        need((self.family == "glm_moe_dsa") == self.is_sparse,
+             f"index_n_heads > 0 (DeepSeek sparse attention) exactly for glm_moe_dsa (family {self.family!r})")
+        if self.is_sparse:
+            need(self.q_lora_rank is not None, "the sparse-attention indexer reads the q low-rank latent: q_lora_rank needed")
+            need(self.index_head_dim >= self.qk_rope_head_dim and self.index_topk > 0,
+                 f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}) and "
+                 f"index_topk ({self.index_topk}) positive")
+            need(len(self.indexer_types) == self.n_layers and set(self.indexer_types) <= {"full", "shared"}
+                 and self.indexer_types[0] == "full",
+                 f"indexer_types must be n_layers={self.n_layers} entries of 'full'/'shared' starting with 'full', "
+                 f"got {self.indexer_types}")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.index_n_heads > 0
 
     @property
     def rotary_dim(self) -> int:
+        if self.is_mla:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -145,15 +204,38 @@ class MoETransformerConfig:
             base.update(n_layers=3, num_experts=8, num_shared_experts=1, score_func="sigmoid", route_norm=True,
                         route_scale=2.5, n_groups=2, topk_groups=1, use_expert_bias=True, dense_layers=(0,),
                         qk_norm=False, partial_rotary_factor=0.5, rms_norm_eps=1e-5)
+        elif family in MLA_FAMILIES:
+            base.update(n_layers=3, n_kv_heads=4, num_experts=8, num_shared_experts=1, score_func="sigmoid",
+                        route_norm=True, route_scale=2.5, n_groups=2, topk_groups=1, use_expert_bias=True,
+                        dense_layers=(0,), qk_norm=False, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, head_dim=24, v_head_dim=16)
+            if family == "glm_moe_dsa":
+                base.update(v_head_dim=24, index_n_heads=4, index_head_dim=16, index_topk=16, rms_norm_eps=1e-5)
         base.update(overrides)
         return cls(**base)
 
+    def _mla_attention_params(self) -> int:
+        H, qk, r = self.n_heads, self.head_dim, self.q_lora_rank
+        q = self.dim * H * qk if r is None else self.dim * r + r + r * H * qk
+        kv = self.dim * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank \
+            + self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + H * self.v_head_dim * self.dim
+
+    def _indexer_params(self) -> int:
+        Hi, Di = self.index_n_heads, self.index_head_dim
+        per = self.q_lora_rank * Hi * Di + self.dim * Di + 2 * Di + self.dim * Hi
+        return per * sum(t == "full" for t in self.indexer_types)
+
     def num_params(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        if self.is_mla:
+            attn = self._mla_attention_params()
         moe = 3 * self.num_experts * self.dim * self.moe_dim + self.num_experts * self.dim \
             + 3 * self.num_shared_experts * self.dim * self.moe_dim
         dense = 3 * self.dim * self.ffn_dim
         layers = self.n_layers * attn + len(self.moe_layer_ids) * moe + len(self.dense_layers) * dense
+        if self.is_sparse:
+            layers += self._indexer_params()
         emb = self.vocab_size * self.dim * (1 if self.tie_word_embeddings else 2)
         return layers + emb
 
@@ -187,7 +269,10 @@ class MoETransformerConfig:
 
         rope = dict(get("rope_parameters") or get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        if model_type in MLA_FAMILIES and rope_type not in ("default", "yarn"):
+            raise UnsupportedCheckpointError(f"{model_type}: rope_type {rope_type!r} is not supported (only 'default' "
+                                             f"and 'yarn')")
+        if rope_type != "default" and model_type not in MLA_FAMILIES:
             raise UnsupportedCheckpointError(f"rope_type {rope_type!r} is not supported (only 'default' RoPE)")
         rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
         head_dim = get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -220,6 +305,8 @@ class MoETransformerConfig:
                       use_expert_bias=False, dense_layers=dense, qk_norm=True,
                       o_proj_bias=bool(get("attention_bias", False)),
                       partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))))
+        elif model_type in MLA_FAMILIES:
+            cfg = cls(**_mla_from_hf(hf, common, n_layers))
         else:
             cfg = cls(**common, num_experts=get("n_routed_experts", get("num_local_experts")), num_shared_experts=get("n_shared_experts", 1),
                       score_func="sigmoid", route_norm=bool(get("norm_topk_prob", True)),
@@ -248,7 +335,11 @@ class MoETransformerConfig:
         out.pop("rope_theta", None)
         out.pop("partial_rotary_factor", None)
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.family == "qwen3_moe":
+        if self.rope_yarn:
+            rope = {"rope_type": "yarn", "rope_theta": self.rope_theta, **self.rope_yarn}
+        if self.is_mla:
+            self._mla_to_hf(out)
+        elif self.family == "qwen3_moe":
             self._check_hf_expressible(num_shared_experts=0, score_func="softmax", route_scale=1.0, n_groups=1,
                                        topk_groups=1, use_expert_bias=False, qk_norm=True,
                                        o_proj_bias=self.attention_bias)
@@ -273,6 +364,28 @@ class MoETransformerConfig:
         out["rope_parameters"] = rope
         return out
 
+    def _mla_to_hf(self, out: dict[str, Any]) -> None:
+        k = len(self.dense_layers)
+        if self.dense_layers != tuple(range(k)):
+            raise ValueError(f"{self.family} needs dense layers to be the first k layers, got {self.dense_layers}")
+        self._check_hf_expressible(score_func="sigmoid", use_expert_bias=True, qk_norm=False,
+                                   o_proj_bias=self.attention_bias)
+        out.update(n_routed_experts=self.num_experts, n_shared_experts=self.num_shared_experts,
+                   norm_topk_prob=self.route_norm, routed_scaling_factor=self.route_scale, n_group=self.n_groups,
+                   topk_group=self.topk_groups, first_k_dense_replace=k, intermediate_size=self.ffn_dim or self.moe_dim,
+                   q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                   qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                   v_head_dim=self.v_head_dim, head_dim=self.qk_rope_head_dim)
+        out.pop("num_local_experts", None)
+        if self.family == "deepseek_v3":
+            out["rope_interleave"] = self.rope_interleave
+        else:
+            if not self.rope_interleave:
+                raise ValueError("glm_moe_dsa always uses interleaved RoPE; rope_interleave=False is not expressible")
+            out.update(index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim,
+                       index_topk=self.index_topk, indexer_types=list(self.indexer_types),
+                       mlp_layer_types=["dense" if i in self.dense_layers else "sparse" for i in range(self.n_layers)])
+
     def _check_hf_expressible(self, **required) -> None:
         for name, value in required.items():
             if getattr(self, name) != value:
@@ -281,3 +394,41 @@ class MoETransformerConfig:
 
     def replace(self, **changes) -> "MoETransformerConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _mla_from_hf(hf: dict[str, Any], common: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """Constructor arguments for a deepseek_v3 / glm_moe_dsa config.json (MoE parts as glm4_moe)."""
+    model_type = hf["model_type"]
+    nope, rope_dim = hf.get("qk_nope_head_dim", 128), hf.get("qk_rope_head_dim", 64)
+    n_heads = hf["num_attention_heads"]
+    if (hf.get("num_key_value_heads") or n_heads) != n_heads:
+        raise UnsupportedCheckpointError(f"{model_type}: num_key_value_heads must equal num_attention_heads for MLA")
+    if hf.get("n_routed_experts", hf.get("num_local_experts")) is None:
+        raise UnsupportedCheckpointError(f"{model_type}: config has no n_routed_experts (a dense MLA model)")
+    if model_type == "glm_moe_dsa" and hf.get("mlp_layer_types") is not None:
+        dense = tuple(i for i, t in enumerate(hf["mlp_layer_types"]) if t == "dense")
+    else:
+        dense = tuple(range(min(hf.get("first_k_dense_replace", 3 if model_type == "glm_moe_dsa" else 1) or 0,
+                                n_layers)))
+    args = dict(common, head_dim=nope + rope_dim, n_kv_heads=n_heads,
+                num_experts=hf.get("n_routed_experts", hf.get("num_local_experts")),
+                num_shared_experts=hf.get("n_shared_experts", 1), score_func="sigmoid",
+                route_norm=bool(hf.get("norm_topk_prob", True)), route_scale=float(hf.get("routed_scaling_factor", 1.0)),
+                n_groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1, use_expert_bias=True,
+                dense_layers=dense, qk_norm=False, o_proj_bias=bool(hf.get("attention_bias", False)),
+                q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf.get("kv_lora_rank", 512), qk_nope_head_dim=nope,
+                qk_rope_head_dim=rope_dim, v_head_dim=hf.get("v_head_dim", 128),
+                rope_interleave=bool(hf.get("rope_interleave", True)) if model_type == "deepseek_v3" else True)
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if rope.get("rope_type", rope.get("type", "default")) == "yarn":
+        keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "attention_factor", "truncate")
+        args["rope_yarn"] = {k: rope[k] for k in keys if rope.get(k) is not None}
+    if model_type == "glm_moe_dsa":
+        types = hf.get("indexer_types")
+        if types is None:
+            raise UnsupportedCheckpointError("glm_moe_dsa config.json without indexer_types (write it with transformers "
+                                             ">= 5.24, which derives it from index_topk_freq)")
+        args.update(index_n_heads=hf.get("index_n_heads", 32), index_head_dim=hf.get("index_head_dim", 128),
+                    index_topk=hf.get("index_topk", 2048), indexer_types=tuple(types))
+    return args

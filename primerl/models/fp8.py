@@ -3,8 +3,10 @@
 Delegates to the GEMM layer's module swap (``primerl.kernels.fp8_training.convert_to_fp8``); this
 entry point only chooses what to convert. The default keeps in high precision what FP8 recipes
 keep there everywhere: the embedding, the output head (its logits feed log-probabilities that RL
-ratios are sensitive to), the routers (selection decisions) and the norms; and it skips any
-matrix whose dims are not multiples of 128 (the block size of the blockwise recipes).
+ratios are sensitive to), the routers (selection decisions) and the norms; for MLA models the
+sparse-attention indexer (frozen; a selection decision too) and ``kv_b_proj`` (the absorbed form
+uses its weight as a matrix); and it skips any matrix whose dims are not multiples of 128 (the
+block size of the blockwise recipes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ def default_fp8_filter(name: str, module: nn.Module) -> bool:
         return False  # embedding, final norm, lm_head
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "gate":  # the router
+        return False
+    if ".indexer." in name or leaf == "kv_b_proj":
+        # MLA: the sparse-attention indexer is frozen and makes a discrete choice (as the router);
+        # kv_b_proj's weight is also read directly by the absorbed sparse form (W_uk / W_uv)
         return False
     if isinstance(module, nn.Linear):
         shape = module.weight.shape

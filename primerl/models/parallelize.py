@@ -35,6 +35,7 @@ def parallelize(model: nn.Module, parallel_dims, mesh, *, activation_checkpointi
     from primerl.parallel.fsdp import apply_activation_checkpointing, apply_fsdp
 
     from .layers import Attention
+    from .mla import MLAttention
 
     cfg = getattr(model, "config", None)
     if cfg is not None and cfg.moe_layer_ids:
@@ -48,7 +49,7 @@ def parallelize(model: nn.Module, parallel_dims, mesh, *, activation_checkpointi
         from primerl.parallel.context import ring_attention
 
         for module in model.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, (Attention, MLAttention)):
                 module.context_attention = ring_attention
     if activation_checkpointing is not None:
         apply_activation_checkpointing(model, activation_checkpointing, every=ac_every)

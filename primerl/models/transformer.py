@@ -42,18 +42,29 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.is_moe = layer_id not in config.dense_layers
         self.attention_norm = RMSNorm(config.dim, config.rms_norm_eps)
-        self.attention = Attention(config)
+        if config.is_mla:
+            from .mla import MLAttention
+
+            self.attention = MLAttention(config, layer_id)
+        else:
+            self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.rms_norm_eps)
         self.ffn = build_moe(config) if self.is_moe else DenseMLP(config.dim, config.ffn_dim)
 
-    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, cu_seqlens, replay_ids=None) -> torch.Tensor:
-        h = h + self.attention(self.attention_norm(h), position_ids, cu_seqlens)
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, cu_seqlens, replay_ids=None,
+                attn_state=None) -> torch.Tensor:
+        if attn_state is None:
+            h = h + self.attention(self.attention_norm(h), position_ids, cu_seqlens)
+        else:  # MLA with a sparse-attention indexer: layers may share the previous layer's selection
+            h = h + self.attention(self.attention_norm(h), position_ids, cu_seqlens, attn_state)
         x = self.ffn_norm(h)
         return h + (self.ffn(x, replay_ids=replay_ids) if self.is_moe else self.ffn(x))
 
 
 class MoETransformer(nn.Module):
-    """Decoder-only MoE transformer (Qwen3-MoE / GLM-4.5-MoE families) over packed sequences.
+    """Decoder-only MoE transformer (Qwen3-MoE, GLM-4.5-MoE, DeepSeek-V3 / Kimi-K2 and GLM-5 families:
+    the last two with multi-head latent attention, GLM-5 with DeepSeek sparse attention; see
+    ``primerl/models/mla.py``) over packed sequences.
 
     Example::
 
@@ -120,13 +131,19 @@ class MoETransformer(nn.Module):
         self._validate(input_ids, position_ids, cu_seqlens, replay_ids)
         h = self.embed(input_ids)
         j = 0
+        state = None
+        if self.config.is_sparse:
+            from .mla import IndexerState
+
+            state = IndexerState()
         for layer in self.layers:
+            extra = {} if state is None else {"attn_state": state}
             if layer.is_moe:
                 rid = None if replay_ids is None else replay_ids[:, j].to(torch.int64)
                 j += 1
-                h = layer(h, position_ids, cu_seqlens, replay_ids=rid)
+                h = layer(h, position_ids, cu_seqlens, replay_ids=rid, **extra)
             else:
-                h = layer(h, position_ids, cu_seqlens)
+                h = layer(h, position_ids, cu_seqlens, **extra)
         h = self.norm(h)
         return self.lm_head(h) if return_logits else h
 

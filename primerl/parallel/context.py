@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from primerl.kernels.attention import attention, attention_backward, attention_forward, merge_attn_states_
 
-__all__ = ["ContextShardPlan", "ring_attention", "allgather_attention"]
+__all__ = ["ContextShardPlan", "ring_attention", "allgather_attention", "gather_shards", "padded_key_positions"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -408,6 +408,23 @@ class _AllGatherPadded(torch.autograd.Function):
         if plan.world_size > 1:
             dist.all_reduce(grad, group=plan.group)
         return grad[plan._padded_index[plan.rank].to(grad.device)], None
+
+
+def gather_shards(x_local: torch.Tensor, plan: ContextShardPlan) -> torch.Tensor:
+    """Every rank's shard ``[t, ...]`` -> ``[sum(plan.padded_lengths), ...]`` in padded global order, the
+    same on every rank (sequence b's tokens at ``plan.padded_cu_seqlens[b]:...``, zeros at padding).
+    Differentiable: the backward sums the gradient over ranks and keeps this rank's rows. Used for
+    keys that any rank's queries may select (DeepSeek sparse attention's latent KV)."""
+    return _AllGatherPadded.apply(x_local, plan)
+
+
+def padded_key_positions(plan: ContextShardPlan) -> torch.Tensor:
+    """int32 ``[sum(padded_lengths)]``: each gathered token's position in its sequence, -1 at padding."""
+    lens = plan.padded_lengths.to(plan.device)
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=plan.device), lens)
+    k_pos = torch.arange(seq.numel(), device=plan.device) - plan.padded_cu_seqlens.long()[:-1][seq]
+    true_lens = (plan.cu_seqlens[1:] - plan.cu_seqlens[:-1]).long()
+    return torch.where(k_pos < true_lens[seq], k_pos, -1).int()
 
 
 def allgather_attention(q, k, v, plan: ContextShardPlan, *, causal: bool = True, softmax_scale: float | None = None,

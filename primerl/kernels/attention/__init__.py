@@ -56,6 +56,7 @@ from .._backend import BackendUnavailableError, resolve_backend
 from . import reference
 
 __all__ = [
+    "mla_attention",
     "attention",
     "attention_forward",
     "attention_backward",
@@ -363,3 +364,6 @@ def merge_attn_states_(out, lse, out_b, lse_b, *, backend: str | None = None) ->
         out.copy_(new_out)
         lse.copy_(new_lse)
     return out, lse
+
+
+from .mla import mla_attention  # noqa: E402  (Dqk != Dv, e.g. MLA 192/128; uses attention above)

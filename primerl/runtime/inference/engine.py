@@ -331,13 +331,16 @@ class InferenceEngine:
         c = self.cfg
         ref = self.model.embed.weight
         n_layers, shape = c.n_layers, (self.max_batch_size, cap, c.n_kv_heads, c.head_dim)
-        nbytes = 2 * n_layers * math.prod(shape) * ref.element_size()
+        mla = getattr(c, "is_mla", False)
+        if mla:  # one latent row per token (primerl/models/mla.py); no separate V
+            shape = (self.max_batch_size, cap, self.model.layers[0].attention.cache_width())
+        nbytes = (1 if mla else 2) * n_layers * math.prod(shape) * ref.element_size()
         if self.kv_cache_gb and nbytes > self.kv_cache_gb * 2**30:
             raise EngineError(f"the KV cache for {self.max_batch_size} slots x {need} positions needs "
                               f"{nbytes / 2**30:.3f} GB (capacity {cap}), over inference.kv_cache_gb = {self.kv_cache_gb:g}; "
                               "raise it, or lower inference.max_batch_size or the generation length")
         k = torch.zeros((n_layers, *shape), dtype=ref.dtype, device=ref.device)
-        v = torch.zeros_like(k)
+        v = k[..., :0] if mla else torch.zeros_like(k)
         if self._k is not None:
             k[:, :, : self._capacity] = self._k
             v[:, :, : self._capacity] = self._v
@@ -357,8 +360,17 @@ class InferenceEngine:
         mask_TS = torch.arange(S, device=dev)[None, :] <= pos[:, None]
         h = self.model.embed(ids)
         T = ids.shape[0]
+        mla_state = None
+        if getattr(self.cfg, "is_sparse", False):
+            from primerl.models.mla import IndexerState
+
+            mla_state = IndexerState()
         for li, layer in enumerate(self.model.layers):
             attn = layer.attention
+            if hasattr(attn, "attend_cached"):  # MLA: absorbed form over the latent cache
+                h = h + attn.attend_cached(layer.attention_norm(h), pos, self._k[li], slot, mla_state)
+                h = h + layer.ffn(layer.ffn_norm(h))
+                continue
             q, k, v = attn.project_qkv(layer.attention_norm(h), pos)
             self._k[li, slot, pos] = k.to(self._k.dtype)
             self._v[li, slot, pos] = v.to(self._v.dtype)
