@@ -48,7 +48,7 @@ class AiohttpFrontend:
             status, obj = 400, {"error": str(e)}
         except Exception as e:  # noqa: BLE001
             status, obj = 500, {"error": repr(e)}
-        return web.Response(status=status, body=json.dumps(obj).encode(), content_type="application/json")
+        return web.Response(status=status, body=json.dumps(obj, separators=(",", ":")).encode(), content_type="application/json")
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()

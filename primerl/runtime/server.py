@@ -264,7 +264,7 @@ class EngineServer:
                 log.debug(fmt, *args)
 
             def _send(self, code: int, obj: dict) -> None:
-                body = json.dumps(obj).encode()
+                body = json.dumps(obj, separators=(",", ":")).encode()  # compact, as vLLM: clients splice routed_experts.data out by prefix
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
