@@ -1,7 +1,7 @@
 """``POST /inference/v1/generate`` and ``GET /v1/models`` on the embedded engine server: the wire
 contract over real HTTP against the real engine, with each front end this interpreter has
 (aiohttp where installed, the stdlib one always). verifiers' own client drives the same route in
-``tests/verifiers/test_generate_route.py``."""
+``tests/vf/test_generate_route.py``."""
 
 import base64
 import json
