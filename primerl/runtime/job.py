@@ -91,8 +91,8 @@ def make_client(cfg: RLConfig, vocab_size: int):
 def orchestrator_main(cfg: RLConfig) -> None:
     from primerl.rl.envs import load_environment
 
-    from .orchestrator import Orchestrator
     from .policy import model_config
+    from .vf_orchestrator import build_orchestrator  # the built-in Orchestrator, or the verifiers path
 
     setup_logging("orchestrator")
     watch_launcher()
@@ -102,7 +102,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
     transport = FileTransport(Path(cfg.output_dir) / "transport")
     transport.drop_batches_from(start)
     client = make_client(cfg, env.vocab_size)
-    orch = Orchestrator(cfg, env, client, transport, start_step=start,
+    orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                         trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
                         top_k=model_config(cfg, env.vocab_size).top_k)
 
@@ -273,9 +273,9 @@ def _run_threads(cfg: RLConfig, *, quiet: bool) -> list[dict]:
 
     from primerl.rl.envs import load_environment
 
-    from .orchestrator import Orchestrator
     from .policy import model_config
     from .trainer import run_trainer
+    from .vf_orchestrator import build_orchestrator  # the built-in Orchestrator, or the verifiers path
 
     out = Path(cfg.output_dir)
     start = prepare_output(cfg)
@@ -296,7 +296,7 @@ def _run_threads(cfg: RLConfig, *, quiet: bool) -> list[dict]:
     th.start()
     transport = FileTransport(out / "transport")
     client = make_client(cfg, env.vocab_size)
-    orch = Orchestrator(cfg, env, client, transport, start_step=start,
+    orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                         trainer_alive=lambda: not done.is_set() or not errors, top_k=model_config(cfg, env.vocab_size).top_k)
     try:
         orch.run()

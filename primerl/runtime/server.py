@@ -40,6 +40,18 @@ SESSION_HEADER = "X-Session-ID"
 MAX_SESSIONS = 100_000  # recorded sessions kept (oldest dropped first) when nobody pops them
 
 
+class SessionRecord:
+    """What the server sampled for one ``X-Session-ID``: the policy versions and every request's
+    ``(prompt ids, completion ids, log-probs)`` in arrival order."""
+
+    __slots__ = ("first", "last", "requests")
+
+    def __init__(self):
+        self.first: int | None = None
+        self.last: int | None = None
+        self.requests: list[tuple[list[int], list[int], list[float]]] = []
+
+
 class Pending:
     """A request handed to the engine thread: wait on ``future``, then ``finish(result)`` is the body."""
 
@@ -80,7 +92,7 @@ class EngineServer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._engine_error: BaseException | None = None
-        self._sessions: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._sessions: collections.OrderedDict[str, SessionRecord] = collections.OrderedDict()
         if http == "stdlib":
             self.httpd = ThreadingHTTPServer((host, port), self._handler())
             self.httpd.daemon_threads = True
@@ -178,24 +190,31 @@ class EngineServer:
 
         def finish(c) -> dict:
             if session_id:
-                self._record_session(session_id, c.policy_version, c.policy_version_end)
+                self._record_session(session_id, c)
             return generate_response(f"gen-{rid}", c, start)
 
         return Pending(self._submit(rid, prompt, params), finish)
 
-    def _record_session(self, session_id: str, first: int, last: int) -> None:
+    def _record_session(self, session_id: str, c) -> None:
         with self._lock:
-            rec = self._sessions.pop(session_id, None)
-            rec = [first, last, 1] if rec is None else [min(rec[0], first), max(rec[1], last), rec[2] + 1]
+            rec = self._sessions.pop(session_id, None) or SessionRecord()
+            rec.first = c.policy_version if rec.first is None else min(rec.first, c.policy_version)
+            rec.last = c.policy_version_end if rec.last is None else max(rec.last, c.policy_version_end)
+            rec.requests.append((list(c.prompt), list(c.tokens), list(c.logprobs)))
             self._sessions[session_id] = rec
             while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
+
+    def pop_session(self, session_id: str) -> SessionRecord | None:
+        """The session's record (and forget it), or None if it made no generate request."""
+        with self._lock:
+            return self._sessions.pop(session_id, None)
 
     def session_versions(self, session_id: str, *, pop: bool = True) -> tuple[int, int, int] | None:
         """(oldest policy version, newest, generate requests) of a session, or None if it made none."""
         with self._lock:
             rec = self._sessions.pop(session_id, None) if pop else self._sessions.get(session_id)
-        return None if rec is None else tuple(rec)
+        return None if rec is None else (rec.first, rec.last, len(rec.requests))
 
     def models(self) -> dict:
         return models_response(self.model_name, self.max_model_len)
