@@ -23,8 +23,8 @@ Configured as an environment (``verifiers`` is imported only when one is built):
     agent = { harness = { id = "primerl-inprocess" }, runtime = { type = "subprocess" }, max_turns = 1 }
 
 ``plugin_paths`` (default: this package's ``vf_plugins`` folder, with the example tasksets and the
-in-process harness) are put on ``sys.path``: verifiers loads tasksets and harnesses by top-level
-module name, as installed environment packages are. ``pip install 'primerl[verifiers]'``.
+in-process harness) are put on ``sys.path`` and ``PYTHONPATH``: verifiers loads tasksets and
+harnesses by top-level module name, as installed environment packages are. ``pip install 'primerl[verifiers]'``.
 """
 
 from __future__ import annotations
@@ -72,6 +72,17 @@ def builtin_tokenizer_dir() -> str:
     return str(path)
 
 
+def add_plugin_paths(paths: list[str]) -> None:
+    """Put ``paths`` first on ``sys.path`` and on ``PYTHONPATH`` (verifiers starts tool servers as
+    ``python -m <module>`` subprocesses, which must find the same modules)."""
+    paths = [str(Path(p).resolve()) for p in paths]
+    for p in paths[::-1]:
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    env = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([p for p in paths if p not in env] + env)
+
+
 class VerifiersEnv(Environment):
     """A verifiers environment, its tokenizer and renderer, and the sampling of its model turns.
 
@@ -91,9 +102,7 @@ class VerifiersEnv(Environment):
         if max_tokens < 1 or max_concurrent < 1:
             raise ValueError(f"verifiers env: max_tokens and max_concurrent must be >= 1, got {max_tokens}, {max_concurrent}")
         _need_verifiers()
-        for p in ([str(PLUGIN_DIR)] if plugin_paths is None else list(plugin_paths))[::-1]:
-            if p not in sys.path:
-                sys.path.insert(0, p)
+        add_plugin_paths([str(PLUGIN_DIR)] if plugin_paths is None else list(plugin_paths))
         self.env_config = env
         self.tokenizer_path = builtin_tokenizer_dir() if tokenizer == BUILTIN_TOKENIZER else str(tokenizer)
         from transformers import AutoTokenizer

@@ -63,8 +63,12 @@ _CORPUS = [
     '{"type": "function", "function": {"name": "', '", "description": "', '", "parameters": {"type": "object", '
     '"properties": {', '"type": "string"', '"type": "integer"', '}, "required": [', ']}}}',
     '\n{"name": "', '", "arguments": {', '}}\n', '": "', '", "', '": ',
-    "Reverse the text character by character. Put your answer in <reversed_text> tags.",
-    "<reversed_text>", "</reversed_text>", "Reverse: ", "reverse", "text", "answer", "letter", "count", "word",
+    # primerl's example tasksets (primerl/rl/envs/vf_plugins): their prompts and tool schema
+    "Reverse: ", "What is the secret of ", "?", '\n{"name": "lookup", "arguments": {"key": "', '"}}\n',
+    '{"type": "function", "function": {"name": "lookup", "description": "Return the secret stored under key.", '
+    '"parameters": {"type": "object", "properties": {"key": {"title": "Key", "type": "string"}}, "required": ["key"], '
+    '"title": "lookupArguments"}}}',
+    "reverse", "text", "answer", "secret", "key", "letter", "count", "word",
     "the ", "a ", "is ", "of ", "to ", "and ", "in ", "you ", "with ", "for ", "call ", "tool ", "function ",
 ]
 
