@@ -18,7 +18,7 @@ from primerl.models.config import MoETransformerConfig
 from primerl.models.transformer import MoETransformer
 from primerl.runtime.engine import InferenceEngine, Request, SamplingParams
 from primerl.runtime.server import EngineServer
-from primerl.runtime.vf_tokenizer import QWEN3_TINY_VOCAB, build_qwen3_tokenizer
+from primerl.rl.envs.vf_tokenizer import QWEN3_TINY_VOCAB, build_qwen3_tokenizer
 
 
 def _engine():
