@@ -137,7 +137,7 @@ def warm_start(cfg, *, steps: int = 200, batch_size: int = 16, lr: float = 3e-3,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % 25 == 0 or step == steps - 1:
             log.info("warm start step %d/%d: loss %.4f", step, steps, losses[-1])
     model.eval()

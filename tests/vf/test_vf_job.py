@@ -4,6 +4,8 @@ taskset, checking that the trained tokens are the sampled ones, that tool/env to
 sequence but out of the loss, that the sampling log-probs reach the trainer, and that the rewards
 are what the tasks' judges return for the sampled replies."""
 
+import json
+
 import pytest
 import torch
 
@@ -45,3 +47,97 @@ def test_single_turn_reverse_text_trains_on_exactly_the_sampled_tokens(tmp_path,
     # sampling log-probs are in the batch it trained on, and they are right)
     assert rows[0]["off_policy/max"] == 0 and rows[0]["mismatch_kl/mean"] < 1e-6
     assert len({round(u.reward, 9) for us in rec.final.values() for u in us}) > 1
+
+
+def test_multi_turn_tool_use_masks_tool_tokens_and_scores_with_the_judge(tmp_path, monkeypatch):
+    from primerl.rl.envs.verifiers_env import PLUGIN_DIR, add_plugin_paths
+
+    add_plugin_paths([str(PLUGIN_DIR)])
+    from primerl_vault import secret_of
+
+    ws = str(tmp_path / "warm")
+    cfg = small_cfg("vf_tool_use.toml", tmp_path / "run", "--max_steps", "3", "--model.path", "")
+    r = warm_start(cfg, steps=50, batch_size=6, out=ws)
+    assert r["loss_last"] < 0.5 * r["loss_first"]
+    cfg.model.path = ws
+    rec = Recorder(monkeypatch)
+    rows = run_threads(cfg)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    turns = assert_samples_are_the_sampled_tokens(rec)
+    assert turns >= 1.5 * 3 * 2 * 4  # the warm-started policy calls the tool, then answers
+    assert sum(r["turns/mean"] for r in rows) / 3 >= 1.5
+    from primerl.rl.envs import load_environment
+
+    tok = load_environment(cfg.env.id, **cfg.env.args).tokenizer
+    tool_resp = tok.convert_tokens_to_ids("<tool_response>")
+    multi = 0
+    for step, (samples, metrics) in rec.writes.items():
+        for u in rec.final[step]:
+            ep, trace = rec.episode_of(u)
+            key = trace.task.data.key
+            looked = any(c.name == "lookup" and '"' + key + '"' in (c.arguments or "")
+                         for m in trace.assistant_messages for c in m.tool_calls or [])
+            expect = similarity(trace.last_reply, secret_of(key)) + 0.25 * looked
+            assert u.reward == pytest.approx(expect, abs=1e-9)
+            assert u.tool_calls == len(trace.tool_messages)
+        for s in samples:
+            sp = [(a, b) for a, b in __import__("vf_testing").spans(s.loss_mask.tolist())]
+            if len(sp) < 2:
+                continue
+            multi += 1
+            between = s.input_ids[sp[0][1]:sp[1][0]]
+            # the tool's reply sits between the two model turns, in the sequence, out of the loss
+            assert (between == tool_resp).any() and not s.loss_mask[sp[0][1]:sp[1][0]].any()
+            text = tok.decode(between.tolist())
+            call = tok.decode(s.input_ids[sp[0][0]:sp[0][1]].tolist())
+            # what the MCP tool answered to the call the model sampled (or the harness's error for a bad call)
+            try:
+                body = json.loads(call.split("<tool_call>", 1)[1].split("</tool_call>", 1)[0])
+                key = body["arguments"]["key"] if body["name"] == "lookup" else None
+            except (IndexError, ValueError, KeyError, TypeError):
+                key = None
+            reply = secret_of(key) if isinstance(key, str) else "error:"
+            assert f"<tool_response>\n{reply}" in text
+    assert multi >= 3 * 2 * 4 // 2
+
+
+def test_failed_episodes_are_counted_resampled_and_their_group_dropped(tmp_path, monkeypatch):
+    import vf_testing
+
+    plugins = str(vf_testing.ROOT / "tests" / "vf" / "plugins")
+    from primerl.rl.envs.verifiers_env import PLUGIN_DIR
+
+    cfg = small_cfg("vf_reverse_text.toml", tmp_path / "run", "--max_steps", "2", "--env.args.max_tokens", "4",
+                    "--env.max_retries", "2", "--orchestrator.group_size", "2")
+    cfg.env.args["env"] = {"taskset": {"id": "primerl-test-flaky", "num_tasks": 4},
+                           "agent": {"harness": {"id": "primerl-inprocess"}, "runtime": {"type": "subprocess"},
+                                     "max_turns": 1}}
+    cfg.env.args["plugin_paths"] = [plugins, str(PLUGIN_DIR)]
+    rec = Recorder(monkeypatch)
+    rows = run_threads(cfg)
+    m0 = rows[0]
+    # task 0 fails every time: 3 failed episodes (> max_retries = 2), then its group is dropped
+    # and a fresh task replaces it; task 1 fails once and is resampled
+    assert m0["groups/dropped"] == 1
+    assert m0["episodes/not_ok"] == 3 + 1
+    assert rows[1]["episodes/no_reward"] == 1 and rows[1]["rewards/rejected"] == 1  # task 2's NaN
+    for step, units in rec.final.items():
+        for u in units:
+            ep, trace = rec.episode_of(u)
+            assert trace.task.data.id != "0" and u.reward == len(trace.last_reply)
+
+
+def test_an_env_that_never_scores_fails_the_job_with_the_reason(tmp_path, monkeypatch):
+    import vf_testing
+
+    from primerl.rl.envs.verifiers_env import PLUGIN_DIR
+    from primerl.runtime.vf_orchestrator import VerifiersEnvError
+
+    cfg = small_cfg("vf_reverse_text.toml", tmp_path / "run", "--max_steps", "1", "--env.args.max_tokens", "4",
+                    "--env.max_retries", "0", "--orchestrator.group_size", "2", "--orchestrator.batch_size", "1")
+    cfg.env.args["env"] = {"taskset": {"id": "primerl-test-flaky", "num_tasks": 1},
+                           "agent": {"harness": {"id": "primerl-inprocess"}, "runtime": {"type": "subprocess"},
+                                     "max_turns": 1}}
+    cfg.env.args["plugin_paths"] = [str(vf_testing.ROOT / "tests" / "vf" / "plugins"), str(PLUGIN_DIR)]
+    with pytest.raises(VerifiersEnvError, match="judge unavailable"):
+        run_threads(cfg)
