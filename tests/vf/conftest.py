@@ -4,6 +4,8 @@ They need an interpreter with ``verifiers`` installed (``.venv-vf``, made as ``.
 README "verifiers"). In one without it this folder is not collected; ``tests/runtime/
 test_verifiers_suite.py`` then runs this folder in ``PRIMERL_VF_PYTHON`` (or ``<repo>/.venv-vf``), and with
 ``PRIMERL_REQUIRE_VERIFIERS=1`` (CI) a missing interpreter fails instead of skipping.
+
+Run directly: ``.venv-vf/bin/python -m pytest tests/vf`` (with ``PYTHONPATH`` at the checkout).
 """
 
 import importlib.util
