@@ -16,7 +16,8 @@ replay; every model turn is first checked against what the server sampled for th
 from the same record. Advantages are per task group over the traces' rewards (``trace.reward``,
 the weighted sum of the task's ``@vf.reward``s); every branch of a trace gets its trace's.
 
-An episode that is not ok (an error in the harness, a tool, scoring), has no reward, or whose
+An episode that is not ok (an error in the harness, a tool, scoring; longer than
+``env.args.episode_timeout_s``), has no reward, or whose
 branch cannot be trained on is counted by reason (``episodes/not_ok``, ``episodes/no_reward``,
 ``episodes/bad_branch``) and resampled; a group with more than ``env.max_retries`` such episodes
 is dropped (``groups/dropped``, the last reason logged) and replaced by a fresh task. A group with
@@ -51,6 +52,23 @@ COUNTS = ("discarded_stale", "groups_dropped") + tuple(f"episodes_{r}" for r in 
 
 class VerifiersEnvError(RuntimeError):
     pass
+
+
+class EpisodeTimedOut:
+    """Stands for an episode that passed ``env.args.episode_timeout_s`` (its task was cancelled)."""
+
+    ok = False
+    traces: list = []
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    @property
+    def last_error(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(type="TimeoutError", message=f"the episode took longer than env.args.episode_timeout_s "
+                                                            f"= {self.timeout_s} s")
 
 
 @dataclass
@@ -124,7 +142,10 @@ class VerifiersOrchestrator:
 
     async def _episode(self, step: int, g: int, m: int, gen: int, task):
         async with self._sem:
-            ep = await self.env.vf_env.run_episode(task, self._ctx)
+            try:
+                ep = await asyncio.wait_for(self.env.vf_env.run_episode(task, self._ctx), self.env.episode_timeout_s)
+            except TimeoutError:
+                ep = EpisodeTimedOut(self.env.episode_timeout_s)
         return step, g, m, gen, ep
 
     def _start_group(self, step: int, g: int, task_index: int) -> None:
@@ -318,6 +339,9 @@ class VerifiersOrchestrator:
         async with self.env.vf_env.serving():
             try:
                 while self.next_write < max_steps:
+                    if self.server._engine_error is not None:
+                        raise RuntimeError(f"the inference engine died: {self.server._engine_error!r}") \
+                            from self.server._engine_error
                     await self._refresh_weights()
                     while self.next_submit < max_steps and self.next_submit - self.version <= a \
                             and self.next_submit <= self.next_write + a:

@@ -18,6 +18,7 @@ Configured as an environment (``verifiers`` is imported only when one is built):
     tokenizer = "builtin:qwen3-tiny"    # or a local Hugging Face tokenizer directory
     renderer = "qwen3"                  # a renderers config name; renderer_args = {enable_thinking = false}
     max_tokens = 24                     # per model turn
+    max_concurrent = 64                 # episodes in flight; episode_timeout_s = 600 each
     [env.args.env]                      # verifiers' own env config (vf.resolve_env_config)
     taskset = { id = "primerl-reverse-text" }
     agent = { harness = { id = "primerl-inprocess" }, runtime = { type = "subprocess" }, max_turns = 1 }
@@ -95,10 +96,12 @@ class VerifiersEnv(Environment):
     def __init__(self, env: dict, tokenizer: str = BUILTIN_TOKENIZER, *, renderer: str = "qwen3",
                  renderer_args: dict | None = None, max_tokens: int = 64, sampling: dict | None = None,
                  model_name: str = "primerl", max_concurrent: int = 64, num_tasks: int | None = None,
-                 plugin_paths: list[str] | None = None):
+                 plugin_paths: list[str] | None = None, episode_timeout_s: float = 600.0):
         if not isinstance(env, dict) or not env.get("taskset"):
             raise ValueError("verifiers env: env.args.env must be verifiers' env config with a taskset "
                              "(e.g. {taskset = {id = 'primerl-reverse-text'}})")
+        if not episode_timeout_s > 0:
+            raise ValueError(f"verifiers env: episode_timeout_s must be > 0, got {episode_timeout_s}")
         if max_tokens < 1 or max_concurrent < 1:
             raise ValueError(f"verifiers env: max_tokens and max_concurrent must be >= 1, got {max_tokens}, {max_concurrent}")
         _need_verifiers()
@@ -113,6 +116,7 @@ class VerifiersEnv(Environment):
         self.max_new_tokens = int(max_tokens)
         self.sampling = dict(sampling or {})
         self.model_name, self.max_concurrent = model_name, int(max_concurrent)
+        self.episode_timeout_s = float(episode_timeout_s)
         self._num_tasks = num_tasks
         self._vf_env = None
         self._tasks = None
