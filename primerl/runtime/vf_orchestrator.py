@@ -331,6 +331,7 @@ class VerifiersOrchestrator:
             self.server.stop()
 
     async def _run(self, max_steps: int, on_batch) -> None:
+        _fresh_renderers_lock()
         i = self.cfg.inference
         self._ctx = self.env.model_context(self.server.url, temperature=i.temperature, top_p=i.top_p)
         self._sem = asyncio.Semaphore(self.env.max_concurrent)
@@ -371,6 +372,16 @@ class VerifiersOrchestrator:
                     t.cancel()
                 if self._inflight:
                     await asyncio.gather(*self._inflight, return_exceptions=True)
+
+
+def _fresh_renderers_lock() -> None:
+    """``renderers.client`` holds a module-level ``asyncio.Lock`` (for its ``/v1/models`` look-up); a
+    lock binds to the first event loop that waits on it, so a second orchestrator run in one
+    process (tests, notebooks) would fail every contended look-up. Each run gets a new one."""
+    import renderers.client as rc
+
+    if hasattr(rc, "_max_prompt_len_lock"):
+        rc._max_prompt_len_lock = asyncio.Lock()
 
 
 def build_orchestrator(cfg: RLConfig, env, client, transport: FileTransport, **kw):
