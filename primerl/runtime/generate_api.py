@@ -12,8 +12,12 @@ Request::
                          "stop_token_ids": [int], "logprobs": 1, "seed": int,
                          "routed_experts_prompt_start": int, ...}}
 
-Unknown sampling keys (``skip_special_tokens``, ``top_k``, ``min_tokens``, ...) are ignored, as a
-client that targets vLLM sends many. ``max_tokens`` absent: up to the context length.
+Unknown sampling keys (``skip_special_tokens``, ``include_stop_str_in_output``, ...) are ignored, as
+a client that targets vLLM sends many. vLLM's sampling modifiers the engine does not implement
+(``top_k``, ``min_p``, penalties, ``min_tokens``, ``logit_bias``, ``stop`` strings, ``n``) are
+accepted at their neutral values and refused otherwise (400 naming the key): ignoring one would
+sample from another distribution than the one asked for. ``max_tokens`` absent: up to the context
+length.
 
 Response (one choice)::
 
@@ -64,6 +68,13 @@ def _float(value, name: str) -> float:
     return float(value)
 
 
+# vLLM sampling keys the engine does not implement, with the values that leave sampling unchanged
+NEUTRAL = {"top_k": (None, -1, 0), "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+           "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "min_tokens": (None, 0),
+           "n": (None, 1), "best_of": (None, 1), "logit_bias": (None, {}), "stop": (None, [], ""),
+           "prompt_logprobs": (None, 0)}
+
+
 def parse_generate_request(body: dict, *, max_model_len: int, default_seed: int) -> tuple[list[int], SamplingParams, int]:
     """-> (prompt token ids, engine sampling params, routed-experts prompt start)."""
     if not isinstance(body, dict):
@@ -75,6 +86,10 @@ def parse_generate_request(body: dict, *, max_model_len: int, default_seed: int)
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise GenerateRequestError("sampling_params must be an object")
+    for key, neutral in NEUTRAL.items():
+        if key in sp and not any(sp[key] == v and type(sp[key]) is type(v) or sp[key] is v for v in neutral):
+            raise GenerateRequestError(f"sampling_params.{key} = {sp[key]!r:.40} is not supported by the embedded engine "
+                                       f"(only {[v for v in neutral if v is not None]})")
     temperature = _float(sp.get("temperature", 1.0), "sampling_params.temperature")
     if temperature <= 0:
         raise GenerateRequestError("sampling_params.temperature must be > 0 (the engine has no greedy mode)")

@@ -100,6 +100,10 @@ def test_stop_token_is_returned_and_routed_experts_start_is_honoured(server):
     ({"token_ids": [1, 2], "sampling_params": {"logprobs": 5}}, "logprobs"),
     ({"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 3}}, "routed_experts_prompt_start"),
     ({"token_ids": [1, V + 3]}, "outside"),
+    ({"token_ids": [1, 2], "sampling_params": {"top_k": 5}}, "top_k"),
+    ({"token_ids": [1, 2], "sampling_params": {"n": 2}}, "sampling_params.n"),
+    ({"token_ids": [1, 2], "sampling_params": {"stop": ["x"]}}, "stop"),
+    ({"token_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, needle):
     code, out = _call(server.url, "/inference/v1/generate", body)

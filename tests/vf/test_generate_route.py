@@ -43,7 +43,7 @@ def test_renderers_client_reads_the_generate_route(tokenizer, http):
         client = AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         try:
             return await generate(client=client, renderer=renderer, messages=messages, model="tiny",
-                                  sampling_params={"temperature": 1.0, "max_tokens": 12, "seed": 5, "top_k": 50},
+                                  sampling_params={"temperature": 1.0, "max_tokens": 12, "seed": 5, "top_k": -1},
                                   extra_headers={"X-Session-ID": "trace-a"})
         finally:
             await client.close()
