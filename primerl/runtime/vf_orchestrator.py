@@ -115,6 +115,10 @@ class VerifiersOrchestrator:
         self._t_last_write = time.perf_counter()
         self._tokens_since_write = 0
         self.replay = cfg.trainer.router_replay and cfg.inference.capture_routing
+        # per-request / per-rollout INFO lines of the HTTP clients and verifiers (several per episode)
+        for name in ("httpx", "httpcore", "mcp", "verifiers", "renderers"):
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
 
     # ---------------------------------------------------------------- weights
     async def _refresh_weights(self, *, block_for: int | None = None) -> None:
