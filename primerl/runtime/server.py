@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from .engine import InferenceEngine, Request, SamplingParams
-from .generate_api import GenerateRequestError, generate_response, models_response, parse_generate_request
+from .generate_api import generate_response, models_response, parse_generate_request
 from .vllm import encode_routed_experts
 
 log = logging.getLogger("primerl.inference")

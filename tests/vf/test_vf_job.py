@@ -7,12 +7,11 @@ are what the tasks' judges return for the sampled replies."""
 import json
 
 import pytest
-import torch
 
 from primerl.runtime.job import run_threads
 from primerl.runtime.vf_warmstart import warm_start
 
-from vf_testing import Recorder, assert_samples_are_the_sampled_tokens, similarity, small_cfg
+from vf_testing import Recorder, assert_samples_are_the_sampled_tokens, similarity, small_cfg, spans
 
 
 def test_single_turn_reverse_text_trains_on_exactly_the_sampled_tokens(tmp_path, monkeypatch):
@@ -81,7 +80,7 @@ def test_multi_turn_tool_use_masks_tool_tokens_and_scores_with_the_judge(tmp_pat
             assert u.reward == pytest.approx(expect, abs=1e-9)
             assert u.tool_calls == len(trace.tool_messages)
         for s in samples:
-            sp = [(a, b) for a, b in __import__("vf_testing").spans(s.loss_mask.tolist())]
+            sp = spans(s.loss_mask.tolist())
             if len(sp) < 2:
                 continue
             multi += 1

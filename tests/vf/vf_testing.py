@@ -7,7 +7,6 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-import pytest
 import torch
 
 from primerl.runtime.config import load_config
