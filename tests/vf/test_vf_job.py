@@ -11,7 +11,8 @@ import pytest
 from primerl.runtime.job import run_threads
 from primerl.runtime.vf_warmstart import warm_start
 
-from vf_testing import Recorder, assert_samples_are_the_sampled_tokens, similarity, small_cfg, spans
+from vf_testing import (Recorder, assert_replay_is_the_samplers_routing, assert_samples_are_the_sampled_tokens, similarity,
+                        small_cfg, spans)
 
 
 def test_single_turn_reverse_text_trains_on_exactly_the_sampled_tokens(tmp_path, monkeypatch):
@@ -20,6 +21,7 @@ def test_single_turn_reverse_text_trains_on_exactly_the_sampled_tokens(tmp_path,
     rows = run_threads(cfg)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert assert_samples_are_the_sampled_tokens(rec) == 3 * 2 * 4  # one model turn per episode
+    assert assert_replay_is_the_samplers_routing(rec) > 0
     from primerl.rl.envs import load_environment
 
     env = load_environment(cfg.env.id, **cfg.env.args)
@@ -64,6 +66,7 @@ def test_multi_turn_tool_use_masks_tool_tokens_and_scores_with_the_judge(tmp_pat
     assert [r["step"] for r in rows] == [0, 1, 2]
     turns = assert_samples_are_the_sampled_tokens(rec)
     assert turns >= 1.5 * 3 * 2 * 4  # the warm-started policy calls the tool, then answers
+    assert assert_replay_is_the_samplers_routing(rec) > 0  # router replay across turns and tool replies
     assert sum(r["turns/mean"] for r in rows) / 3 >= 1.5
     from primerl.rl.envs import load_environment
 

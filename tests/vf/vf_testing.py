@@ -26,6 +26,7 @@ def small_cfg(example: str, out, *over):
 class Recorder:
     def __init__(self, monkeypatch):
         self.requests: list[tuple[str, list[int], list[int], list[float]]] = []  # session, prompt, completion, logprobs
+        self.routing: dict[tuple, list[torch.Tensor]] = {}  # (prompt, completion) -> the engine's [P + C - 1, L, k]
         self.episodes: list[tuple[object, list]] = []  # (vf episode, units)
         self.writes: dict[int, tuple[list, dict]] = {}  # step -> (samples, metrics)
         self.batches: dict[int, dict] = {}  # step -> transport payload (rank 0)
@@ -37,6 +38,8 @@ class Recorder:
 
         def _record(self, session_id, c):
             rec.requests.append((session_id, list(c.prompt), list(c.tokens), list(c.logprobs)))
+            if c.routing is not None:
+                rec.routing.setdefault((tuple(c.prompt), tuple(c.tokens)), []).append(c.routing.clone())
             return record(self, session_id, c)
 
         def _units(self, ep):
@@ -110,6 +113,27 @@ def assert_samples_are_the_sampled_tokens(rec: Recorder) -> int:
                        tuple(round(x, 6) for x in s.inference_logprobs.tolist())) for s in samples)
         assert packed == mine
     return turns
+
+
+def assert_replay_is_the_samplers_routing(rec: Recorder) -> int:
+    """Every sample's ``replay_ids`` are the experts the engine used when it first fed each token:
+    turn i's request supplies rows ``end(i-1) - 1 .. end(i) - 2`` (its prefill of the new tokens, the
+    previous turn's last sampled token included, and its decode); the final row, a token never
+    fed, is filler. Returns the number of rows checked."""
+    rows = 0
+    for samples, _ in rec.writes.values():
+        for s in samples:
+            assert s.replay_ids is not None
+            ids = s.input_ids.tolist()
+            start = 0
+            for a, b in spans(s.loss_mask.tolist()):
+                cands = rec.routing.get((tuple(ids[:a]), tuple(ids[a:b])), [])
+                assert cands, "a model turn without the engine's routing record"
+                got = s.replay_ids[start:b - 1].to(torch.int64)
+                assert any(torch.equal(got, r[start:b - 1].to(torch.int64)) for r in cands)
+                rows += b - 1 - start
+                start = b - 1
+    return rows
 
 
 def similarity(a: str, b: str) -> float:
