@@ -2,8 +2,9 @@
 
 With ``env.id = "verifiers"`` (``primerl.rl.envs.verifiers_env.VerifiersEnv``) the job's embedded
 engine is served over HTTP (``server.EngineServer``: ``/inference/v1/generate``, ``/v1/models``)
-inside the orchestrator process, and each episode is ``vf_env.run_episode(task, ctx)`` with
-verifiers' train client pointed at that server; up to ``env.args.max_concurrent`` episodes run
+inside the orchestrator process (with ``inference.backend = "vllm"``: vLLM's own route, behind a
+recording pass-through, ``generate_proxy.GenerateProxy``), and each episode is
+``vf_env.run_episode(task, ctx)`` with verifiers' train client pointed at that server; up to ``env.args.max_concurrent`` episodes run
 at once on this process's event loop (the engine batches their requests).
 
 Batch n holds ``batch_size`` groups of ``group_size`` episodes of one task each (task
@@ -95,16 +96,21 @@ class Group:
 class VerifiersOrchestrator:
     def __init__(self, cfg: RLConfig, env: VerifiersEnv, client, transport: FileTransport, *, start_step: int = 0,
                  trainer_alive: Callable[[], bool] | None = None, top_k: int = 1):
-        if cfg.inference.backend != "embedded":
-            raise ValueError("the verifiers path serves the job's embedded engine (inference.backend = 'embedded'); "
-                             "with vLLM the per-trace policy versions are not recorded yet")
-        from .server import EngineServer
-
         self.cfg, self.env, self.transport = cfg, env, transport
         self.o = cfg.orchestrator
         self.start_step, self.trainer_alive, self.top_k = start_step, trainer_alive, top_k
-        self.engine = client.engine
-        self.server = EngineServer(self.engine, request_timeout=cfg.inference.timeout_s, model_name=env.model_name)
+        self.client = client
+        if cfg.inference.backend == "embedded":
+            from .server import EngineServer
+
+            self.engine = client.engine
+            self.server = EngineServer(self.engine, request_timeout=cfg.inference.timeout_s, model_name=env.model_name)
+        else:  # vLLM serves the route; a recording pass-through stands in front of it
+            from .generate_proxy import GenerateProxy
+
+            self.engine = None
+            self.server = GenerateProxy(cfg.inference.vllm.url, lambda: self.version,
+                                        request_timeout=cfg.inference.timeout_s)
         self.version = -1
         self.next_submit = self.next_write = start_step
         self.batches: dict[int, list[Group]] = {}
@@ -128,9 +134,12 @@ class VerifiersOrchestrator:
         versions = [v for v in self.transport.weight_versions() if v <= self.next_submit]
         if versions and versions[-1] > self.version:
             v = versions[-1]
-            sd = await asyncio.to_thread(self.transport.load_weights, v)
-            await asyncio.to_thread(self.server._call_in_engine, lambda: self.engine.load_weights(sd, v),
-                                    self.cfg.inference.timeout_s)
+            if self.engine is None:  # vLLM: the client loads and verifies it on every worker
+                await asyncio.to_thread(self.client.update_weights, v, self.transport)
+            else:
+                sd = await asyncio.to_thread(self.transport.load_weights, v)
+                await asyncio.to_thread(self.server._call_in_engine, lambda: self.engine.load_weights(sd, v),
+                                        self.cfg.inference.timeout_s)
             self.version = v
 
     # ---------------------------------------------------------------- submission
@@ -337,16 +346,17 @@ class VerifiersOrchestrator:
     async def _run(self, max_steps: int, on_batch) -> None:
         _fresh_renderers_lock()
         i = self.cfg.inference
-        self._ctx = self.env.model_context(self.server.url, temperature=i.temperature, top_p=i.top_p)
+        model = (i.vllm.model or None) if self.engine is None else None  # vLLM's served name, else the env's
+        self._ctx = self.env.model_context(self.server.url, temperature=i.temperature, top_p=i.top_p, model=model)
         self._sem = asyncio.Semaphore(self.env.max_concurrent)
         self.env.tasks  # noqa: B018 - load the taskset before the first batch
         a = self.o.max_async_level
         async with self.env.vf_env.serving():
             try:
                 while self.next_write < max_steps:
-                    if self.server._engine_error is not None:
-                        raise RuntimeError(f"the inference engine died: {self.server._engine_error!r}") \
-                            from self.server._engine_error
+                    dead = getattr(self.server, "_engine_error", None)
+                    if dead is not None:
+                        raise RuntimeError(f"the inference engine died: {dead!r}") from dead
                     await self._refresh_weights()
                     while self.next_submit < max_steps and self.next_submit - self.version <= a \
                             and self.next_submit <= self.next_write + a:

@@ -143,3 +143,43 @@ def test_an_env_that_never_scores_fails_the_job_with_the_reason(tmp_path, monkey
     cfg.env.args["plugin_paths"] = [str(vf_testing.ROOT / "tests" / "vf" / "plugins"), str(PLUGIN_DIR)]
     with pytest.raises(VerifiersEnvError, match="judge unavailable"):
         run_threads(cfg)
+
+
+def test_vllm_backend_goes_through_the_recording_proxy(tmp_path, monkeypatch):
+    """``inference.backend = "vllm"``: the train client talks to the server's own generate route
+    through ``GenerateProxy`` (which records each trace's turns and versions), and weights go by the
+    vLLM client's ``collective_rpc``. The server here is primerl's engine server speaking the same
+    routes (``primerl inference``), standing in for vLLM, which this venv does not have."""
+    from primerl.rl.envs import load_environment
+    from primerl.runtime.engine import InferenceEngine
+    from primerl.runtime.generate_proxy import GenerateProxy
+    from primerl.runtime.policy import build_model
+    from primerl.runtime.server import EngineServer
+
+    cfg = small_cfg("vf_reverse_text.toml", tmp_path / "run", "--max_steps", "3", "--env.args.max_tokens", "6",
+                    "--inference.backend", "vllm", "--inference.vllm.model", "served",
+                    "--inference.capture_routing", "false", "--trainer.router_replay", "false")
+    env = load_environment(cfg.env.id, **cfg.env.args)
+    srv = EngineServer(InferenceEngine(build_model(cfg, env.vocab_size), capture_routing=False),
+                       model_name="served").start()
+    cfg.inference.vllm.url = srv.url
+    recorded = []
+    pop = GenerateProxy.pop_session
+
+    def _pop(self, session_id):
+        rec = pop(self, session_id)
+        recorded.append(rec)
+        return rec
+
+    monkeypatch.setattr(GenerateProxy, "pop_session", _pop)
+    rec = Recorder(monkeypatch)
+    try:
+        rows = run_threads(cfg)
+    finally:
+        srv.stop()
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert assert_samples_are_the_sampled_tokens(rec) == 3 * 2 * 4  # (the upstream server's own record)
+    assert len(recorded) >= 3 * 2 * 4 and all(r is not None and len(r.requests) == 1 for r in recorded)
+    assert srv.engine.policy_version >= 1  # the trainer's weights reached the server through collective_rpc
+    assert rows[0]["mismatch_kl/mean"] < 1e-6
+    assert {r["policy_version"] for r in rows} <= {0, 1, 2}

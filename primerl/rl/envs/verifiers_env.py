@@ -149,15 +149,16 @@ class VerifiersEnv(Environment):
 
         return TypeAdapter(RendererConfig).validate_python({"name": self.renderer_name, **self.renderer_args})
 
-    def model_context(self, base_url: str, *, temperature: float, top_p: float):
+    def model_context(self, base_url: str, *, temperature: float, top_p: float, model: str | None = None):
         """verifiers' ``ModelContext``: the train client on ``base_url`` (the inference server's
-        root), this env's renderer and tokenizer, and the job's sampling."""
+        root), this env's renderer and tokenizer, and the job's sampling; ``model``: the served
+        model name (default ``model_name``)."""
         vf = _need_verifiers()
         client = vf.TrainClientConfig(base_url=base_url.rstrip("/") + "/v1", api_key_var="PRIMERL_INFERENCE_API_KEY",
                                       renderer=self.renderer_config(), renderer_model_name=self.tokenizer_path)
         sampling = vf.Sampling(**{"temperature": temperature, "top_p": top_p, "max_tokens": self.max_new_tokens,
                                   **self.sampling})
-        return vf.ModelContext(model=self.model_name, client=client, sampling=sampling)
+        return vf.ModelContext(model=model or self.model_name, client=client, sampling=sampling)
 
     def prompt(self, index: int):
         raise NotImplementedError("a verifiers environment runs its own episodes: the orchestrator's verifiers path "
