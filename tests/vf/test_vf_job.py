@@ -183,3 +183,13 @@ def test_vllm_backend_goes_through_the_recording_proxy(tmp_path, monkeypatch):
     assert srv.engine.policy_version >= 1  # the trainer's weights reached the server through collective_rpc
     assert rows[0]["mismatch_kl/mean"] < 1e-6
     assert {r["policy_version"] for r in rows} <= {0, 1, 2}
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    common = ["--env.args.max_tokens", "6", "--checkpoint.interval", "1"]
+    first = run_threads(small_cfg("vf_reverse_text.toml", out, "--max_steps", "2", *common))
+    assert [r["step"] for r in first] == [0, 1]
+    rows = run_threads(small_cfg("vf_reverse_text.toml", out, "--max_steps", "4", "--checkpoint.resume", "true", *common))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[2]["policy_version"] >= 1  # the resumed sampler starts from the checkpoint's policy, not the init
