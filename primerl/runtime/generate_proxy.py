@@ -9,6 +9,11 @@ upstream server unchanged (bytes in, bytes out; ``/v1/models`` and any other rou
 policy versions ``version()`` reported when the request started and when it returned — the
 version the orchestrator has loaded into the server, as the vLLM client stamps its completions).
 Same ``pop_session`` / ``url`` / ``start`` / ``stop`` as ``server.EngineServer``.
+
+One translation: vLLM 0.32's route (``--enable-scale-out``; ``output_mode = "tokens"``, the only
+mode without a server-side tokenizer) writes each log-prob entry as ``{"token_id": N, "logprob":
+x}``, while the ``renderers`` client reads ``{"token": "token_id:N", "logprob": x}`` (the text
+mode's form); the proxy rewrites the former into the latter, nothing else.
 """
 
 from __future__ import annotations
@@ -49,6 +54,19 @@ class GenerateProxy:
         self._error: BaseException | None = None
 
     # ---------------------------------------------------------------- recording
+    @staticmethod
+    def _normalise(body: bytes) -> bytes:
+        """vLLM's tokens-mode log-prob entries in the ``token_id:N`` form (see the module doc)."""
+        out = json.loads(body)
+        changed = False
+        for choice in out.get("choices") or []:
+            for e in (choice.get("logprobs") or {}).get("content") or []:
+                if "token" not in e and "token_id" in e:
+                    e["token"] = f"token_id:{int(e.pop('token_id'))}"
+                    e.pop("top_logprobs", None)
+                    changed = True
+        return json.dumps(out, separators=(",", ":")).encode() if changed else body
+
     def _record(self, session_id: str, prompt: list[int], body: bytes, first: int, last: int) -> None:
         out = json.loads(body)
         choice = out["choices"][0]
@@ -78,6 +96,11 @@ class GenerateProxy:
                                         headers=headers) as up:
             body = await up.read()
             status, ctype = up.status, up.headers.get("Content-Type", "application/json")
+        if request.path == "/inference/v1/generate" and status == 200:
+            try:
+                body = self._normalise(body)
+            except (ValueError, TypeError, AttributeError) as e:
+                log.warning("generate proxy: unreadable upstream generate response (%s): %.200s", e, body)
         if record and status == 200:
             try:
                 self._record(session_id, [int(t) for t in json.loads(raw)["token_ids"]], body, first, self.version())

@@ -346,7 +346,7 @@ class VerifiersOrchestrator:
     async def _run(self, max_steps: int, on_batch) -> None:
         _fresh_renderers_lock()
         i = self.cfg.inference
-        model = (i.vllm.model or None) if self.engine is None else None  # vLLM's served name, else the env's
+        model = (i.vllm.model or await asyncio.to_thread(_served_model, i.vllm.url)) if self.engine is None else None
         self._ctx = self.env.model_context(self.server.url, temperature=i.temperature, top_p=i.top_p, model=model)
         self._sem = asyncio.Semaphore(self.env.max_concurrent)
         self.env.tasks  # noqa: B018 - load the taskset before the first batch
@@ -386,6 +386,19 @@ class VerifiersOrchestrator:
                     t.cancel()
                 if self._inflight:
                     await asyncio.gather(*self._inflight, return_exceptions=True)
+
+
+def _served_model(url: str) -> str:
+    """The model name a vLLM server serves (its ``/v1/models`` first entry): a launched server
+    serves the checkpoint path under its own name."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as r:
+        data = json.loads(r.read()).get("data") or []
+    if not data:
+        raise RuntimeError(f"{url}/v1/models lists no model")
+    return data[0]["id"]
 
 
 def _fresh_renderers_lock() -> None:

