@@ -283,7 +283,8 @@ class EngineServer:
                 log.debug(fmt, *args)
 
             def _send(self, code: int, obj: dict) -> None:
-                body = json.dumps(obj, separators=(",", ":")).encode()  # compact, as vLLM: clients splice routed_experts.data out by prefix
+                # compact, as vLLM's: the renderers client splices routed_experts.data out by its prefix
+                body = json.dumps(obj, separators=(",", ":")).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))

@@ -4,8 +4,9 @@ With ``env.id = "verifiers"`` (``primerl.rl.envs.verifiers_env.VerifiersEnv``) t
 engine is served over HTTP (``server.EngineServer``: ``/inference/v1/generate``, ``/v1/models``)
 inside the orchestrator process (with ``inference.backend = "vllm"``: vLLM's own route, behind a
 recording pass-through, ``generate_proxy.GenerateProxy``), and each episode is
-``vf_env.run_episode(task, ctx)`` with verifiers' train client pointed at that server; up to ``env.args.max_concurrent`` episodes run
-at once on this process's event loop (the engine batches their requests).
+``vf_env.run_episode(task, ctx)`` with verifiers' train client pointed at that server; up to
+``env.args.max_concurrent`` episodes run at once on this process's event loop (the engine batches
+their requests).
 
 Batch n holds ``batch_size`` groups of ``group_size`` episodes of one task each (task
 ``(n * batch_size + g) mod len(tasks)``), submitted under the same async-level rule as the
