@@ -107,7 +107,7 @@ def make_client(cfg: RLConfig, vocab_size: int):
 def orchestrator_main(cfg: RLConfig) -> None:
     from primerl.rl.envs import load_environment
 
-    from .orchestrator.orchestrator import Orchestrator
+    from .orchestrator.vf_orchestrator import build_orchestrator  # the built-in Orchestrator, or the verifiers path
     from .policy import model_config
 
     setup_logging("orchestrator")
@@ -118,7 +118,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
     transport = FileTransport(Path(cfg.output_dir) / "transport")
     transport.drop_batches_from(start)
     client = make_client(cfg, env.vocab_size)
-    orch = Orchestrator(cfg, env, client, transport, start_step=start,
+    orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                         trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
                         top_k=model_config(cfg, env.vocab_size).top_k)
 
@@ -290,7 +290,7 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
 
     from primerl.rl.envs import load_environment
 
-    from .orchestrator.orchestrator import Orchestrator
+    from .orchestrator.vf_orchestrator import build_orchestrator  # the built-in Orchestrator, or the verifiers path
     from .policy import model_config
     from .trainer.trainer import run_trainer
 
@@ -313,7 +313,7 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
     th.start()
     transport = FileTransport(out / "transport")
     client = parts["client"] = make_client(cfg, env.vocab_size)
-    orch = Orchestrator(cfg, env, client, transport, start_step=start,
+    orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                         trainer_alive=lambda: not done.is_set() or not errors, top_k=model_config(cfg, env.vocab_size).top_k)
     try:
         orch.run()

@@ -5,9 +5,9 @@
 >>> p = env.prompt(0)          # Prompt(index=0, tokens=(1, s1..s4, 2), answer=[...], ...)
 
 Custom environments by import path: ``load_environment("my_pkg.envs:MyEnv", **args)``.
-Optional: ``primerl.rl.envs.verifiers_env.VerifiersEnvironment`` wraps a ``verifiers``-style
-environment (duck-typed, with a tokenizer; ``verifiers`` is not a requirement and never imported
-unless ``from_verifiers`` is called).
+``load_environment("verifiers", env={...}, tokenizer=..., renderer=...)``: a verifiers 0.4.0
+environment, run by the orchestrator's verifiers path (``primerl.rl.envs.verifiers_env``; needs
+``pip install 'primerl[verifiers]'``, imported only then).
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import inspect
 
 from .base import Environment, Episode, Prompt, Turn, call_env, check_tokens, has_token_weights
 from .reverse_text import ReverseText, ReverseTextFeedback
+from .verifiers_env import VerifiersEnv
 
 BUILTIN = {
     "reverse-text": ReverseText,
     "reverse-text-feedback": ReverseTextFeedback,
+    "verifiers": VerifiersEnv,
 }
 
 __all__ = ["Environment", "Episode", "Prompt", "Turn", "call_env", "check_tokens", "has_token_weights", "load_environment",

@@ -1,194 +1,256 @@
-"""Optional adapter: a ``verifiers``-style environment as a primerl :class:`Environment`.
+"""verifiers 0.4.0 environments in primerl: the environment side of the verifiers path.
 
-``verifiers`` is never imported by primerl itself and is not a requirement; the adapter is
-duck-typed on the surface those environments expose (sync or ``async def`` methods both work):
+A verifiers environment (``vf.Env`` over a ``vf.Taskset``) runs its own episodes: its harness talks
+to the model through verifiers' train client, which renders each prompt to token ids with a
+``renderers`` renderer and samples on the job's inference server
+(``POST /inference/v1/generate``); the finished ``vf.Trace`` holds, per branch, the token ids, the
+sampled mask, the sampling log-probs and the routed experts, and ``trace.reward`` is the weighted
+sum of the task's ``@vf.reward`` methods. So primerl does not drive the turns here
+(``prompt``/``respond``/``reward`` are not used); the orchestrator's verifiers path
+(``primerl.runtime.orchestrator.vf_orchestrator``) runs the episodes and ``branch_sample`` turns each trainable
+branch into a training sample, token-exactly.
 
-- ``dataset``: rows (a list of dicts or a Hugging Face ``Dataset``) with ``prompt`` (chat messages,
-  or a string when ``message_type == "completion"``) or ``question`` (with the env's optional
-  ``system_prompt``), and optional ``answer``, ``task``, ``info``;
-- ``rubric.score_rollout(prompt=, completion=, answer=, state=, task=, info=)`` -> a float, a dict
-  with ``"reward"``, or an object with ``.reward``;
-- multi-turn only: ``max_turns``, ``is_completed(messages, state)``, ``env_response(messages,
-  state)`` -> ``(message or messages, state)``; optional ``setup_state(state)``.
+Configured as an environment (``verifiers`` is imported only when one is built)::
 
-Text <-> tokens goes through a tokenizer (``apply_chat_template(messages, tokenize=True,
-add_generation_prompt=True)``, ``encode``, ``decode``, ``eos_token_id``), e.g. a Hugging Face one.
-An environment turn is the chat-template rendering of the environment's new messages followed by
-the generation prompt; pass ``render_env_turn`` for a template that needs something else.
+    [env]
+    id = "verifiers"
+    [env.args]
+    tokenizer = "builtin:qwen3-tiny"    # or a local Hugging Face tokenizer directory
+    renderer = "qwen3"                  # a renderers config name; renderer_args = {enable_thinking = false}
+    max_tokens = 24                     # per model turn
+    max_concurrent = 64                 # episodes in flight; episode_timeout_s = 600 each
+    [env.args.env]                      # verifiers' own env config (vf.resolve_env_config)
+    taskset = { id = "primerl-reverse-text" }
+    agent = { harness = { id = "primerl-inprocess" }, runtime = { type = "subprocess" }, max_turns = 1 }
 
-    env = VerifiersEnvironment(vf.load_environment("wordle"), AutoTokenizer.from_pretrained(path))
-
-or from a config: ``env.id = "primerl.rl.envs.verifiers_env:from_verifiers"`` with
-``env.args = {env_id = "wordle", tokenizer = "<path or hub id>"}``.
+``plugin_paths`` (default: this package's ``vf_plugins`` folder, with the example tasksets and the
+in-process harness) are put on ``sys.path`` and ``PYTHONPATH``: verifiers loads tasksets and
+harnesses by top-level module name, as installed environment packages are. ``pip install 'primerl[verifiers]'``.
 """
 
 from __future__ import annotations
 
-import inspect
-import threading
-from typing import Any, Callable
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
 
-from .base import Environment, Episode, Prompt, check_tokens
+import torch
 
+from .base import Environment
 
-async def _maybe_await(x):
-    return await x if inspect.isawaitable(x) else x
-
-
-def _as_messages(x) -> list[dict]:
-    if x is None:
-        return []
-    if isinstance(x, dict):
-        return [x]
-    return list(x)
+PLUGIN_DIR = Path(__file__).resolve().parent / "vf_plugins"
+BUILTIN_TOKENIZER = "builtin:qwen3-tiny"
 
 
-class VerifiersEnvironment(Environment):
-    def __init__(self, vf_env, tokenizer, *, max_new_tokens: int = 256, max_turns: int | None = None,
-                 num_prompts: int | None = None, stop_token_ids: tuple[int, ...] | None = None,
-                 render_env_turn: Callable[[list[dict]], list[int]] | None = None):
-        dataset = getattr(vf_env, "dataset", None)
-        if dataset is None or not hasattr(dataset, "__getitem__"):
-            raise TypeError("VerifiersEnvironment: the environment has no indexable dataset")
-        if not callable(getattr(getattr(vf_env, "rubric", None), "score_rollout", None)):
-            raise TypeError("VerifiersEnvironment: the environment has no rubric.score_rollout()")
-        self.vf_env, self.tokenizer, self.dataset = vf_env, tokenizer, dataset
-        self.message_type = getattr(vf_env, "message_type", "chat")
-        if self.message_type not in ("chat", "completion"):
-            raise ValueError(f"VerifiersEnvironment: message_type must be 'chat' or 'completion', got {self.message_type!r}")
-        self.multi_turn = callable(getattr(vf_env, "env_response", None)) and callable(getattr(vf_env, "is_completed", None))
-        turns = max_turns if max_turns is not None else (getattr(vf_env, "max_turns", 1) if self.multi_turn else 1)
-        if turns is None or int(turns) <= 0:  # verifiers uses -1/None for "until is_completed"
-            raise ValueError("VerifiersEnvironment: give max_turns (the environment sets no positive bound)")
-        self.max_turns = int(turns)
-        self.max_new_tokens = max_new_tokens
-        self.num_prompts = num_prompts if num_prompts is not None else len(dataset)
-        size = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "vocab_size", 0)
-        self.vocab_size = int(size)
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids is not None else (() if eos is None else (int(eos),))
-        self._render_env_turn = render_env_turn
-        self._lock = threading.Lock()
-        self._live: dict[int, tuple[Episode, dict]] = {}  # id(episode) -> (episode, conversation state)
-
-    # ------------------------------------------------------------------ text <-> tokens
-    def _row(self, index: int) -> dict:
-        row = self.dataset[index % len(self.dataset)]
-        return dict(row)
-
-    def _prompt_messages(self, row: dict):
-        if row.get("prompt") is not None:
-            p = row["prompt"]
-            return p if isinstance(p, str) else [dict(m) for m in p]
-        if row.get("question") is None:
-            raise ValueError("VerifiersEnvironment: a dataset row has neither 'prompt' nor 'question'")
-        if self.message_type == "completion":
-            return str(row["question"])
-        system = getattr(self.vf_env, "system_prompt", None)
-        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": row["question"]}]
-
-    def _tokens(self, x) -> list[int]:
-        if isinstance(x, str):
-            ids = self.tokenizer.encode(x, add_special_tokens=False)
-        else:
-            ids = self.tokenizer.apply_chat_template(x, tokenize=True, add_generation_prompt=True)
-            if isinstance(ids, dict):  # transformers may return a BatchEncoding
-                ids = ids["input_ids"]
-        return check_tokens(ids, self.vocab_size, "VerifiersEnvironment")
-
-    def _env_turn_tokens(self, messages) -> list[int]:
-        if self._render_env_turn is not None:
-            return check_tokens(self._render_env_turn(messages), self.vocab_size, "render_env_turn")
-        if self.message_type == "completion":
-            return self._tokens("".join(m["content"] if isinstance(m, dict) else str(m) for m in messages))
-        return self._tokens(messages)
-
-    # ------------------------------------------------------------------ the primerl interface
-    def prompt(self, index: int) -> Prompt:
-        row = self._row(index)
-        messages = self._prompt_messages(row)
-        info = {"messages": messages, "answer": row.get("answer"), "task": row.get("task"), "info": row.get("info") or {}}
-        return Prompt(index, tuple(self._tokens(messages)), info, self.max_new_tokens)
-
-    async def _conversation(self, episode: Episode) -> dict:
-        """The episode's messages and verifiers state, with every model turn so far appended."""
-        with self._lock:
-            found = self._live.get(id(episode))
-            conv = found[1] if found is not None and found[0] is episode else None
-            if conv is None:
-                a = episode.prompt.answer
-                p = a["messages"]
-                conv = {"prompt": p, "completion": [] if not isinstance(p, str) else "", "model_turns": 0,
-                        "state": {"prompt": p, "answer": a["answer"], "task": a["task"], "info": a["info"],
-                                  "turn": 0, "responses": []}}
-                self._live[id(episode)] = (episode, conv)
-                fresh = True
-            else:
-                fresh = False
-        if fresh and callable(getattr(self.vf_env, "setup_state", None)):
-            conv["state"] = await _maybe_await(self.vf_env.setup_state(conv["state"])) or conv["state"]
-        for tokens in episode.model_turns[conv["model_turns"]:]:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if isinstance(conv["completion"], str):
-                conv["completion"] += text
-            else:
-                conv["completion"].append({"role": "assistant", "content": text})
-            conv["model_turns"] += 1
-            conv["state"]["turn"] = conv["model_turns"]
-            conv["state"]["responses"].append(text)
-        conv["state"]["completion"] = conv["completion"]
-        return conv
-
-    @staticmethod
-    def _messages(conv: dict):
-        return conv["prompt"] + conv["completion"]  # both strings (completion type) or both message lists
-
-    async def respond(self, episode: Episode) -> list[int] | None:
-        if not self.multi_turn:
-            return None
-        conv = await self._conversation(episode)
-        messages = self._messages(conv)
-        if await _maybe_await(self.vf_env.is_completed(messages, conv["state"])):
-            return None
-        out = await _maybe_await(self.vf_env.env_response(messages, conv["state"]))
-        new, state = out if isinstance(out, tuple) else (out, conv["state"])
-        conv["state"] = state if state is not None else conv["state"]
-        new = [new] if isinstance(new, str) else _as_messages(new)
-        if isinstance(conv["completion"], str):
-            conv["completion"] += "".join(m["content"] if isinstance(m, dict) else str(m) for m in new)
-        else:
-            conv["completion"].extend(new)
-        return self._env_turn_tokens(new)
-
-    async def reward(self, episode: Episode) -> float:
-        conv = await self._conversation(episode)
-        a = episode.prompt.answer
-        try:
-            score = await _maybe_await(self.vf_env.rubric.score_rollout(
-                prompt=conv["prompt"], completion=conv["completion"], answer=a["answer"], state=conv["state"],
-                task=a["task"], info=a["info"]))
-        finally:
-            with self._lock:
-                self._live.pop(id(episode), None)
-        if isinstance(score, dict):
-            score = score["reward"]
-        elif hasattr(score, "reward"):
-            score = score.reward
-        return float(score)
-
-
-def from_verifiers(env_id: str, tokenizer: str, *, max_new_tokens: int = 256, max_turns: int | None = None,
-                   **env_args: Any) -> VerifiersEnvironment:
-    """``verifiers.load_environment(env_id, **env_args)`` with a Hugging Face tokenizer (by path or id)."""
+def _need_verifiers():
     try:
-        import verifiers as vf
+        import verifiers.v1 as vf
     except ImportError:
-        raise ImportError("primerl.rl.envs.verifiers_env.from_verifiers needs the optional 'verifiers' package "
-                          "(pip install verifiers) and the environment's own package") from None
-    from transformers import AutoTokenizer
-
-    return VerifiersEnvironment(vf.load_environment(env_id, **env_args), AutoTokenizer.from_pretrained(tokenizer),
-                                max_new_tokens=max_new_tokens, max_turns=max_turns)
+        raise ImportError("the verifiers environment needs verifiers 0.4.0: pip install 'primerl[verifiers]' "
+                          "(README: verifiers)") from None
+    return vf
 
 
-__all__ = ["VerifiersEnvironment", "from_verifiers"]
+def builtin_tokenizer_dir() -> str:
+    """The ``builtin:qwen3-tiny`` tokenizer, built once under ``$PRIMERL_CACHE`` (default
+    ``~/.cache/primerl``) in a folder named by the builder's source hash."""
+    from . import vf_tokenizer as t
+
+    digest = hashlib.sha256(Path(t.__file__).read_bytes()).hexdigest()[:12]
+    root = Path(os.environ.get("PRIMERL_CACHE", Path.home() / ".cache" / "primerl"))
+    path = root / f"qwen3-tiny-{digest}"
+    if not (path / "tokenizer_config.json").exists():
+        tmp = root / f".tmp-{digest}-{os.getpid()}"
+        t.build_qwen3_tokenizer(tmp)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process built it meanwhile
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(path)
+
+
+def add_plugin_paths(paths: list[str]) -> None:
+    """Put ``paths`` first on ``sys.path`` and on ``PYTHONPATH`` (verifiers starts tool servers as
+    ``python -m <module>`` subprocesses, which must find the same modules)."""
+    paths = [str(Path(p).resolve()) for p in paths]
+    for p in paths[::-1]:
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    env = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([p for p in paths if p not in env] + env)
+
+
+class VerifiersEnv(Environment):
+    """A verifiers environment, its tokenizer and renderer, and the sampling of its model turns.
+
+    ``vocab_size`` is the tokenizer's size (the policy must cover it); ``max_new_tokens`` the cap
+    per model turn. ``vf_env`` (built on first use) is the ``vf.Env``; ``tasks`` its taskset's
+    tasks (a finite taskset, or the first ``num_tasks`` of an infinite one)."""
+
+    max_turns = 0  # turns are the harness's (the agent's max_turns), not the orchestrator's
+
+    def __init__(self, env: dict, tokenizer: str = BUILTIN_TOKENIZER, *, renderer: str = "qwen3",
+                 renderer_args: dict | None = None, max_tokens: int = 64, sampling: dict | None = None,
+                 model_name: str = "primerl", max_concurrent: int = 64, num_tasks: int | None = None,
+                 plugin_paths: list[str] | None = None, episode_timeout_s: float = 600.0):
+        if not isinstance(env, dict) or not env.get("taskset"):
+            raise ValueError("verifiers env: env.args.env must be verifiers' env config with a taskset "
+                             "(e.g. {taskset = {id = 'primerl-reverse-text'}})")
+        if not episode_timeout_s > 0:
+            raise ValueError(f"verifiers env: episode_timeout_s must be > 0, got {episode_timeout_s}")
+        if max_tokens < 1 or max_concurrent < 1:
+            raise ValueError(f"verifiers env: max_tokens and max_concurrent must be >= 1, got {max_tokens}, {max_concurrent}")
+        _need_verifiers()
+        add_plugin_paths([str(PLUGIN_DIR)] if plugin_paths is None else list(plugin_paths))
+        self.env_config = env
+        self.tokenizer_path = builtin_tokenizer_dir() if tokenizer == BUILTIN_TOKENIZER else str(tokenizer)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        self.vocab_size = len(self.tokenizer)
+        self.renderer_name, self.renderer_args = renderer, dict(renderer_args or {})
+        self.max_new_tokens = int(max_tokens)
+        self.sampling = dict(sampling or {})
+        self.model_name, self.max_concurrent = model_name, int(max_concurrent)
+        self.episode_timeout_s = float(episode_timeout_s)
+        self._num_tasks = num_tasks
+        self._vf_env = None
+        self._tasks = None
+
+    @property
+    def vf_env(self):
+        if self._vf_env is None:
+            vf = _need_verifiers()
+            self._vf_env = vf.load_environment(vf.resolve_env_config(dict(self.env_config)))
+        return self._vf_env
+
+    @property
+    def tasks(self) -> list:
+        if self._tasks is None:
+            ts = self.vf_env.taskset
+            if not ts.bounded and self._num_tasks is None:
+                raise ValueError("verifiers env: the taskset is infinite; set env.args.num_tasks")
+            self._tasks = list(ts.take(self._num_tasks) if self._num_tasks is not None else ts)
+            if not self._tasks:
+                raise ValueError("verifiers env: the taskset yielded no task")
+        return self._tasks
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.tasks)
+
+    def renderer_config(self):
+        from renderers import RendererConfig
+        from pydantic import TypeAdapter
+
+        return TypeAdapter(RendererConfig).validate_python({"name": self.renderer_name, **self.renderer_args})
+
+    def model_context(self, base_url: str, *, temperature: float, top_p: float, model: str | None = None):
+        """verifiers' ``ModelContext``: the train client on ``base_url`` (the inference server's
+        root), this env's renderer and tokenizer, and the job's sampling; ``model``: the served
+        model name (default ``model_name``)."""
+        vf = _need_verifiers()
+        client = vf.TrainClientConfig(base_url=base_url.rstrip("/") + "/v1", api_key_var="PRIMERL_INFERENCE_API_KEY",
+                                      renderer=self.renderer_config(), renderer_model_name=self.tokenizer_path)
+        sampling = vf.Sampling(**{"temperature": temperature, "top_p": top_p, "max_tokens": self.max_new_tokens,
+                                  **self.sampling})
+        return vf.ModelContext(model=model or self.model_name, client=client, sampling=sampling)
+
+    def prompt(self, index: int):
+        raise NotImplementedError("a verifiers environment runs its own episodes: the orchestrator's verifiers path "
+                                  "(primerl.runtime.orchestrator.vf_orchestrator) drives it, not prompt()/reward()")
+
+    def reward(self, episode):
+        raise NotImplementedError("a verifiers environment is scored by its tasks' @vf.reward methods")
+
+
+# ---------------------------------------------------------------------------------- trace -> sample
+class BranchError(ValueError):
+    """A branch that cannot become a sample; the message is the reason (counted, episode resampled)."""
+
+
+def branch_sample(branch, *, advantage: float, temperature: float, replay: bool, vocab_size: int):
+    """One trainable ``vf.Branch`` -> ``primerl.rl.packing.Sample``: ``input_ids`` = the branch's
+    token ids (every node: prompt scaffold, model turns, tool/env turns), ``loss_mask`` = its
+    sampled mask (the model's own tokens only), ``inference_logprobs`` = the sampling log-probs
+    on those tokens (0 elsewhere), ``replay_ids`` = its routed experts ``[T, L, k]`` when
+    ``replay``."""
+    from primerl.rl.packing import Sample
+
+    ids = branch.token_ids
+    mask = branch.sampled_mask
+    if not ids or len(mask) != len(ids):
+        raise BranchError(f"branch {branch.index}: {len(ids)} token ids but {len(mask)} mask entries")
+    if not any(mask):
+        raise BranchError(f"branch {branch.index}: no sampled token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BranchError(f"branch {branch.index}: token ids {bad[:5]} outside the policy's vocabulary [0, {vocab_size})")
+    per_node = [(len(n.logprobs), sum(n.mask)) for n in branch.nodes if any(n.mask)]
+    if any(a != b for a, b in per_node):
+        raise BranchError(f"branch {branch.index}: a model turn has log-probs for {per_node} (count, sampled) tokens")
+    logprobs = branch.logprobs
+    routing = None
+    if replay:
+        re = branch.routed_experts
+        if re is None:
+            raise BranchError(f"branch {branch.index}: router replay is on but the branch has no routed experts")
+        routing = torch.from_numpy(re.astype("int64", copy=False)).to(torch.uint8 if re.max(initial=0) < 256 else torch.int32)
+        if routing.shape[0] != len(ids):
+            raise BranchError(f"branch {branch.index}: routed experts for {routing.shape[0]} of {len(ids)} tokens")
+    return Sample(input_ids=torch.tensor(ids, dtype=torch.long), loss_mask=torch.tensor(mask, dtype=torch.bool),
+                  advantages=float(advantage), inference_logprobs=torch.tensor(logprobs, dtype=torch.float32),
+                  temperature=temperature, replay_ids=routing)
+
+
+def sampled_spans(mask: list[bool]) -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of True in ``mask``."""
+    out, start = [], None
+    for i, m in enumerate(list(mask) + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def check_branch_against_requests(branch, requests: list[tuple[list[int], list[int], list[float]]]) -> None:
+    """Token-exactness: each model turn of ``branch`` (a run of sampled tokens ``[a, b)``) must be a
+    completion the inference server returned, for the prompt ``token_ids[:a]``, with the same
+    log-probs. ``requests``: the server's record of the session, ``(prompt, completion, logprobs)``."""
+    ids, lps = branch.token_ids, branch.logprobs
+    by_prompt = {}
+    for prompt, completion, logprobs in requests:
+        by_prompt.setdefault(len(prompt), []).append((prompt, completion, logprobs))
+    for a, b in sampled_spans(branch.sampled_mask):
+        hit = [r for r in by_prompt.get(a, []) if r[0] == ids[:a] and r[1] == ids[a:b]]
+        if not hit:
+            raise BranchError(f"branch {branch.index}: the model turn at tokens {a}..{b} is not what the inference "
+                              "server sampled for that prompt (re-tokenized or edited)")
+        if not any(max((abs(x - y) for x, y in zip(r[2], lps[a:b])), default=0.0) <= 1e-6 for r in hit):
+            raise BranchError(f"branch {branch.index}: the log-probs of the model turn at tokens {a}..{b} differ "
+                              "from the sampler's")
+
+
+def trace_reward(trace) -> float:
+    """``trace.reward`` after checking that every declared reward ran (a ``None`` entry: scoring
+    did not run). Raises BranchError naming the missing reward."""
+    if not trace.rewards:
+        raise BranchError("the trace has no reward (the task declares no @vf.reward, or scoring did not run)")
+    missing = [k for k, v in trace.rewards.items() if v is None]
+    if missing:
+        raise BranchError(f"reward(s) {missing} did not run")
+    return float(trace.reward)
+
+
+def verifiers_environment(env: dict, **kw: Any) -> VerifiersEnv:
+    return VerifiersEnv(env, **kw)
+
+
+__all__ = ["VerifiersEnv", "BranchError", "branch_sample", "check_branch_against_requests", "sampled_spans",
+           "trace_reward", "builtin_tokenizer_dir", "PLUGIN_DIR", "BUILTIN_TOKENIZER"]

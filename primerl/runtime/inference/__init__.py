@@ -9,6 +9,9 @@ Modules (imported lazily: the vLLM worker loads ``inference.vllm_worker`` alone)
   vllm_worker  WeightUpdateExtension: runs inside vLLM's workers, receives and loads weights
   weight_sync  WeightPublisher (trainer rank 0): files, or a torch.distributed broadcast to the engine / vLLM
   hf_weights   published weights in the Hugging Face layout (models.checkpoint.hf_layout), FP8 transfer
+  generate_api  POST /inference/v1/generate and GET /v1/models: vLLM's token-in / token-out contract
+  http_aiohttp  the aiohttp front end of EngineServer (optional extra ``primerl[serve]``)
+  generate_proxy  GenerateProxy: a recording pass-through in front of vLLM's generate route (verifiers path)
 
 The main classes are re-exported here (``from primerl.runtime.inference import InferenceEngine``).
 """

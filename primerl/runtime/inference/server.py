@@ -1,13 +1,26 @@
-"""``primerl inference``: the embedded engine behind the same HTTP protocol as the vLLM client.
+"""``primerl inference``: the embedded engine behind the same HTTP protocol as vLLM.
 
-Endpoints: ``GET /health``, ``POST /v1/completions`` (token ids in, token ids + log-probs +
-routed experts out), ``POST /collective_rpc`` with ``update_weights_from_path`` (the filesystem
-weight update), ``POST /reset_prefix_cache`` (a no-op: no prefix cache). One engine thread runs
-continuous batching over every in-flight HTTP request.
+Endpoints: ``GET /health``; ``GET /v1/models`` (the served model with ``max_model_len``);
+``POST /inference/v1/generate`` (vLLM's token-in / token-out route, what verifiers' train client
+calls: ``generate_api``); ``POST /v1/completions`` (token ids in, token ids + log-probs + routed
+experts out, as primerl's vLLM client reads them); ``POST /collective_rpc`` with
+``update_weights_from_path`` (the filesystem weight update); ``POST /reset_prefix_cache`` (a no-op:
+no prefix cache). One engine thread runs continuous batching over every in-flight HTTP request.
+
+Two HTTP front ends serve the same routes: aiohttp (``http="aiohttp"``; the ``primerl[serve]``
+extra, and what ``primerl[verifiers]`` brings) and the standard library's threading server
+(``http="stdlib"``, no dependency). ``http=None`` takes aiohttp when it is installed; the choice
+is logged and readable as ``server.http``.
+
+Every ``generate`` call with an ``X-Session-ID`` header (verifiers sends the rollout's trace id)
+records the policy versions its tokens came from: ``session_versions(id)`` returns
+``(oldest, newest, requests)``, so an orchestrator can join them to its samples (the client drops
+response fields it does not know).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import queue
@@ -15,27 +28,82 @@ import threading
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 
 from .engine import InferenceEngine, Request, SamplingParams
+from .generate_api import generate_response, models_response, parse_generate_request
 from .vllm_client import encode_routed_experts
 
 log = logging.getLogger("primerl.inference")
 
+SESSION_HEADER = "X-Session-ID"
+MAX_SESSIONS = 100_000  # recorded sessions kept (oldest dropped first) when nobody pops them
+
+
+class SessionRecord:
+    """What the server sampled for one ``X-Session-ID``: the policy versions and every request's
+    ``(prompt ids, completion ids, log-probs)`` in arrival order."""
+
+    __slots__ = ("first", "last", "requests")
+
+    def __init__(self):
+        self.first: int | None = None
+        self.last: int | None = None
+        self.requests: list[tuple[list[int], list[int], list[float]]] = []
+
+
+class Pending:
+    """A request handed to the engine thread: wait on ``future``, then ``finish(result)`` is the body."""
+
+    def __init__(self, future: Future, finish: Callable[[object], dict]):
+        self.future, self.finish = future, finish
+
+
+def http_frontends() -> list[str]:
+    """The HTTP front ends usable in this environment, preferred first."""
+    try:
+        import aiohttp.web  # noqa: F401
+    except ImportError:
+        return ["stdlib"]
+    return ["aiohttp", "stdlib"]
+
 
 class EngineServer:
-    def __init__(self, engine: InferenceEngine, host: str = "127.0.0.1", port: int = 0, *, request_timeout: float = 300.0):
+    def __init__(self, engine: InferenceEngine, host: str = "127.0.0.1", port: int = 0, *, request_timeout: float = 300.0,
+                 model_name: str = "primerl", max_model_len: int | None = None, http: str | None = None):
         self.engine = engine
         self.request_timeout = request_timeout
+        self.model_name = model_name
+        self.max_model_len = int(max_model_len or engine.cfg.max_position_embeddings)
+        if self.max_model_len > engine.cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"{engine.cfg.max_position_embeddings}")
+        available = http_frontends()
+        if http is None:
+            http = available[0]
+        if http not in ("aiohttp", "stdlib"):
+            raise ValueError(f"http must be 'aiohttp' or 'stdlib', got {http!r}")
+        if http not in available:
+            raise ImportError("EngineServer(http='aiohttp') needs aiohttp: pip install 'primerl[serve]'")
+        self.http = http
         self._incoming: queue.Queue = queue.Queue()
         self._futures: dict[int, Future] = {}
         self._next_id = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._engine_error: BaseException | None = None
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
-        self.httpd.daemon_threads = True
-        self.host, self.port = self.httpd.server_address[:2]
+        self._sessions: collections.OrderedDict[str, SessionRecord] = collections.OrderedDict()
+        if http == "stdlib":
+            self.httpd = ThreadingHTTPServer((host, port), self._handler())
+            self.httpd.daemon_threads = True
+            self.host, self.port = self.httpd.server_address[:2]
+        else:
+            from .http_aiohttp import AiohttpFrontend
+
+            self._frontend = AiohttpFrontend(self, host, port)
+            self.host, self.port = self._frontend.host, self._frontend.port
         self.url = f"http://{self.host}:{self.port}"
+        log.info("engine server on %s (%s)", self.url, http)
 
     # ---------------------------------------------------------------- engine thread
     def _engine_loop(self) -> None:
@@ -71,34 +139,91 @@ class EngineServer:
             for f in self._futures.values():
                 f.set_exception(e)
 
-    def _call_in_engine(self, fn, timeout: float):
-        fut: Future = Future()
-        self._incoming.put(("call", fn, fut))
-        return fut.result(timeout)
-
-    def complete(self, body: dict) -> dict:
+    def _check_alive(self) -> None:
         if self._engine_error is not None:
             raise RuntimeError(f"inference engine is dead: {self._engine_error!r}")
+
+    def _new_id(self) -> int:
+        with self._lock:
+            self._next_id += 1
+            return self._next_id
+
+    def _submit(self, rid: int, prompt: list[int], params: SamplingParams) -> Future:
+        self._check_alive()
+        fut: Future = Future()
+        self._incoming.put(("request", Request(rid, prompt, params), fut))
+        return fut
+
+    def _call_in_engine(self, fn, timeout: float):
+        return self._start_call(fn).result(timeout)
+
+    def _start_call(self, fn) -> Future:
+        fut: Future = Future()
+        self._incoming.put(("call", fn, fut))
+        return fut
+
+    # ---------------------------------------------------------------- routes (transport-free)
+    def start_completion(self, body: dict) -> Pending:
+        """``POST /v1/completions``: primerl's vLLM client protocol."""
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a list of token ids")
-        with self._lock:
-            self._next_id += 1
-            rid = self._next_id
+        rid = self._new_id()
         params = SamplingParams(max_new_tokens=int(body.get("max_tokens", 16)), temperature=float(body.get("temperature", 1.0)),
                                 top_p=float(body.get("top_p", 1.0)), stop_token_ids=tuple(body.get("stop_token_ids") or ()),
                                 seed=int(body.get("seed", rid)))
-        fut: Future = Future()
-        self._incoming.put(("request", Request(rid, prompt, params), fut))
-        c = fut.result(self.request_timeout)
-        choice = {"index": 0, "text": "", "token_ids": c.tokens, "finish_reason": c.finish_reason,
-                  "logprobs": {"tokens": [f"token_id:{t}" for t in c.tokens], "token_logprobs": c.logprobs}}
-        if c.routing is not None:  # as vLLM with --enable-return-routed-experts: base64 of np.save bytes
-            choice["routed_experts"] = encode_routed_experts(c.routing)
-        return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens)}}
 
-    def update_weights_from_path(self, path: str) -> dict:
+        def finish(c) -> dict:
+            choice = {"index": 0, "text": "", "token_ids": c.tokens, "finish_reason": c.finish_reason,
+                      "logprobs": {"tokens": [f"token_id:{t}" for t in c.tokens], "token_logprobs": c.logprobs}}
+            if c.routing is not None:  # as vLLM with --enable-return-routed-experts: base64 of np.save bytes
+                choice["routed_experts"] = encode_routed_experts(c.routing)
+            return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice],
+                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens)}}
+
+        return Pending(self._submit(rid, prompt, params), finish)
+
+    def start_generate(self, body: dict, session_id: str | None = None) -> Pending:
+        """``POST /inference/v1/generate`` (``generate_api``)."""
+        rid = self._new_id()
+        prompt, params, start = parse_generate_request(body, max_model_len=self.max_model_len, default_seed=rid)
+
+        def finish(c) -> dict:
+            if session_id:
+                self._record_session(session_id, c)
+            return generate_response(f"gen-{rid}", c, start)
+
+        return Pending(self._submit(rid, prompt, params), finish)
+
+    def _record_session(self, session_id: str, c) -> None:
+        with self._lock:
+            rec = self._sessions.pop(session_id, None) or SessionRecord()
+            rec.first = c.policy_version if rec.first is None else min(rec.first, c.policy_version)
+            rec.last = c.policy_version_end if rec.last is None else max(rec.last, c.policy_version_end)
+            rec.requests.append((list(c.prompt), list(c.tokens), list(c.logprobs)))
+            self._sessions[session_id] = rec
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+
+    def pop_session(self, session_id: str) -> SessionRecord | None:
+        """The session's record (and forget it), or None if it made no generate request."""
+        with self._lock:
+            return self._sessions.pop(session_id, None)
+
+    def session_versions(self, session_id: str, *, pop: bool = True) -> tuple[int, int, int] | None:
+        """(oldest policy version, newest, generate requests) of a session, or None if it made none."""
+        with self._lock:
+            rec = self._sessions.pop(session_id, None) if pop else self._sessions.get(session_id)
+        return None if rec is None else (rec.first, rec.last, len(rec.requests))
+
+    def models(self) -> dict:
+        return models_response(self.model_name, self.max_model_len)
+
+    def health(self) -> tuple[int, dict]:
+        ok = self._engine_error is None
+        return (200 if ok else 503), {"status": "ok" if ok else "engine dead"}
+
+    def start_update_weights(self, path: str) -> Pending:
         from primerl.models.checkpoint import read_safetensors
 
         from .hf_weights import primerl_weights
@@ -113,10 +238,43 @@ class EngineServer:
             own = sd if "model.embed_tokens.weight" not in sd else primerl_weights(self.engine.model, sd)
             self.engine.load_weights(own, version)
 
-        self._call_in_engine(load, timeout=self.request_timeout)
-        return {"version": version}
+        return Pending(self._start_call(load), lambda _: {"results": [{"version": version}]})
 
-    # ---------------------------------------------------------------- HTTP
+    def update_weights_from_path(self, path: str) -> dict:
+        p = self.start_update_weights(path)
+        return p.finish(p.future.result(self.request_timeout))["results"][0]
+
+    def complete(self, body: dict) -> dict:
+        p = self.start_completion(body)
+        return p.finish(p.future.result(self.request_timeout))
+
+    def generate(self, body: dict, session_id: str | None = None) -> dict:
+        p = self.start_generate(body, session_id)
+        return p.finish(p.future.result(self.request_timeout))
+
+    def route(self, method: str, path: str, body: dict | None, headers) -> tuple[int, dict] | Pending:
+        """One HTTP request -> (status, body), or a ``Pending`` engine call whose result is the body.
+        Raises ValueError (incl. GenerateRequestError) for a bad request (HTTP 400)."""
+        path = path.split("?")[0]
+        if method == "GET":
+            if path == "/health":
+                return self.health()
+            if path == "/v1/models":
+                return 200, self.models()
+            return 404, {"error": f"no route GET {path}"}
+        if path == "/inference/v1/generate":
+            return self.start_generate(body, headers.get(SESSION_HEADER))
+        if path == "/v1/completions":
+            return self.start_completion(body)
+        if path == "/collective_rpc":
+            if body.get("method") != "update_weights_from_path":
+                return 400, {"error": f"unknown method {body.get('method')!r}"}
+            return self.start_update_weights(*body.get("args", []))
+        if path == "/reset_prefix_cache":
+            return 200, {"success": True}
+        return 404, {"error": f"no route POST {path}"}
+
+    # ---------------------------------------------------------------- stdlib HTTP
     def _handler(self):
         server = self
 
@@ -125,53 +283,54 @@ class EngineServer:
                 log.debug(fmt, *args)
 
             def _send(self, code: int, obj: dict) -> None:
-                body = json.dumps(obj).encode()
+                # compact, as vLLM's: the renderers client splices routed_experts.data out by its prefix
+                body = json.dumps(obj, separators=(",", ":")).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 
-            def do_GET(self):
-                if self.path == "/health":
-                    ok = server._engine_error is None
-                    self._send(200 if ok else 503, {"status": "ok" if ok else "engine dead"})
-                else:
-                    self._send(404, {"error": f"no route {self.path}"})
-
-            def do_POST(self):
+            def _serve(self, method: str) -> None:
                 try:
-                    n = int(self.headers.get("Content-Length", 0))
-                    body = json.loads(self.rfile.read(n) or b"{}")
-                    if self.path == "/v1/completions":
-                        self._send(200, server.complete(body))
-                    elif self.path == "/collective_rpc":
-                        if body.get("method") != "update_weights_from_path":
-                            self._send(400, {"error": f"unknown method {body.get('method')!r}"})
-                            return
-                        self._send(200, {"results": [server.update_weights_from_path(*body.get("args", []))]})
-                    elif self.path.split("?")[0] == "/reset_prefix_cache":
-                        self._send(200, {"success": True})
-                    else:
-                        self._send(404, {"error": f"no route {self.path}"})
+                    body = None
+                    if method == "POST":
+                        n = int(self.headers.get("Content-Length", 0))
+                        body = json.loads(self.rfile.read(n) or b"{}")
+                    out = server.route(method, self.path, body, self.headers)
+                    if isinstance(out, Pending):
+                        out = 200, out.finish(out.future.result(server.request_timeout))
+                    self._send(*out)
                 except (ValueError, KeyError, TypeError) as e:
                     self._send(400, {"error": str(e)})
                 except Exception as e:  # noqa: BLE001
                     self._send(500, {"error": repr(e)})
+
+            def do_GET(self):
+                self._serve("GET")
+
+            def do_POST(self):
+                self._serve("POST")
 
         return Handler
 
     def start(self) -> "EngineServer":
         self._engine_thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self._engine_thread.start()
-        self._http_thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
-        self._http_thread.start()
+        if self.http == "stdlib":
+            self._http_thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
+            self._http_thread.start()
+        else:
+            self._http_thread = self._frontend.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self.http == "stdlib":
+            self.httpd.shutdown()
+            self.httpd.server_close()
+        else:
+            self._frontend.stop()
 
 
 def serve(cfg, host: str = "127.0.0.1", port: int = 8000) -> None:

@@ -5,6 +5,7 @@ Modules (imported lazily):
   rollout       episodes in flight (multi-turn transcripts, log-probs, routing record)
   batching      finished groups -> advantages (``orchestrator.advantage``) -> per-rank micro-batches
   env_calls     concurrent environment calls with per-call deadlines; reward checks (rejected / clipped)
+  vf_orchestrator  build_orchestrator: the built-in Orchestrator, or verifiers episodes -> samples
 
 The names of ``orchestrator`` are re-exported here (``from primerl.runtime.orchestrator import Orchestrator``).
 """

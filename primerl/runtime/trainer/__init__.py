@@ -9,6 +9,7 @@ Modules (imported lazily: ``primerl.runtime.trainer.checkpoint`` does not load t
   publish         iter_full_weights / publish_streamed: full weights to rank 0 one tensor at a time
   guards          parameters checked finite after every update, before publication
   padded_attention  one padded SDPA call for many short packed sequences (``trainer.attention``)
+  vf_warmstart    supervised warm start from a verifiers task's demonstrations (before RL)
 
 The names of ``trainer`` are re-exported here (``from primerl.runtime.trainer import Trainer``).
 """

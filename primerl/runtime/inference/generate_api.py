@@ -1,0 +1,156 @@
+"""The token-in / token-out routes of vLLM's API, on primerl's embedded engine.
+
+``POST /inference/v1/generate`` (what verifiers' train client and ``renderers.client.generate``
+call) and ``GET /v1/models`` (where they read ``max_model_len``). Pure functions from the request
+body to engine parameters and from an engine ``Completion`` to the response body; the HTTP server
+(``server.EngineServer``) does the transport.
+
+Request::
+
+    {"model": str, "token_ids": [int, ...],
+     "sampling_params": {"temperature": float, "max_tokens": int, "top_p": float,
+                         "stop_token_ids": [int], "logprobs": 1, "seed": int,
+                         "routed_experts_prompt_start": int, ...}}
+
+Unknown sampling keys (``skip_special_tokens``, ``include_stop_str_in_output``, ...) are ignored, as
+a client that targets vLLM sends many. vLLM's sampling modifiers the engine does not implement
+(``top_k``, ``min_p``, penalties, ``min_tokens``, ``logit_bias``, ``stop`` strings, ``n``) are
+accepted at their neutral values and refused otherwise (400 naming the key): ignoring one would
+sample from another distribution than the one asked for. ``max_tokens`` absent: up to the context
+length.
+
+Response (one choice)::
+
+    {"request_id": str, "prompt_token_ids": [int],
+     "choices": [{"index": 0, "token_ids": [int],              # the sampled stop token included
+                  "logprobs": {"content": [{"token": "token_id:<id>", "logprob": float}, ...]},
+                  "finish_reason": "stop" | "length",
+                  "routed_experts": {"data": base64 of raw bytes, "shape": [n, L, k],
+                                     "start": s, "dtype": "uint8"}}],   # only with routing
+     "usage": {...}}
+
+``routed_experts`` covers sequence positions ``s .. len(prompt) + len(completion) - 2`` (every
+position fed through the model; the last sampled token never is), ``s`` being
+``routed_experts_prompt_start`` (default 0): a later turn of a conversation asks only for what it
+has not seen. The bytes are the C-order ``[n, L, k]`` array (not the ``np.save`` encoding of
+``/v1/completions``).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import numbers
+
+import torch
+
+from .engine import Completion, SamplingParams
+
+__all__ = ["GenerateRequestError", "parse_generate_request", "generate_response", "models_response",
+           "encode_routed_experts_raw"]
+
+
+class GenerateRequestError(ValueError):
+    """A request the route cannot serve; the message names the field (HTTP 400)."""
+
+
+def _int(value, name: str, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise GenerateRequestError(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}")
+    if minimum is not None and value < minimum:
+        raise GenerateRequestError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _float(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise GenerateRequestError(f"{name} must be a finite number, got {value!r:.40}")
+    return float(value)
+
+
+# vLLM sampling keys the engine does not implement, with the values that leave sampling unchanged
+NEUTRAL = {"top_k": (None, -1, 0), "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+           "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "min_tokens": (None, 0),
+           "n": (None, 1), "best_of": (None, 1), "logit_bias": (None, {}), "stop": (None, [], ""),
+           "prompt_logprobs": (None, 0)}
+
+
+def parse_generate_request(body: dict, *, max_model_len: int, default_seed: int) -> tuple[list[int], SamplingParams, int]:
+    """-> (prompt token ids, engine sampling params, routed-experts prompt start)."""
+    if not isinstance(body, dict):
+        raise GenerateRequestError("the body must be a JSON object")
+    prompt = body.get("token_ids")
+    if not isinstance(prompt, list) or not prompt:
+        raise GenerateRequestError("token_ids must be a non-empty list of token ids")
+    prompt = [_int(t, "token_ids[i]", minimum=0) for t in prompt]
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise GenerateRequestError("sampling_params must be an object")
+    for key, neutral in NEUTRAL.items():
+        if key in sp and not any(sp[key] == v and type(sp[key]) is type(v) or sp[key] is v for v in neutral):
+            raise GenerateRequestError(f"sampling_params.{key} = {sp[key]!r:.40} is not supported by the embedded engine "
+                                       f"(only {[v for v in neutral if v is not None]})")
+    temperature = _float(sp.get("temperature", 1.0), "sampling_params.temperature")
+    if temperature <= 0:
+        raise GenerateRequestError("sampling_params.temperature must be > 0 (the engine has no greedy mode)")
+    top_p = _float(sp.get("top_p", 1.0), "sampling_params.top_p")
+    if not 0 < top_p <= 1:
+        raise GenerateRequestError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
+    room = max_model_len - len(prompt)
+    if room < 1:
+        raise GenerateRequestError(f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len}")
+    max_tokens = sp.get("max_tokens")
+    max_tokens = room if max_tokens is None else _int(max_tokens, "sampling_params.max_tokens", minimum=1)
+    if max_tokens > room:
+        raise GenerateRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                   f"max_model_len = {max_model_len}")
+    stops = sp.get("stop_token_ids") or []
+    if not isinstance(stops, list):
+        raise GenerateRequestError("sampling_params.stop_token_ids must be a list of token ids")
+    stops = tuple(_int(t, "sampling_params.stop_token_ids[i]", minimum=0) for t in stops)
+    logprobs = sp.get("logprobs")
+    if logprobs is not None and _int(logprobs, "sampling_params.logprobs", minimum=0) > 1:
+        raise GenerateRequestError("sampling_params.logprobs > 1 (top-n alternatives) is not served; use 0 or 1")
+    seed = sp.get("seed")
+    seed = default_seed if seed is None else _int(seed, "sampling_params.seed")
+    start = sp.get("routed_experts_prompt_start")
+    start = 0 if start is None else _int(start, "sampling_params.routed_experts_prompt_start", minimum=0)
+    if start > len(prompt):
+        raise GenerateRequestError(f"sampling_params.routed_experts_prompt_start = {start} is past the prompt "
+                                   f"({len(prompt)} tokens)")
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stops,
+                            seed=seed)
+    return prompt, params, start
+
+
+def encode_routed_experts_raw(routing: torch.Tensor, start: int) -> dict:
+    """``[N, L, k]`` integer expert ids -> ``{data, shape, start, dtype}`` of rows ``start..N-1``."""
+    import numpy as np
+
+    arr = routing[start:].contiguous().numpy()
+    if arr.dtype not in (np.uint8, np.uint16):
+        arr = arr.astype(np.uint8 if arr.size == 0 or int(arr.max()) < 256 else np.uint16)
+    return {"data": base64.b64encode(arr.tobytes()).decode("ascii"), "shape": list(arr.shape), "start": int(start),
+            "dtype": str(arr.dtype)}
+
+
+def generate_response(request_id: str, c: Completion, routed_start: int) -> dict:
+    bad = [x for x in c.logprobs if not math.isfinite(x)]
+    if bad:  # a client checks for this too; the engine must never produce it
+        raise RuntimeError(f"request {request_id}: the engine returned non-finite log-probs {bad[:3]}")
+    choice = {
+        "index": 0,
+        "token_ids": list(c.tokens),
+        "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": float(lp)} for t, lp in zip(c.tokens, c.logprobs)]},
+        "finish_reason": c.finish_reason,
+    }
+    if c.routing is not None:
+        choice["routed_experts"] = encode_routed_experts_raw(c.routing, routed_start)
+    return {"request_id": request_id, "prompt_token_ids": list(c.prompt), "choices": [choice],
+            "usage": {"prompt_tokens": len(c.prompt), "completion_tokens": len(c.tokens),
+                      "total_tokens": len(c.prompt) + len(c.tokens)}}
+
+
+def models_response(model_name: str, max_model_len: int) -> dict:
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "primerl",
+                                        "root": model_name, "max_model_len": int(max_model_len)}]}

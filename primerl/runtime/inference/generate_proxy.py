@@ -1,0 +1,153 @@
+"""A recording pass-through in front of a vLLM server's generate route (the verifiers path with
+``inference.backend = "vllm"``).
+
+verifiers' train client drops response fields it does not know, and vLLM records nothing per
+rollout, so the orchestrator points the client at this proxy instead: every request goes to the
+upstream server unchanged (bytes in, bytes out; ``/v1/models`` and any other route too), and each
+``POST /inference/v1/generate`` with an ``X-Session-ID`` is recorded like the embedded server's
+(``server.SessionRecord``: the prompt ids sent, the completion ids and log-probs returned, and the
+policy versions ``version()`` reported when the request started and when it returned — the
+version the orchestrator has loaded into the server, as the vLLM client stamps its completions).
+Same ``pop_session`` / ``url`` / ``start`` / ``stop`` as ``server.EngineServer``.
+
+One translation: vLLM 0.32's route (``--enable-scale-out``; ``output_mode = "tokens"``, the only
+mode without a server-side tokenizer) writes each log-prob entry as ``{"token_id": N, "logprob":
+x}``, while the ``renderers`` client reads ``{"token": "token_id:N", "logprob": x}`` (the text
+mode's form); the proxy rewrites the former into the latter, nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import socket
+import threading
+from typing import Callable
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+from .server import MAX_SESSIONS, SESSION_HEADER, SessionRecord
+
+log = logging.getLogger("primerl.inference")
+
+_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+
+
+class GenerateProxy:
+    def __init__(self, upstream: str, version: Callable[[], int], *, host: str = "127.0.0.1", port: int = 0,
+                 request_timeout: float = 300.0):
+        self.upstream = upstream.rstrip("/")
+        self.version = version
+        self.request_timeout = request_timeout
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(1024)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        self._sessions: collections.OrderedDict[str, SessionRecord] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    # ---------------------------------------------------------------- recording
+    @staticmethod
+    def _normalise(body: bytes) -> bytes:
+        """vLLM's tokens-mode log-prob entries in the ``token_id:N`` form (see the module doc)."""
+        out = json.loads(body)
+        changed = False
+        for choice in out.get("choices") or []:
+            for e in (choice.get("logprobs") or {}).get("content") or []:
+                if "token" not in e and "token_id" in e:
+                    e["token"] = f"token_id:{int(e.pop('token_id'))}"
+                    e.pop("top_logprobs", None)
+                    changed = True
+        return json.dumps(out, separators=(",", ":")).encode() if changed else body
+
+    def _record(self, session_id: str, prompt: list[int], body: bytes, first: int, last: int) -> None:
+        out = json.loads(body)
+        choice = out["choices"][0]
+        tokens = [int(t) for t in choice["token_ids"]]
+        lps = [float(e["logprob"]) for e in choice["logprobs"]["content"]]
+        with self._lock:
+            rec = self._sessions.pop(session_id, None) or SessionRecord()
+            rec.first = first if rec.first is None else min(rec.first, first)
+            rec.last = last if rec.last is None else max(rec.last, last)
+            rec.requests.append((prompt, tokens, lps))
+            self._sessions[session_id] = rec
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+
+    def pop_session(self, session_id: str) -> SessionRecord | None:
+        with self._lock:
+            return self._sessions.pop(session_id, None)
+
+    # ---------------------------------------------------------------- HTTP
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        session_id = request.headers.get(SESSION_HEADER)
+        record = request.method == "POST" and request.path == "/inference/v1/generate" and session_id
+        first = self.version()
+        async with self._client.request(request.method, self.upstream + request.path_qs, data=raw or None,
+                                        headers=headers) as up:
+            body = await up.read()
+            status, ctype = up.status, up.headers.get("Content-Type", "application/json")
+        if request.path == "/inference/v1/generate" and status == 200:
+            try:
+                body = self._normalise(body)
+            except (ValueError, TypeError, AttributeError) as e:
+                log.warning("generate proxy: unreadable upstream generate response (%s): %.200s", e, body)
+        if record and status == 200:
+            try:
+                self._record(session_id, [int(t) for t in json.loads(raw)["token_ids"]], body, first, self.version())
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                # the client would refuse this body too; say why here
+                log.warning("generate proxy: unreadable upstream generate response (%s): %.200s", e, body)
+        return web.Response(status=status, body=body, headers={"Content-Type": ctype})
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+
+        async def setup():
+            self._client = ClientSession(timeout=ClientTimeout(total=self.request_timeout))
+            app = web.Application(client_max_size=1 << 30)
+            app.router.add_route("*", "/{tail:.*}", self._handle)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            await web.SockSite(self._runner, self._sock).start()
+
+        try:
+            loop.run_until_complete(setup())
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._runner.cleanup())
+            loop.run_until_complete(self._client.close())
+            loop.close()
+
+    def start(self) -> "GenerateProxy":
+        self._thread = threading.Thread(target=self._run, name="generate-proxy", daemon=True)
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise RuntimeError(f"the generate proxy did not start: {self._error!r}") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+
+__all__ = ["GenerateProxy"]
