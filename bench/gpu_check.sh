@@ -24,7 +24,7 @@ BUILD_LIMIT=${GPU_CHECK_BUILD_S:-150}
 TEST_LIMIT=${GPU_CHECK_TEST_S:-150}
 BENCH_LIMIT=${GPU_CHECK_BENCH_S:-90}
 TOTAL_LIMIT=${GPU_CHECK_TOTAL_S:-420}  # no step starts after this many seconds
-BENCHES=${GPU_CHECK_BENCHES:-"gemm moe attention logprobs job runtime"}
+BENCHES=${GPU_CHECK_BENCHES:-"gemm moe attention logprobs job runtime mla_attention"}
 NPROC_TESTS=${GPU_CHECK_TEST_WORKERS:-8}
 # torch finds CUDA_HOME from `which nvcc`, which a wrapper script on the PATH can defeat
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
