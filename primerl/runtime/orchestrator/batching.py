@@ -54,3 +54,14 @@ def build_samples(groups, method: str, top_k: int, *, replay: bool, temperature:
 
 def pack_for_ranks(samples: list[Sample], seq_len: int, num_ranks: int) -> list[list[MicroBatch]]:
     return pack(samples, seq_len, num_ranks, pad_to_seq_len=False)
+
+
+def put_packed_batch(transport, step: int, samples, metrics: dict, seq_len: int, batch_ranks: int) -> None:
+    """Hand one step's samples to the trainer: one packed batch per data rank (the mesh's batch
+    view: a cp group shares one), each carrying the global loss-token and sequence counts."""
+    per_rank = pack_for_ranks(samples, seq_len, batch_ranks)
+    n_loss = int(sum(int(s.loss_mask.sum()) for s in samples))
+    n_seqs = sum(bool(s.loss_mask.any()) for s in samples)
+    for rank, mbs in enumerate(per_rank):
+        transport.put_batch(step, rank, {"step": step, "micro_batches": mbs, "metrics": metrics,
+                                         "num_loss_tokens": n_loss, "num_loss_seqs": n_seqs})

@@ -319,15 +319,10 @@ class VerifiersOrchestrator:
         return samples, metrics
 
     def _write(self, step: int, samples, metrics: dict) -> None:
-        from .batching import pack_for_ranks
         from ..config import parallel_dims
+        from .batching import put_packed_batch
 
-        per_rank = pack_for_ranks(samples, self.o.seq_len, parallel_dims(self.cfg).batch)
-        n_loss = int(sum(int(s.loss_mask.sum()) for s in samples))
-        n_seqs = sum(bool(s.loss_mask.any()) for s in samples)
-        for rank, mbs in enumerate(per_rank):
-            self.transport.put_batch(step, rank, {"step": step, "micro_batches": mbs, "metrics": metrics,
-                                                  "num_loss_tokens": n_loss, "num_loss_seqs": n_seqs})
+        put_packed_batch(self.transport, step, samples, metrics, self.o.seq_len, parallel_dims(self.cfg).batch)
         del self.batches[step]
         self._batch_counters.pop(step, None)
 
