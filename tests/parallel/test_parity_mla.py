@@ -19,7 +19,7 @@ from _parallel_dist import spawn
 from primerl.models import MoETransformer, MoETransformerConfig
 from primerl.models.parallelize import parallelize
 from primerl.parallel.mesh import ParallelDims
-from test_parity import LOSS_RTOL, GRAD_RTOL, LR, PARAM_RTOL, VOCAB, compare, local_batch, make_batches, pack, \
+from test_parity import ADAM_EPS, LOSS_RTOL, GRAD_RTOL, LR, PARAM_RTOL, VOCAB, compare, local_batch, make_batches, pack, \
     token_loss_sum
 
 WORLD = 4
@@ -46,7 +46,7 @@ def make_model(cfg):
 
 def reference_run(cfg, replay):
     model = make_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     losses, grads0 = [], None
     for seqs in make_batches(cfg):
         tokens, positions, labels, rep, cu = pack(seqs)
@@ -78,7 +78,7 @@ def full_tensors(model, mesh, p, grads):
 def run_layout(cfg, p, mesh, replay, ref):
     ref_losses, ref_grads0, ref_params = ref
     model = parallelize(make_model(cfg), p, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     loss_group = mesh["loss"].get_group()
     losses, errors = [], []
     for step, seqs in enumerate(make_batches(cfg)):
