@@ -18,8 +18,9 @@ The main classes are re-exported here (``from primerl.runtime.inference import I
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     **{name: "engine" for name in ("InferenceEngine", "SamplingParams", "Request", "Completion", "EngineError",
@@ -43,13 +44,4 @@ if TYPE_CHECKING:
     from .weight_sync import EngineWeightReceiver, WeightPublisher, WeightSyncError  # noqa: F401
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

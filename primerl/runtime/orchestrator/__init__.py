@@ -12,8 +12,9 @@ The names of ``orchestrator`` are re-exported here (``from primerl.runtime.orche
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 _EXPORTS = {name: "orchestrator" for name in (
     "Orchestrator", "EmbeddedClient", "EnvError", "COUNTS", "TransportTimeout", "ProducerDied")}
@@ -24,13 +25,4 @@ if TYPE_CHECKING:
     from .orchestrator import COUNTS, EmbeddedClient, EnvError, Orchestrator, ProducerDied, TransportTimeout  # noqa: F401
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -16,8 +16,9 @@ The names of ``trainer`` are re-exported here (``from primerl.runtime.trainer im
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 _EXPORTS = {name: "trainer" for name in (
     "Trainer", "run_trainer", "lr_lambda", "shifted_logprobs", "next_token_logprobs", "next_token_batch",
@@ -30,13 +31,4 @@ if TYPE_CHECKING:
                           next_token_logprobs, open_single_rank_group, run_trainer, shifted_logprobs)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -1,0 +1,24 @@
+"""Lazy re-exports for the runtime's package ``__init__``s: a name is imported from its module on
+first access, so importing one room (e.g. the vLLM worker extension) does not load the others."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+
+def lazy_exports(package: str, exports: dict[str, str], namespace: dict) -> tuple[Callable, Callable]:
+    """``(__getattr__, __dir__)`` for ``package`` whose ``exports`` map a public name to the
+    submodule that defines it; a resolved name is cached in ``namespace`` (the package's globals)."""
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{exports[name]}", package), name)
+        namespace[name] = value
+        return value
+
+    def __dir__():
+        return sorted(set(namespace) | set(exports))
+
+    return __getattr__, __dir__
