@@ -120,6 +120,7 @@ class MoETransformerConfig:
         need(self.n_heads % self.n_kv_heads == 0,
              f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         need(self.head_dim % 2 == 0, f"head_dim must be even, got {self.head_dim}")
+        need(self.rope_theta > 1.0, f"rope_theta must be > 1 (the rotary base), got {self.rope_theta}")
         need(self.attn_backend is None or isinstance(self.attn_backend, str),
              f"attn_backend must be None or a backend name such as 'sdpa', got {self.attn_backend!r}")
         need(self.score_func in ("softmax", "sigmoid"), f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")

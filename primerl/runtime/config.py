@@ -40,6 +40,7 @@ class ModelConfig:
     num_experts: int = 4
     top_k: int = 2
     max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0  # rotary base; short sequences want a small one (see examples/reverse_text.toml)
     dtype: str = "float32"
     extra: dict = field(default_factory=dict)
 
@@ -579,6 +580,10 @@ def validate_names(cfg: RLConfig) -> None:
         _need(Path(m.path).is_dir(), "model.path", "must be an existing directory (a Hugging Face checkpoint)", m.path)
         _need((Path(m.path) / "config.json").is_file(), "model.path", "has no config.json (not a Hugging Face "
               "checkpoint directory)", m.path)
+    else:  # a random init: its fields are checked by the model's own config (shapes, rope_theta, ...)
+        from .policy import model_config
+
+        model_config(cfg, 1)
 
 
 def _toml_value(v: Any) -> str:

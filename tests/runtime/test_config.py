@@ -85,3 +85,14 @@ def test_console_entry_point_runs_as_module():
     r = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "orchestrator", "--config", str(EXAMPLE), "--dry-run"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0 and 'id = "reverse-text"' in r.stdout
+
+
+def test_model_rope_theta_reaches_the_model_and_is_checked():
+    from primerl.runtime.policy import model_config
+
+    cfg = load_config(EXAMPLE, ["--model.rope_theta", "50"])
+    assert model_config(cfg, 11).rope_theta == 50.0
+    with pytest.raises(ConfigError, match="rope_theta must be > 1"):
+        model_config(load_config(EXAMPLE, ["--model.rope_theta", "0.5"], check=False), 11)
+    with pytest.raises(ConfigError, match="model: .*rope_theta must be > 1"):  # and --dry-run fails on it
+        load_config(EXAMPLE, ["--model.rope_theta", "0.5"])
