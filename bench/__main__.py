@@ -1,21 +1,28 @@
-"""python -m bench <op> [--quick] [--device cpu|cuda]: print a benchmark table for one op family."""
+"""python -m bench <op> [--quick] [--device cpu|cuda] [--json PATH]: print a benchmark table for one op
+family; with --json also append each row to PATH as one JSON line (bench/targets.py reads them)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import pkgutil
 import sys
 from pathlib import Path
 
-from .harness import format_table, header
+from .harness import format_table, header, row_to_json
 
-_NOT_OPS = {"harness", "cpu_memory", "__main__"}
+_NOT_OPS = {"harness", "cpu_memory", "targets", "__main__"}
 
 
 def available_ops() -> list[str]:
     here = Path(__file__).parent
     return sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.name not in _NOT_OPS and not m.name.startswith("_"))
+
+
+def _append(path: str, lines: list[str]) -> None:
+    with open(path, "a") as f:
+        f.writelines(line + "\n" for line in lines)
 
 
 def main(argv=None) -> int:
@@ -24,6 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("op", choices=ops + ["all"])
     parser.add_argument("--quick", action="store_true", help="small shapes / few repeats (CI smoke run)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="append every row to PATH as a JSON line (and a module that raises as an error record)")
     args = parser.parse_args(argv)
     import torch
 
@@ -31,8 +40,16 @@ def main(argv=None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     print(header())
     for op in ops if args.op == "all" else [args.op]:
-        module = importlib.import_module(f"bench.{op}")
-        rows = module.run(args)
+        try:
+            module = importlib.import_module(f"bench.{op}")
+            rows = module.run(args)
+        except BaseException as exc:  # a module that dies: say so in the JSON too, then fail as before
+            if args.json:
+                _append(args.json, [json.dumps({"kind": "module_error", "module": op,
+                                                "error": f"{type(exc).__name__}: {str(exc)[:300]}"})])
+            raise
+        if args.json:
+            _append(args.json, [row_to_json(r, op) for r in rows])
         print(f"\n## {op}")
         # a module whose rows are not timings (e.g. aot) brings its own table
         print(getattr(module, "format_table", format_table)(rows))

@@ -90,4 +90,5 @@ def run(args) -> list[Row]:
         if key in s:
             extra[key] = f"{s[key]:.3f}"
     dtype = "bf16 mixed" if args.device == "cuda" else "fp32"
-    return [Row("rl_job", f"reverse-text 32x8, {seconds:g} s", dtype, args.device, 1.0 / s["steps_per_s"], extra=extra)]
+    return [Row("rl_job", f"reverse-text 32x8, {seconds:g} s", dtype, args.device, 1.0 / s["steps_per_s"], extra=extra,
+                values=s)]
