@@ -147,7 +147,8 @@ for op in $BENCHES; do
   fi
   t0=$(date +%s)
   echo "===== bench $op $quick" >>"$OUT_DIR/bench.log"
-  timeout "$BENCH_LIMIT" $PY -m bench "$op" --device cuda $quick --json "$ROWS" >>"$OUT_DIR/bench.log" 2>&1
+  # SIGTERM at the limit: the module writes the rows it finished; SIGKILL 10 s later if it cannot
+  timeout -k 10 "$BENCH_LIMIT" $PY -m bench "$op" --device cuda $quick --json "$ROWS" >>"$OUT_DIR/bench.log" 2>&1
   rc=$?
   record "bench $op" "$(status_of $rc)" $(($(date +%s) - t0)) "log: bench.log"
 done

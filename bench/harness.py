@@ -37,6 +37,15 @@ class Row:
     extra: dict = field(default_factory=dict)  # printed in the table's last column
     values: dict = field(default_factory=dict)  # exact numbers for machine readers (--json), not printed
 
+    def __post_init__(self):
+        if _made_rows is not None:
+            _made_rows.append(self)
+
+
+# every Row made while `python -m bench` runs a module, so that a module stopped at its time limit
+# (SIGTERM from bench/gpu_check.sh's `timeout`) still hands over the rows it had finished
+_made_rows: list[Row] | None = None
+
 
 def synchronize(device: torch.device | str | None = None) -> None:
     if torch.cuda.is_available():

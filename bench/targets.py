@@ -238,7 +238,7 @@ class RunData:
             if mod == module and r.shape == "-" and _failure(r):
                 return f"bench {module} {r.op}: {_failure(r)}"
         if module in self.module_errors:
-            return f"bench {module} raised {self.module_errors[module]}"
+            return f"bench {module}: {self.module_errors[module]}"
         step = self.steps.get(f"bench {module}")
         if step is not None and step.get("status") not in _OK_STEP:
             return _step_text(step)

@@ -12,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 from unittest import mock
@@ -87,6 +90,34 @@ def test_bench_main_appends_json_rows_and_module_errors(tmp_path, monkeypatch, c
     assert read_jsonl(path)[-1] == {"kind": "module_error", "module": "fakeop", "error": "RuntimeError: no CUDA kernel"}
 
 
+def test_a_module_stopped_by_sigterm_hands_over_its_finished_rows(tmp_path, monkeypatch, capsys):
+    """gpu_check.sh's `timeout` sends SIGTERM at a module's limit: the rows made so far are written."""
+    path = tmp_path / "rows.jsonl"
+    mod = types.ModuleType("bench.fakeop")
+
+    def run(args):
+        rows = [Row("op", f"s{i}", "bf16", "triton", 1e-3, ratio=1.5, baseline="torch") for i in range(2)]
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler interrupts this
+        return rows + [Row("op", "never", "bf16", "triton", 1e-3)]
+
+    mod.run = run
+    monkeypatch.setattr(bench_main, "available_ops", lambda: ["fakeop"])
+    monkeypatch.setitem(sys.modules, "bench.fakeop", mod)
+    before = signal.getsignal(signal.SIGTERM)
+    t0 = time.perf_counter()
+    assert bench_main.main(["fakeop", "--device", "cpu", "--json", str(path)]) == 124
+    assert time.perf_counter() - t0 < 20 and signal.getsignal(signal.SIGTERM) is before
+    recs = read_jsonl(path)
+    assert [r.get("shape") for r in recs[:2]] == ["s0", "s1"] and len(recs) == 3
+    assert recs[2]["kind"] == "module_error" and "stopped by SIGTERM" in recs[2]["error"]
+    assert "stopped by SIGTERM" in capsys.readouterr().out
+    # the stopped module's missing rows say why in the targets table
+    t = T.RowTarget("x", "t", "fakeop", T.Sel("op", ("triton",)), ("s0", "never"), T.own_ratio, ">=", 1.0)
+    r = T.evaluate(t, T.RunData(recs))
+    assert (r.status, r.measured) == (T.NOT_RUN, "1.50x -") and "stopped by SIGTERM" in r.why
+
+
 def test_targets_is_no_bench_op():
     assert "targets" not in bench_main.available_ops()
 
@@ -137,7 +168,7 @@ def test_not_run_says_why_the_module_gave_no_rows():
     r = T.evaluate(SPEED, T.RunData([_status("bench gemm", "skipped", 0, "time budget (420s) spent")]))
     assert r.status == T.NOT_RUN and "time budget (420s) spent" in r.why
     r = T.evaluate(SPEED, T.RunData([{"kind": "module_error", "module": "gemm", "error": "ImportError: x"}]))
-    assert "bench gemm raised ImportError: x" in r.why
+    assert "bench gemm: ImportError: x" in r.why
     r = T.evaluate(SPEED, T.RunData([]))
     assert r.status == T.NOT_RUN and "no rows from bench gemm (not run)" in r.why
     r = T.evaluate(SPEED, T.RunData([_rec("gemm", "other", "A", "triton", 1.0)]))
