@@ -315,7 +315,10 @@ def _one_shape(t: RowTarget, run: RunData, shape: str | None) -> tuple[str, floa
         if not bases:
             return NOT_RUN, None, "baseline " + run.why_missing(t.module, t.base, shape)
         base = min(bases, key=lambda b: b.median_s)
+    note = ""
     if t.pick == "fastest":
+        if len(valid) < len(rows):  # the fastest of those measured: say which were not
+            note = "only " + ", ".join(r.backend for r in valid) + " measured"
         valid = [min(valid, key=lambda r: r.median_s)]
     try:
         vals = [float(t.measure(r, base)) for r in valid]
@@ -324,18 +327,18 @@ def _one_shape(t: RowTarget, run: RunData, shape: str | None) -> tuple[str, floa
     v = min(vals) if t.cmp == ">=" else max(vals)  # the worst when each must pass
     if not math.isfinite(v):
         return NOT_RUN, None, f"{t.measure.__name__} is not finite"
-    return (PASS if _passes(v, t.cmp, t.threshold) else MISS), v, ""
+    return (PASS if _passes(v, t.cmp, t.threshold) else MISS), v, note
 
 
 def _evaluate_rows(t: RowTarget, run: RunData) -> Result:
     per = [(shape, *_one_shape(t, run, shape)) for shape in t.shapes]
     statuses = [s for _, s, _, _ in per]
     measured = " ".join("-" if v is None else t.fmt.format(v) for _, _, v, _ in per)
-    not_run = [(shape, why) for shape, s, _, why in per if s == NOT_RUN]
-    if len({why for _, why in not_run}) <= 1:  # one reason for all (e.g. the module did not run): said once
-        whys = [why for _, why in not_run[:1]]
+    noted = [(shape, why) for shape, _, _, why in per if why]
+    if len({why for _, why in noted}) <= 1:  # one reason for all (e.g. the module did not run): said once
+        whys = [why for _, why in noted[:1]]
     else:
-        whys = [f"{shape}: {why}" for shape, why in not_run]
+        whys = [f"{shape}: {why}" for shape, why in noted]
     if MISS in statuses:
         status = MISS
         if NOT_RUN in statuses:

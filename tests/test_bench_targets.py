@@ -190,7 +190,8 @@ def test_fastest_alternative_counts_and_worst_must_pass():
     assert T.evaluate(fastest, T.RunData(rows)).measured == "1.33x"
     # one alternative failing: the other still counts
     rows[2] = _rec("moe", "moe", "S", "row", float("nan"), extra={"error": "x"})
-    assert T.evaluate(fastest, T.RunData(rows)).status == T.MISS
+    r = T.evaluate(fastest, T.RunData(rows))
+    assert (r.status, r.why) == (T.MISS, "only block measured")
     mem = T.RowTarget("24", "mem", "lp", T.Sel("lp", ("a", "a+e")), ("S",), T.value_ratio("peak"), "<=", 1.25,
                       base=T.Sel("lp", ("liger",)), pick="worst")
     data = [_rec("lp", "lp", "S", "liger", 1.0, values={"peak": 100}), _rec("lp", "lp", "S", "a", 1.0, values={"peak": 110}),
