@@ -407,7 +407,7 @@ def format_targets(targets: list[Target], run: RunData) -> str:
     data = []
     for t in targets:
         r = evaluate(t, run)
-        data.append([t.issue, t.text, r.measured, r.threshold, r.status, r.why[:160]])
+        data.append([t.issue, t.text, r.measured, r.threshold, r.status, " ".join(r.why.split())[:160]])
     widths = [max(len(c), *(len(d[i]) for d in data)) for i, c in enumerate(cols[:-1])]
     lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths + [0])).rstrip(),
              "-+-".join("-" * w for w in widths + [3])]

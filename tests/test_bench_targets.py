@@ -288,6 +288,11 @@ def test_cli_prints_one_line_per_target(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 + len(T.TARGETS) + 1
     assert out[-1].startswith(f"0 PASS, 0 MISS, {len(T.TARGETS)} NOT RUN")
+    # an error text over several lines (a log tail) stays on its target's line
+    path.write_text(json.dumps(_rec("job", "rl_job", "x", "cuda", float("nan"), extra={"error": "failed:\nTraceback\n  x"})) + "\n")
+    T.main([str(path)])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 + len(T.TARGETS) + 1 and any("cuda: error failed: Traceback x" in line for line in out)
 
 
 # ------------------------------------------------------------------------------ targets vs the modules' CUDA rows
