@@ -28,7 +28,7 @@ BUILD_LIMIT=${GPU_CHECK_BUILD_S:-150}
 TEST_LIMIT=${GPU_CHECK_TEST_S:-150}
 BENCH_LIMIT=${GPU_CHECK_BENCH_S:-90}
 TOTAL_LIMIT=${GPU_CHECK_TOTAL_S:-420}  # no step starts after this many seconds
-END_LIMIT=${GPU_CHECK_END_S:-465}  # a bench's time limit ends here at the latest: the script stays under 8 min
+END_LIMIT=${GPU_CHECK_END_S:-460}  # a bench's time limit ends here at the latest: the script stays under 8 min
 BENCHES=${GPU_CHECK_BENCHES:-"gemm moe attention logprobs job runtime mla_attention"}
 NPROC_TESTS=${GPU_CHECK_TEST_WORKERS:-8}
 # torch finds CUDA_HOME from `which nvcc`, which a wrapper script on the PATH can defeat
@@ -101,12 +101,13 @@ run_tests() {  # folder
   if ! grep -rqE --include='*.py' 'mark\.gpu|mark\("gpu"\)' "$dir"; then
     record "pytest -m gpu $dir" "-" 0 "no gpu-marked tests there"; return
   fi
-  if [ "$(elapsed)" -ge "$TOTAL_LIMIT" ]; then
-    record "pytest -m gpu $dir" skipped 0 "time budget (${TOTAL_LIMIT}s) spent"; return
+  local limit=$(( END_LIMIT - $(elapsed) < TEST_LIMIT ? END_LIMIT - $(elapsed) : TEST_LIMIT ))
+  if [ "$(elapsed)" -ge "$TOTAL_LIMIT" ] || [ "$limit" -lt 15 ]; then
+    record "pytest -m gpu $dir" skipped 0 "time budget (${TOTAL_LIMIT}s to start, ${END_LIMIT}s to end) spent"; return
   fi
   local t0=$(date +%s)
   echo "===== pytest -m gpu $dir" >>"$OUT_DIR/pytest.log"
-  timeout "$TEST_LIMIT" $PY -m pytest -m gpu "$dir" -q -rfE -p no:cacheprovider $xdist \
+  timeout "$limit" $PY -m pytest -m gpu "$dir" -q -rfE -p no:cacheprovider $xdist \
     --junitxml="$JUNIT/$(basename "$dir").xml" >"$OUT_DIR/pytest_part.log" 2>&1
   local rc=$?
   cat "$OUT_DIR/pytest_part.log" >>"$OUT_DIR/pytest.log"
@@ -151,8 +152,9 @@ for op in $BENCHES; do
   fi
   t0=$(date +%s)
   echo "===== bench $op $quick" >>"$OUT_DIR/bench.log"
-  # SIGTERM at the limit: the module writes the rows it finished; SIGKILL 5 s later if it cannot
-  timeout -k 5 "$limit" $PY -m bench "$op" --device cuda $quick --json "$ROWS" >>"$OUT_DIR/bench.log" 2>&1
+  # SIGTERM at the limit: the module writes the rows it finished (bench job stops its job, <= 10 s);
+  # SIGKILL 12 s later if it cannot
+  timeout -k 12 "$limit" $PY -m bench "$op" --device cuda $quick --json "$ROWS" >>"$OUT_DIR/bench.log" 2>&1
   rc=$?
   record "bench $op" "$(status_of $rc)" $(($(date +%s) - t0)) "limit ${limit}s; log: bench.log"
 done
