@@ -28,7 +28,7 @@ BUILD_LIMIT=${GPU_CHECK_BUILD_S:-150}
 TEST_LIMIT=${GPU_CHECK_TEST_S:-150}
 BENCH_LIMIT=${GPU_CHECK_BENCH_S:-90}
 TOTAL_LIMIT=${GPU_CHECK_TOTAL_S:-420}  # no step starts after this many seconds
-END_LIMIT=${GPU_CHECK_END_S:-460}  # a bench's time limit ends here at the latest: the script stays under 8 min
+END_LIMIT=${GPU_CHECK_END_S:-460}  # every step's time limit ends here at the latest: the script stays under 8 min
 BENCHES=${GPU_CHECK_BENCHES:-"gemm moe attention logprobs job runtime mla_attention"}
 NPROC_TESTS=${GPU_CHECK_TEST_WORKERS:-8}
 # torch finds CUDA_HOME from `which nvcc`, which a wrapper script on the PATH can defeat

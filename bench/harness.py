@@ -162,7 +162,10 @@ def row_to_json(row, module: str) -> str:
             return [clean(x) for x in v]
         return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
 
-    fields = {f.name: clean(getattr(row, f.name)) for f in dataclasses.fields(row)}
+    if dataclasses.is_dataclass(row):
+        fields = {f.name: clean(getattr(row, f.name)) for f in dataclasses.fields(row)}
+    else:
+        fields = {"repr": str(row)}
     kind = "row" if isinstance(row, Row) else type(row).__name__
     return json.dumps({"kind": kind, "module": module, **fields}, allow_nan=False)
 

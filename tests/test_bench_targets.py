@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -53,6 +54,15 @@ def test_rows_round_trip_through_json(tmp_path):
     assert _same(back[0], rows[0]) and _same(back[1], rows[1])
     # non-finite numbers are written as null (strict JSON), not as the original value
     assert back[2].gbps is None and back[2].values == {"v": None, "nested": [1, 2.5]}
+    # a module with rows of its own kind (aot's reports): field by field, never taken for a Row
+    report = json.loads(row_to_json(_Report("moe align", 0.5), "aot"))
+    assert report == {"kind": "_Report", "module": "aot", "kernel": "moe align", "spills": 0.5}
+
+
+@dataclasses.dataclass
+class _Report:
+    kernel: str
+    spills: float
 
 
 def test_read_jsonl_leaves_out_a_broken_line(tmp_path, capsys):
