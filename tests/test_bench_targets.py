@@ -259,14 +259,16 @@ def _junit(tmp_path) -> Path:
                    "def test_par(n): pass\n")
     out = tmp_path / "junit"
     out.mkdir()
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(src), f"--junitxml={out / 'runtime.xml'}",
-                    "-o", "addopts=", "--rootdir", str(src.parent)], cwd=src.parent, capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(src), "-o", "addopts=",
+                    f"--junitxml={out / 'runtime.xml'}", "--rootdir", str(src.parent)],
+                   cwd=src.parent, capture_output=True, timeout=120)
     return out
 
 
 def test_test_targets_from_a_real_junit_file(tmp_path):
     run = T.RunData([_status("pytest -m gpu tests/runtime", "FAIL(1)", 30)], T.read_junit(_junit(tmp_path)))
-    named = {n: T.TestTarget("22", n, (("test_gpu_job", n),), "tests/runtime") for n in ("test_ok", "test_bad", "test_two", "test_par", "test_gone")}
+    names = ("test_ok", "test_bad", "test_two", "test_par", "test_gone")
+    named = {n: T.TestTarget("22", n, (("test_gpu_job", n),), "tests/runtime") for n in names}
     assert T.evaluate(named["test_ok"], run).status == T.PASS
     assert T.evaluate(named["test_par"], run).status == T.PASS
     r = T.evaluate(named["test_bad"], run)
@@ -299,7 +301,8 @@ def test_cli_prints_one_line_per_target(tmp_path, capsys):
     assert len(out) == 2 + len(T.TARGETS) + 1
     assert out[-1].startswith(f"0 PASS, 0 MISS, {len(T.TARGETS)} NOT RUN")
     # an error text over several lines (a log tail) stays on its target's line
-    path.write_text(json.dumps(_rec("job", "rl_job", "x", "cuda", float("nan"), extra={"error": "failed:\nTraceback\n  x"})) + "\n")
+    error_row = _rec("job", "rl_job", "x", "cuda", float("nan"), extra={"error": "failed:\nTraceback\n  x"})
+    path.write_text(json.dumps(error_row) + "\n")
     T.main([str(path)])
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 + len(T.TARGETS) + 1 and any("cuda: error failed: Traceback x" in line for line in out)
