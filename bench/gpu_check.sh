@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One GPU check for a machine with no network (torch + triton + pytest preinstalled; the repo is
 # copied, not pip-installed): build primerl._C in place (in the background), run the `gpu` tests,
-# run the speed benches the open issues ask for, and print their tables and a summary last.
-# Everything is time-boxed so that the whole script stays under ~8 minutes.
+# run the speed benches the open issues ask for, and print their tables, a summary and the open
+# issues' done-when targets (PASS / MISS / NOT RUN, from bench/targets.py) last.
+# Everything is time-boxed so that the whole script stays under 8 minutes: no step starts after
+# GPU_CHECK_TOTAL_S, and a bench's limit ends at GPU_CHECK_END_S at the latest (a bench stopped at
+# its limit still writes the rows it finished).
 #
 #   bash bench/gpu_check.sh                      # logs in ${OUT:-/tmp/gpu_check}
 #   GPU_CHECK_QUICK=1 bash bench/gpu_check.sh    # benches with --quick
@@ -11,7 +14,8 @@
 #
 # Optional wheels (pure-Python baselines such as liger-kernel for `bench logprobs`) are installed
 # from ./.whl when that folder exists (carried to the machine: nothing is fetched).
-# Logs: env.txt, build.log, pytest.log, bench.log, summary.txt.
+# Logs: env.txt, build.log, pytest.log, bench.log, summary.txt, targets.txt; data: bench_rows.jsonl
+# (every bench row, `python -m bench --json`, and every step's status), junit/*.xml (the gpu tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,17 +28,30 @@ BUILD_LIMIT=${GPU_CHECK_BUILD_S:-150}
 TEST_LIMIT=${GPU_CHECK_TEST_S:-150}
 BENCH_LIMIT=${GPU_CHECK_BENCH_S:-90}
 TOTAL_LIMIT=${GPU_CHECK_TOTAL_S:-420}  # no step starts after this many seconds
+END_LIMIT=${GPU_CHECK_END_S:-460}  # every step's time limit ends here at the latest: the script stays under 8 min
 BENCHES=${GPU_CHECK_BENCHES:-"gemm moe attention logprobs job runtime mla_attention"}
 NPROC_TESTS=${GPU_CHECK_TEST_WORKERS:-8}
 # torch finds CUDA_HOME from `which nvcc`, which a wrapper script on the PATH can defeat
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 START=$(date +%s)
 SUMMARY="$OUT_DIR/summary.txt"
+ROWS="$OUT_DIR/bench_rows.jsonl"
+JUNIT="$OUT_DIR/junit"
 : >"$SUMMARY"
+: >"$ROWS"
+rm -rf "$JUNIT" && mkdir -p "$JUNIT"
 
 elapsed() { echo $(($(date +%s) - START)); }
-record() {  # step status seconds detail
+json_str() {  # a bash string as a JSON string
+  local s=${1//\\/\\\\}
+  s=${s//\"/\\\"}
+  s=${s//[$'\t\n\r']/ }
+  printf '"%s"' "$s"
+}
+record() {  # step status seconds detail (a summary line, and a status record for bench/targets.py)
   printf '%-34s | %-8s | %5ss | %s\n' "$1" "$2" "$3" "$4" >>"$SUMMARY"
+  printf '{"kind": "status", "step": %s, "status": %s, "seconds": %s, "detail": %s}\n' \
+    "$(json_str "$1")" "$(json_str "$2")" "${3:-0}" "$(json_str "$4")" >>"$ROWS"
 }
 status_of() {  # exit code -> word
   case "$1" in 0) echo ok ;; 124|137) echo TIMEOUT ;; *) echo "FAIL($1)" ;; esac
@@ -74,18 +91,24 @@ wait_build() {
 
 # 2. The gpu-marked tests, one pytest per test folder (same-named test files in two folders cannot
 #    share one pytest process under the default import mode); kernels last, after the build.
-#    rc 5 = nothing selected there.
+#    A folder without gpu-marked tests is not started (a pytest with 8 xdist workers costs ~10-20 s
+#    to select nothing). rc 5 = nothing selected there. JUnit XML per folder for bench/targets.py.
 xdist=""
 $PY -c "import xdist" 2>/dev/null && xdist="-n $NPROC_TESTS"
 : >"$OUT_DIR/pytest.log"
 run_tests() {  # folder
   local dir=$1
-  if [ "$(elapsed)" -ge "$TOTAL_LIMIT" ]; then
-    record "pytest -m gpu $dir" skipped 0 "time budget (${TOTAL_LIMIT}s) spent"; return
+  if ! grep -rqE --include='*.py' 'mark\.gpu|mark\("gpu"\)' "$dir"; then
+    record "pytest -m gpu $dir" "-" 0 "no gpu-marked tests there"; return
+  fi
+  local limit=$(( END_LIMIT - $(elapsed) < TEST_LIMIT ? END_LIMIT - $(elapsed) : TEST_LIMIT ))
+  if [ "$(elapsed)" -ge "$TOTAL_LIMIT" ] || [ "$limit" -lt 15 ]; then
+    record "pytest -m gpu $dir" skipped 0 "time budget (${TOTAL_LIMIT}s to start, ${END_LIMIT}s to end) spent"; return
   fi
   local t0=$(date +%s)
   echo "===== pytest -m gpu $dir" >>"$OUT_DIR/pytest.log"
-  timeout "$TEST_LIMIT" $PY -m pytest -m gpu "$dir" -q -rfE -p no:cacheprovider $xdist >"$OUT_DIR/pytest_part.log" 2>&1
+  timeout "$limit" $PY -m pytest -m gpu "$dir" -q -rfE -p no:cacheprovider $xdist \
+    --junitxml="$JUNIT/$(basename "$dir").xml" >"$OUT_DIR/pytest_part.log" 2>&1
   local rc=$?
   cat "$OUT_DIR/pytest_part.log" >>"$OUT_DIR/pytest.log"
   local tail_line=$(grep -E "[0-9]+ (passed|failed|skipped|errors?|deselected)|no tests ran" "$OUT_DIR/pytest_part.log" | tail -1)
@@ -113,7 +136,8 @@ else
   record "pytest -m vllm tests/runtime" skipped 0 "PRIMERL_VLLM_PYTHON not set (no vLLM on this machine)"
 fi
 
-# 3. The benches the open issues measure (each prints its baseline and ratios).
+# 3. The benches the open issues measure (each prints its baseline and ratios, and appends its rows
+#    to $ROWS for the targets table).
 : >"$OUT_DIR/bench.log"
 known=" $($PY -c "from bench.__main__ import available_ops; print(' '.join(available_ops()))" 2>>"$OUT_DIR/bench.log") "
 quick=""
@@ -122,14 +146,17 @@ for op in $BENCHES; do
   if [[ "$known" != *" $op "* ]]; then
     record "bench $op" skipped 0 "no module bench/$op.py"; continue
   fi
-  if [ "$(elapsed)" -ge "$TOTAL_LIMIT" ]; then
-    record "bench $op" skipped 0 "time budget (${TOTAL_LIMIT}s) spent"; continue
+  limit=$(( END_LIMIT - $(elapsed) < BENCH_LIMIT ? END_LIMIT - $(elapsed) : BENCH_LIMIT ))
+  if [ "$(elapsed)" -ge "$TOTAL_LIMIT" ] || [ "$limit" -lt 15 ]; then
+    record "bench $op" skipped 0 "time budget (${TOTAL_LIMIT}s to start, ${END_LIMIT}s to end) spent"; continue
   fi
   t0=$(date +%s)
   echo "===== bench $op $quick" >>"$OUT_DIR/bench.log"
-  timeout "$BENCH_LIMIT" $PY -m bench "$op" --device cuda $quick >>"$OUT_DIR/bench.log" 2>&1
+  # SIGTERM at the limit: the module writes the rows it finished (bench job stops its job, <= 10 s);
+  # SIGKILL 12 s later if it cannot
+  timeout -k 12 "$limit" $PY -m bench "$op" --device cuda $quick --json "$ROWS" >>"$OUT_DIR/bench.log" 2>&1
   rc=$?
-  record "bench $op" "$(status_of $rc)" $(($(date +%s) - t0)) "log: bench.log"
+  record "bench $op" "$(status_of $rc)" $(($(date +%s) - t0)) "limit ${limit}s; log: bench.log"
 done
 
 echo
@@ -142,3 +169,8 @@ echo
 echo "===== summary ($(elapsed)s total; logs in $OUT_DIR)"
 printf '%-34s | %-8s | %6s | %s\n' step status time detail
 cat "$SUMMARY"
+# 4. The done-when targets of the open issues, from the rows, the step records and the JUnit files.
+printf '{"kind": "status", "step": "total", "status": "-", "seconds": %s, "detail": ""}\n' "$(elapsed)" >>"$ROWS"
+echo
+echo "===== targets (issues 22-24; data: $ROWS, $JUNIT)"
+$PY -m bench.targets "$ROWS" --junit "$JUNIT" 2>&1 | tee "$OUT_DIR/targets.txt"

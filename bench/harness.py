@@ -8,10 +8,14 @@ meaningful with the device and date, which the table header prints.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
+import math
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,7 +34,17 @@ class Row:
     tflops: float | None = None
     ratio: float | None = None  # baseline time / this time, same run
     baseline: str = ""
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # printed in the table's last column
+    values: dict = field(default_factory=dict)  # exact numbers for machine readers (--json), not printed
+
+    def __post_init__(self):
+        if _made_rows is not None:
+            _made_rows.append(self)
+
+
+# every Row made while `python -m bench` runs a module, so that a module stopped at its time limit
+# (SIGTERM from bench/gpu_check.sh's `timeout`) still hands over the rows it had finished
+_made_rows: list[Row] | None = None
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
@@ -133,3 +147,53 @@ def format_table(rows: list[Row]) -> str:
     out = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)), "-+-".join("-" * w for w in widths)]
     out += [" | ".join(str(v).ljust(w) for v, w in zip(d, widths)) for d in data]
     return "\n".join(out)
+
+
+
+def row_to_json(row, module: str) -> str:
+    """One JSON line for ``row`` (``module`` = the bench module that made it); NaN and inf become null.
+    A module whose rows are another dataclass (aot's reports) gets them written field by field."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
+
+    if dataclasses.is_dataclass(row):
+        fields = {f.name: clean(getattr(row, f.name)) for f in dataclasses.fields(row)}
+    else:
+        fields = {"repr": str(row)}
+    kind = "row" if isinstance(row, Row) else type(row).__name__
+    return json.dumps({"kind": kind, "module": module, **fields}, allow_nan=False)
+
+
+def read_jsonl(path) -> list[dict]:
+    """Every record of a JSON-lines file written by ``python -m bench --json`` (or appended to it by
+    bench/gpu_check.sh); a row record's null ``median_s`` reads back as NaN. A line that does not
+    parse (a writer killed mid-line) is left out with a note on stderr, so one bad line cannot hide
+    the rest of a GPU run."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line, strict=False)
+            except json.JSONDecodeError as exc:
+                print(f"{path}:{n}: unreadable line left out ({exc})", file=sys.stderr)
+                continue
+            if rec.get("kind") == "row" and rec.get("median_s") is None:
+                rec["median_s"] = math.nan
+            out.append(rec)
+    return out
+
+
+def row_from_json(rec: dict) -> Row:
+    """The Row of a ``kind == "row"`` record (null median -> NaN)."""
+    row = Row(**{k: rec[k] for k in Row.__dataclass_fields__ if k in rec})
+    if row.median_s is None:
+        row.median_s = math.nan
+    return row

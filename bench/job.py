@@ -38,20 +38,26 @@ def run_job(device: str, seconds: float, out: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(ROOT / "examples" / example),
            "--output_dir", str(out), "--overwrite", "true", "--checkpoint.interval", "0", "--log.plot", "false",
            "--log.progress", "false", "--device", device]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+    log = out.parent / "job.log"  # a file, not a pipe nobody reads: a full pipe (64 KB) would stall the job
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
     deadline = time.monotonic() + seconds
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    elif proc.returncode != 0:
-        raise RuntimeError(f"primerl rl failed (exit {proc.returncode}):\n{proc.stdout.read()[-3000:]}")
+    killed = False
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:  # also when this bench is stopped (SIGTERM): no job left running on the GPU
+        if proc.poll() is None:
+            killed = True
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if not killed and proc.returncode != 0:
+        raise RuntimeError(f"primerl rl failed (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
     return read_metrics(out / "metrics.jsonl")
 
 
@@ -90,4 +96,5 @@ def run(args) -> list[Row]:
         if key in s:
             extra[key] = f"{s[key]:.3f}"
     dtype = "bf16 mixed" if args.device == "cuda" else "fp32"
-    return [Row("rl_job", f"reverse-text 32x8, {seconds:g} s", dtype, args.device, 1.0 / s["steps_per_s"], extra=extra)]
+    return [Row("rl_job", f"reverse-text 32x8, {seconds:g} s", dtype, args.device, 1.0 / s["steps_per_s"], extra=extra,
+                values=s)]

@@ -189,7 +189,8 @@ def _run_cuda(args) -> list[Row]:
                 extra["entropy_on/off"] = f"{t / ok['primerl'][0]:.2f}"
             ref = "liger" if "liger" in ok and path != "liger" else ""
             rows.append(Row("logprobs fwd+bwd", shape, "bf16", path, t, tflops=flops / t / 1e12,
-                            ratio=ok[ref][0] / t if ref else None, baseline=ref, extra=extra))
+                            ratio=ok[ref][0] / t if ref else None, baseline=ref, extra=extra,
+                            values={"peak_extra_bytes": mem}))
         del hidden, weight, targets, g_lp, g_ent
         torch.cuda.empty_cache()
     return rows

@@ -161,7 +161,8 @@ def _run_cuda_experts() -> list[Row]:
                 extra["peak_vs_bf16"] = f"{peak / bf16_peak:.2f}x ({(peak - bf16_peak) / 1e9:+.2f} GB)"
             rows.append(Row("moe_experts_fwd_bwd", shape, "bf16", name, s, tflops=flops / s / 1e12,
                             ratio=None if base is None or name == "torchtitan_baseline" else base / s,
-                            baseline="torchtitan_baseline" if name != "torchtitan_baseline" else "", extra=extra))
+                            baseline="torchtitan_baseline" if name != "torchtitan_baseline" else "", extra=extra,
+                            values={"peak_bytes": peak}))
     return rows
 
 

@@ -128,7 +128,7 @@ def run(args) -> list[Row]:
                 base = rates.get("fp32") if name != "fp32" else None
                 rows.append(Row("decode", shape, name, "engine cuda", n / rates[name],
                                 ratio=rates[name] / base if base else None, baseline="fp32" if base else "",
-                                extra={"tok/s": f"{rates[name]:.0f}"}))
+                                extra={"tok/s": f"{rates[name]:.0f}"}, values={"tok_per_s": rates[name]}))
             except Exception as e:  # noqa: BLE001 - report the failure as a row
                 rows.append(Row("decode", shape, name, "engine cuda", float("nan"), extra={"error": repr(e)[:300]}))
         return rows  # the job on CUDA is `python -m bench job --device cuda` (this module has ~60 s there)
