@@ -99,6 +99,7 @@ def _m_grouped_fp8_kernel(
     M, N, K, num_entries, max_m, num_m_tiles, num_progs, stride_dm, stride_cm, stride_sam, stride_sbg, stride_sbn,
     MODE: tl.constexpr, HAS_C: tl.constexpr, SB_GRAN: tl.constexpr, ENTRIES_P2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIZZLE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HALVES: tl.constexpr, PIN: tl.constexpr,
 ):
     """FP8 D[rows] = A[rows] @ B[g].T (+ C) with TMA: a_desc over A [M, K], b_desc over B [G*N, K]
     (both K-major), sa [M, K/128] per-row scales, sb [G, N/SB_GRAN, K/128] (SB_GRAN 128: one scale
@@ -109,15 +110,20 @@ def _m_grouped_fp8_kernel(
     Each 128-wide K block's partial product is scaled in float32 registers and added (scale
     promotion); the block's A and B scales are loaded one K step ahead (the TMA pipeline does not
     cover them, and their L2 latency would otherwise sit between the wgmma and the FMAs). Rows
-    another group owns are read (TMA loads whole boxes) but never stored."""
+    another group owns are read (TMA loads whole boxes) but never stored.
+
+    HALVES=2 (block scales, BN=128): a tile is BM x 2*BN, two accumulators that share each A box,
+    so a K block reads A once for two B boxes (48 KB per 2*BM*BN*BK*2 FLOP instead of 32 KB per
+    half as many); the halves are promoted in turn, one [BM, BN] partial product live at a time
+    (PIN, compiled mode: see _pin)."""
     pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BN)
+    tiles_n = tl.cdiv(N, BN * HALVES)
     num_k = tl.cdiv(K, BK)
     for tile in range(pid, num_m_tiles * tiles_n, num_progs):
         mt, pn = _tile_in_group(tile, num_m_tiles, tiles_n, SWIZZLE)
         row0, rows, store_ok, row_ok, g, foreign = _m_tile_rows(
             mt, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr, M, num_entries, max_m, MODE, ENTRIES_P2, BM)
-        n0 = pn * BN
+        n0 = pn * (BN * HALVES)
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < N
         g64 = tl.maximum(g, 0).to(tl.int64)
@@ -130,7 +136,11 @@ def _m_grouped_fp8_kernel(
         sa_next = tl.load(sa_ptrs, mask=row_ok & (steps > 0), other=0.0)
         if SB_GRAN != 1:
             sb_next = tl.load(sb_ptrs, mask=steps > 0, other=0.0)
+            if HALVES == 2:
+                sb1_ptrs = sb_ptrs + ((n0 + BN) // SB_GRAN - n0 // SB_GRAN) * stride_sbn
+                sb1_next = tl.load(sb1_ptrs, mask=steps > 0, other=0.0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in tl.range(0, steps, warp_specialize=WARP_SPECIALIZE):
             a = a_desc.load([row0, kb * BK])
             b = b_desc.load([g * N + n0, kb * BK])
@@ -143,16 +153,42 @@ def _m_grouped_fp8_kernel(
                 scale = sa * sb_next
                 sb_next = tl.load(sb_ptrs + (kb + 1), mask=kb + 1 < steps, other=0.0)
                 acc += tl.dot(a, b.T) * scale[:, None]
-        out = tl.where(row_ok[:, None], acc, 0.0)
-        if MODE == 2:
-            # a row of another group here means the layout's alignment is not the one the launch
-            # assumed: NaN, never a silent zero
-            out = tl.where(foreign[:, None], float("nan"), out)
-        st_mask = store_ok[:, None] & n_ok[None, :]
-        if HAS_C:
-            out += tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=st_mask, other=0.0)
-        tl.store(d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :], out.to(d_ptr.dtype.element_ty),
-                 mask=st_mask)
+                if HALVES == 2:
+                    if PIN:
+                        acc = _pin(acc)
+                    b1 = b_desc.load([g * N + n0 + BN, kb * BK])
+                    scale1 = sa * sb1_next
+                    sb1_next = tl.load(sb1_ptrs + (kb + 1), mask=kb + 1 < steps, other=0.0)
+                    acc1 += tl.dot(a, b1.T) * scale1[:, None]
+        _store_tile(acc, d_ptr, c_ptr, rows, offs_n, store_ok, row_ok, foreign, n_ok, stride_dm, stride_cm, MODE, HAS_C)
+        if HALVES == 2:
+            _store_tile(acc1, d_ptr, c_ptr, rows, offs_n + BN, store_ok, row_ok, foreign, offs_n + BN < N, stride_dm,
+                        stride_cm, MODE, HAS_C)
+
+
+@triton.jit
+def _pin(x):
+    """x itself, through an opaque (side-effecting) register move: the FMAs that produce x stay
+    before the next wgmma batch. Without it LLVM sinks the first half's promotion FMAs below the
+    second half's wgmma, which keeps two partial products live (3 x 64 accumulator registers per
+    thread at 128 x 256: ptxas spills)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_tile(acc, d_ptr, c_ptr, rows, offs_n, store_ok, row_ok, foreign, n_ok, stride_dm, stride_cm,
+                MODE: tl.constexpr, HAS_C: tl.constexpr):
+    """D[rows, offs_n] = acc (+ C) where rows are stored; rows the tile computes nothing for get zero."""
+    out = tl.where(row_ok[:, None], acc, 0.0)
+    if MODE == 2:
+        # a row of another group here means the layout's alignment is not the one the launch
+        # assumed: NaN, never a silent zero
+        out = tl.where(foreign[:, None], float("nan"), out)
+    st_mask = store_ok[:, None] & n_ok[None, :]
+    if HAS_C:
+        out += tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=st_mask, other=0.0)
+    tl.store(d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :], out.to(d_ptr.dtype.element_ty),
+             mask=st_mask)
 
 
 @triton.jit
@@ -236,16 +272,29 @@ def _group_blocks_kernel(q_ptr, out_ptr, offsets_ptr, block_start_ptr, C, G, use
         dst = out_ptr + blk.to(tl.int64) * C * BT + cols.to(tl.int64)[None, :] * BT + local[:, None]
         tl.store(dst, x, mask=c_ok[None, :])
 
-def fp8_structure(cfg: dict, sb_gran: int, mode: int, has_c: bool, interpreter: bool | None = None) -> dict:
+def fp8_structure(cfg: dict, sb_gran: int, mode: int, has_c: bool, n: int = 0, num_m_tiles: int = 0,
+                  interpreter: bool | None = None) -> dict:
     """The TMA FP8 kernel's launch options beyond the tile table: SWIZZLE (M-tiles per L2 band),
     WARP_SPECIALIZE (a TMA producer warpgroup beside the consumers; off: Triton's software
-    pipeline over `num_stages` TMA stages), and BN caps where 128 columns spill (per-row B
-    scales, measured with primerl.kernels.aot)."""
-    out = dict(cfg, SWIZZLE=8, WARP_SPECIALIZE=False)
-    if sb_gran == 1 and not (_base.triton_interpreter_enabled() if interpreter is None else interpreter):
+    pipeline over `num_stages` TMA stages), BN caps where 128 columns spill (per-row B scales,
+    measured with primerl.kernels.aot), and HALVES: 2 for BM x 256 tiles (two 128-column
+    accumulators sharing each A box: 25% fewer L2 bytes per FLOP, the bound of 128 x 128 FP8
+    tiles) with block B scales and no C where N is a multiple of 256, unless the wider tiles
+    would cost more than ~15% in wave quantization (e.g. M = 128: 28 tiles instead of 56)."""
+    interp = _base.triton_interpreter_enabled() if interpreter is None else interpreter
+    out = dict(cfg, SWIZZLE=8, WARP_SPECIALIZE=False, HALVES=1, PIN=not interp)
+    if sb_gran == 1 and not interp:
         # per-row B scales: a thread keeps one B scale per accumulator column; at 128 columns
         # ptxas spills on sm_100a (170 LDL/STL measured with primerl.kernels.aot)
         out["BN"] = min(out["BN"], _base.BN_PER_ROW_B)
+    wide = sb_gran == BLOCK and not has_c and out["BN"] == BLOCK and n % (2 * BLOCK) == 0
+    if wide and interp:
+        out["HALVES"] = 2
+    elif wide and out["BM"] == BLOCK:
+        sms = _base._num_sms()
+        waves = _base._cdiv(num_m_tiles * (n // BLOCK), sms)  # in units of a 128 x 128 tile's time
+        if 2 * _base._cdiv(num_m_tiles * (n // (2 * BLOCK)), sms) <= 1.15 * waves:
+            out["HALVES"] = 2
     return out
 
 
@@ -255,15 +304,16 @@ def launch_m_grouped(a, sa, b, sb, out, mode, group, row_start, row_count, b_ind
     a holds G blocks of max_m rows, row_count = masked_m."""
     m, k = a.shape
     groups, n = b.shape[:2]
-    cfg = fp8_structure(cfg, sb_gran, mode, c is not None)
-    bm = cfg.pop("BM")
+    bm = cfg["BM"]
     if mode == _base.MODE_MASKED:
         num_m_tiles = groups * _base._cdiv(max_m, bm)
     elif mode != _base.MODE_TABLE:
         num_m_tiles = _base._cdiv(m, bm)
     elif num_m_tiles == 0:
         num_m_tiles = _base._cdiv(m, bm) + num_entries
-    total = num_m_tiles * _base._cdiv(n, cfg["BN"])
+    cfg = fp8_structure(cfg, sb_gran, mode, c is not None, n, num_m_tiles)
+    del cfg["BM"]
+    total = num_m_tiles * _base._cdiv(n, cfg["BN"] * cfg["HALVES"])
     if total == 0 or n == 0 or m == 0:
         return out
     if a.stride(1) != 1 or b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
