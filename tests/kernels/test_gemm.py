@@ -332,6 +332,29 @@ def test_fp8_wide_tiles(monkeypatch, layout):
     assert [cfg["HALVES"] for cfg in seen] == [2], seen
 
 
+@pytest.mark.parametrize("layout", ["rows", "blocks"])
+def test_k_grouped_fp8_wide_tiles(monkeypatch, layout):
+    """N a multiple of 256: the k-grouped kernel takes 256 x BK tiles (HALVES=2, two n halves
+    sharing each B box and its column scales); N = 512 gives two per group, K = 160 a partial
+    k tile; ragged and empty groups."""
+    from primerl.kernels.gemm import triton_fp8 as F
+
+    real, seen = F.k_grouped_halves, []
+    monkeypatch.setattr(F, "k_grouped_halves", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    counts, n, k = [37, 0, 130, 2], 512, 160
+    total = sum(counts)
+    dy, x = _randn(total + 2, n, seed=31), _randn(total + 2, k, seed=32)
+    offs = _offsets(counts)
+    a = G.quant_per_group_colwise(dy, offs, layout=layout, backend="triton")
+    b = G.quant_per_group_colwise(x, offs, layout=layout, backend="triton")
+    out = G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, backend="triton")
+    rows = [G.quant_per_group_colwise(t, offs, backend="torch") for t in (dy, x)]
+    deq = R.k_grouped_fp8_gemm_tn_contiguous(rows[0], rows[1], offs, torch.float32)
+    exact = torch.stack([dy[s - c:s].double().t() @ x[s - c:s].double() for s, c in zip(offs.tolist(), counts)])
+    _check_fp8(out, deq, exact)
+    assert [cfg["HALVES"] for cfg in seen] == [2], seen
+
+
 def test_fp8_wide_tile_choice(monkeypatch):
     """128 x 256 tiles where N allows them and they keep the SMs about as busy (GPU tile table,
     132 SMs): M = 4096 and the masked 8 x 128-row case take them, M = 128 (56 narrow tiles, 28
@@ -347,6 +370,11 @@ def test_fp8_wide_tile_choice(monkeypatch):
     assert halves(32, 4096) == 2 and halves(8, 4096) == 2 and halves(256, 7168) == 2
     assert halves(1, 7168) == 1 and halves(32, 2112) == 1
     assert halves(32, 4096, sb_gran=1) == 1 and halves(32, 4096, has_c=True) == 1
+    # k-grouped: dW [4, 4096, 7168] (4 x 32 x 56 narrow tiles) takes 256-row tiles, N = 2112 cannot
+    kcfg = F.k_grouped_tiles(interpreter=False, arch_major=9)
+    assert F.k_grouped_halves(kcfg, 4096, 7168, 4, interpreter=False, arch_major=9)["HALVES"] == 2
+    assert F.k_grouped_halves(kcfg, 2112, 7168, 4, interpreter=False, arch_major=9)["HALVES"] == 1
+    assert F.k_grouped_halves(kcfg, 4096, 7168, 4, interpreter=False, arch_major=10)["HALVES"] == 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -601,7 +629,8 @@ check(F._m_grouped_fp8_kernel, tsig, dict(tconst, MODE=T.MODE_DENSE, HAS_C=True,
 ksig = dict(a_desc=desc, b_desc=desc, sa_ptr="*fp32", sb_ptr="*fp32", d_ptr="*fp32", c_ptr="*fp32", offsets_ptr="*i32",
             block_start_ptr="*i32")
 ksig.update({n: "i32" for n in ["N", "K", "G", "num_progs", "stride_sa", "stride_sb"]})
-check(F._k_grouped_fp8_kernel, ksig, dict(HAS_C=False, BN=128, BK=128, BT=128, SWIZZLE=8, PREFETCH_SCALES=True),
+check(F._k_grouped_fp8_kernel, ksig, dict(HAS_C=False, BN=128, BK=128, BT=128, SWIZZLE=8, PREFETCH_SCALES=False,
+                                          HALVES=2, PIN=True),
       ["sa_ptr", "sb_ptr", "N", "K", "stride_sa", "stride_sb"], 4, 8)
 qsig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", sf_ptr="*fp32", offsets_ptr="*i32", block_start_ptr="*i32", T="i32",
             C="i32", G="i32", R="i32", used_blocks_ptr="*i32")

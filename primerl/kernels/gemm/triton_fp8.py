@@ -195,7 +195,7 @@ def _store_tile(acc, d_ptr, c_ptr, rows, offs_n, store_ok, row_ok, foreign, n_ok
 def _k_grouped_fp8_kernel(
     a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr, N, K, G, num_progs, stride_sa, stride_sb,
     HAS_C: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SWIZZLE: tl.constexpr,
-    PREFETCH_SCALES: tl.constexpr,
+    PREFETCH_SCALES: tl.constexpr, HALVES: tl.constexpr, PIN: tl.constexpr,
 ):
     """d[g] = A_g.T @ B_g (+ c[g]) from K-major FP8 group blocks: a_desc over A [R*N, BT], b_desc
     over B [R*K, BT], rows r*N + n holding column n of scale block r (row i of the block at
@@ -208,15 +208,19 @@ def _k_grouped_fp8_kernel(
     product in float32 registers (scale promotion) and adds it. A thread needs one B scale per
     accumulator column (32 at 128x128 / 8 warps): PREFETCH_SCALES loads block j+1's scales while
     block j computes (their L2 latency is otherwise paid after every wait; it costs ~30 registers,
-    which spill on sm_100a, where the loads stay in step)."""
+    which spill on sm_100a, where the loads stay in step).
+
+    HALVES=2: a tile is 2*BN x BK, two accumulators (n halves) sharing each B box and its BK column
+    scales: 48 KB of A+B per block for twice the FLOPs of a BN x BK tile's 32 KB (as in
+    _m_grouped_fp8_kernel); scales load in step (no register room for prefetch)."""
     pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BN)
+    tiles_n = tl.cdiv(N, BN * HALVES)
     tiles_k = tl.cdiv(K, BK)
     per_group = tiles_n * tiles_k
     for tile in range(pid, G * per_group, num_progs):
         g = tile // per_group
         pn, pk = _tile_in_group(tile % per_group, tiles_n, tiles_k, SWIZZLE)
-        n0 = pn * BN
+        n0 = pn * (BN * HALVES)
         k0 = pk * BK
         offs_n = n0 + tl.arange(0, BN)
         offs_k = k0 + tl.arange(0, BK)
@@ -232,6 +236,7 @@ def _k_grouped_fp8_kernel(
             sa_next = tl.load(sa_ptrs, mask=n_ok & (steps > 0), other=0.0)
             sb_next = tl.load(sb_ptrs, mask=k_ok & (steps > 0), other=0.0)
         acc = tl.zeros((BN, BK), dtype=tl.float32)
+        acc1 = tl.zeros((BN, BK), dtype=tl.float32)
         for j in range(0, steps):
             a = a_desc.load([(blk0 + j) * N + n0, 0])
             b = b_desc.load([(blk0 + j) * K + k0, 0])
@@ -244,11 +249,24 @@ def _k_grouped_fp8_kernel(
                 sa = tl.load(sa_ptrs + j * stride_sa, mask=n_ok, other=0.0)
                 sb = tl.load(sb_ptrs + j * stride_sb, mask=k_ok, other=0.0)
             acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
-        out_offs = g.to(tl.int64) * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-        st_mask = n_ok[:, None] & k_ok[None, :]
-        if HAS_C:
-            acc += tl.load(c_ptr + out_offs, mask=st_mask, other=0.0)
-        tl.store(d_ptr + out_offs, acc.to(d_ptr.dtype.element_ty), mask=st_mask)
+            if HALVES == 2:
+                if PIN:
+                    acc = _pin(acc)
+                a1 = a_desc.load([(blk0 + j) * N + n0 + BN, 0])
+                sa1 = tl.load(sa_ptrs + BN + j * stride_sa, mask=offs_n + BN < N, other=0.0)
+                acc1 += tl.dot(a1, b.T) * (sa1[:, None] * sb[None, :])
+        _store_k_tile(acc, d_ptr, c_ptr, g, offs_n, offs_k, n_ok, k_ok, N, K, HAS_C)
+        if HALVES == 2:
+            _store_k_tile(acc1, d_ptr, c_ptr, g, offs_n + BN, offs_k, offs_n + BN < N, k_ok, N, K, HAS_C)
+
+
+@triton.jit
+def _store_k_tile(acc, d_ptr, c_ptr, g, offs_n, offs_k, n_ok, k_ok, N, K, HAS_C: tl.constexpr):
+    out_offs = g.to(tl.int64) * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    st_mask = n_ok[:, None] & k_ok[None, :]
+    if HAS_C:
+        acc += tl.load(c_ptr + out_offs, mask=st_mask, other=0.0)
+    tl.store(d_ptr + out_offs, acc.to(d_ptr.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit
@@ -345,9 +363,28 @@ def k_grouped_tiles(interpreter: bool | None = None, arch_major: int | None = No
     128-wide blocks of the reduction (one scale row each), 4 TMA stages of A+B (128 KB); scale
     prefetch on Hopper (see _k_grouped_fp8_kernel)."""
     if _base.triton_interpreter_enabled() if interpreter is None else interpreter:
-        return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=True, num_warps=4, num_stages=1)
+        return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=True, HALVES=1, PIN=False, num_warps=4,
+                    num_stages=1)
     major = _base._arch_major() if arch_major is None else arch_major
-    return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=major == 9, num_warps=8, num_stages=4)
+    return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=major == 9, HALVES=1, PIN=True, num_warps=8,
+                num_stages=4)
+
+
+def k_grouped_halves(cfg: dict, n: int, k: int, groups: int, has_c: bool = False, interpreter: bool | None = None,
+                     arch_major: int | None = None) -> dict:
+    """HALVES=2 (2*BN x BK tiles, see _k_grouped_fp8_kernel) on Hopper where N is a multiple of
+    2*BN and the wider tiles cost at most ~15% in wave quantization; scale prefetch off there
+    (registers). Not on Blackwell, nor with C added in the epilogue: those spill (sm_100a 96, + C on
+    sm_90a 4 LDL/STL, primerl.kernels.aot)."""
+    interp = _base.triton_interpreter_enabled() if interpreter is None else interpreter
+    major = _base._arch_major() if arch_major is None else arch_major
+    if n % (2 * cfg["BN"]) != 0 or (not interp and (major != 9 or has_c)):
+        return cfg
+    narrow = groups * (n // cfg["BN"]) * _base._cdiv(k, cfg["BK"])
+    sms = _base._num_sms()
+    if interp or 2 * _base._cdiv(narrow // 2, sms) <= 1.15 * _base._cdiv(narrow, sms):
+        return dict(cfg, HALVES=2, PREFETCH_SCALES=False)
+    return cfg
 
 
 def _group_blocks(q: torch.Tensor, offsets: torch.Tensor, block_start: torch.Tensor, used: torch.Tensor,
@@ -379,11 +416,11 @@ def k_grouped(a, sa, b, sb, offsets, out_dtype, out=None, c=None):
     block_start = (torch.cumsum(nblocks, 0, dtype=torch.int32) - nblocks).to(torch.int32)
     used = nblocks.sum(dtype=torch.int32).reshape(1)
     ab, bb = (q if q.dim() == 3 else _group_blocks(q, offsets, block_start, used, num_blocks) for q in (a, b))
-    cfg = k_grouped_tiles()
+    cfg = k_grouped_halves(k_grouped_tiles(), n, k, groups, c is not None)
     ab, bb = (t.reshape(-1, BLOCK) if t.data_ptr() % 16 == 0 else t.reshape(-1, BLOCK).clone() for t in (ab, bb))
     a_desc = TensorDescriptor(ab, list(ab.shape), [BLOCK, 1], [cfg["BN"], cfg["BT"]])
     b_desc = TensorDescriptor(bb, list(bb.shape), [BLOCK, 1], [cfg["BK"], cfg["BT"]])
-    total = groups * _base._cdiv(n, cfg["BN"]) * _base._cdiv(k, cfg["BK"])
+    total = groups * _base._cdiv(n, cfg["BN"] * cfg["HALVES"]) * _base._cdiv(k, cfg["BK"])
     num_progs = min(total, _base._num_sms()) if _base._num_sms() > 1 else total
     _k_grouped_fp8_kernel[(num_progs,)](
         a_desc, b_desc, sa, sb, out, c if c is not None else out, offsets, block_start,
