@@ -367,6 +367,7 @@ def test_fp8_wide_tile_choice(monkeypatch):
         return F.fp8_structure(cfg, sb_gran, T.MODE_DENSE, has_c, n, m_tiles, interpreter=False)["HALVES"]
 
     monkeypatch.setattr(T, "_num_sms", lambda: 132)
+    monkeypatch.setattr(T, "_arch_major", lambda: 9)
     assert halves(32, 4096) == 2 and halves(8, 4096) == 2 and halves(256, 7168) == 2
     assert halves(1, 7168) == 1 and halves(32, 2112) == 1
     assert halves(32, 4096, sb_gran=1) == 1 and halves(32, 4096, has_c=True) == 1
@@ -375,6 +376,8 @@ def test_fp8_wide_tile_choice(monkeypatch):
     assert F.k_grouped_halves(kcfg, 4096, 7168, 4, interpreter=False, arch_major=9)["HALVES"] == 2
     assert F.k_grouped_halves(kcfg, 2112, 7168, 4, interpreter=False, arch_major=9)["HALVES"] == 1
     assert F.k_grouped_halves(kcfg, 4096, 7168, 4, interpreter=False, arch_major=10)["HALVES"] == 1
+    monkeypatch.setattr(T, "_arch_major", lambda: 10)
+    assert halves(32, 4096) == 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -298,7 +298,8 @@ def fp8_structure(cfg: dict, sb_gran: int, mode: int, has_c: bool, n: int = 0, n
     measured with primerl.kernels.aot), and HALVES: 2 for BM x 256 tiles (two 128-column
     accumulators sharing each A box: 25% fewer L2 bytes per FLOP, the bound of 128 x 128 FP8
     tiles) with block B scales and no C where N is a multiple of 256, unless the wider tiles
-    would cost more than ~15% in wave quantization (e.g. M = 128: 28 tiles instead of 56)."""
+    would cost more than ~15% in wave quantization (e.g. M = 128: 28 tiles instead of 56). Hopper
+    only: on sm_100a the offsets (table) mode spills at 128 x 256 (2 LDL/STL, primerl.kernels.aot)."""
     interp = _base.triton_interpreter_enabled() if interpreter is None else interpreter
     out = dict(cfg, SWIZZLE=8, WARP_SPECIALIZE=False, HALVES=1, PIN=not interp)
     if sb_gran == 1 and not interp:
@@ -308,7 +309,7 @@ def fp8_structure(cfg: dict, sb_gran: int, mode: int, has_c: bool, n: int = 0, n
     wide = sb_gran == BLOCK and not has_c and out["BN"] == BLOCK and n % (2 * BLOCK) == 0
     if wide and interp:
         out["HALVES"] = 2
-    elif wide and out["BM"] == BLOCK:
+    elif wide and out["BM"] == BLOCK and _base._arch_major() == 9:
         sms = _base._num_sms()
         waves = _base._cdiv(num_m_tiles * (n // BLOCK), sms)  # in units of a 128 x 128 tile's time
         if 2 * _base._cdiv(num_m_tiles * (n // (2 * BLOCK)), sms) <= 1.15 * waves:
