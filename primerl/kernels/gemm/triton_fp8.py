@@ -248,13 +248,13 @@ def _k_grouped_fp8_kernel(
             else:
                 sa = tl.load(sa_ptrs + j * stride_sa, mask=n_ok, other=0.0)
                 sb = tl.load(sb_ptrs + j * stride_sb, mask=k_ok, other=0.0)
-            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+            acc += tl.dot(a, b.T) * sb[None, :] * sa[:, None]
             if HALVES == 2:
                 if PIN:
                     acc = _pin(acc)
                 a1 = a_desc.load([(blk0 + j) * N + n0 + BN, 0])
                 sa1 = tl.load(sa_ptrs + BN + j * stride_sa, mask=offs_n + BN < N, other=0.0)
-                acc1 += tl.dot(a1, b.T) * (sa1[:, None] * sb[None, :])
+                acc1 += tl.dot(a1, b.T) * sb[None, :] * sa1[:, None]
         _store_k_tile(acc, d_ptr, c_ptr, g, offs_n, offs_k, n_ok, k_ok, N, K, HAS_C)
         if HALVES == 2:
             _store_k_tile(acc1, d_ptr, c_ptr, g, offs_n + BN, offs_k, offs_n + BN < N, k_ok, N, K, HAS_C)
