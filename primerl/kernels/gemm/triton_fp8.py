@@ -19,6 +19,15 @@ layout="blocks")`` writes directly; row-major operands are re-laid out in one pa
 TMA box then starts at a block boundary and the kernel needs no masks; output tiles 128 x 128,
 scales ``sa[block, n] * sb[block, k]`` applied per block (two multiplies per element).
 
+Wide tiles on Hopper (``HALVES=2``): a 128 x 128 FP8 tile moves 32 KB from L2 per 4.2 MFLOP, so
+at the H200's ~8 TB/s of L2 bandwidth it cannot pass ~1020 TF/s (the m-grouped kernel measured
+937); m-grouped tiles of 128 x 256 (two accumulators sharing each A box) and k-grouped tiles of
+256 x 128 (sharing each B box and its column scales) move 48 KB per 8.4 MFLOP (bound ~1360 /
+~1170 TF/s, see bench/RESULTS.md). Three 128 x 128 fp32 accumulators (two results and one
+partial product) are what 8 warps hold without spilling; a larger tile or an in-flight second
+partial (promotion overlapped with the next wgmma) is not: the latter makes ptxas serialize the
+wgmma (its C7514 note, which primerl.kernels.aot flags).
+
 Warp specialization (``tl.range(warp_specialize=True)``) compiles on sm_90a with triton 3.6-3.7
 only at 64-row tiles and measured 0.6x the software pipeline on the H200 (2026-12-04): off.
 """
