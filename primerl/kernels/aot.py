@@ -107,6 +107,7 @@ class Report:
     tma_loads: int | None = None  # UTMALDG (tensor TMA) + UBLKCP (bulk copy) instructions in the SASS
     setmaxnreg: int | None = None  # SETMAXNREG / USETMAXREG: register reallocation between warpgroups
     persistent: bool | None = None  # the kernel loops over tiles with a stride of its program count
+    wgmma_serialized: bool | None = None  # ptxas serialized the warpgroup MMAs (its C7514 note)
     tile: str = ""  # BMxBNxBK (BNxBKxBT for the k-grouped kernel), warps, stages
     tcgen05_ptx: bool = False
     compile_s: float = 0.0
@@ -218,7 +219,9 @@ def _config(launch: Launch, options) -> str:
 def _structure(launch: Launch, options) -> tuple[str, bool]:
     """(tile "BMxBNxBK w8 s4" from the launch's block constexprs, whether the kernel is persistent:
     it takes its program count and strides over tiles)."""
-    kw = launch.kwargs
+    kw = dict(launch.kwargs)
+    if isinstance(kw.get("BN"), int) and kw.get("HALVES", 1) > 1:  # BN is the width of one accumulator
+        kw["BN"] *= kw["HALVES"]
     dims = [kw[k] for k in ("BM", "BN", "BK", "BT", "BC", "BLOCK_M", "BLOCK_N", "BLOCK_K") if isinstance(kw.get(k), int)]
     tile = "x".join(str(d) for d in dims[:3])
     tile = f"{tile} w{options.num_warps} s{options.num_stages}" if tile else f"w{options.num_warps} s{options.num_stages}"
@@ -252,6 +255,19 @@ def read_cubin(cubin: bytes) -> dict:
     }
 
 
+def wgmma_serialized(ptx: str, arch: str) -> bool:
+    """Whether ptxas serializes the kernel's warpgroup MMAs (a wait after every wgmma instead of
+    one per batch), which it reports only as an info line (C7514: e.g. a non-wgmma instruction
+    reading an in-flight accumulator, or too few registers for the wgmma pipeline)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([_tool("ptxas"), f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True)
+    return "C7514" in done.stderr or "wgmma.mma_async instructions are serialized" in done.stderr
+
+
 def compile_launch(launch: Launch, target: Target) -> Report:
     import triton
 
@@ -270,6 +286,8 @@ def compile_launch(launch: Launch, target: Target) -> Report:
         rep.tcgen05_ptx = "tcgen05.mma" in k.asm["ptx"]
         for key, value in read_cubin(k.asm["cubin"]).items():
             setattr(rep, key, value)
+        if "wgmma" in k.asm["ptx"]:
+            rep.wgmma_serialized = wgmma_serialized(k.asm["ptx"], target.arch)
     except Exception as e:  # a kernel that does not compile is a finding, reported per kernel
         lines = str(e).strip().splitlines() or [""]
         fatal = [line for line in lines if "ptxas fatal" in line]
@@ -328,6 +346,8 @@ def problems(rep: Report) -> list[str]:
     out = []
     if rep.spill_ops or rep.stack_bytes:
         out.append(f"spills: {rep.spill_ops} local loads/stores, {rep.stack_bytes} B stack")
+    if rep.wgmma_serialized:
+        out.append("ptxas serialized the wgmma pipeline (C7514): a wait after every warpgroup MMA")
     if rep.shared_bytes is not None and rep.shared_bytes > SHARED_LIMIT_BYTES:
         out.append(f"shared memory {rep.shared_bytes} B > {SHARED_LIMIT_BYTES} B per block")
     if rep.expected_mma is not None:
@@ -389,9 +409,10 @@ def compile_reports(archs=("sm_90a", "sm_100a"), subset: str = "all", extra: str
 def format_reports(reports: list[Report]) -> str:
     """One row per compiled kernel. Structure columns: ``tile`` (block shape, warps, stages),
     ``TMA`` (UTMALDG/UBLKCP count in the SASS), ``maxreg`` (SETMAXNREG/USETMAXREG count:
-    warp-specialized register reallocation), ``pers`` (persistent grid)."""
-    cols = ["kernel", "target", "tile", "TMA", "maxreg", "pers", "regs", "spills", "shared", "MMA", "case", "config",
-            "check"]
+    warp-specialized register reallocation), ``pers`` (persistent grid), ``wgmma`` (``async``:
+    warpgroup MMAs issued in batches; ``SERIAL``: ptxas waits after each one)."""
+    cols = ["kernel", "target", "tile", "TMA", "maxreg", "pers", "wgmma", "regs", "spills", "shared", "MMA", "case",
+            "config", "check"]
     rows = []
     for r in reports:
         bad = problems(r)
@@ -399,7 +420,9 @@ def format_reports(reports: list[Report]) -> str:
         case = r.case + (f" (+{len(r.also_cases)} more)" if r.also_cases else "")
         num = lambda v: "-" if v is None else str(v)  # noqa: E731
         rows.append([r.kernel.lstrip("_"), r.target, r.tile or "-", num(r.tma_loads), num(r.setmaxnreg),
-                     "-" if r.persistent is None else ("yes" if r.persistent else "no"), num(r.regs), num(r.spill_ops),
+                     "-" if r.persistent is None else ("yes" if r.persistent else "no"),
+                     "-" if r.wgmma_serialized is None else ("SERIAL" if r.wgmma_serialized else "async"),
+                     num(r.regs), num(r.spill_ops),
                      "-" if r.shared_bytes is None else f"{r.shared_bytes / 1024:.1f} KB", mma, case, r.config,
                      "ok" if not bad else "FAIL: " + "; ".join(bad)])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]

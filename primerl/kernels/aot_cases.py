@@ -144,6 +144,18 @@ def _fp8_k_grouped(groups, t, n, k):
                                           _offsets(groups, t // groups), out_dtype=F32, backend=T)
 
 
+def _fp8_k_grouped_blocks_plus_c(groups, t, n, k):
+    """Group-blocks operands (layout="blocks") and a float32 C added in place (d = c)."""
+    from . import gemm
+    from .gemm.offsets import max_group_blocks
+
+    blocks = max_group_blocks(t, groups)
+    d = _cuda(groups, n, k, dtype=F32)
+    gemm.k_grouped_fp8_gemm_tn_contiguous((_cuda(blocks, n, 128, dtype=E4M3), _cuda(blocks, n, dtype=F32)),
+                                          (_cuda(blocks, k, 128, dtype=E4M3), _cuda(blocks, k, dtype=F32)),
+                                          _offsets(groups, t // groups), d=d, c=d, backend=T)
+
+
 def _gemm_cases():
     P = functools.partial
     cases = []
@@ -168,6 +180,8 @@ def _gemm_cases():
     for groups, rows in [(4, 2048), (8, 1024)]:
         t = groups * rows
         cases.append(Case(f"fp8 k-grouped tn G={groups} T={t} N={n} K={k}", P(_fp8_k_grouped, groups, t, n, k), "fp8", groups == 4))
+    cases.append(Case(f"fp8 k-grouped tn group blocks + c float32 G=4 T={4 * 2048} N={n} K={k}",
+                      P(_fp8_k_grouped_blocks_plus_c, 4, 4 * 2048, n, k), "fp8"))
     cases.append(Case(f"bf16 m-grouped offsets fwd+bwd G=8 M={8 * 4096} N={n} K={k}",
                       P(_bf16_grouped_fwd_bwd, 8, 4096, n, k), "bf16", True))
     return cases

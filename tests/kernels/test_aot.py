@@ -96,6 +96,14 @@ def test_checker_flags_shared_memory_over_the_limit(reports, arch):
     assert any(p.startswith("shared memory") for p in aot.problems(rep)), aot.problems(rep)
 
 
+def test_checker_flags_serialized_wgmma(reports):
+    """A dot result read while the next dot is in flight: ptxas waits after every wgmma."""
+    rep = _only(reports, "bad: fp8 dot result used one iteration late", "sm_90a")
+    assert rep.wgmma_serialized and any("serialized" in p for p in aot.problems(rep)), (rep, aot.problems(rep))
+    good = _only(reports, "good: fp8 dot 128x128x64 8 warps", "sm_90a")
+    assert good.wgmma_serialized is False
+
+
 def test_launch_configuration_is_the_gpu_one(reports):
     """The captured launch uses the GPU tile table at the target's SM count, not the interpreter's."""
     from primerl.kernels.gemm.triton import pick_tiles
@@ -109,10 +117,13 @@ def test_launch_configuration_is_the_gpu_one(reports):
 
 def test_structure_columns(reports):
     """The FP8 GEMMs show their Hopper structure in the table: TMA loads in the SASS, a persistent
-    grid, the tile; a kernel without descriptors shows no TMA."""
+    grid, the tile (on Hopper 128 x 256: two accumulators sharing each A box, see
+    triton_fp8.fp8_structure), wgmma issued in batches; a kernel without descriptors shows no TMA."""
     for arch in aot.CI_ARCHS:
         rep = _only(reports, "fp8 gemm nt M=4096 N=7168 K=2048", arch)
-        assert rep.tma_loads > 0 and rep.persistent and rep.tile == "128x128x128 w8 s4", rep
+        wide = arch == "sm_90a"
+        assert rep.tma_loads > 0 and rep.persistent and rep.tile == f"128x{256 if wide else 128}x128 w8 s4", rep
+        assert f"HALVES={2 if wide else 1}" in rep.config.split() and rep.wgmma_serialized is not True, rep
         assert rep.setmaxnreg == 0  # warp specialization is off (see primerl.kernels.gemm.triton_fp8)
         k_grouped = [r for r in _reports_of(reports, "fp8 k-grouped tn G=4 T=8192 N=4096 K=7168", arch)
                      if r.expected_mma]
@@ -120,7 +131,7 @@ def test_structure_columns(reports):
     quant = _reports_of(reports, "fp8 per-token-group 4096x7168 g128", "sm_90a")
     assert quant and all(r.tma_loads == 0 and r.persistent is False for r in quant), quant
     header = aot.format_reports([rep]).splitlines()[0].split(" | ")
-    assert [h.strip() for h in header[2:6]] == ["tile", "TMA", "maxreg", "pers"], header
+    assert [h.strip() for h in header[2:7]] == ["tile", "TMA", "maxreg", "pers", "wgmma"], header
 
 
 def test_problems_of_a_clean_and_a_broken_report():

@@ -289,6 +289,97 @@ def test_m_grouped_fp8_masked(backend):
     _check_fp8(out[valid], deq[valid], exact[valid])
 
 
+@pytest.mark.parametrize("layout", ["dense", "m_indices", "offsets", "masked"])
+def test_fp8_wide_tiles(monkeypatch, layout):
+    """N a multiple of 256: the Triton kernel takes BM x 256 tiles (HALVES=2, two accumulators
+    sharing each A box; the second half's B-scale block is the next 128 columns). N = 512 gives two
+    such tiles per row band, so the second tile's halves start at scale blocks 2 and 3."""
+    from primerl.kernels.gemm import triton_fp8 as F
+
+    real, seen = F.fp8_structure, []
+    monkeypatch.setattr(F, "fp8_structure", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    n, k = 512, 384
+    w = _randn(3, n, k, seed=21, scale=0.05)
+    b = quant_per_block(w)
+    if layout == "dense":
+        x = _randn(70, k, seed=22)
+        a, b0 = _quant_a(x), quant_per_block(w[0])
+        out = G.fp8_gemm_nt(a, b0, backend="triton")
+        _check_fp8(out, R.fp8_gemm_nt(a, b0, torch.float32), x.double() @ w[0].double().t())
+    elif layout == "masked":
+        masked_m = torch.tensor([0, 33, 40], dtype=torch.int32, device=DEV)
+        x = _randn(3, 40, k, seed=23)
+        past = torch.arange(40, device=DEV)[None, :] >= masked_m[:, None]
+        a = _poison_rows(_quant_a(x), past)
+        out = G.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m=40, backend="triton")
+        deq = R.dequant_token_group(*a).nan_to_num(0) @ R.dequant_block(*b).transpose(1, 2)
+        _check_fp8(out[~past], deq[~past], (x.double() @ w.double().transpose(1, 2))[~past])
+    else:
+        counts = [37, 0, 130]
+        offs = _offsets(counts)
+        x = _randn(sum(counts), k, seed=24)
+        if layout == "m_indices":
+            xp, m_idx, _ = G.pad_to_contiguous(x, offs)
+            a = _poison_rows(_quant_a(xp), m_idx < 0)
+            out = G.m_grouped_fp8_gemm_nt_contiguous(a, b, m_idx, backend="triton")
+            assert bool((out[m_idx < 0] == 0).all())
+            deq = R.grouped_gemm_nt_m_indices(R.dequant_token_group(*a), R.dequant_block(*b), m_idx, torch.float32)
+            _check_fp8(out, deq, G.pad_to_contiguous(_grouped_ref(x, w, counts), offs)[0])
+        else:
+            a = _quant_a(x)
+            out = G.m_grouped_fp8_gemm_nt_offsets(a, b, offs, backend="triton")
+            _check_fp8(out, R.m_grouped_fp8_gemm_nt_offsets(a, b, offs, torch.float32), _grouped_ref(x, w, counts))
+    assert [cfg["HALVES"] for cfg in seen] == [2], seen
+
+
+@pytest.mark.parametrize("layout", ["rows", "blocks"])
+def test_k_grouped_fp8_wide_tiles(monkeypatch, layout):
+    """N a multiple of 256: the k-grouped kernel takes 256 x BK tiles (HALVES=2, two n halves
+    sharing each B box and its column scales); N = 512 gives two per group, K = 160 a partial
+    k tile; ragged and empty groups."""
+    from primerl.kernels.gemm import triton_fp8 as F
+
+    real, seen = F.k_grouped_halves, []
+    monkeypatch.setattr(F, "k_grouped_halves", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    counts, n, k = [37, 0, 130, 2], 512, 160
+    total = sum(counts)
+    dy, x = _randn(total + 2, n, seed=31), _randn(total + 2, k, seed=32)
+    offs = _offsets(counts)
+    a = G.quant_per_group_colwise(dy, offs, layout=layout, backend="triton")
+    b = G.quant_per_group_colwise(x, offs, layout=layout, backend="triton")
+    out = G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, backend="triton")
+    rows = [G.quant_per_group_colwise(t, offs, backend="torch") for t in (dy, x)]
+    deq = R.k_grouped_fp8_gemm_tn_contiguous(rows[0], rows[1], offs, torch.float32)
+    exact = torch.stack([dy[s - c:s].double().t() @ x[s - c:s].double() for s, c in zip(offs.tolist(), counts)])
+    _check_fp8(out, deq, exact)
+    assert [cfg["HALVES"] for cfg in seen] == [2], seen
+
+
+def test_fp8_wide_tile_choice(monkeypatch):
+    """128 x 256 tiles where N allows them and they keep the SMs about as busy (GPU tile table,
+    132 SMs): M = 4096 and the masked 8 x 128-row case take them, M = 128 (56 narrow tiles, 28
+    wide) and N = 2112 (no multiple of 256), per-row B scales and C accumulation do not."""
+    from primerl.kernels.gemm import triton as T
+    from primerl.kernels.gemm import triton_fp8 as F
+
+    def halves(m_tiles, n, sb_gran=128, has_c=False):
+        cfg = T.pick_tiles(4096, n, 7168, True, 1, interpreter=False, num_sms=132)
+        return F.fp8_structure(cfg, sb_gran, T.MODE_DENSE, has_c, n, m_tiles, interpreter=False)["HALVES"]
+
+    monkeypatch.setattr(T, "_num_sms", lambda: 132)
+    monkeypatch.setattr(T, "_arch_major", lambda: 9)
+    assert halves(32, 4096) == 2 and halves(8, 4096) == 2 and halves(256, 7168) == 2
+    assert halves(1, 7168) == 1 and halves(32, 2112) == 1
+    assert halves(32, 4096, sb_gran=1) == 1 and halves(32, 4096, has_c=True) == 1
+    # k-grouped: dW [4, 4096, 7168] (4 x 32 x 56 narrow tiles) takes 256-row tiles, N = 2112 cannot
+    kcfg = F.k_grouped_tiles(interpreter=False, arch_major=9)
+    assert F.k_grouped_halves(kcfg, 4096, 7168, 4, interpreter=False, arch_major=9)["HALVES"] == 2
+    assert F.k_grouped_halves(kcfg, 2112, 7168, 4, interpreter=False, arch_major=9)["HALVES"] == 1
+    assert F.k_grouped_halves(kcfg, 4096, 7168, 4, interpreter=False, arch_major=10)["HALVES"] == 1
+    monkeypatch.setattr(T, "_arch_major", lambda: 10)
+    assert halves(32, 4096) == 1
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("counts", [[5], [0, 130, 1, 0], [128, 3]])
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -534,14 +625,15 @@ tsig = dict(a_desc=desc, b_desc=desc, sa_ptr="*fp32", sb_ptr="*fp32", d_ptr="*bf
 tsig.update({n: "i32" for n in ["M", "N", "K", "num_entries", "max_m", "num_m_tiles", "num_progs", "stride_dm", "stride_cm",
                                 "stride_sam", "stride_sbg", "stride_sbn"]})
 tconst = dict(MODE=T.MODE_TABLE, HAS_C=False, SB_GRAN=128, ENTRIES_P2=16, BM=128, BN=128, BK=128, SWIZZLE=8,
-              WARP_SPECIALIZE=False)
+              WARP_SPECIALIZE=False, HALVES=2, PIN=True)
 check(F._m_grouped_fp8_kernel, tsig, tconst, ["sa_ptr", "sb_ptr", "d_ptr", "N", "K"], cfg["num_stages"], 8)
-check(F._m_grouped_fp8_kernel, tsig, dict(tconst, MODE=T.MODE_DENSE, HAS_C=True), ["d_ptr", "N", "K"], cfg["num_stages"], 8,
-      label="dense_with_c")
+check(F._m_grouped_fp8_kernel, tsig, dict(tconst, MODE=T.MODE_DENSE, HAS_C=True, HALVES=1), ["d_ptr", "N", "K"],
+      cfg["num_stages"], 8, label="dense_with_c")
 ksig = dict(a_desc=desc, b_desc=desc, sa_ptr="*fp32", sb_ptr="*fp32", d_ptr="*fp32", c_ptr="*fp32", offsets_ptr="*i32",
             block_start_ptr="*i32")
 ksig.update({n: "i32" for n in ["N", "K", "G", "num_progs", "stride_sa", "stride_sb"]})
-check(F._k_grouped_fp8_kernel, ksig, dict(HAS_C=False, BN=128, BK=128, BT=128, SWIZZLE=8, PREFETCH_SCALES=True),
+check(F._k_grouped_fp8_kernel, ksig, dict(HAS_C=False, BN=128, BK=128, BT=128, SWIZZLE=8, PREFETCH_SCALES=False,
+                                          HALVES=2, PIN=True),
       ["sa_ptr", "sb_ptr", "N", "K", "stride_sa", "stride_sb"], 4, 8)
 qsig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", sf_ptr="*fp32", offsets_ptr="*i32", block_start_ptr="*i32", T="i32",
             C="i32", G="i32", R="i32", used_blocks_ptr="*i32")
@@ -566,7 +658,7 @@ def test_triton_kernels_lower_for_hopper():
     assert res.returncode == 0, res.stderr[-3000:]
     lines = dict((ln.split()[0], ln.split()[1:]) for ln in res.stdout.strip().splitlines())
     shared, wgmma = lines["_m_grouped_fp8_kernel"]
-    assert wgmma == "True" and int(shared) >= 3 * (128 + 128) * 128  # >= 3 pipelined TMA stages of A+B
+    assert wgmma == "True" and int(shared) >= 3 * (128 + 256) * 128  # >= 3 pipelined TMA stages of A + two B boxes
     # the per-group loop of m_indices tiles (any alignment) and the C epilogue keep the wgmma path
     assert lines["m_indices_mode"][1] == "True" and lines["dense_with_c"][1] == "True"
     assert lines["_k_grouped_fp8_kernel"][1] == "True" and "_quant_group_colwise_kernel" in lines

@@ -19,6 +19,15 @@ layout="blocks")`` writes directly; row-major operands are re-laid out in one pa
 TMA box then starts at a block boundary and the kernel needs no masks; output tiles 128 x 128,
 scales ``sa[block, n] * sb[block, k]`` applied per block (two multiplies per element).
 
+Wide tiles on Hopper (``HALVES=2``): a 128 x 128 FP8 tile moves 32 KB from L2 per 4.2 MFLOP, so
+at the H200's ~8 TB/s of L2 bandwidth it cannot pass ~1020 TF/s (the m-grouped kernel measured
+937); m-grouped tiles of 128 x 256 (two accumulators sharing each A box) and k-grouped tiles of
+256 x 128 (sharing each B box and its column scales) move 48 KB per 8.4 MFLOP (bound ~1360 /
+~1170 TF/s, see bench/RESULTS.md). Three 128 x 128 fp32 accumulators (two results and one
+partial product) are what 8 warps hold without spilling; a larger tile or an in-flight second
+partial (promotion overlapped with the next wgmma) is not: the latter makes ptxas serialize the
+wgmma (its C7514 note, which primerl.kernels.aot flags).
+
 Warp specialization (``tl.range(warp_specialize=True)``) compiles on sm_90a with triton 3.6-3.7
 only at 64-row tiles and measured 0.6x the software pipeline on the H200 (2026-12-04): off.
 """
@@ -99,6 +108,7 @@ def _m_grouped_fp8_kernel(
     M, N, K, num_entries, max_m, num_m_tiles, num_progs, stride_dm, stride_cm, stride_sam, stride_sbg, stride_sbn,
     MODE: tl.constexpr, HAS_C: tl.constexpr, SB_GRAN: tl.constexpr, ENTRIES_P2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIZZLE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HALVES: tl.constexpr, PIN: tl.constexpr,
 ):
     """FP8 D[rows] = A[rows] @ B[g].T (+ C) with TMA: a_desc over A [M, K], b_desc over B [G*N, K]
     (both K-major), sa [M, K/128] per-row scales, sb [G, N/SB_GRAN, K/128] (SB_GRAN 128: one scale
@@ -109,15 +119,20 @@ def _m_grouped_fp8_kernel(
     Each 128-wide K block's partial product is scaled in float32 registers and added (scale
     promotion); the block's A and B scales are loaded one K step ahead (the TMA pipeline does not
     cover them, and their L2 latency would otherwise sit between the wgmma and the FMAs). Rows
-    another group owns are read (TMA loads whole boxes) but never stored."""
+    another group owns are read (TMA loads whole boxes) but never stored.
+
+    HALVES=2 (block scales, BN=128): a tile is BM x 2*BN, two accumulators that share each A box,
+    so a K block reads A once for two B boxes (48 KB per 2*BM*BN*BK*2 FLOP instead of 32 KB per
+    half as many); the halves are promoted in turn, one [BM, BN] partial product live at a time
+    (PIN, compiled mode: see _pin)."""
     pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BN)
+    tiles_n = tl.cdiv(N, BN * HALVES)
     num_k = tl.cdiv(K, BK)
     for tile in range(pid, num_m_tiles * tiles_n, num_progs):
         mt, pn = _tile_in_group(tile, num_m_tiles, tiles_n, SWIZZLE)
         row0, rows, store_ok, row_ok, g, foreign = _m_tile_rows(
             mt, group_ptr, row_start_ptr, row_count_ptr, b_index_ptr, M, num_entries, max_m, MODE, ENTRIES_P2, BM)
-        n0 = pn * BN
+        n0 = pn * (BN * HALVES)
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < N
         g64 = tl.maximum(g, 0).to(tl.int64)
@@ -130,7 +145,11 @@ def _m_grouped_fp8_kernel(
         sa_next = tl.load(sa_ptrs, mask=row_ok & (steps > 0), other=0.0)
         if SB_GRAN != 1:
             sb_next = tl.load(sb_ptrs, mask=steps > 0, other=0.0)
+            if HALVES == 2:
+                sb1_ptrs = sb_ptrs + ((n0 + BN) // SB_GRAN - n0 // SB_GRAN) * stride_sbn
+                sb1_next = tl.load(sb1_ptrs, mask=steps > 0, other=0.0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in tl.range(0, steps, warp_specialize=WARP_SPECIALIZE):
             a = a_desc.load([row0, kb * BK])
             b = b_desc.load([g * N + n0, kb * BK])
@@ -143,23 +162,49 @@ def _m_grouped_fp8_kernel(
                 scale = sa * sb_next
                 sb_next = tl.load(sb_ptrs + (kb + 1), mask=kb + 1 < steps, other=0.0)
                 acc += tl.dot(a, b.T) * scale[:, None]
-        out = tl.where(row_ok[:, None], acc, 0.0)
-        if MODE == 2:
-            # a row of another group here means the layout's alignment is not the one the launch
-            # assumed: NaN, never a silent zero
-            out = tl.where(foreign[:, None], float("nan"), out)
-        st_mask = store_ok[:, None] & n_ok[None, :]
-        if HAS_C:
-            out += tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=st_mask, other=0.0)
-        tl.store(d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :], out.to(d_ptr.dtype.element_ty),
-                 mask=st_mask)
+                if HALVES == 2:
+                    if PIN:
+                        acc = _pin(acc)
+                    b1 = b_desc.load([g * N + n0 + BN, kb * BK])
+                    scale1 = sa * sb1_next
+                    sb1_next = tl.load(sb1_ptrs + (kb + 1), mask=kb + 1 < steps, other=0.0)
+                    acc1 += tl.dot(a, b1.T) * scale1[:, None]
+        _store_tile(acc, d_ptr, c_ptr, rows, offs_n, store_ok, row_ok, foreign, n_ok, stride_dm, stride_cm, MODE, HAS_C)
+        if HALVES == 2:
+            _store_tile(acc1, d_ptr, c_ptr, rows, offs_n + BN, store_ok, row_ok, foreign, offs_n + BN < N, stride_dm,
+                        stride_cm, MODE, HAS_C)
+
+
+@triton.jit
+def _pin(x):
+    """x itself, through an opaque (side-effecting) register move: the FMAs that produce x stay
+    before the next wgmma batch. Without it LLVM sinks the first half's promotion FMAs below the
+    second half's wgmma, which keeps two partial products live (3 x 64 accumulator registers per
+    thread at 128 x 256: ptxas spills)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_tile(acc, d_ptr, c_ptr, rows, offs_n, store_ok, row_ok, foreign, n_ok, stride_dm, stride_cm,
+                MODE: tl.constexpr, HAS_C: tl.constexpr):
+    """D[rows, offs_n] = acc (+ C) where rows are stored; rows the tile computes nothing for get zero."""
+    out = tl.where(row_ok[:, None], acc, 0.0)
+    if MODE == 2:
+        # a row of another group here means the layout's alignment is not the one the launch
+        # assumed: NaN, never a silent zero
+        out = tl.where(foreign[:, None], float("nan"), out)
+    st_mask = store_ok[:, None] & n_ok[None, :]
+    if HAS_C:
+        out += tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=st_mask, other=0.0)
+    tl.store(d_ptr + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :], out.to(d_ptr.dtype.element_ty),
+             mask=st_mask)
 
 
 @triton.jit
 def _k_grouped_fp8_kernel(
     a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr, N, K, G, num_progs, stride_sa, stride_sb,
     HAS_C: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SWIZZLE: tl.constexpr,
-    PREFETCH_SCALES: tl.constexpr,
+    PREFETCH_SCALES: tl.constexpr, HALVES: tl.constexpr, PIN: tl.constexpr,
 ):
     """d[g] = A_g.T @ B_g (+ c[g]) from K-major FP8 group blocks: a_desc over A [R*N, BT], b_desc
     over B [R*K, BT], rows r*N + n holding column n of scale block r (row i of the block at
@@ -172,15 +217,19 @@ def _k_grouped_fp8_kernel(
     product in float32 registers (scale promotion) and adds it. A thread needs one B scale per
     accumulator column (32 at 128x128 / 8 warps): PREFETCH_SCALES loads block j+1's scales while
     block j computes (their L2 latency is otherwise paid after every wait; it costs ~30 registers,
-    which spill on sm_100a, where the loads stay in step)."""
+    which spill on sm_100a, where the loads stay in step).
+
+    HALVES=2: a tile is 2*BN x BK, two accumulators (n halves) sharing each B box and its BK column
+    scales: 48 KB of A+B per block for twice the FLOPs of a BN x BK tile's 32 KB (as in
+    _m_grouped_fp8_kernel); scales load in step (no register room for prefetch)."""
     pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BN)
+    tiles_n = tl.cdiv(N, BN * HALVES)
     tiles_k = tl.cdiv(K, BK)
     per_group = tiles_n * tiles_k
     for tile in range(pid, G * per_group, num_progs):
         g = tile // per_group
         pn, pk = _tile_in_group(tile % per_group, tiles_n, tiles_k, SWIZZLE)
-        n0 = pn * BN
+        n0 = pn * (BN * HALVES)
         k0 = pk * BK
         offs_n = n0 + tl.arange(0, BN)
         offs_k = k0 + tl.arange(0, BK)
@@ -196,6 +245,7 @@ def _k_grouped_fp8_kernel(
             sa_next = tl.load(sa_ptrs, mask=n_ok & (steps > 0), other=0.0)
             sb_next = tl.load(sb_ptrs, mask=k_ok & (steps > 0), other=0.0)
         acc = tl.zeros((BN, BK), dtype=tl.float32)
+        acc1 = tl.zeros((BN, BK), dtype=tl.float32)
         for j in range(0, steps):
             a = a_desc.load([(blk0 + j) * N + n0, 0])
             b = b_desc.load([(blk0 + j) * K + k0, 0])
@@ -207,12 +257,30 @@ def _k_grouped_fp8_kernel(
             else:
                 sa = tl.load(sa_ptrs + j * stride_sa, mask=n_ok, other=0.0)
                 sb = tl.load(sb_ptrs + j * stride_sb, mask=k_ok, other=0.0)
-            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
-        out_offs = g.to(tl.int64) * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-        st_mask = n_ok[:, None] & k_ok[None, :]
-        if HAS_C:
-            acc += tl.load(c_ptr + out_offs, mask=st_mask, other=0.0)
-        tl.store(d_ptr + out_offs, acc.to(d_ptr.dtype.element_ty), mask=st_mask)
+            if HALVES == 2:
+                # scaled column-wise then row-wise: no [BN, BK] scale matrix live (26 LDL/STL at
+                # 256 x 128 with triton 3.6 otherwise)
+                acc += tl.dot(a, b.T) * sb[None, :] * sa[:, None]
+            else:
+                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+            if HALVES == 2:
+                if PIN:
+                    acc = _pin(acc)
+                a1 = a_desc.load([(blk0 + j) * N + n0 + BN, 0])
+                sa1 = tl.load(sa_ptrs + BN + j * stride_sa, mask=offs_n + BN < N, other=0.0)
+                acc1 += tl.dot(a1, b.T) * sb[None, :] * sa1[:, None]
+        _store_k_tile(acc, d_ptr, c_ptr, g, offs_n, offs_k, n_ok, k_ok, N, K, HAS_C)
+        if HALVES == 2:
+            _store_k_tile(acc1, d_ptr, c_ptr, g, offs_n + BN, offs_k, offs_n + BN < N, k_ok, N, K, HAS_C)
+
+
+@triton.jit
+def _store_k_tile(acc, d_ptr, c_ptr, g, offs_n, offs_k, n_ok, k_ok, N, K, HAS_C: tl.constexpr):
+    out_offs = g.to(tl.int64) * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    st_mask = n_ok[:, None] & k_ok[None, :]
+    if HAS_C:
+        acc += tl.load(c_ptr + out_offs, mask=st_mask, other=0.0)
+    tl.store(d_ptr + out_offs, acc.to(d_ptr.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit
@@ -236,16 +304,30 @@ def _group_blocks_kernel(q_ptr, out_ptr, offsets_ptr, block_start_ptr, C, G, use
         dst = out_ptr + blk.to(tl.int64) * C * BT + cols.to(tl.int64)[None, :] * BT + local[:, None]
         tl.store(dst, x, mask=c_ok[None, :])
 
-def fp8_structure(cfg: dict, sb_gran: int, mode: int, has_c: bool, interpreter: bool | None = None) -> dict:
+def fp8_structure(cfg: dict, sb_gran: int, mode: int, has_c: bool, n: int = 0, num_m_tiles: int = 0,
+                  interpreter: bool | None = None) -> dict:
     """The TMA FP8 kernel's launch options beyond the tile table: SWIZZLE (M-tiles per L2 band),
     WARP_SPECIALIZE (a TMA producer warpgroup beside the consumers; off: Triton's software
-    pipeline over `num_stages` TMA stages), and BN caps where 128 columns spill (per-row B
-    scales, measured with primerl.kernels.aot)."""
-    out = dict(cfg, SWIZZLE=8, WARP_SPECIALIZE=False)
-    if sb_gran == 1 and not (_base.triton_interpreter_enabled() if interpreter is None else interpreter):
+    pipeline over `num_stages` TMA stages), BN caps where 128 columns spill (per-row B scales,
+    measured with primerl.kernels.aot), and HALVES: 2 for BM x 256 tiles (two 128-column
+    accumulators sharing each A box: 25% fewer L2 bytes per FLOP, the bound of 128 x 128 FP8
+    tiles) with block B scales and no C where N is a multiple of 256, unless the wider tiles
+    would cost more than ~15% in wave quantization (e.g. M = 128: 28 tiles instead of 56). Hopper
+    only: on sm_100a the offsets (table) mode spills at 128 x 256 (2 LDL/STL, primerl.kernels.aot)."""
+    interp = _base.triton_interpreter_enabled() if interpreter is None else interpreter
+    out = dict(cfg, SWIZZLE=8, WARP_SPECIALIZE=False, HALVES=1, PIN=not interp)
+    if sb_gran == 1 and not interp:
         # per-row B scales: a thread keeps one B scale per accumulator column; at 128 columns
         # ptxas spills on sm_100a (170 LDL/STL measured with primerl.kernels.aot)
         out["BN"] = min(out["BN"], _base.BN_PER_ROW_B)
+    wide = sb_gran == BLOCK and not has_c and out["BN"] == BLOCK and n % (2 * BLOCK) == 0
+    if wide and interp:
+        out["HALVES"] = 2
+    elif wide and out["BM"] == BLOCK and _base._arch_major() == 9:
+        sms = _base._num_sms()
+        waves = _base._cdiv(num_m_tiles * (n // BLOCK), sms)  # in units of a 128 x 128 tile's time
+        if 2 * _base._cdiv(num_m_tiles * (n // (2 * BLOCK)), sms) <= 1.15 * waves:
+            out["HALVES"] = 2
     return out
 
 
@@ -255,15 +337,16 @@ def launch_m_grouped(a, sa, b, sb, out, mode, group, row_start, row_count, b_ind
     a holds G blocks of max_m rows, row_count = masked_m."""
     m, k = a.shape
     groups, n = b.shape[:2]
-    cfg = fp8_structure(cfg, sb_gran, mode, c is not None)
-    bm = cfg.pop("BM")
+    bm = cfg["BM"]
     if mode == _base.MODE_MASKED:
         num_m_tiles = groups * _base._cdiv(max_m, bm)
     elif mode != _base.MODE_TABLE:
         num_m_tiles = _base._cdiv(m, bm)
     elif num_m_tiles == 0:
         num_m_tiles = _base._cdiv(m, bm) + num_entries
-    total = num_m_tiles * _base._cdiv(n, cfg["BN"])
+    cfg = fp8_structure(cfg, sb_gran, mode, c is not None, n, num_m_tiles)
+    del cfg["BM"]
+    total = num_m_tiles * _base._cdiv(n, cfg["BN"] * cfg["HALVES"])
     if total == 0 or n == 0 or m == 0:
         return out
     if a.stride(1) != 1 or b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
@@ -295,9 +378,28 @@ def k_grouped_tiles(interpreter: bool | None = None, arch_major: int | None = No
     128-wide blocks of the reduction (one scale row each), 4 TMA stages of A+B (128 KB); scale
     prefetch on Hopper (see _k_grouped_fp8_kernel)."""
     if _base.triton_interpreter_enabled() if interpreter is None else interpreter:
-        return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=True, num_warps=4, num_stages=1)
+        return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=True, HALVES=1, PIN=False, num_warps=4,
+                    num_stages=1)
     major = _base._arch_major() if arch_major is None else arch_major
-    return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=major == 9, num_warps=8, num_stages=4)
+    return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=major == 9, HALVES=1, PIN=True, num_warps=8,
+                num_stages=4)
+
+
+def k_grouped_halves(cfg: dict, n: int, k: int, groups: int, has_c: bool = False, interpreter: bool | None = None,
+                     arch_major: int | None = None) -> dict:
+    """HALVES=2 (2*BN x BK tiles, see _k_grouped_fp8_kernel) on Hopper where N is a multiple of
+    2*BN and the wider tiles cost at most ~15% in wave quantization; scale prefetch off there
+    (registers). Not on Blackwell, nor with C added in the epilogue: those spill (sm_100a 96, + C on
+    sm_90a 4 LDL/STL, primerl.kernels.aot)."""
+    interp = _base.triton_interpreter_enabled() if interpreter is None else interpreter
+    major = _base._arch_major() if arch_major is None else arch_major
+    if n % (2 * cfg["BN"]) != 0 or (not interp and (major != 9 or has_c)):
+        return cfg
+    narrow = groups * (n // cfg["BN"]) * _base._cdiv(k, cfg["BK"])
+    sms = _base._num_sms()
+    if interp or 2 * _base._cdiv(narrow // 2, sms) <= 1.15 * _base._cdiv(narrow, sms):
+        return dict(cfg, HALVES=2, PREFETCH_SCALES=False)
+    return cfg
 
 
 def _group_blocks(q: torch.Tensor, offsets: torch.Tensor, block_start: torch.Tensor, used: torch.Tensor,
@@ -329,11 +431,11 @@ def k_grouped(a, sa, b, sb, offsets, out_dtype, out=None, c=None):
     block_start = (torch.cumsum(nblocks, 0, dtype=torch.int32) - nblocks).to(torch.int32)
     used = nblocks.sum(dtype=torch.int32).reshape(1)
     ab, bb = (q if q.dim() == 3 else _group_blocks(q, offsets, block_start, used, num_blocks) for q in (a, b))
-    cfg = k_grouped_tiles()
+    cfg = k_grouped_halves(k_grouped_tiles(), n, k, groups, c is not None)
     ab, bb = (t.reshape(-1, BLOCK) if t.data_ptr() % 16 == 0 else t.reshape(-1, BLOCK).clone() for t in (ab, bb))
     a_desc = TensorDescriptor(ab, list(ab.shape), [BLOCK, 1], [cfg["BN"], cfg["BT"]])
     b_desc = TensorDescriptor(bb, list(bb.shape), [BLOCK, 1], [cfg["BK"], cfg["BT"]])
-    total = groups * _base._cdiv(n, cfg["BN"]) * _base._cdiv(k, cfg["BK"])
+    total = groups * _base._cdiv(n, cfg["BN"] * cfg["HALVES"]) * _base._cdiv(k, cfg["BK"])
     num_progs = min(total, _base._num_sms()) if _base._num_sms() > 1 else total
     _k_grouped_fp8_kernel[(num_progs,)](
         a_desc, b_desc, sa, sb, out, c if c is not None else out, offsets, block_start,
