@@ -306,8 +306,19 @@ def _pos_args(spec):
     return spec.q_positions, spec.k_positions, True
 
 
+def _runs_two_part_kernels(head_dim: int) -> bool:
+    """Head dims 129..256 (MLA's 192 and 256) run :mod:`.mla_triton`'s kernels, which split the
+    width into two column parts of at most 128: with one 256-wide tile these kernels' backward
+    spills 116-172 local loads/stores on sm_90a and sm_100a (AOT, triton 3.7.1)."""
+    return 128 < head_dim <= 256
+
+
 def forward(q, k, v, spec, out_dtype: torch.dtype):
     """q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[T, Hq, D]`` (out_dtype), lse ``[Hq, T]`` float32."""
+    if _runs_two_part_kernels(q.shape[-1]):
+        from . import mla_triton
+
+        return mla_triton.forward(q, k, v, spec, out_dtype)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -331,6 +342,10 @@ def forward(q, k, v, spec, out_dtype: torch.dtype):
 
 def backward(dout, q, k, v, out, lse, dlse, spec):
     """Recomputing backward: dq ``[T, Hq, D]``, dk/dv ``[Tk, Hkv, D]``, all float32."""
+    if _runs_two_part_kernels(q.shape[-1]):
+        from . import mla_triton
+
+        return mla_triton.backward(dout, q, k, v, out, lse, dlse, spec)
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     T, Hq, D = q.shape
     Tk, Hkv, _ = k.shape
