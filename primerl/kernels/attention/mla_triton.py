@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import _POS_BIG, LOG2E, _dot_precision, _last_dim_contiguous, _load_positions, _pos_args
+from .triton import (_POS_BIG, LOG2E, _block_runs, _dot_precision, _first_query_block, _key_loop_bounds,
+                     _last_dim_contiguous, _load_positions, _pos_args, _seq_bounds, _visible, backward_inputs)
 
 
 def split_width(d: int) -> tuple[int, int]:
@@ -68,19 +69,10 @@ def _load_parts(X, rows, valid, h, stride_xt, stride_xh, offs_1, offs_2, D1: tl.
 
 
 @triton.jit
-def _block_runs(k_pos, q_pos_max, CAUSAL: tl.constexpr):
-    """Whether any query of the block (latest position ``q_pos_max``) sees a key of this block."""
-    if CAUSAL:
-        return tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0) <= q_pos_max
-    return tl.max(k_pos, axis=0) >= 0
-
-
-@triton.jit
-def _visible(k_pos, q_pos, CAUSAL: tl.constexpr):
-    visible = (k_pos >= 0)[None, :]
-    if CAUSAL:
-        visible = visible & (k_pos[None, :] <= q_pos[:, None])
-    return visible
+def _load_lse2(Lse, h, stride_lh, q_rows, m_ok):
+    """lse of the rows in base 2; +inf for rows that saw no key (so that P = 0 there)."""
+    lse = tl.load(Lse + h * stride_lh + q_rows, mask=m_ok, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
 
 
 @triton.jit
@@ -96,10 +88,7 @@ def _mla_fwd_kernel(
     b = tl.program_id(1)
     h = tl.program_id(2)
     hk = h // GROUP
-    q_start = tl.load(CuQ + b)
-    len_q = tl.load(CuQ + b + 1) - q_start
-    k_start = tl.load(CuK + b)
-    len_k = tl.load(CuK + b + 1) - k_start
+    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b)
     m0 = pid_m * BLOCK_M
     if m0 >= len_q:
         return
@@ -115,9 +104,7 @@ def _mla_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    n_end = len_k
-    if CAUSAL and not HAS_POS:
-        n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
+    _, n_end = _key_loop_bounds(m0, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_POS)  # no unmasked loop here
     for n0 in range(0, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
@@ -158,10 +145,7 @@ def _mla_bwd_dkdv_kernel(
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     hk = tl.program_id(2)
-    q_start = tl.load(CuQ + b)
-    len_q = tl.load(CuQ + b + 1) - q_start
-    k_start = tl.load(CuK + b)
-    len_k = tl.load(CuK + b + 1) - k_start
+    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b)
     n0 = pid_n * BLOCK_N
     if n0 >= len_k:
         return
@@ -177,9 +161,7 @@ def _mla_bwd_dkdv_kernel(
     k_pos_min = tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0)
     any_key = tl.max(k_pos, axis=0) >= 0
     acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
-    m_begin = 0
-    if CAUSAL and not HAS_POS:
-        m_begin = tl.maximum(0, n0 - (len_k - len_q)) // BLOCK_M * BLOCK_M
+    m_begin = _first_query_block(n0, len_q, len_k, BLOCK_M, CAUSAL, HAS_POS)
     if any_key:
         for g in range(GROUP):
             h = hk * GROUP + g
@@ -208,9 +190,7 @@ def _mla_bwd_dkdv_kernel(
                     else:
                         s = dot_rows(q1, q2, K, k_rows, n_ok, hk, stride_kt, stride_kh, offs_d1, offs_d2, D1, D2,
                                      DOT_PREC)
-                    lse = tl.load(Lse + h * stride_lh + q_rows, mask=m_ok, other=float("inf"))
-                    lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that saw no key: P = 0
-                    p = tl.math.exp2(s * qk_scale_log2 - (lse * 1.4426950408889634)[:, None])
+                    p = tl.math.exp2(s * qk_scale_log2 - _load_lse2(Lse, h, stride_lh, q_rows, m_ok)[:, None])
                     p = tl.where(_visible(k_pos, q_pos, CAUSAL), p, 0.0)
                     if PART < 2:
                         do = _load_cols(DO, q_rows, m_ok, h, stride_dot, stride_doh, DV1 * PART, offs_c,
@@ -246,10 +226,7 @@ def _mla_bwd_dq_kernel(
     b = tl.program_id(1)
     h = tl.program_id(2)
     hk = h // GROUP
-    q_start = tl.load(CuQ + b)
-    len_q = tl.load(CuQ + b + 1) - q_start
-    k_start = tl.load(CuK + b)
-    len_k = tl.load(CuK + b + 1) - k_start
+    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b)
     m0 = pid_m * BLOCK_M
     if m0 >= len_q:
         return
@@ -262,16 +239,13 @@ def _mla_bwd_dq_kernel(
     q_rows = q_start + offs_m
     q1, q2 = _load_parts(Q, q_rows, m_ok, h, stride_qt, stride_qh, offs_d1, offs_d2, D1, D2)
     do1, do2 = _load_parts(DO, q_rows, m_ok, h, stride_dot, stride_doh, offs_dv1, offs_dv2, DV1, DV2)
-    lse = tl.load(Lse + h * stride_lh + q_rows, mask=m_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    lse2 = _load_lse2(Lse, h, stride_lh, q_rows, m_ok)
     delta = tl.load(Delta + h * stride_lh + q_rows, mask=m_ok, other=0.0)
     q_pos = _load_positions(QPos, q_start, offs_m, len_q, HAS_POS, len_k - len_q)
     q_pos_max = tl.max(q_pos, axis=0)
     dq1 = tl.zeros([BLOCK_M, BLOCK_D1], tl.float32)
     dq2 = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
-    n_end = len_k
-    if CAUSAL and not HAS_POS:
-        n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
+    _, n_end = _key_loop_bounds(m0, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_POS)  # no unmasked loop here
     for n0 in range(0, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
@@ -345,13 +319,9 @@ def forward(q, k, v, spec, out_dtype: torch.dtype):
 
 def backward(dout, q, k, v, out, lse, dlse, spec):
     """dq ``[T, Hq, Dqk]``, dk ``[Tk, Hkv, Dqk]``, dv ``[Tk, Hkv, Dv]``, all float32."""
-    q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
+    q, k, v, dout, lse, delta = backward_inputs(dout, q, k, v, out, lse, dlse)
     T, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
-    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
-    if dlse is not None:
-        delta = delta - dlse.float()
-    lse = lse.contiguous()
     dq = torch.empty(T, Hq, D, dtype=torch.float32, device=q.device)
     dk = torch.empty(Tk, Hkv, D, dtype=torch.float32, device=q.device)
     dv = torch.empty(Tk, Hkv, Dv, dtype=torch.float32, device=q.device)
