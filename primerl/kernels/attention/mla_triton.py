@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import (_POS_BIG, LOG2E, _block_runs, _dot_precision, _first_query_block, _key_loop_bounds,
-                     _last_dim_contiguous, _load_positions, _pos_args, _seq_bounds, _visible, backward_inputs)
+from .triton import (LOG2E, _block_runs, _dot_precision, _first_query_block, _key_block_summary, _key_loop_bounds,
+                     _last_dim_contiguous, _load_positions, _pos_args, _query_block_sees, _seq_bounds, _visible,
+                     backward_inputs)
 
 
 def split_width(d: int) -> tuple[int, int]:
@@ -158,8 +159,7 @@ def _mla_bwd_dkdv_kernel(
     n_ok = offs_n < len_k
     k_rows = (k_start + offs_n).to(tl.int64)
     k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
-    k_pos_min = tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0)
-    any_key = tl.max(k_pos, axis=0) >= 0
+    k_pos_min, any_key = _key_block_summary(k_pos)
     acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
     m_begin = _first_query_block(n0, len_q, len_k, BLOCK_M, CAUSAL, HAS_POS)
     if any_key:
@@ -168,10 +168,7 @@ def _mla_bwd_dkdv_kernel(
             for m0 in range(m_begin, len_q, BLOCK_M):
                 offs_m = m0 + tl.arange(0, BLOCK_M)
                 q_pos = _load_positions(QPos, q_start, offs_m, len_q, HAS_POS, len_k - len_q)
-                run = True
-                if CAUSAL:
-                    run = k_pos_min <= tl.max(q_pos, axis=0)
-                if run:
+                if _query_block_sees(k_pos_min, q_pos, CAUSAL):
                     m_ok = offs_m < len_q
                     q_rows = q_start + offs_m
                     if PART >= 2:  # dP first: the dO tiles are dead before the q tiles are loaded

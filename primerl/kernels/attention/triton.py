@@ -108,6 +108,21 @@ def _first_query_block(n0, len_q, len_k, BLOCK_M: tl.constexpr, CAUSAL: tl.const
 
 
 @triton.jit
+def _key_block_summary(k_pos):
+    """(earliest real key position, whether the block has a real key) of a key block."""
+    return tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0), tl.max(k_pos, axis=0) >= 0
+
+
+@triton.jit
+def _query_block_sees(k_pos_min, q_pos, CAUSAL: tl.constexpr):
+    """Whether a query block (positions ``q_pos``) sees any key of a block whose earliest real key is at ``k_pos_min``."""
+    run = True
+    if CAUSAL:
+        run = k_pos_min <= tl.max(q_pos, axis=0)
+    return run
+
+
+@triton.jit
 def _block_runs(k_pos, q_pos_max, CAUSAL: tl.constexpr):
     """Whether any query of a block (latest position ``q_pos_max``) sees a key of this key block."""
     if CAUSAL:
@@ -213,8 +228,7 @@ def _attn_bwd_dkdv_kernel(
     k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
-    k_pos_min = tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0)
-    any_key = tl.max(k_pos, axis=0) >= 0
+    k_pos_min, any_key = _key_block_summary(k_pos)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     m_begin = _first_query_block(n0, len_q, len_k, BLOCK_M, CAUSAL, HAS_POS)
@@ -224,10 +238,7 @@ def _attn_bwd_dkdv_kernel(
             for m0 in range(m_begin, len_q, BLOCK_M):
                 offs_m = m0 + tl.arange(0, BLOCK_M)
                 q_pos = _load_positions(QPos, q_start, offs_m, len_q, HAS_POS, len_k - len_q)
-                run = True
-                if CAUSAL:
-                    run = k_pos_min <= tl.max(q_pos, axis=0)
-                if run:
+                if _query_block_sees(k_pos_min, q_pos, CAUSAL):
                     m_valid = offs_m < len_q
                     qo_mask = m_valid[:, None] & d_valid[None, :]
                     q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
