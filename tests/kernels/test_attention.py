@@ -71,6 +71,7 @@ LENS = {"one": [37], "ragged": [1, 5, 17, 1, 9], "with_empty": [3, 0, 1, 12]}
         (torch.float16, "with_empty", 3, 1, 16, True),
         (torch.float32, "ragged", 2, 1, 24, True),
         (torch.bfloat16, "with_empty", 2, 1, 128, False),
+        (torch.bfloat16, "ragged", 2, 1, 160, True),  # above 128: the two-part kernels (mla_triton)
     ],
 )
 def test_error_within_twice_torch_at_input_dtype(backend, dtype, lens, hq, hkv, d, causal):
@@ -241,7 +242,7 @@ def test_bad_input_is_rejected_with_a_named_error():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_triton_on_gpu_at_model_shapes(d):
     lens = [1, 300, 1024, 77, 2000]
     q, k, v, dout, dlse = _inputs(lens, 16, 4, d, torch.bfloat16, seed=d)

@@ -91,6 +91,21 @@ def test_mla_triton_non_square_with_positions(dtype):
         assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
 
 
+def test_mla_triton_dq_in_column_parts_is_bitwise_one_program(monkeypatch):
+    """dQ's two column parts in two launches (what 256/256 runs on the GPU) give the bits of one
+    program computing both."""
+    from primerl.kernels.attention import mla_triton
+
+    lens = [9, 1, 30]
+    q, k, v, dout, dlse = _inputs(lens, 4, 2, 40, 24, torch.float32, seed=11)
+    fn = lambda a, b, c: mla_attention(a, b, c, cu_seqlens=_cu(lens), return_lse=True, backend="triton")  # noqa: E731
+    one = _run(fn, q, k, v, dout, dlse)
+    monkeypatch.setattr(mla_triton, "_dq_parts", lambda d, dv, device: (1, 2))
+    parts = _run(fn, q, k, v, dout, dlse)
+    assert not torch.isnan(parts[2]).any()
+    assert torch.equal(one[2], parts[2])
+
+
 def test_mla_attention_bad_inputs():
     q = torch.randn(4, 2, 16)
     with pytest.raises(ValueError, match="k must be"):

@@ -1,13 +1,14 @@
 """Attention whose value heads are narrower or wider than its query/key heads (multi-head latent
 attention: DeepSeek-V3 192/128, GLM-5 256/256).
 
-The Triton backend (``backend="triton"``) runs kernels made for the two widths (:mod:`.mla_triton`: the query/key
-width split 128 + 64 at 192, no tile padded). Every other backend, and ring attention under
+The Triton backend (``backend="triton"``) runs kernels made for the two widths (:mod:`.mla_triton`:
+each width split into two column parts of at most 128, 192 = 128 + 64, no tile padded). Every other backend, and ring attention under
 context parallelism (:func:`pad_for_square` then a slice), reduces the case to the square op
 :func:`primerl.kernels.attention.attention` by zero-padding the narrower side (v to Dqk, or q and
 k to Dv with the softmax scale kept at ``Dqk ** -0.5``) and slicing the output: exact (the padded
 columns add 0 to every score; output columns beyond Dv and their gradients are dropped), at the
-cost of the padded width in P @ V. The sparse form (DeepSeek sparse attention) takes Dv != Dqk
+cost of the padded width in P @ V. (The square op's Triton backend runs the same two-part kernels
+above head dim 128.) The sparse form (DeepSeek sparse attention) takes Dv != Dqk
 natively: :mod:`primerl.kernels.sparse_attention`.
 """
 

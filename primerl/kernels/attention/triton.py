@@ -73,6 +73,73 @@ def _load_positions(Pos, base, offs, n_valid, HAS_POS: tl.constexpr, shift):
 
 
 @triton.jit
+def _seq_bounds(CuQ, CuK, b):
+    """(q_start, len_q, k_start, len_k) of sequence b."""
+    q_start = tl.load(CuQ + b)
+    len_q = tl.load(CuQ + b + 1) - q_start
+    k_start = tl.load(CuK + b)
+    len_k = tl.load(CuK + b + 1) - k_start
+    return q_start, len_q, k_start, len_k
+
+
+@triton.jit
+def _key_loop_bounds(m0, len_q, len_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_POS: tl.constexpr):
+    """(n_full, n_end) for the query block at m0: key blocks before n_full every query of the block
+    sees in full (no mask to apply), none at or after n_end (default positions only)."""
+    n_end = len_k
+    n_full = 0
+    if not HAS_POS:
+        if CAUSAL:
+            n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
+            n_full = tl.maximum(tl.minimum(len_k, m0 + len_k - len_q + 1), 0) // BLOCK_N * BLOCK_N
+        else:
+            n_full = len_k // BLOCK_N * BLOCK_N
+    return n_full, n_end
+
+
+@triton.jit
+def _first_query_block(n0, len_q, len_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_POS: tl.constexpr):
+    """The first query block that can see the key block at n0 (default positions; else 0)."""
+    m_begin = 0
+    if CAUSAL and not HAS_POS:
+        m_begin = tl.maximum(0, n0 - (len_k - len_q)) // BLOCK_M * BLOCK_M
+    return m_begin
+
+
+@triton.jit
+def _key_block_summary(k_pos):
+    """(earliest real key position, whether the block has a real key) of a key block."""
+    return tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0), tl.max(k_pos, axis=0) >= 0
+
+
+@triton.jit
+def _query_block_sees(k_pos_min, q_pos, CAUSAL: tl.constexpr):
+    """Whether a query block (positions ``q_pos``) sees any key of a block whose earliest real key is at ``k_pos_min``."""
+    run = True
+    if CAUSAL:
+        run = k_pos_min <= tl.max(q_pos, axis=0)
+    return run
+
+
+@triton.jit
+def _block_runs(k_pos, q_pos_max, CAUSAL: tl.constexpr):
+    """Whether any query of a block (latest position ``q_pos_max``) sees a key of this key block."""
+    if CAUSAL:
+        return tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0) <= q_pos_max
+    return tl.max(k_pos, axis=0) >= 0
+
+
+@triton.jit
+def _visible(k_pos, q_pos, CAUSAL: tl.constexpr):
+    """[BM, BN] mask: the key is real, and (causal) not after the query."""
+    visible = (k_pos >= 0)[None, :]
+    if CAUSAL:
+        visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    return visible
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, CuQ, CuK, QPos, KPos,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
@@ -84,10 +151,7 @@ def _attn_fwd_kernel(
     b = tl.program_id(1)
     h = tl.program_id(2)
     hk = h // GROUP
-    q_start = tl.load(CuQ + b)
-    len_q = tl.load(CuQ + b + 1) - q_start
-    k_start = tl.load(CuK + b)
-    len_k = tl.load(CuK + b + 1) - k_start
+    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b)
     m0 = pid_m * BLOCK_M
     if m0 >= len_q:
         return
@@ -103,14 +167,7 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n_end = len_k
-    n_full = 0  # key blocks before this every query of the block sees in full: no mask to apply
-    if not HAS_POS:
-        if CAUSAL:
-            n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
-            n_full = tl.maximum(tl.minimum(len_k, m0 + len_k - len_q + 1), 0) // BLOCK_N * BLOCK_N
-        else:
-            n_full = len_k // BLOCK_N * BLOCK_N
+    n_full, n_end = _key_loop_bounds(m0, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_POS)
     for n0 in range(0, n_full, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
@@ -125,19 +182,12 @@ def _attn_fwd_kernel(
     for n0 in range(n_full, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
-        if CAUSAL:
-            run = tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0) <= q_pos_max
-        else:
-            run = tl.max(k_pos, axis=0) >= 0
-        if run:
+        if _block_runs(k_pos, q_pos_max, CAUSAL):
             n_valid = offs_n < len_k
             kv_mask = n_valid[:, None] & d_valid[None, :]
             k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
-            visible = (k_pos >= 0)[None, :]
-            if CAUSAL:
-                visible = visible & (k_pos[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(_visible(k_pos, q_pos, CAUSAL), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
             p = tl.math.exp2(s - m_use[:, None])
@@ -166,10 +216,7 @@ def _attn_bwd_dkdv_kernel(
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     hk = tl.program_id(2)
-    q_start = tl.load(CuQ + b)
-    len_q = tl.load(CuQ + b + 1) - q_start
-    k_start = tl.load(CuK + b)
-    len_k = tl.load(CuK + b + 1) - k_start
+    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b)
     n0 = pid_n * BLOCK_N
     if n0 >= len_k:
         return
@@ -181,23 +228,17 @@ def _attn_bwd_dkdv_kernel(
     k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
-    k_pos_min = tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0)
-    any_key = tl.max(k_pos, axis=0) >= 0
+    k_pos_min, any_key = _key_block_summary(k_pos)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    m_begin = 0
-    if CAUSAL and not HAS_POS:
-        m_begin = tl.maximum(0, n0 - (len_k - len_q)) // BLOCK_M * BLOCK_M
+    m_begin = _first_query_block(n0, len_q, len_k, BLOCK_M, CAUSAL, HAS_POS)
     if any_key:
         for g in range(GROUP):
             h = hk * GROUP + g
             for m0 in range(m_begin, len_q, BLOCK_M):
                 offs_m = m0 + tl.arange(0, BLOCK_M)
                 q_pos = _load_positions(QPos, q_start, offs_m, len_q, HAS_POS, len_k - len_q)
-                run = True
-                if CAUSAL:
-                    run = k_pos_min <= tl.max(q_pos, axis=0)
-                if run:
+                if _query_block_sees(k_pos_min, q_pos, CAUSAL):
                     m_valid = offs_m < len_q
                     qo_mask = m_valid[:, None] & d_valid[None, :]
                     q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
@@ -207,10 +248,7 @@ def _attn_bwd_dkdv_kernel(
                     delta = tl.load(Delta + h * stride_lh + q_start + offs_m, mask=m_valid, other=0.0)
                     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
                     p = tl.math.exp2(s - (lse * 1.4426950408889634)[:, None])
-                    visible = (k_pos >= 0)[None, :]
-                    if CAUSAL:
-                        visible = visible & (k_pos[None, :] <= q_pos[:, None])
-                    p = tl.where(visible, p, 0.0)
+                    p = tl.where(_visible(k_pos, q_pos, CAUSAL), p, 0.0)
                     dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
                     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
                     ds = p * (dp - delta[:, None])
@@ -233,10 +271,7 @@ def _attn_bwd_dq_kernel(
     b = tl.program_id(1)
     h = tl.program_id(2)
     hk = h // GROUP
-    q_start = tl.load(CuQ + b)
-    len_q = tl.load(CuQ + b + 1) - q_start
-    k_start = tl.load(CuK + b)
-    len_k = tl.load(CuK + b + 1) - k_start
+    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b)
     m0 = pid_m * BLOCK_M
     if m0 >= len_q:
         return
@@ -254,14 +289,7 @@ def _attn_bwd_dq_kernel(
     q_pos = _load_positions(QPos, q_start, offs_m, len_q, HAS_POS, len_k - len_q)
     q_pos_max = tl.max(q_pos, axis=0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n_end = len_k
-    n_full = 0  # as in the forward: key blocks every query of this block sees, no mask
-    if not HAS_POS:
-        if CAUSAL:
-            n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
-            n_full = tl.maximum(tl.minimum(len_k, m0 + len_k - len_q + 1), 0) // BLOCK_N * BLOCK_N
-        else:
-            n_full = len_k // BLOCK_N * BLOCK_N
+    n_full, n_end = _key_loop_bounds(m0, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_POS)
     for n0 in range(0, n_full, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
@@ -274,21 +302,14 @@ def _attn_bwd_dq_kernel(
     for n0 in range(n_full, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_pos = _load_positions(KPos, k_start, offs_n, len_k, HAS_POS, 0)
-        if CAUSAL:
-            run = tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0) <= q_pos_max
-        else:
-            run = tl.max(k_pos, axis=0) >= 0
-        if run:
+        if _block_runs(k_pos, q_pos_max, CAUSAL):
             n_valid = offs_n < len_k
             kv_mask = n_valid[:, None] & d_valid[None, :]
             k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
             p = tl.math.exp2(s - lse2[:, None])
-            visible = (k_pos >= 0)[None, :]
-            if CAUSAL:
-                visible = visible & (k_pos[None, :] <= q_pos[:, None])
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(_visible(k_pos, q_pos, CAUSAL), p, 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
@@ -300,14 +321,35 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def backward_inputs(dout, q, k, v, out, lse, dlse):
+    """(q, k, v, dout) with a contiguous last dim, lse contiguous, and delta ``[Hq, T]`` float32 =
+    rowsum(dO * O) - dlse (the lse gradient enters dS exactly like -delta does)."""
+    q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
+    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
+    if dlse is not None:
+        delta = delta - dlse.float()
+    return q, k, v, dout, lse.contiguous(), delta
+
+
 def _pos_args(spec):
     if spec.q_positions is None:
         return spec.cu_seqlens_q, spec.cu_seqlens_q, False  # dummies, never read
     return spec.q_positions, spec.k_positions, True
 
 
+def _runs_two_part_kernels(head_dim: int) -> bool:
+    """Head dims 129..256 (MLA's 192 and 256) run :mod:`.mla_triton`'s kernels, which split the
+    width into two column parts of at most 128: with one 256-wide tile these kernels' backward
+    spills 116-172 local loads/stores on sm_90a and sm_100a (AOT, triton 3.7.1)."""
+    return 128 < head_dim <= 256
+
+
 def forward(q, k, v, spec, out_dtype: torch.dtype):
     """q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[T, Hq, D]`` (out_dtype), lse ``[Hq, T]`` float32."""
+    if _runs_two_part_kernels(q.shape[-1]):
+        from . import mla_triton
+
+        return mla_triton.forward(q, k, v, spec, out_dtype)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -331,14 +373,13 @@ def forward(q, k, v, spec, out_dtype: torch.dtype):
 
 def backward(dout, q, k, v, out, lse, dlse, spec):
     """Recomputing backward: dq ``[T, Hq, D]``, dk/dv ``[Tk, Hkv, D]``, all float32."""
-    q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
+    if _runs_two_part_kernels(q.shape[-1]):
+        from . import mla_triton
+
+        return mla_triton.backward(dout, q, k, v, out, lse, dlse, spec)
+    q, k, v, dout, lse, delta = backward_inputs(dout, q, k, v, out, lse, dlse)
     T, Hq, D = q.shape
     Tk, Hkv, _ = k.shape
-    # delta = rowsum(dO * O) - dlse: the lse gradient enters dS exactly like -delta does
-    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
-    if dlse is not None:
-        delta = delta - dlse.float()
-    lse = lse.contiguous()
     dq = torch.empty(T, Hq, D, dtype=torch.float32, device=q.device)
     dk = torch.empty(Tk, Hkv, D, dtype=torch.float32, device=q.device)
     dv = torch.empty(Tk, Hkv, D, dtype=torch.float32, device=q.device)

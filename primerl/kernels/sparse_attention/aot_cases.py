@@ -1,8 +1,10 @@
 """AOT cases (:mod:`primerl.kernels.aot`) of the DeepSeek-sparse-attention and MLA kernels at
 GLM-5 / DeepSeek-V3 shapes: the indexer over two 4096-token sequences (32 heads x 128), sparse
 attention in GLM-5's absorbed form (64 heads over one 576-wide latent key, 512-wide values, 2048
-selected keys per query), and the square attention kernels at the MLA widths the padded form
-runs (192 = DeepSeek-V3's 128 + 64 with V padded from 128; 256 = GLM-5's 192 + 64)."""
+selected keys per query), the two-width dense kernels at DeepSeek-V3's 192/128, and the square
+op's Triton backend at the MLA widths the padded form runs (192 = DeepSeek-V3's 128 + 64 with V
+padded from 128, what ring attention runs under context parallelism; 256 = GLM-5's 192 + 64),
+which above head dim 128 runs the two-part kernels of ``attention/mla_triton.py``."""
 
 from __future__ import annotations
 
@@ -87,16 +89,14 @@ CASES = [
     Case(f"sparse attention bwd (separate K, V) {GLM5}", _sparse(64, 1, 576, 512, True), "bf16"),
     Case("mla attention fwd (native) T=2x4096 H=16 Dqk=192 Dv=128", _native_mla(192, 128, False), "bf16", ci=True),
     Case("mla attention bwd (native) T=2x4096 H=16 Dqk=192 Dv=128", _native_mla(192, 128, True), "bf16", ci=True),
-    # 256/256 (GLM-5's dense form) is square: mla_attention runs the square kernels there. The
-    # two-width kernels at 256 spill in the backward (2026-12-04, triton 3.7.1: dK 136/138, dV
-    # 44/62, dQ on sm_100a 86 local loads-stores), as the square ones do (below).
+    # 256/256 (GLM-5's dense form) is square: mla_attention runs the square op, whose Triton
+    # backend runs these same two-part kernels above head dim 128 (the cases below compile alike).
     Case("mla attention fwd (native) T=2x4096 H=16 Dqk=256 Dv=256", _native_mla(256, 256, False), "bf16"),
     Case("mla attention bwd (native) T=2x4096 H=16 Dqk=256 Dv=256", _native_mla(256, 256, True), "bf16"),
     Case("mla attention fwd (V padded) T=2x4096 H=16 D=192", _padded_mla(192, False), "bf16", ci=True),
     Case("mla attention fwd T=2x4096 H=16 D=256", _padded_mla(256, False), "bf16", ci=True),
-    # Known to spill (2026-12-04, triton 3.7.1): the square kernels' dK/dV and dQ tiles hold
-    # [64, 256] float32 accumulators (148-172 / 10-96 spilled loads-stores on sm_90a / sm_100a,
-    # at every block shape tried); dense MLA backward at these widths needs a column-split kernel.
-    Case("mla attention bwd (V padded) T=2x4096 H=16 D=192", _padded_mla(192, True), "bf16"),
-    Case("mla attention bwd T=2x4096 H=16 D=256", _padded_mla(256, True), "bf16"),
+    # The square kernels with one 256-wide tile spilled here (2026-12-04, triton 3.7.1: dK/dV
+    # 142-172, dQ 90-133 local loads-stores); the two-part kernels are clean (bench/RESULTS.md).
+    Case("mla attention bwd (V padded) T=2x4096 H=16 D=192", _padded_mla(192, True), "bf16", ci=True),
+    Case("mla attention bwd T=2x4096 H=16 D=256", _padded_mla(256, True), "bf16", ci=True),
 ]

@@ -25,25 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
-
-def split_head_dim(d: int) -> tuple[int, int]:
-    """(main, tail): main the largest power of two <= d, tail the rest (0 when d is a power of two)."""
-    main = 1 << (d.bit_length() - 1)
-    return main, d - main
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(n, 1)))
-
-
-def _dot_precision(dtype: torch.dtype):
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _contig_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+from ..attention.mla_triton import _p2, dot_rows, split_width
+from ..attention.triton import LOG2E, _dot_precision, _last_dim_contiguous, backward_inputs
 
 
 # ----------------------------------------------------------------------------------------- indexer
@@ -106,8 +89,8 @@ def indexer_scores_chunk(q, k, weights, cu_seqlens, max_seqlen: int, q_lo: int, 
     """Scores of query rows ``[q_lo, q_hi)`` against their sequence's keys: ``[q_hi - q_lo, max_seqlen]``
     float32 (``max_seqlen``: the longest key range), column = key index within the sequence's keys,
     -inf where not visible. The non-square form (``cu_seqlens_k``, positions) as in the reference."""
-    q, k = _contig_last(q), _contig_last(k)
-    weights = _contig_last(weights)
+    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    weights = _last_dim_contiguous(weights)
     Hi, Di = q.shape[1], q.shape[2]
     scores = torch.full((q_hi - q_lo, max_seqlen), float("-inf"), dtype=torch.float32, device=q.device)
     if q_hi <= q_lo or max_seqlen == 0:
@@ -121,7 +104,7 @@ def indexer_scores_chunk(q, k, weights, cu_seqlens, max_seqlen: int, q_lo: int, 
     _indexer_scores_kernel[grid](
         q, k, weights, scores, cu_seqlens, cu_k, q_pos, k_pos, q_lo, q_hi,
         q.stride(0), q.stride(1), k.stride(0), weights.stride(0), scores.stride(0), softmax_scale,
-        HEADS=Hi, HEAD_DIM=Di, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(Di), HAS_POS=has_pos,
+        HEADS=Hi, HEAD_DIM=Di, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_p2(Di), HAS_POS=has_pos,
         DOT_PREC=_dot_precision(q.dtype),
     )
     return scores
@@ -129,17 +112,12 @@ def indexer_scores_chunk(q, k, weights, cu_seqlens, max_seqlen: int, q_lo: int, 
 
 # ------------------------------------------------------------------------------- sparse attention
 @triton.jit
-def _gather_scores(q1, q2, K, rows, valid, hk, stride_kt, stride_kh, offs_d1, offs_d2,
-                   D1: tl.constexpr, D2: tl.constexpr, DOT_PREC: tl.constexpr):
-    """q1 [BH, BD1] (and q2 [BH, BD2]) against the gathered key rows -> s [BH, BN] (unscaled)."""
-    k1 = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + offs_d1[None, :],
-                 mask=valid[:, None] & (offs_d1 < D1)[None, :], other=0.0)
-    s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
-    if D2 > 0:
-        k2 = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + D1 + offs_d2[None, :],
-                     mask=valid[:, None] & (offs_d2 < D2)[None, :], other=0.0)
-        s += tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC)
-    return s
+def _selected_rows(Idx, t, stride_it, n0, n_idx, BLOCK_N: tl.constexpr):
+    """Token t's selected key rows ``[n0, n0 + BLOCK_N)``: (rows int64, valid, whether any is valid)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    idx = tl.load(Idx + t * stride_it + offs_n, mask=offs_n < n_idx, other=-1)
+    valid = idx >= 0
+    return tl.where(valid, idx, 0).to(tl.int64), valid, tl.max(idx, axis=0) >= 0
 
 
 @triton.jit
@@ -173,12 +151,9 @@ def _sparse_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for n0 in range(0, n_idx, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(Idx + t * stride_it + offs_n, mask=offs_n < n_idx, other=-1)
-        valid = idx >= 0
-        if tl.max(idx, axis=0) >= 0:
-            rows = tl.where(valid, idx, 0).to(tl.int64)
-            s = _gather_scores(q1, q2, K, rows, valid, hk, stride_kt, stride_kh, offs_d1, offs_d2, D1, D2, DOT_PREC)
+        rows, valid, any_valid = _selected_rows(Idx, t, stride_it, n0, n_idx, BLOCK_N)
+        if any_valid:
+            s = dot_rows(q1, q2, K, rows, valid, hk, stride_kt, stride_kh, offs_d1, offs_d2, D1, D2, DOT_PREC)
             s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -271,11 +246,8 @@ def _sparse_bwd_dq_kernel(
     dq1 = tl.zeros([BLOCK_H, BLOCK_D1], tl.float32)
     dq2 = tl.zeros([BLOCK_H, BLOCK_D2], tl.float32)
     for n0 in range(0, n_idx, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(Idx + t * stride_it + offs_n, mask=offs_n < n_idx, other=-1)
-        valid = idx >= 0
-        if tl.max(idx, axis=0) >= 0:
-            rows = tl.where(valid, idx, 0).to(tl.int64)
+        rows, valid, any_valid = _selected_rows(Idx, t, stride_it, n0, n_idx, BLOCK_N)
+        if any_valid:
             p, ds = _recompute_ds(Q, K, V, DO, rows, valid, h_ok, heads, hk, t, lse2, delta,
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
                                   stride_doh, qk_scale_log2, D1 + D2, DV, BLOCK_H, BLOCK_N, BLOCK_DVC, DOT_PREC)
@@ -311,11 +283,8 @@ def _sparse_bwd_dkdv_kernel(
     hk, h_ok, heads, lse2, delta = _bwd_program_setup(Lse, Delta, stride_lh, t, tl.program_id(1), GROUP, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_DVC)
     for n0 in range(0, n_idx, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(Idx + t * stride_it + offs_n, mask=offs_n < n_idx, other=-1)
-        valid = idx >= 0
-        if tl.max(idx, axis=0) >= 0:
-            rows = tl.where(valid, idx, 0).to(tl.int64)
+        rows, valid, any_valid = _selected_rows(Idx, t, stride_it, n0, n_idx, BLOCK_N)
+        if any_valid:
             p, ds = _recompute_ds(Q, K, V, DO, rows, valid, h_ok, heads, hk, t, lse2, delta,
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
                                   stride_doh, qk_scale_log2, D1 + D2, DV, BLOCK_H, BLOCK_N, BLOCK_DVC, DOT_PREC)
@@ -347,18 +316,18 @@ def _attn_blocks(group: int, dv: int, device, backward: bool) -> tuple[int, int,
     MMA's smallest M), 64 on the GPU for wgmma; the forward splits a wide value head (MLA's 512-wide
     latent) over programs to bound its float32 accumulator; the backward walks value and key
     columns in chunks (AOT-measured on sm_90a: whole 512-wide tiles spill)."""
-    block_h = min(64, _pow2(group))
+    block_h = min(64, _p2(group))
     if device.type != "cuda":
-        return block_h, 16, (16 if backward else _pow2(dv)), 4
+        return block_h, 16, (16 if backward else _p2(dv)), 4
     if backward:
         return block_h, 64, 64, 8
-    return block_h, 16, min(_pow2(dv), 256), 8  # BLOCK_N 32 spills on sm_100a (AOT)
+    return block_h, 16, min(_p2(dv), 256), 8  # BLOCK_N 32 spills on sm_100a (AOT)
 
 
 def sparse_forward(q, k, v, indices, softmax_scale: float, out_dtype: torch.dtype):
     """q ``[T, Hq, Dqk]``, k ``[Tk, Hkv, Dqk]``, v ``[Tk, Hkv, Dv]``, indices ``[T, K]`` int32 ->
     out ``[T, Hq, Dv]`` (out_dtype), lse ``[Hq, T]`` float32."""
-    q, k, v, indices = (_contig_last(t) for t in (q, k, v, indices))
+    q, k, v, indices = (_last_dim_contiguous(t) for t in (q, k, v, indices))
     T, Hq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
     G = Hq // Hkv
@@ -366,14 +335,14 @@ def sparse_forward(q, k, v, indices, softmax_scale: float, out_dtype: torch.dtyp
     lse = torch.empty(Hq, T, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    d1, d2 = split_head_dim(D)
+    d1, d2 = split_width(D)
     bh, bn, bdv, warps = _attn_blocks(G, Dv, q.device, backward=False)
     grid = (T, Hkv * triton.cdiv(G, bh), triton.cdiv(Dv, bdv))
     _sparse_fwd_kernel[grid](
         q, k, v, indices, out, lse, indices.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), softmax_scale * LOG2E,
-        GROUP=G, D1=d1, D2=d2, DV=Dv, BLOCK_H=bh, BLOCK_N=bn, BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2),
+        GROUP=G, D1=d1, D2=d2, DV=Dv, BLOCK_H=bh, BLOCK_N=bn, BLOCK_D1=_p2(d1), BLOCK_D2=_p2(d2),
         BLOCK_DV=bdv, DOT_PREC=_dot_precision(q.dtype), num_warps=warps,
     )
     return out, lse
@@ -389,33 +358,30 @@ def sparse_backward(dout, q, k, v, indices, out, lse, dlse, softmax_scale: float
     """dq ``[T, Hq, Dqk]``, dk ``[Tk, Hkv, Dqk]``, dv ``[Tk, Hkv, Dv]``, all float32. With ``fuse_kv``
     (the caller knows k and v are autograd views of one tensor) and v a column prefix of k
     (:func:`shares_storage`), dv is None and dk holds dK + [dV, 0]: that tensor's gradient."""
-    q, k, v, indices, dout = (_contig_last(t) for t in (q, k, v, indices, dout))
+    q, k, v, dout, lse, delta = backward_inputs(dout, q, k, v, out, lse, dlse)
+    indices = _last_dim_contiguous(indices)
     T, Hq, D = q.shape
     Tk, Hkv, Dv = v.shape
     G = Hq // Hkv
-    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()  # [Hq, T]
-    if dlse is not None:
-        delta = delta - dlse.float()
-    lse = lse.contiguous()
     dq = torch.empty(T, Hq, D, dtype=torch.float32, device=q.device)
     dk = torch.zeros(Tk, Hkv, D, dtype=torch.float32, device=q.device)
     if T == 0:
         return dq, dk, torch.zeros(Tk, Hkv, Dv, dtype=torch.float32, device=q.device)
-    d1, d2 = split_head_dim(D)
+    d1, d2 = split_width(D)
     bh, bn, bc, warps = _attn_blocks(G, Dv, q.device, backward=True)
     shared = fuse_kv and shares_storage(k, v) and Dv % bc == 0
     dv = dk[..., :0] if shared else torch.zeros(Tk, Hkv, Dv, dtype=torch.float32, device=q.device)
     grid = (T, Hkv * triton.cdiv(G, bh))
     # 512 columns spill on sm_90a (AOT); 16 under the interpreter so its tests cover several blocks
-    dq_cols = min(_pow2(d1), 256 if q.device.type == "cuda" else 16)
+    dq_cols = min(_p2(d1), 256 if q.device.type == "cuda" else 16)
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), indices.stride(0),
               dout.stride(0), dout.stride(1), lse.stride(0))
-    meta = dict(GROUP=G, D1=d1, D2=d2, DV=Dv, BLOCK_H=bh, BLOCK_N=bn, BLOCK_D2=_pow2(d2),
+    meta = dict(GROUP=G, D1=d1, D2=d2, DV=Dv, BLOCK_H=bh, BLOCK_N=bn, BLOCK_D2=_p2(d2),
                 BLOCK_DVC=bc, DOT_PREC=_dot_precision(q.dtype), num_warps=warps)
     _sparse_bwd_dq_kernel[(*grid, triton.cdiv(d1, dq_cols))](
         q, k, v, indices, dout, lse, delta, dq, indices.shape[1], *common, dq.stride(0), dq.stride(1), softmax_scale,
         softmax_scale * LOG2E, BLOCK_D1=dq_cols, **meta)
     _sparse_bwd_dkdv_kernel[grid](q, k, v, indices, dout, lse, delta, dk, dv, indices.shape[1], *common,
                                   dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), softmax_scale,
-                                  softmax_scale * LOG2E, BLOCK_D1=_pow2(d1), SHARED_KV=shared, **meta)
+                                  softmax_scale * LOG2E, BLOCK_D1=_p2(d1), SHARED_KV=shared, **meta)
     return dq, dk, (None if shared else dv)
