@@ -9,6 +9,7 @@ cuDNN on Hopper) against primerl on the same tokens packed varlen, with ``backen
 CUDA backend named (triton, varlen_flash, cudnn; flash_attn when installed), ratio vs SDPA; then a
 ring step (4096 queries against 8192 keys, positions and default mask) per useful FLOP against the
 same backend's square kernel. A backend that fails prints an error row and the rest goes on.
+Then the MLA and sparse-attention rows of ``bench mla_attention`` (GLM-5 / DeepSeek-V3 shapes).
 """
 
 from __future__ import annotations
@@ -307,6 +308,10 @@ def _cuda_rows(args) -> list[Row]:
 
 
 def run(args) -> list[Row]:
-    if args.device == "cuda":
-        return _cuda_rows(args)
-    return _cpu_rows(args)
+    from . import mla_attention
+
+    rows = _cuda_rows(args) if args.device == "cuda" else _cpu_rows(args)
+    try:
+        return rows + mla_attention.run(args)
+    except Exception as exc:  # noqa: BLE001 - the MLA rows failing must not hide the attention rows
+        return rows + [_error_row("mla_attention", "-", "-", exc)]
