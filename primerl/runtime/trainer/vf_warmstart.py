@@ -173,6 +173,8 @@ def job_warm_start(cfg, *, quiet: bool = True):
             reuse = False
     if reuse:
         log.info("warm start: reusing %s (same config)", out)
+        if not quiet:
+            print(f"primerl rl: warm start reused from {out} (resuming, same config)", flush=True)
     else:
         shutil.rmtree(out, ignore_errors=True)
         if not quiet:
