@@ -106,7 +106,7 @@ def warm_start(cfg, *, steps: int = 200, batch_size: int = 16, lr: float = 3e-3,
 
     out = out or cfg.model.path
     if not out:
-        raise ValueError("warm start: set model.path (where the warm-started policy is written)")
+        raise ValueError("warm start: give --out (or model.path): where the warm-started policy is written")
     init_cfg = copy.deepcopy(cfg)
     init_cfg.model.path = ""  # the random init the [model] fields describe
     env = load_environment(cfg.env.id, **cfg.env.args)
