@@ -183,6 +183,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """A supervised warm start that the job runs before RL (``primerl.runtime.trainer.vf_warmstart``):
+    the random-init policy of ``[model]`` is trained on the environment's task demonstrations
+    (``Task.demonstration()``, e.g. the ``primerl-vault`` tool-use task) for ``steps`` steps, written to
+    ``<output_dir>/warm_start`` and RL starts from it (``model.path`` of the resolved config)."""
+
+    steps: int = 0  # 0: no warm start
+    batch_size: int = 16  # demonstrations per step
+    lr: float = 3e-3
+
+
+@dataclass
 class LogConfig:
     progress: bool = True
     plot: bool = True
@@ -206,6 +218,7 @@ class RLConfig:
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -412,6 +425,12 @@ def validate(cfg: RLConfig) -> None:
         _need(isinstance(val, (int, float)) and 0 <= val < float("inf"), f"trainer.loss.{key}",
               "must be a finite number >= 0", val)
     _need(cfg.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0", cfg.checkpoint.interval)
+    w = cfg.warm_start
+    _need(w.steps >= 0, "warm_start.steps", "must be >= 0 (0: no warm start)", w.steps)
+    _need(w.batch_size >= 1, "warm_start.batch_size", "must be >= 1", w.batch_size)
+    _need(w.lr > 0, "warm_start.lr", "must be > 0", w.lr)
+    _need(not (w.steps and m.path), "warm_start.steps",
+          f"the warm start trains the random init of [model]; leave model.path empty (it is {m.path!r})", w.steps)
     _need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", cfg.checkpoint.keep)
     _need(m.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16", m.dtype)
     _need(cfg.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda", cfg.device)

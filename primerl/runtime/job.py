@@ -1,6 +1,7 @@
 """Process entry points and the ``primerl rl`` launcher.
 
-``primerl rl`` writes the resolved config to ``<output_dir>/config.toml`` and starts two
+``primerl rl`` first runs the config's supervised warm start, if it has one (``[warm_start]``,
+``trainer.vf_warmstart.job_warm_start``), then writes the resolved config to ``<output_dir>/config.toml`` and starts two
 processes that only share files: the trainer (``primerl trainer``, under torchrun when
 ``num_trainer_ranks > 1``) and the orchestrator with its embedded inference engine
 (``primerl orchestrator``). Each logs to ``<output_dir>/logs/<name>.log``; the launcher prints a
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .trainer.checkpoint import latest_checkpoint, remove_stale_tmp_dirs
+from .trainer.vf_warmstart import job_warm_start
 from .config import RLConfig, to_toml
 from .lifetime import LAUNCHER_PID_ENV, die_with_parent, pid_alive, watch_launcher
 from .metrics import ascii_curve, progress_line, read_metrics, save_plot
@@ -194,8 +196,10 @@ def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[d
     """Run trainer + orchestrator as two processes until ``max_steps``; return the metrics rows.
 
     Holds ``output_dir``'s lock for the job's life (``output_dir.claim_output_dir``)."""
-    with claim_output_dir(cfg), launched_vllm(cfg, quiet=quiet):
-        return _run_rl(cfg, quiet=quiet, poll_s=poll_s)
+    with claim_output_dir(cfg):
+        cfg = job_warm_start(cfg, quiet=quiet)
+        with launched_vllm(cfg, quiet=quiet):
+            return _run_rl(cfg, quiet=quiet, poll_s=poll_s)
 
 
 @contextlib.contextmanager
@@ -281,8 +285,10 @@ def run_threads(cfg: RLConfig, *, quiet: bool = True, parts: dict | None = None)
     Holds ``output_dir``'s lock for the job's life, as ``run_rl`` does. ``parts``, when given,
     receives the job's ``"client"`` (with the engine) and, at the end, its ``"trainer"``.
     """
-    with claim_output_dir(cfg), launched_vllm(cfg):
-        return _run_threads(cfg, quiet=quiet, parts={} if parts is None else parts)
+    with claim_output_dir(cfg):
+        cfg = job_warm_start(cfg, quiet=quiet)
+        with launched_vllm(cfg):
+            return _run_threads(cfg, quiet=quiet, parts={} if parts is None else parts)
 
 
 def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:

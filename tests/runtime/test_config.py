@@ -49,6 +49,9 @@ def test_unknown_keys_in_file_are_named(data, key):
     (["--model.top_k", "9"], "model.top_k"),
     (["--trainer", "3"], "trainer is a section"),
     (["--log.plot", "maybe"], "log.plot: expected a bool"),
+    (["--warm_start.steps", "-1"], "warm_start.steps: must be >= 0"),
+    (["--warm_start.lr", "0"], "warm_start.lr: must be > 0"),
+    (["--warm_start.steps", "5", "--model.path", "some/model"], "warm_start.steps: the warm start trains the random init"),
     (["oops"], "expected --key.sub value"),
 ])
 def test_bad_overrides_are_specific(override, match):

@@ -9,11 +9,11 @@ turn's prompt is the renderer's generation prompt (the first turn) or its bridge
 previous turn (later turns; ``renderer.bridge_to_next_turn``, what verifiers' train client
 sends), the completion is the assistant message's token ids ending with the stop token, and the
 cross-entropy is on the completion tokens only. The tool schemas are the ones the harness offers
-(read from one real episode's trace). The result is written as a Hugging Face model directory at
-``model.path``, which ``primerl rl`` then starts from::
+(read from one real episode's trace). The result is written as a Hugging Face model directory,
+``<output_dir>/warm_start`` when the job's config asks for it (``[warm_start] steps = N``): ``primerl rl``
+runs it before RL (``job_warm_start``) and RL starts from it. Standalone, into any directory::
 
-    python -m primerl.runtime.trainer.vf_warmstart --config examples/vf_tool_use.toml   # writes model.path
-    primerl rl --config examples/vf_tool_use.toml
+    python -m primerl.runtime.trainer.vf_warmstart --config <config.toml> --out <dir> --steps 60
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -104,7 +106,7 @@ def warm_start(cfg, *, steps: int = 200, batch_size: int = 16, lr: float = 3e-3,
 
     out = out or cfg.model.path
     if not out:
-        raise ValueError("warm start: set model.path (where the warm-started policy is written)")
+        raise ValueError("warm start: give --out (or model.path): where the warm-started policy is written")
     init_cfg = copy.deepcopy(cfg)
     init_cfg.model.path = ""  # the random init the [model] fields describe
     env = load_environment(cfg.env.id, **cfg.env.args)
@@ -145,6 +147,54 @@ def warm_start(cfg, *, steps: int = 200, batch_size: int = 16, lr: float = 3e-3,
     model.save_pretrained(out)
     return {"loss_first": losses[0], "loss_last": losses[-1], "sequences": len(seqs),
             "seconds": time.perf_counter() - t0}
+
+
+WARM_START_DIR = "warm_start"
+
+
+def job_warm_start(cfg, *, quiet: bool = True):
+    """``cfg`` itself without ``[warm_start]``; else a copy whose ``model.path`` is the warm-started
+    policy, trained now into ``<output_dir>/warm_start`` (or, when resuming, the one a previous run of
+    the same config left there) and whose ``warm_start.steps`` is 0 (the copy is what the job's
+    processes read: they start from that policy). Runs in the launcher, before any job process."""
+    w = cfg.warm_start
+    if not w.steps:
+        return cfg
+    from dataclasses import asdict
+
+    out = Path(cfg.output_dir) / WARM_START_DIR
+    stamp = {"model": asdict(cfg.model), "warm_start": asdict(w), "env": asdict(cfg.env), "seed": cfg.seed}
+    record = out / "warm_start.json"
+    reuse = False
+    if cfg.checkpoint.resume and record.exists():
+        try:
+            reuse = json.loads(record.read_text()).get("config") == json.loads(json.dumps(stamp, default=str))
+        except (OSError, ValueError):
+            reuse = False
+    if reuse:
+        log.info("warm start: reusing %s (same config)", out)
+        if not quiet:
+            print(f"primerl rl: warm start reused from {out} (resuming, same config)", flush=True)
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        if not quiet:
+            print(f"primerl rl: warm start, {w.steps} supervised steps on the task demonstrations -> {out}", flush=True)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cfg.threads)
+        try:
+            r = warm_start(cfg, steps=w.steps, batch_size=w.batch_size, lr=w.lr, out=str(out), seed=cfg.seed)
+        finally:
+            torch.set_num_threads(threads)
+        record.write_text(json.dumps({"config": stamp, "result": r}, indent=1, default=str))
+        msg = (f"warm start: {r['sequences']} demonstrations, loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} "
+               f"in {r['seconds']:.0f} s")
+        log.info(msg)
+        if not quiet:
+            print(f"primerl rl: {msg}", flush=True)
+    resolved = copy.deepcopy(cfg)
+    resolved.model.path = str(out)
+    resolved.warm_start.steps = 0
+    return resolved
 
 
 def _model_path(config: str, overrides: list[str]) -> str:

@@ -7,5 +7,6 @@ makes the folder part of the installed package; import the modules by their top-
 
 - ``primerl_inprocess``: the in-process chat/tool harness (no ``uv`` at run time).
 - ``primerl_reverse_text``: single-turn reverse-text taskset.
-- ``primerl_vault``: multi-turn tool-use taskset with an MCP toolset.
+- ``primerl_vault``: multi-turn tool-use taskset with an MCP toolset, and its ``vf.Env`` that answers a
+  wrong reply as the user (so an episode is >= 2 model turns).
 """

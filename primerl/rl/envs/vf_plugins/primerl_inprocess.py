@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from contextlib import AsyncExitStack
 
+import httpx
+
 import verifiers.v1 as vf
 from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
 
@@ -30,6 +32,11 @@ class InProcessHarnessConfig(vf.HarnessConfig):
     tool_error_feedback: bool = True
     """A malformed tool call (bad JSON, unknown tool) is answered with an error message as its
     result (the model sees it and the episode goes on), instead of ending the episode."""
+    connect_timeout_s: float = 300.0
+    """Seconds to connect to the rollout's interception endpoint. It is served on the orchestrator's
+    event loop, which a loaded CPU keeps busy for seconds at a time; the OpenAI client's default of
+    5 s then fails episodes (``APITimeoutError``). Reads are not bounded here: the episode's timeout
+    (``env.args.episode_timeout_s``) is the backstop."""
 
 
 class InProcessChatHarness(vf.Harness[InProcessHarnessConfig]):
@@ -50,7 +57,8 @@ class InProcessChatHarness(vf.Harness[InProcessHarnessConfig]):
             from verifiers.v1.dialects.chat import message_to_wire
 
             messages.extend(message_to_wire(m) for m in prompt)
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
+                             timeout=httpx.Timeout(None, connect=self.config.connect_timeout_s))
         try:
             async with AsyncExitStack() as stack:
                 if mcp_urls:
