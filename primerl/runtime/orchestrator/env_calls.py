@@ -5,9 +5,9 @@ between engine steps, so one slow or hanging grader holds up only its own episod
 rewards keep arriving, and the hanging call fails at its deadline with an error that names the
 environment and the call (:class:`EnvCallTimeout`, :class:`EnvCallError`).
 
-Each call runs on a daemon thread of its own (a hung thread cannot be killed in Python; one that
-passed its deadline is abandoned, its result ignored, and no longer counts against
-``max_concurrent``). Calls beyond ``max_concurrent`` wait in order. An environment's methods are
+Calls run on reusable daemon worker threads, one reserved per dispatched call, so a call never
+waits behind another (a hung thread cannot be killed in Python; one that passed its deadline is
+abandoned with its worker, its result ignored, and no longer counts against ``max_concurrent``). Calls beyond ``max_concurrent`` wait in order. An environment's methods are
 therefore called from several threads at once; set ``env.max_concurrent_calls = 1`` for one that
 is not thread-safe. ``async def`` methods run on an event loop of their calling thread.
 
@@ -98,6 +98,9 @@ class EnvCalls:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self.timeouts = 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle_workers = 0  # workers blocked on _jobs and not reserved by a dispatched call
+        self._lock = threading.Lock()
 
     def submit(self, key: Any, name: str, fn: Callable, *args) -> None:
         self._waiting.append((key, name, fn, args))
@@ -111,17 +114,25 @@ class EnvCalls:
             key, name, fn, args = self._waiting.popleft()
             cid = next(self._ids)
             self._running[cid] = (key, name, time.monotonic() + self.timeout_s)
-            threading.Thread(target=self._work, args=(cid, name, fn, args), name=f"env-{name}-{cid}",
-                             daemon=True).start()
+            with self._lock:
+                reserved = self._idle_workers > 0
+                self._idle_workers -= reserved
+            if not reserved:
+                threading.Thread(target=self._worker, name=f"env-{self.env_name}-{cid}", daemon=True).start()
+            self._jobs.put((cid, name, fn, args))
 
-    def _work(self, cid: int, name: str, fn: Callable, args: tuple) -> None:
-        try:
-            out = (True, call_env(fn, *args, timeout=self.timeout_s))
-        except Exception as e:  # noqa: BLE001 - handed to the orchestrator, attributed to the env
-            err = EnvCallError(f"environment {self.env_name!r}: {name}() raised {type(e).__name__}: {e}")
-            err.__cause__ = e
-            out = (False, err)
-        self._done.put((cid, out))
+    def _worker(self) -> None:
+        while True:
+            cid, name, fn, args = self._jobs.get()
+            try:
+                out = (True, call_env(fn, *args, timeout=self.timeout_s))
+            except Exception as e:  # noqa: BLE001 - handed to the orchestrator, attributed to the env
+                err = EnvCallError(f"environment {self.env_name!r}: {name}() raised {type(e).__name__}: {e}")
+                err.__cause__ = e
+                out = (False, err)
+            with self._lock:  # free before the result is seen, so the next dispatch can reuse this worker
+                self._idle_workers += 1
+            self._done.put((cid, out))
 
     def poll(self, wait_s: float = 0.0) -> list[tuple[Any, str, bool, Any]]:
         """Finished and timed-out calls as ``(key, name, ok, result_or_error)``; waits up to
