@@ -11,6 +11,7 @@ Modules (imported lazily: the vLLM worker loads ``inference.vllm_worker`` alone)
   hf_weights   published weights in the Hugging Face layout (models.checkpoint.hf_layout), FP8 transfer
   generate_api  POST /inference/v1/generate and GET /v1/models: vLLM's token-in / token-out contract
   http_aiohttp  the aiohttp front end of EngineServer (optional extra ``primerl[serve]``)
+  aiohttp_thread  AiohttpThread: an aiohttp server with one catch-all route on its own thread (used by http_aiohttp and generate_proxy)
   generate_proxy  GenerateProxy: a recording pass-through in front of vLLM's generate route (verifiers path)
 
 The main classes are re-exported here (``from primerl.runtime.inference import InferenceEngine``).

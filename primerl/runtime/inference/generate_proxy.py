@@ -18,16 +18,15 @@ mode's form); the proxy rewrites the former into the latter, nothing else.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import logging
-import socket
 import threading
 from typing import Callable
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from .aiohttp_thread import AiohttpThread
 from .server import MAX_SESSIONS, SESSION_HEADER, SessionRecord
 
 log = logging.getLogger("primerl.inference")
@@ -41,17 +40,13 @@ class GenerateProxy:
         self.upstream = upstream.rstrip("/")
         self.version = version
         self.request_timeout = request_timeout
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(1024)
-        self.host, self.port = self._sock.getsockname()[:2]
+        self._http = AiohttpThread(self._handle, host, port, name="generate-proxy",
+                                   on_start=self._open_client, on_stop=self._close_client)
+        self.host, self.port = self._http.host, self._http.port
         self.url = f"http://{self.host}:{self.port}"
         self._sessions: collections.OrderedDict[str, SessionRecord] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
+        self._client: ClientSession | None = None
 
     # ---------------------------------------------------------------- recording
     @staticmethod
@@ -109,45 +104,19 @@ class GenerateProxy:
                 log.warning("generate proxy: unreadable upstream generate response (%s): %.200s", e, body)
         return web.Response(status=status, body=body, headers={"Content-Type": ctype})
 
-    def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
+    async def _open_client(self) -> None:
+        # the client session belongs to the server's event loop, so it is made there
+        self._client = ClientSession(timeout=ClientTimeout(total=self.request_timeout))
 
-        async def setup():
-            self._client = ClientSession(timeout=ClientTimeout(total=self.request_timeout))
-            app = web.Application(client_max_size=1 << 30)
-            app.router.add_route("*", "/{tail:.*}", self._handle)
-            self._runner = web.AppRunner(app, access_log=None)
-            await self._runner.setup()
-            await web.SockSite(self._runner, self._sock).start()
-
-        try:
-            loop.run_until_complete(setup())
-        except BaseException as e:  # noqa: BLE001 - reported by start()
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            loop.run_forever()
-        finally:
-            loop.run_until_complete(self._runner.cleanup())
-            loop.run_until_complete(self._client.close())
-            loop.close()
+    async def _close_client(self) -> None:
+        await self._client.close()
 
     def start(self) -> "GenerateProxy":
-        self._thread = threading.Thread(target=self._run, name="generate-proxy", daemon=True)
-        self._thread.start()
-        self._ready.wait(30)
-        if self._error is not None:
-            raise RuntimeError(f"the generate proxy did not start: {self._error!r}") from self._error
+        self._http.start()
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+        self._http.stop()
 
 
 __all__ = ["GenerateProxy"]

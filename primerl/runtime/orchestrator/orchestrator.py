@@ -35,6 +35,7 @@ from primerl.rl.envs import Environment, check_tokens, has_token_weights
 from ..config import RLConfig
 from .env_calls import EnvCalls, EnvCallTimeout, RewardRejected, check_reward, check_token_weights
 from .rollout import EpisodeState, mix_seed
+from .steps import BatchSteps
 from ..transport import FileTransport, ProducerDied, TransportTimeout
 
 log = logging.getLogger("primerl.orchestrator")
@@ -49,7 +50,7 @@ class EnvError(RuntimeError):
 COUNTS = ("discarded_stale", "env_errors", "env_timeouts", "rewards_rejected", "rewards_clipped")
 
 
-class Orchestrator:
+class Orchestrator(BatchSteps):
     def __init__(self, cfg: RLConfig, env: Environment, client, transport: FileTransport, *, start_step: int = 0,
                  trainer_alive: Callable[[], bool] | None = None, top_k: int = 1):
         self.cfg, self.env, self.client, self.transport = cfg, env, client, transport
@@ -57,26 +58,15 @@ class Orchestrator:
         self.start_step = start_step
         self.trainer_alive = trainer_alive
         self.top_k = top_k
-        self.version = -1  # policy version the sampler holds
-        self.next_submit = start_step
-        self.next_write = start_step
+        self._init_steps(start_step, COUNTS)  # self.batches: step -> groups -> EpisodeState
         self.episodes: dict[int, EpisodeState] = {}  # request id -> episode waiting on the engine
-        self.batches: dict[int, list[list[EpisodeState]]] = {}
         self._rid = 0
         e = cfg.env
         self._env_calls = EnvCalls(e.id, e.timeout_s, e.max_concurrent_calls)
-        self.counters = dict.fromkeys(COUNTS, 0)
-        self._batch_counters: dict[int, dict] = {}
-        self._t_last_write = time.perf_counter()
-        self._tokens_since_write = 0
 
     # ---------------------------------------------------------------- env calls (concurrent, timeout + retry)
     def _submit_env(self, st: EpisodeState, name: str) -> None:
         self._env_calls.submit(st, name, getattr(self.env, name), st.episode)
-
-    def _count(self, step: int, key: str) -> None:
-        self.counters[key] += 1
-        self._batch_counters[step][key] += 1
 
     def _live(self, st: EpisodeState) -> bool:
         groups = self.batches.get(st.step)
@@ -195,34 +185,18 @@ class Orchestrator:
         samples, adv_metrics = build_samples(groups, self.o.advantage, self.top_k,
                                              replay=self.cfg.trainer.router_replay and self.cfg.inference.capture_routing,
                                              temperature=self.cfg.inference.temperature)
-        rewards = torch.tensor([st.reward for grp in groups for st in grp])
-        off = [step - st.version_min for grp in groups for st in grp]
-        lens = [len(st.episode.tokens) for grp in groups for st in grp]
-        now = time.perf_counter()
-        dt = max(now - self._t_last_write, 1e-9)
+        eps = [st for grp in groups for st in grp]
+        c = self._batch_counters[step]
         metrics = {
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "reward/max": float(rewards.max()), "off_policy/max": max(off), "off_policy/mean": sum(off) / len(off),
-            "policy_version": self.version, "samples/discarded_stale": self._batch_counters[step]["discarded_stale"],
-            "env/errors": self._batch_counters[step]["env_errors"], "env/timeouts": self._batch_counters[step]["env_timeouts"],
-            "rewards/rejected": self._batch_counters[step]["rewards_rejected"],
-            "rewards/clipped": self._batch_counters[step]["rewards_clipped"], "seq_len/mean": sum(lens) / len(lens),
-            "seq_len/max": max(lens), "inference/tokens_per_s": self._tokens_since_write / dt,
-            "turns/mean": sum(st.turn for grp in groups for st in grp) / len(off), **adv_metrics,
+            **self._step_metrics(step, [st.reward for st in eps], [step - st.version_min for st in eps],
+                                 [len(st.episode.tokens) for st in eps], [st.turn for st in eps]),
+            "env/errors": c["env_errors"], "env/timeouts": c["env_timeouts"], "rewards/rejected": c["rewards_rejected"],
+            "rewards/clipped": c["rewards_clipped"], **adv_metrics,
         }
-        self._t_last_write, self._tokens_since_write = now, 0
         dev = getattr(getattr(self.client, "engine", None), "device", None)
         if dev is not None and dev.type == "cuda":
             metrics["memory/engine_peak_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
         return samples, metrics
-
-    def _write(self, step: int, samples, metrics: dict) -> None:
-        from ..config import parallel_dims
-        from .batching import put_packed_batch
-
-        put_packed_batch(self.transport, step, samples, metrics, self.o.seq_len, parallel_dims(self.cfg).batch)
-        del self.batches[step]
-        self._batch_counters.pop(step, None)
 
     # ---------------------------------------------------------------- main loop
     def run(self, max_steps: int | None = None, on_batch: Callable[[int, dict], None] | None = None) -> None:
@@ -230,17 +204,8 @@ class Orchestrator:
         a = self.o.max_async_level
         while self.next_write < max_steps:
             self._refresh_weights()
-            while self.next_submit < max_steps and self.next_submit - self.version <= a \
-                    and self.next_submit <= self.next_write + a:
-                self._submit_batch(self.next_submit)
-                self.next_submit += 1
-            if self._batch_done(self.next_write):
-                out = self._finalize(self.next_write)
-                if out is not None:
-                    self._write(self.next_write, *out)
-                    if on_batch is not None:
-                        on_batch(self.next_write, out[1])
-                    self.next_write += 1
+            self._submit_due(max_steps)
+            if self._hand_over(on_batch):
                 continue
             engine_busy = self.client.has_pending()
             # results of env calls that finished meanwhile (wait briefly when there is nothing else to do)

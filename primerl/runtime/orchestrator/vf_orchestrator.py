@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,6 +42,7 @@ from primerl.rl.envs.verifiers_env import (BranchError, VerifiersEnv, branch_sam
 
 from ..config import RLConfig
 from .env_calls import RewardRejected, check_reward
+from .steps import BatchSteps
 from ..transport import FileTransport
 
 log = logging.getLogger("primerl.orchestrator")
@@ -94,7 +94,7 @@ class Group:
     failures: int = 0
 
 
-class VerifiersOrchestrator:
+class VerifiersOrchestrator(BatchSteps):
     def __init__(self, cfg: RLConfig, env: VerifiersEnv, client, transport: FileTransport, *, start_step: int = 0,
                  trainer_alive: Callable[[], bool] | None = None, top_k: int = 1):
         self.cfg, self.env, self.transport = cfg, env, transport
@@ -112,15 +112,9 @@ class VerifiersOrchestrator:
             self.engine = None
             self.server = GenerateProxy(cfg.inference.vllm.url, lambda: self.version,
                                         request_timeout=cfg.inference.timeout_s)
-        self.version = -1
-        self.next_submit = self.next_write = start_step
-        self.batches: dict[int, list[Group]] = {}
-        self.counters = dict.fromkeys(COUNTS, 0)
-        self._batch_counters: dict[int, dict] = {}
+        self._init_steps(start_step, COUNTS)  # self.batches: step -> list[Group]
         self._spare_index = 0  # replacement tasks for dropped groups, after every scheduled one
         self._inflight: set[asyncio.Task] = set()
-        self._t_last_write = time.perf_counter()
-        self._tokens_since_write = 0
         self.replay = cfg.trainer.router_replay and cfg.inference.capture_routing
         # per-request / per-rollout INFO lines of the HTTP clients and verifiers (several per episode)
         for name in ("httpx", "httpcore", "mcp", "verifiers", "renderers"):
@@ -144,10 +138,6 @@ class VerifiersOrchestrator:
             self.version = v
 
     # ---------------------------------------------------------------- submission
-    def _count(self, step: int, key: str) -> None:
-        self.counters[key] += 1
-        self._batch_counters[step][key] += 1
-
     def _start_member(self, step: int, g: int, m: int) -> None:
         grp = self.batches[step][g]
         task = self.env.tasks[grp.task_index % len(self.env.tasks)]
@@ -298,33 +288,17 @@ class VerifiersOrchestrator:
                         samples.append(branch_sample(b, advantage=adv[gi][mi][ui], temperature=T, replay=self.replay,
                                                      vocab_size=self.env.vocab_size))
                         lens.append(len(b.token_ids))
-        r = torch.tensor(rewards)
-        now = time.perf_counter()
-        dt = max(now - self._t_last_write, 1e-9)
         c = self._batch_counters[step]
         metrics = {
-            "reward/mean": float(r.mean()), "reward/std": float(r.std()) if r.numel() > 1 else 0.0,
-            "reward/max": float(r.max()), "off_policy/max": max(off), "off_policy/mean": sum(off) / len(off),
-            "policy_version": self.version, "samples/discarded_stale": c["discarded_stale"],
+            **self._step_metrics(step, rewards, off, lens, turns),
             "env/errors": sum(c[f"episodes_{k}"] for k in REASONS), "env/timeouts": 0,
             "rewards/rejected": c["rewards_rejected"], "rewards/clipped": c["rewards_clipped"],
-            "seq_len/mean": sum(lens) / len(lens), "seq_len/max": max(lens),
-            "inference/tokens_per_s": self._tokens_since_write / dt, "turns/mean": sum(turns) / len(turns),
             "tool_calls/mean": sum(tools) / len(tools), "branches/per_trace": sum(branches) / len(branches),
             "groups/dropped": c["groups_dropped"], **{f"episodes/{k}": c[f"episodes_{k}"] for k in REASONS},
             "advantage/abs_mean": float(sum(abs(a) for g in adv for m in g for a in m) / max(len(rewards), 1)),
             **adv_metrics,
         }
-        self._t_last_write, self._tokens_since_write = now, 0
         return samples, metrics
-
-    def _write(self, step: int, samples, metrics: dict) -> None:
-        from ..config import parallel_dims
-        from .batching import put_packed_batch
-
-        put_packed_batch(self.transport, step, samples, metrics, self.o.seq_len, parallel_dims(self.cfg).batch)
-        del self.batches[step]
-        self._batch_counters.pop(step, None)
 
     # ---------------------------------------------------------------- main loop
     @property
@@ -354,17 +328,8 @@ class VerifiersOrchestrator:
                     if dead is not None:
                         raise RuntimeError(f"the inference engine died: {dead!r}") from dead
                     await self._refresh_weights()
-                    while self.next_submit < max_steps and self.next_submit - self.version <= a \
-                            and self.next_submit <= self.next_write + a:
-                        self._submit_batch(self.next_submit)
-                        self.next_submit += 1
-                    if self._batch_done(self.next_write):
-                        out = self._finalize(self.next_write)
-                        if out is not None:
-                            self._write(self.next_write, *out)
-                            if on_batch is not None:
-                                on_batch(self.next_write, out[1])
-                            self.next_write += 1
+                    self._submit_due(max_steps)
+                    if self._hand_over(on_batch):
                         continue
                     if self._inflight:
                         done, self._inflight = await asyncio.wait(self._inflight, timeout=0.5,
