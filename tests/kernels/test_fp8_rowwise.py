@@ -15,20 +15,13 @@ from torch import nn
 
 from primerl.kernels import fp8_rowwise as RW
 from primerl.kernels import gemm as G
-from primerl.kernels.fp8_training import Fp8Linear, convert_to_fp8, fp8_grouped_linear, fp8_linear
+from primerl.kernels.fp8_training import Fp8Linear, convert_to_fp8, fp8_linear
 from primerl.kernels.testing import assert_bitwise_equal, calc_diff, sqnr_db
+
+from fp8_testing import check_grouped_linear_against_float64, leaf as _leaf, randn as _randn  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MIN_SQNR_DB = 25.0
-
-
-def _randn(*shape, seed, scale=1.0, dtype=torch.bfloat16, device=DEV):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_()
 
 
 def test_rowwise_linear_matches_float64():
@@ -48,28 +41,7 @@ def test_rowwise_linear_matches_float64():
 
 @pytest.mark.parametrize("counts,tail", [([37, 0, 130, 1], 3), ([16, 16], 0), ([5], 0)])
 def test_rowwise_grouped_linear_matches_float64(counts, tail):
-    k, n = 128, 256
-    total = sum(counts)
-    offsets = G.counts_to_offsets(torch.tensor(counts, dtype=torch.int32)).to(DEV)
-    x = _randn(total + tail, k, seed=0)
-    x[total:] = float("nan")  # rows past offsets[-1] are never read
-    w = _randn(len(counts), n, k, seed=1, scale=0.05)
-    grad = _randn(total + tail, n, seed=2)
-    xf, wf = _leaf(x), _leaf(w)
-    y = fp8_grouped_linear(xf, wf, offsets, recipe="rowwise")
-    y.backward(grad)
-    assert not y.isnan().any() and bool((y[total:] == 0).all())
-    assert not xf.grad.isnan().any() and bool((xf.grad[total:] == 0).all()) and not wf.grad.isnan().any()
-    xr, wr = _leaf(x[:total].double()), _leaf(w.double())
-    yr = G.grouped_gemm_nt(xr, wr, offsets, backend="torch")
-    yr.backward(grad[:total].double())
-    full = [g for g, c in enumerate(counts) if c > 0]
-    assert sqnr_db(yr.detach(), y[:total].detach()) >= MIN_SQNR_DB
-    assert sqnr_db(xr.grad, xf.grad[:total]) >= MIN_SQNR_DB
-    assert sqnr_db(wr.grad[full], wf.grad[full]) >= MIN_SQNR_DB
-    for g, c in enumerate(counts):
-        if c == 0:
-            assert bool((wf.grad[g] == 0).all())  # empty group
+    check_grouped_linear_against_float64(counts, tail, MIN_SQNR_DB, recipe="rowwise")
 
 
 @pytest.mark.parametrize("counts,tail", [([37, 0, 130, 1], 3), ([16, 32], 0), ([0, 0], 5), ([1], 0)])

@@ -14,19 +14,12 @@ from primerl.kernels import gemm as G
 from primerl.kernels.fp8_training import Fp8Linear, convert_to_fp8, fp8_grouped_linear, fp8_linear
 from primerl.kernels.testing import sqnr_db
 
+from fp8_testing import check_grouped_linear_against_float64, leaf as _leaf, randn as _randn  # noqa: E402
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", "triton"]
 RECIPES = ["blockwise", "blockwise_fp8_wgrad"]
 MIN_SQNR_DB = 25.0
-
-
-def _randn(*shape, seed, scale=1.0, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -50,25 +43,7 @@ def test_fp8_linear_matches_bf16(backend, recipe):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_grouped_linear_matches_bf16(backend, recipe):
-    counts, tail, k, n = [37, 0, 130, 1], 3, 128, 256
-    total = sum(counts)
-    offsets = G.counts_to_offsets(torch.tensor(counts, dtype=torch.int32)).to(DEV)
-    x = _randn(total + tail, k, seed=0)
-    x[total:] = float("nan")  # rows past offsets[-1] are never read
-    w = _randn(len(counts), n, k, seed=1, scale=0.05)
-    grad = _randn(total + tail, n, seed=2)
-    xf, wf = _leaf(x), _leaf(w)
-    y = fp8_grouped_linear(xf, wf, offsets, recipe=recipe, backend=backend)
-    y.backward(grad)
-    assert not y.isnan().any() and bool((y[total:] == 0).all())
-    assert not xf.grad.isnan().any() and bool((xf.grad[total:] == 0).all()) and not wf.grad.isnan().any()
-    xr, wr = _leaf(x[:total].double()), _leaf(w.double())
-    yr = G.grouped_gemm_nt(xr, wr, offsets, backend="torch")
-    yr.backward(grad[:total].double())
-    assert sqnr_db(yr.detach(), y[:total].detach()) >= MIN_SQNR_DB
-    assert sqnr_db(xr.grad, xf.grad[:total]) >= MIN_SQNR_DB
-    assert sqnr_db(wr.grad[[0, 2, 3]], wf.grad[[0, 2, 3]]) >= MIN_SQNR_DB
-    assert bool((wf.grad[1] == 0).all())  # empty group
+    check_grouped_linear_against_float64([37, 0, 130, 1], 3, MIN_SQNR_DB, recipe=recipe, backend=backend)
 
 
 def test_recipes_differ_only_in_wgrad():

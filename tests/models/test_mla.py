@@ -11,7 +11,7 @@ import torch
 from primerl.models import MoETransformer, MoETransformerConfig
 from primerl.models.checkpoint import hf_layout
 
-from models_testing import _perturb, hf_packed_logits, packed_batch
+from models_testing import assert_grads_match_hf, hf_packed_logits, hf_tiny, packed_batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,35 +19,19 @@ INDEX_TOPK = 6
 SEQ_LENS = (5, 1, 17, 3, 9)  # 17 and 9 > INDEX_TOPK: sparse; the rest select every key
 
 
-def hf_deepseek_v3(**overrides):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+# DeepSeek-V3 and GLM-5 (glm_moe_dsa) share the MLA and routing settings
+_MLA = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1,
+            first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16,
+            qk_nope_head_dim=12, qk_rope_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
 
-    kw = dict(vocab_size=61, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_group=2,
-              topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
-              q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
-              rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, attn_implementation="eager")
-    kw.update(overrides)
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**kw)).eval()
-    _perturb(model, 3)
-    return model
+
+def hf_deepseek_v3(**overrides):
+    return hf_tiny("DeepseekV3", 3, **{**_MLA, "v_head_dim": 10, **overrides})
 
 
 def hf_glm_moe_dsa(**overrides):
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-
-    kw = dict(vocab_size=61, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_group=2,
-              topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
-              q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
-              index_topk=INDEX_TOPK, index_head_dim=16, index_n_heads=8,
-              rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, attn_implementation="eager")
-    kw.update(overrides)
-    torch.manual_seed(0)
-    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**kw)).eval()
-    _perturb(model, 4)
-    return model
+    return hf_tiny("GlmMoeDsa", 4, **{**_MLA, "v_head_dim": 16, "index_topk": INDEX_TOPK, "index_head_dim": 16,
+                                      "index_n_heads": 8, **overrides})
 
 
 BUILDERS = {"deepseek_v3": hf_deepseek_v3, "glm_moe_dsa": hf_glm_moe_dsa,
@@ -136,27 +120,8 @@ def test_sparse_path_is_exercised_and_matters():
 def test_gradients_match_hf(loaded):
     name, hf_model, model, _ = loaded
     ids, pos, cu = packed_batch(model.config.vocab_size, SEQ_LENS, seed=1)
-    targets = torch.roll(ids, -1)
-    model.zero_grad(set_to_none=True)
-    hf_model.zero_grad(set_to_none=True)
-    torch.nn.functional.cross_entropy(model(ids, pos, cu, return_logits=True), targets).backward()
-    torch.nn.functional.cross_entropy(hf_packed_logits(hf_model, ids, cu), targets).backward()
-    hf_params = dict(hf_model.named_parameters())
-    ours = dict(model.named_parameters())
-    checked = 0
-    for hf_key, slot in hf_layout(model, "fused").items():
-        if hf_key not in hf_params:
-            continue
-        g_ref, g = hf_params[hf_key].grad, ours[slot.param].grad
-        if ".indexer." in hf_key:  # frozen: no gradient on either side
-            assert g is None and g_ref is None, hf_key
-            continue
-        assert g is not None and g_ref is not None, hf_key
-        scale = g_ref.abs().max().item() + 1e-12
-        err = (g.float() - g_ref.float()).abs().max().item()
-        assert err <= 1e-4 * max(1.0, scale), f"{name} grad {hf_key}: max abs err {err:.3e} (scale {scale:.3e})"
-        checked += 1
-    assert checked > 20
+    # the indexer is frozen: no gradient on either side
+    assert assert_grads_match_hf(name, hf_model, model, ids, pos, cu, frozen=lambda key: ".indexer." in key) > 20
 
 
 def test_routing_replay_bitwise(loaded):

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from primerl.models import MoETransformer
-from primerl.models.checkpoint import hf_layout
 
-from models_testing import hf_packed_logits, packed_batch
+from models_testing import assert_grads_match_hf, hf_packed_logits, packed_batch
 
 
 @pytest.fixture(scope="module")
@@ -43,25 +42,8 @@ def test_hidden_states_are_default_output(loaded):
 def test_gradients_match_hf(loaded):
     family, hf_model, model = loaded
     ids, pos, cu = packed_batch(model.config.vocab_size, seed=1)
-    targets = torch.roll(ids, -1)
-    model.zero_grad(set_to_none=True)
-    hf_model.zero_grad(set_to_none=True)
-    torch.nn.functional.cross_entropy(model(ids, pos, cu, return_logits=True), targets).backward()
-    torch.nn.functional.cross_entropy(hf_packed_logits(hf_model, ids, cu), targets).backward()
-    hf_params = dict(hf_model.named_parameters())
-    ours = dict(model.named_parameters())
-    checked = 0
-    for hf_key, slot in hf_layout(model, "fused").items():
-        if hf_key not in hf_params:  # e_score_correction_bias is a buffer in HF: no gradient
-            continue
-        g_ref = hf_params[hf_key].grad
-        g = ours[slot.param].grad
-        assert g is not None and g_ref is not None, hf_key
-        scale = g_ref.abs().max().item() + 1e-12
-        err = (g.float() - g_ref.float()).abs().max().item()
-        assert err <= 1e-4 * max(1.0, scale), f"{family} grad {hf_key}: max abs err {err:.3e} (scale {scale:.3e})"
-        checked += 1
-    assert checked >= len(hf_params) - 1
+    checked = assert_grads_match_hf(family, hf_model, model, ids, pos, cu)
+    assert checked >= len(dict(hf_model.named_parameters())) - 1
 
 
 def test_routing_capture_and_replay_bitwise(loaded):

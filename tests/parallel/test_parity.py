@@ -123,7 +123,7 @@ def reference_run(cfg: MoETransformerConfig, replay: bool):
         loss = token_loss_sum(model, tokens, positions, cu, labels, rep if replay else None) / (labels != -100).sum()
         loss.backward()
         if grads0 is None:
-            grads0 = {k: v.grad.clone() for k, v in model.named_parameters()}
+            grads0 = {k: v.grad.clone() for k, v in model.named_parameters() if v.requires_grad}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -150,6 +150,8 @@ def full_tensors(model, mesh, p: ParallelDims, grads: bool):
     """Unsharded parameters (or gradients) of every rank's model, expert weights from all ep ranks."""
     out = {}
     for name, param in model.named_parameters():
+        if grads and not param.requires_grad:
+            continue
         t = param.grad if grads else param
         full = t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
         if p.ep > 1 and ".experts." in name:
@@ -171,10 +173,10 @@ def compare(what: str, got: dict, want: dict, rtol: float) -> list[str]:
     return errors
 
 
-def run_layout(name: str, p: ParallelDims, mesh, replay: bool, ref):
+def run_layout(cfg: MoETransformerConfig, p: ParallelDims, mesh, replay: bool, ref, activation_checkpointing=None):
+    """The layout's run of the reference's steps; -> the differences from the reference (empty: equal)."""
     ref_losses, ref_grads0, ref_params = ref
-    cfg = config_of(name)
-    model = parallelize(make_model(cfg), p, mesh, activation_checkpointing="full" if name.endswith("_ac") else None,
+    model = parallelize(make_model(cfg), p, mesh, activation_checkpointing=activation_checkpointing,
                         param_dtype=torch.float32, reduce_dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     loss_group = mesh["loss"].get_group()
@@ -215,7 +217,8 @@ def _worker(rank, world_size, log, only=None):
             key = (cfg.family, replay)
             if key not in refs:
                 refs[key] = reference_run(cfg, replay)
-            log.run(f"{name}-{'replay' if replay else 'live'}", run_layout, name, p, mesh, replay, refs[key])
+            log.run(f"{name}-{'replay' if replay else 'live'}", run_layout, cfg, p, mesh, replay, refs[key],
+                    "full" if name.endswith("_ac") else None)
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,11 @@ gradient on either side and stays unchanged.
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from _parallel_dist import spawn
-from primerl.models import MoETransformer, MoETransformerConfig
-from primerl.models.parallelize import parallelize
+from primerl.models import MoETransformerConfig
 from primerl.parallel.mesh import ParallelDims
-from test_parity import ADAM_EPS, LOSS_RTOL, GRAD_RTOL, LR, PARAM_RTOL, VOCAB, compare, local_batch, make_batches, pack, \
-    token_loss_sum
+from test_parity import VOCAB, make_batches, make_model, reference_run, run_layout
 
 WORLD = 4
 MLA = dict(vocab_size=VOCAB, dim=16, n_heads=2, n_kv_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -37,68 +33,6 @@ LAYOUTS = {  # name -> (config, ParallelDims kwargs, replay modes)
     "dsv3_cp2_ep2": ("dsv3", dict(dp_shard=2, cp=2, ep=2), (False,)),
 }
 CASES = [f"{name}-{'replay' if r else 'live'}" for name, (_, _, modes) in LAYOUTS.items() for r in modes]
-
-
-def make_model(cfg):
-    torch.manual_seed(1234)
-    return MoETransformer(cfg)
-
-
-def reference_run(cfg, replay):
-    model = make_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-    losses, grads0 = [], None
-    for seqs in make_batches(cfg):
-        tokens, positions, labels, rep, cu = pack(seqs)
-        loss = token_loss_sum(model, tokens, positions, cu, labels, rep if replay else None) / (labels != -100).sum()
-        loss.backward()
-        if grads0 is None:
-            grads0 = {k: v.grad.clone() for k, v in model.named_parameters() if v.requires_grad}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads0, {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def full_tensors(model, mesh, p, grads):
-    out = {}
-    for name, param in model.named_parameters():
-        if grads and not param.requires_grad:
-            continue
-        t = param.grad if grads else param
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
-        if p.ep > 1 and ".experts." in name:
-            parts = [torch.zeros_like(full) for _ in range(p.ep)]
-            dist.all_gather(parts, full.contiguous(), group=mesh["ep"].get_group())
-            full = torch.cat(parts)
-        out[name] = full
-    return out
-
-
-def run_layout(cfg, p, mesh, replay, ref):
-    ref_losses, ref_grads0, ref_params = ref
-    model = parallelize(make_model(cfg), p, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-    loss_group = mesh["loss"].get_group()
-    losses, errors = [], []
-    for step, seqs in enumerate(make_batches(cfg)):
-        tokens, positions, labels, rep, cu = local_batch(seqs, mesh, p, cfg.top_k)
-        n = (labels != -100).sum()
-        dist.all_reduce(n, group=loss_group)
-        loss = token_loss_sum(model, tokens, positions, cu, labels, rep if replay else None) / n
-        loss.backward()
-        if step == 0:
-            errors += compare("step-0 grad", full_tensors(model, mesh, p, grads=True), ref_grads0, GRAD_RTOL)
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=loss_group)
-        losses.append(total.item())
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        if not abs(a - b) <= LOSS_RTOL * abs(b):
-            errors.append(f"step {step} loss {a!r} != reference {b!r}")
-    errors += compare("param after 3 steps", full_tensors(model, mesh, p, grads=False), ref_params, PARAM_RTOL)
-    return errors
 
 
 def _worker(rank, world_size, log):
