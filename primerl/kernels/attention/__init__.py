@@ -190,6 +190,8 @@ def _impl(backend: str):
         from . import varlen_flash as impl
     elif backend == "cudnn":
         from . import cudnn as impl
+    elif backend == "mla_triton":  # q/k and v of different widths (mla_attention's Triton path)
+        from . import mla_triton as impl
     else:
         from . import _torch_impl as impl
     return impl

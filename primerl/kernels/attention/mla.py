@@ -30,28 +30,6 @@ def pad_for_square(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[t
     return q, k, v, dv
 
 
-class _MLAAttentionFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, spec):
-        from . import mla_triton
-
-        out, lse = mla_triton.forward(q, k, v, spec, q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec = spec
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        from . import mla_triton
-
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = mla_triton.backward(dout.contiguous(), q, k, v, out, lse, dlse, ctx.spec)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
 def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                   causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
                   backend: str | None = None, **kwargs):
@@ -69,7 +47,7 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqle
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     if v.shape[-1] != q.shape[-1] and backend == "triton":
-        from . import _make_spec, _resolve
+        from . import _AttentionFn, _make_spec, _resolve
 
         if v.dtype != q.dtype or v.device != q.device:
             raise ValueError(f"mla_attention: v must share q's dtype and device, got {v.dtype} on {v.device}")
@@ -77,7 +55,7 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqle
         spec = _make_spec("mla_attention", q, k, k, cu_seqlens, kwargs.get("cu_seqlens_k"), causal, scale,
                           kwargs.get("q_positions"), kwargs.get("k_positions"))
         _resolve("mla_attention", backend, q, spec)
-        out, lse = _MLAAttentionFn.apply(q, k, v, spec)
+        out, lse = _AttentionFn.apply(q, k, v, spec, "mla_triton")
         return (out, lse) if return_lse else out
     qp, kp, vp, dv = pad_for_square(q, k, v)
     res = attention(qp, kp, vp, cu_seqlens=cu_seqlens, causal=causal, softmax_scale=scale, return_lse=return_lse,
