@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from .harness import Row
 
@@ -30,14 +31,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP = 3  # start-up steps: process start, the first weight load, Triton compiles
 
 
-def run_job(device: str, seconds: float, out: Path) -> list[dict]:
-    """``primerl rl`` on the example for ``device`` until ``seconds`` pass (or it ends): its metric rows."""
+def run_job(device: str, seconds: float, out: Path, *, args: tuple[str, ...] = (),
+            stop: Callable[[list[dict]], bool] | None = None) -> list[dict]:
+    """``primerl rl`` on the example for ``device`` (more command-line ``args`` appended) until
+    ``seconds`` pass, it ends, or ``stop(rows so far)`` says so: its metric rows."""
     from primerl.runtime.metrics import read_metrics
 
     example = "reverse_text_gpu.toml" if device == "cuda" else "reverse_text.toml"
     cmd = [sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(ROOT / "examples" / example),
            "--output_dir", str(out), "--overwrite", "true", "--checkpoint.interval", "0", "--log.plot", "false",
-           "--log.progress", "false", "--device", device]
+           "--log.progress", "false", "--device", device, *args]
     log = out.parent / "job.log"  # a file, not a pipe nobody reads: a full pipe (64 KB) would stall the job
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True,
@@ -47,6 +50,8 @@ def run_job(device: str, seconds: float, out: Path) -> list[dict]:
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
+            if stop is not None and stop(read_metrics(out / "metrics.jsonl")):
+                break
     finally:  # also when this bench is stopped (SIGTERM): no job left running on the GPU
         if proc.poll() is None:
             killed = True
