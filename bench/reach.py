@@ -43,14 +43,14 @@ def run(args) -> list[Row]:
     threshold = float(os.environ.get("PRIMERL_REACH_THRESHOLD", 0.9))
     rows, reached = [], 0
     for seed in seeds:
-        hit: dict = {}
+        hit: dict = {}  # seconds from the start to the first time the job's metrics showed it
         t0 = time.monotonic()
 
         def stop(metrics: list[dict]) -> bool:
-            step = first_reached([m["reward/mean"] for m in metrics], threshold)
-            if step is not None and "step" not in hit:
-                hit.update(step=step, seconds=time.monotonic() - t0)
-            return step is not None
+            if first_reached([m["reward/mean"] for m in metrics], threshold) is None:
+                return False
+            hit["seconds"] = time.monotonic() - t0
+            return True
 
         with tempfile.TemporaryDirectory() as d:
             try:
@@ -60,12 +60,14 @@ def run(args) -> list[Row]:
                                 extra={"error": str(e)[-400:]}))
                 continue
         rewards = [m["reward/mean"] for m in metrics]
-        reached += "step" in hit
-        extra = {"reached_at_step": hit.get("step", "not reached"), "steps": len(rewards),
+        step = first_reached(rewards, threshold)  # also when the job ended between two looks
+        reached += step is not None
+        extra = {"reached_at_step": "not reached" if step is None else step, "steps": len(rewards),
                  "last50": f"{statistics.mean(rewards[-50:]):.3f}" if rewards else "-",
                  "s/step": f"{statistics.median(m['time/step_s'] for m in metrics):.3f}" if metrics else "-"}
+        values = {"steps": len(rewards), **({} if step is None else {"step": step, **hit})}
         rows.append(Row("rl_reach", f"seed {seed}, 20-step mean >= {threshold:g}", "-", args.device,
-                        hit.get("seconds", float("nan")), extra=extra, values={**hit, "steps": len(rewards)}))
+                        hit.get("seconds", float("nan")), extra=extra, values=values))
     rows.append(Row("rl_reach", f"{len(seeds)} seeds, {seconds:g} s each", "-", args.device, float("nan"),
                     extra={"reached": f"{reached}/{len(seeds)}"}, values={"reached": reached, "seeds": len(seeds)}))
     return rows

@@ -7,9 +7,10 @@ environment and the call (:class:`EnvCallTimeout`, :class:`EnvCallError`).
 
 Calls run on reusable daemon worker threads, one reserved per dispatched call, so a call never
 waits behind another (a hung thread cannot be killed in Python; one that passed its deadline is
-abandoned with its worker, its result ignored, and no longer counts against ``max_concurrent``). Calls beyond ``max_concurrent`` wait in order. An environment's methods are
-therefore called from several threads at once; set ``env.max_concurrent_calls = 1`` for one that
-is not thread-safe. ``async def`` methods run on an event loop of their calling thread.
+abandoned with its worker, its result ignored, and no longer counts against ``max_concurrent``).
+Calls beyond ``max_concurrent`` wait in order. An environment's methods are therefore called
+from several threads at once; set ``env.max_concurrent_calls = 1`` for one that is not
+thread-safe. ``async def`` methods run on an event loop of their calling thread.
 
 Rewards are checked where they enter (:func:`check_reward`): a value that is not a real number
 (a string, None, a list) or is NaN/inf raises :class:`RewardRejected` (the orchestrator counts it
