@@ -261,6 +261,31 @@ def test_default_chunks_bound_the_blocks(T, D, V):
     assert chunked.default_chunk_sizes(T, V, D, native=False) == (1024, 8192, 1024)
 
 
+def _backward_peak(T, D, V, chunk_size, vocab_chunk_size, need):
+    """Peak bytes allocated during one backward (bf16 inputs, CPU path), gradients of ``need``."""
+    from bench.cpu_memory import track_peak_cpu_bytes
+
+    hidden, weight, targets, g = _inputs(T, V, D, seed=5, dtype=torch.bfloat16)
+    hidden.requires_grad_("hidden" in need)
+    weight.requires_grad_("weight" in need)
+    logp, _ = fused_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=chunk_size,
+                             vocab_chunk_size=vocab_chunk_size, return_entropy=False, backend="torch")
+    g_lp = torch.randn(T, generator=g)
+    return track_peak_cpu_bytes(lambda: torch.autograd.backward(logp, g_lp))
+
+
+def test_backward_peak_is_accumulator_plus_the_larger_of_blocks_and_the_rounded_copy():
+    # grad_hidden is accumulated in float32 [T, D] (4 T D bytes) and rounded to bf16 at the end (a
+    # 2 T D copy): the chunk blocks must be gone by then, or the peak is their sum (what the GPU
+    # bench compares with Liger's). The blocks' bytes are measured as the weight-only backward holds
+    # them (same loop, no grad_hidden); D is wide so that the rounded copy outweighs the blocks.
+    T, D, V = 512, 2048, 1024
+    blocks = _backward_peak(T, D, V, 64, 128, need=("weight",)) - 2 * V * D
+    both = _backward_peak(T, D, V, 64, 128, need=("hidden", "weight"))
+    assert 0 < blocks < 2 * T * D * 2
+    assert both <= 2 * V * D + 4 * T * D + max(2 * T * D, blocks) + (64 << 10), (both, blocks)
+
+
 def test_mm_out_dtype_is_detected():
     # torch 2.13 registers mm / addmm with out_dtype for meta (and CUDA) but has no CPU kernel
     assert chunked.has_mm_out_dtype("meta")
@@ -293,6 +318,28 @@ def test_cuda_tensor_core_path_matches_oracle(backend, chunks, temperature, monk
     logp, ent = fused_logprobs(hidden, weight, targets, temperature=temp, chunk_size=tc, vocab_chunk_size=vc,
                                backend=backend)
     _check_low_precision(logp, ent, hidden, weight, targets, temp, seed=9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_backward_peak_memory_is_accumulator_plus_blocks(backend):
+    # the tensor-core path's memory contract (fused_logprobs docstring): above the gradients it
+    # returns, backward holds the float32 [T, D] accumulator plus the larger of its blocks and the
+    # rounded bf16 copy of grad_hidden
+    T, D, V = 4096, 2048, 32000
+    hidden, weight, targets, temp = _cuda_inputs(T, V, D, seed=41, dtype=torch.bfloat16)
+    tz, vc, td = chunked.default_chunk_sizes(T, V, D, native=True)
+    blocks = 4 * tz * vc + 2 * td * vc + (4 * vc * D if td < T else 0)
+    logp, _ = fused_logprobs(hidden, weight, targets, temperature=temp, return_entropy=False, backend=backend)
+    g_lp = torch.randn(T, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.autograd.backward(logp, g_lp)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = 2 * V * D + 2 * T * D + 4 * T * D + max(2 * T * D, blocks) + (4 << 20)  # + [T] vectors, workspace
+    assert peak <= bound, (peak, bound)
 
 
 @pytest.mark.gpu

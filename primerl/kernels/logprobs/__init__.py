@@ -70,9 +70,11 @@ def fused_logprobs(
             (``chunked.default_chunk_sizes``): on CUDA with bf16/fp16 inputs, blocks of at most
             half the [T, D] float32 gradient accumulator (at least 64 MiB), the gradient blocks
             spanning all T tokens where that fits; otherwise 1024 x 8192. Peak extra memory in
-            backward: 4 T D bytes (grad_hidden accumulator) plus about 6 * chunk_size *
-            vocab_chunk_size for bf16/fp16 (4 or 8 for float32) plus, when chunk_size < T and the
-            weight is not float32, 4 * vocab_chunk_size * D.
+            backward, besides the gradients it returns: 4 T D bytes (the float32 grad_hidden
+            accumulator) plus the larger of the blocks (about 6 * chunk_size * vocab_chunk_size
+            for bf16/fp16 on CUDA, 4 or 8 for float32, plus 4 * vocab_chunk_size * D when
+            chunk_size < T and the weight is not float32) and, for bf16/fp16 hidden, the 2 T D
+            bytes of its rounded copy (the blocks are released before it is made).
         return_entropy: also return the entropy (its gradient flows too).
         backend: None | "torch" | "triton".
 

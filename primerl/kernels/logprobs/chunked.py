@@ -34,9 +34,10 @@ Two precisions of the matmuls:
   chunk across token chunks) and are rounded to the input dtype once at the end.
 
 The per-chunk work is pluggable (`TorchChunkOps` here, `triton.TritonChunkOps`), the matmuls are
-torch's. Peak extra memory in backward: the [T, D] float32 grad_hidden accumulator, a [Tc, Vc]
-float32 block and a [Tc, Vc] gradient block (the same buffer for float32 operands), a [Vc, D]
-float32 weight-gradient accumulator (none when one token chunk covers T), a few [T] vectors.
+torch's. Peak extra memory in backward: the [T, D] float32 grad_hidden accumulator plus the larger
+of (a) the blocks: a [Tc, Vc] float32 block and a [Tc, Vc] gradient block (the same buffer for
+float32 operands), a [Vc, D] float32 weight-gradient accumulator (none when one token chunk covers
+T), and (b) grad_hidden rounded to bf16/fp16 (made after the blocks are released); a few [T] vectors.
 """
 
 from __future__ import annotations
@@ -192,11 +193,15 @@ def _block(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buf[: rows * cols].view(rows, cols)
 
 
+def _low_precision_operands(hidden, weight) -> bool:
+    return hidden.dtype == weight.dtype and hidden.dtype in LOW_PRECISION
+
+
 class _Operands:
     """How the GEMM operands are made from hidden / weight / dz, for one of the two precisions."""
 
     def __init__(self, hidden, weight, inv_temp, unit_temp):
-        self.lowp = hidden.dtype == weight.dtype and hidden.dtype in LOW_PRECISION
+        self.lowp = _low_precision_operands(hidden, weight)
         self.native = self.lowp and native_low_precision(hidden, weight)
         self.dtype = hidden.dtype if self.lowp else torch.float32  # of the gradient block dz
         self.hidden, self.inv_temp, self.unit_temp = hidden, inv_temp, unit_temp
@@ -253,7 +258,23 @@ def chunked_backward(hidden, weight, targets, inv_temp, unit_temp, logprobs, ent
     """-> (grad_hidden [T, D] in hidden.dtype or None, grad_weight [V, D] in weight.dtype or None).
 
     The gradient blocks dz [grad_chunk_size, Vc] are filled logits block by logits block
-    ([chunk_size, Vc]), then feed grad_hidden += dz @ W_c and grad_weight_c (+)= dz^T @ h."""
+    ([chunk_size, Vc]), then feed grad_hidden += dz @ W_c and grad_weight_c (+)= dz^T @ h.
+    The blocks are released before the float32 grad_hidden is rounded to hidden's dtype, so the
+    peak is the larger of (accumulator + blocks) and (accumulator + the rounded copy), not both."""
+    grad_h, grad_w = _backward_blocks(hidden, weight, targets, inv_temp, unit_temp, logprobs, entropy, stats, g_lp,
+                                      g_ent, chunk_size, vocab_chunk_size, grad_chunk_size, need_hidden, need_weight,
+                                      ops)
+    if grad_h is not None:
+        if not unit_temp and not _low_precision_operands(hidden, weight):
+            grad_h.mul_(inv_temp.unsqueeze(1))  # the float32 path scaled the rows, not the logits
+        grad_h = grad_h.to(hidden.dtype)
+    return grad_h, grad_w
+
+
+def _backward_blocks(hidden, weight, targets, inv_temp, unit_temp, logprobs, entropy, stats, g_lp, g_ent,
+                     chunk_size, vocab_chunk_size, grad_chunk_size, need_hidden, need_weight, ops):
+    """The block loop of `chunked_backward`: -> (grad_hidden [T, D] float32, unscaled for float32
+    operands, or None; grad_weight [V, D] or None). Every block buffer dies with this frame."""
     T, D = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -304,10 +325,6 @@ def chunked_backward(hidden, weight, targets, inv_temp, unit_temp, logprobs, ent
                 _gemm(gw, dz.t(), h if t0 == d0 else opnd.rows(d0, d1), accumulate=d0 > 0)
         if gw_acc is not None:
             grad_w[v0:v1].copy_(gw_acc[: v1 - v0])
-    if grad_h is not None:
-        if not unit_temp and not opnd.lowp:
-            grad_h.mul_(inv_temp.unsqueeze(1))
-        grad_h = grad_h.to(hidden.dtype)
     return grad_h, grad_w
 
 
