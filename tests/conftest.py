@@ -12,6 +12,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Value checks read the host and raise ValueError with the offending values (primerl.kernels._value_checks);
+# tests of the no-host-read path turn it off with primerl.kernels.debug_checks(False).
+os.environ.setdefault("PRIMERL_DEBUG_CHECKS", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import primerl.kernels  # noqa: E402,F401  (applies the interpreter corrections)

@@ -10,6 +10,7 @@ from ._backend import (  # noqa: F401
     triton_interpreter_enabled,
 )
 from ._ext import HAS_CUDA_EXT  # noqa: F401
+from ._value_checks import check_values, debug_checks, debug_checks_enabled, set_debug_checks  # noqa: F401
 
 if triton_interpreter_enabled():
     # Before any kernel module defines a @triton.jit function: make the CPU interpreter compute

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.utils._python_dispatch
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -54,3 +55,47 @@ def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     e = expected.double()
     scale = e.abs().max().clamp_min(1e-30)
     return float((actual.double() - e).abs().max() / scale)
+
+
+# ------------------------------------------------------------------------------ host reads
+
+# Ops whose result needs the device's values on the host (a GPU synchronisation): scalar reads
+# and ops whose output shape depends on the data.
+HOST_READ_OPS = (
+    "_local_scalar_dense", "item", "nonzero", "nonzero_static_unbounded", "bincount", "unique",
+    "_unique", "_unique2", "unique_dim", "unique_consecutive", "masked_select", "equal",
+    "repeat_interleave.Tensor", "tolist",
+)
+
+
+class count_host_reads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Count data-dependent host reads (``aten._local_scalar_dense``, ``nonzero``, ``bincount``,
+    ...) while active; ``.counts`` maps op name to calls, ``.total`` sums them.
+
+    Python-level reads (``.item()``, ``.tolist()``, ``bool(t)``) all reach
+    ``aten._local_scalar_dense``. ``repeat_interleave`` counts only without ``output_size``.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self.where: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        overload = f"{name}.{func._overloadname}"
+        hit = name in HOST_READ_OPS or overload in HOST_READ_OPS
+        if name == "repeat_interleave" and kwargs.get("output_size") is not None:
+            hit = False
+        if hit:
+            self.counts[name] = self.counts.get(name, 0) + 1
+            import traceback
+
+            frames = [f for f in traceback.extract_stack()[:-1] if "primerl" in f.filename]
+            self.where.append(f"{name} at " + (f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"))
+        return func(*args, **kwargs)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
