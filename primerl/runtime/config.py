@@ -146,6 +146,10 @@ class ParallelConfig:
     activation_checkpointing: str = "none"  # "none", "full" (every block) or "selective" (every 2nd block)
     fp8: str = "off"  # "off", "blockwise", "blockwise_fp8_wgrad" or "rowwise" (primerl.kernels.fp8_training recipes)
     cp_layout: str = "zigzag"  # "zigzag" (causal load balance) or "contiguous"
+    cp_kind: str = "ring"  # "ring", "ulysses" (head all-to-all) or "ulysses_ring" (2-D: cp = cp_ulysses x ring)
+    cp_ulysses: int = 0  # Ulysses degree; 0: cp for "ulysses", 1 for "ring"; required for "ulysses_ring"
+    activation_offload: bool = False  # checkpointed blocks' saved activations kept in host memory
+    cpu_offload: bool = False  # parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)
 
 
 @dataclass
@@ -501,6 +505,20 @@ def _sequence_level_loss(loss: LossConfig) -> str | None:
     return None
 
 
+CP_KINDS = ("ring", "ulysses", "ulysses_ring")
+
+
+def cp_degrees(p: ParallelConfig, cp: int) -> tuple[int, int]:
+    """``(ulysses, ring)`` degrees of context parallelism ``cp`` for ``trainer.parallel``."""
+    if p.cp_kind == "ring":
+        u = p.cp_ulysses or 1
+    elif p.cp_kind == "ulysses":
+        u = p.cp_ulysses or cp
+    else:
+        u = p.cp_ulysses
+    return u, cp // u
+
+
 def validate_parallel(cfg: RLConfig) -> None:
     """``trainer.parallel`` against ``num_trainer_ranks``, the model and the loss."""
     p, t = cfg.trainer.parallel, cfg.trainer
@@ -509,7 +527,12 @@ def validate_parallel(cfg: RLConfig) -> None:
     _need(p.fp8 in ("off",) + FP8_RECIPES, "trainer.parallel.fp8", f"must be 'off' or one of {FP8_RECIPES}", p.fp8)
     _need(p.cp_layout in ("zigzag", "contiguous"), "trainer.parallel.cp_layout", "must be zigzag or contiguous",
           p.cp_layout)
+    _need(p.cp_kind in CP_KINDS, "trainer.parallel.cp_kind", f"must be one of {CP_KINDS}", p.cp_kind)
     dims = parallel_dims(cfg)
+    _need(p.cp_ulysses >= 0 and (p.cp_ulysses == 0 or dims.cp % p.cp_ulysses == 0), "trainer.parallel.cp_ulysses",
+          f"must divide trainer.parallel.cp = {dims.cp} (cp = cp_ulysses x ring degree)", p.cp_ulysses)
+    _need(p.cp_kind != "ulysses_ring" or p.cp_ulysses > 1, "trainer.parallel.cp_ulysses",
+          "must be set (> 1) with cp_kind = 'ulysses_ring'", p.cp_ulysses)
     if dims.cp > 1:
         _need(t.attention != "padded", "trainer.attention",
               f"'padded' cannot run with trainer.parallel.cp = {dims.cp} (context parallel needs ring attention; "
