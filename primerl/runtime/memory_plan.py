@@ -267,9 +267,10 @@ def layer_saved(mc, lay: TrainerLayout, t: int, layer: int) -> int:
     return attention_saved(mc, lay, t, layer) + ffn_saved(mc, lay, t, layer)
 
 
-def layer_backward_working(mc, lay: TrainerLayout, t: int, layer: int) -> int:
-    """Growth of live memory during one block's backward, at its highest point: the gradients of
-    its largest intermediates alive at once, less the block's own saved tensors freed before then.
+def layer_backward_working(mc, lay: TrainerLayout, t: int, layer: int) -> tuple[int, int]:
+    """Growth of live memory during one block's backward at its highest point, ``(ffn, attention)``
+    halves (they run one after the other): the gradients of the largest intermediates alive at
+    once, less the block's own saved tensors freed before then, plus the residual's gradient.
 
     MoE half, at SwiGLU's backward: the routed rows' dh [m, I] and dgu [m, 2I], after the shared
     experts' backward (autograd runs it first: it was computed last) and the combine's and the
@@ -286,12 +287,13 @@ def layer_backward_working(mc, lay: TrainerLayout, t: int, layer: int) -> int:
         ffn = m * 3 * Id * a
         if not lay.native_lowp and a != 4:
             ffn += 6 * m * Id * 4
-        freed = 4 * t * mc.num_shared_experts * Id * a + m * D * a + (0 if fp8 else m * Id * a)
+        combine = m * D * (4 if lay.ep > 1 and a != 4 else a)  # y_perm, or under EP its float32 slot copies
+        freed = 4 * t * mc.num_shared_experts * Id * a + combine + (0 if fp8 else m * Id * a)
         ffn = max(ffn - freed, m * D * a)
     H = mc.n_heads
     Hkv, Dh = (H, max(mc.head_dim, mc.v_head_dim)) if mc.is_mla else (mc.n_kv_heads, mc.head_dim)
     attn = t * H * Dh * (2 * a + 4) + 2 * t * Hkv * Dh * a
-    return max(ffn, attn) + residual
+    return ffn + residual, attn + residual
 
 
 def _fp8_experts(mc, lay: TrainerLayout) -> bool:
@@ -404,19 +406,27 @@ def trainer_plan(mc, lay: TrainerLayout) -> TrainerPlan:
         act -= max(n - 2, 0) * block_input  # two in flight (the one copied back, the next)
     final_norm = t * mc.dim * (4 + a)  # its output is fused_logprobs' input, kept by that Function
     rows["activations"] = int(act + final_norm)
-    recompute = max([saved[i] for i in range(L) if ckpt[i]], default=0)  # one checkpointed block re-run
-    rows["recomputed block"] = recompute
+    rows["recomputed block"] = max([saved[i] for i in range(L) if ckpt[i]], default=0)
     rows["attention / cp buffers"] = cp_buffers(mc, lay, t)
     rows["log-probs chunks"] = logprobs_buffers(mc, lay, t)
     rows["expert all-to-all"] = expert_a2a_buffers(mc, lay, t)
-    rows["backward working set"] = max(layer_backward_working(mc, lay, t, i) for i in range(L))
-    base = sum(rows[k] for k in ("parameters", "gradients", "optimizer", "fsdp buffers")) + act
-    # two phases: the head's backward (the final norm's saved tensors still alive), then the last
-    # block's backward (they are freed; a checkpointed block is recomputed first)
-    head_phase = final_norm + rows["log-probs chunks"]
-    block_phase = (recompute + rows["backward working set"] + rows["attention / cp buffers"]
-                   + rows["expert all-to-all"])
-    peak = base + max(head_phase, block_phase)
+    # backward of block i: blocks before it keep what they saved (a checkpointed one its input),
+    # block i holds all it saved (recomputed when checkpointed) and its working set; blocks after
+    # it are done. Its two halves run in turn (attention with the CP buffers).
+    kept = [block_input if ckpt[i] else saved[i] for i in range(L)]
+    phases, below = [], 0
+    for i in range(L):
+        ffn, attn = layer_backward_working(mc, lay, t, i)
+        # the exchange's buffers live while the combine's / dispatch's backward runs, not SwiGLU's
+        work = max(ffn, rows["expert all-to-all"], attn + rows["attention / cp buffers"])
+        phases.append(below + saved[i] + (block_input if ckpt[i] else 0) + work)
+        below += kept[i]
+    worst = max(range(L), key=lambda i: phases[i])
+    rows["backward working set"] = int(phases[worst] - sum(kept[:worst]) - saved[worst])
+    static = sum(rows[k] for k in ("parameters", "gradients", "optimizer", "fsdp buffers"))
+    # the head's backward: every block's kept tensors, the final norm's, the log-probs blocks
+    head_phase = sum(kept) + final_norm + rows["log-probs chunks"]
+    peak = static + max(head_phase, phases[worst])
     return TrainerPlan(lay, rows, host, int(peak))
 
 

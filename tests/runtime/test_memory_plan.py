@@ -1,0 +1,153 @@
+"""The memory plan (``primerl.runtime.memory_plan``) against what the code allocates.
+
+* Parameter counts and per-rank shard bytes: exact (the model's ``numel`` and the trainer's FSDP
+  shards, gradients and AdamW state on 4 gloo ranks).
+* Peaks: the job's ``Trainer`` on 4 gloo ranks (bf16 mixed precision, a tiny FP8-sized MoE,
+  8 sequences per 4096-token micro-batch) measured with the CPU allocator's running total
+  (``tests/runtime/memory_testing.py``) for each layout below; every rank's measured peak must be
+  within ``TOLERANCE`` of the plan's prediction for the CPU. The activations are most of each peak
+  (parameters and optimizer state are a few MB), so the test is one of the activation formulas.
+* The plan's arithmetic: monotone in seq_len, max_seq_len consistent with the verdict, offload
+  and checkpointing lower the device peak, MLA's KV cache is the latent, GLM-5 numbers are sane.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from primerl.models.config import MoETransformerConfig
+from primerl.models.transformer import MoETransformer
+from primerl.runtime.config import ConfigError, load_config
+from primerl.runtime.memory_plan import (GiB, TrainerLayout, inference_plan, max_seq_len, param_counts,
+                                         parse_bytes, plan_for_config, trainer_plan)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from memory_testing import job_config, measure  # noqa: E402
+from _parallel_dist import spawn  # noqa: E402
+
+TOLERANCE = 0.15
+WORLD, SEQ_LEN = 4, 4096
+LAYOUTS = {
+    "cp1_dp4": ["--trainer.parallel.dp_shard", "4"],
+    "cp2_ring": ["--trainer.parallel.cp", "2"],
+    "cp4_ring_ac": ["--trainer.parallel.cp", "4", "--trainer.parallel.activation_checkpointing", "full"],
+    "cp4_ring": ["--trainer.parallel.cp", "4"],
+    "cp1_fp8": ["--trainer.parallel.dp_shard", "4", "--trainer.parallel.fp8", "blockwise"],
+    "cp2_ep2_fp8_selective": ["--trainer.parallel.cp", "2", "--trainer.parallel.ep", "2", "--trainer.parallel.fp8",
+                              "blockwise", "--trainer.parallel.activation_checkpointing", "selective"],
+}
+
+
+def _worker(rank, world_size, log, out_dir):
+    results = {}
+    for name, layout in LAYOUTS.items():
+        results[name] = measure(job_config(world_size, SEQ_LEN, layout))
+    Path(out_dir, f"measured_{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("memory_plan")
+    spawn(_worker, WORLD, tmp, str(tmp))
+    return [json.loads(Path(tmp, f"measured_{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_predicted_peak_within_tolerance(measured, name):
+    plan = plan_for_config(job_config(WORLD, SEQ_LEN, LAYOUTS[name]), device="cpu").trainer
+    rows = []
+    for rank, per_layout in enumerate(measured):
+        m = per_layout[name]
+        err = plan.peak / m["peak"] - 1
+        rows.append(f"rank {rank}: measured {m['peak'] / 2**20:.2f} MiB predicted {plan.peak / 2**20:.2f} MiB "
+                    f"({err:+.1%})")
+        assert abs(err) <= TOLERANCE, "\n".join(rows)
+    print(name, "\n".join(rows))
+
+
+@pytest.mark.parametrize("name", ["cp1_dp4", "cp2_ep2_fp8_selective"])
+def test_state_shards_match(measured, name):
+    """Parameter, gradient and optimizer-state bytes per rank: FSDP pads a dim-0 shard to a whole
+    row count, so allow 2% (the tiny model's 4-row norms and routers)."""
+    plan = plan_for_config(job_config(WORLD, SEQ_LEN, LAYOUTS[name]), device="cpu").trainer
+    for per_layout in measured:
+        m = per_layout[name]
+        for key in ("parameters", "gradients", "optimizer"):
+            assert plan.rows[key] == pytest.approx(m[key], rel=0.02), (key, plan.rows[key], m[key])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa"])
+def test_param_counts_exact(family):
+    mc = MoETransformerConfig.tiny(family=family)
+    model = MoETransformer(mc)
+    pc = param_counts(mc)
+    assert pc.total == sum(p.numel() for p in model.parameters())
+    assert pc.frozen == sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert pc.experts == sum(p.numel() for n, p in model.named_parameters() if n.endswith(("experts.w13", "experts.w2")))
+
+
+def _glm5() -> MoETransformerConfig:
+    """GLM-5's published config.json (zai-org/GLM-5): 78 layers, d 6144, 64 heads, MLA (q_lora 2048,
+    kv_lora 512, nope 192, rope 64, v 256), 256 experts top-8 of width 2048 + 1 shared, 3 dense
+    layers of width 12288, vocab 154880, DeepSeek sparse attention (32 x 128 indexer, top-2048)."""
+    return MoETransformerConfig(
+        family="glm_moe_dsa", vocab_size=154880, dim=6144, n_layers=78, n_heads=64, n_kv_heads=64, head_dim=256,
+        ffn_dim=12288, moe_dim=2048, num_experts=256, top_k=8, num_shared_experts=1, score_func="sigmoid",
+        route_norm=True, route_scale=2.5, n_groups=1, topk_groups=1, use_expert_bias=True, dense_layers=(0, 1, 2),
+        qk_norm=False, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+        v_head_dim=256, index_n_heads=32, index_head_dim=128, index_topk=2048, rope_theta=1e6)
+
+
+def test_glm5_scale_is_sane():
+    mc = _glm5()
+    pc = param_counts(mc)
+    assert 7.0e11 < pc.total < 8.0e11  # ~744B parameters
+    # KV cache of the latent: 78 layers x (512 + 64 + 128) bf16 values per token
+    inf = inference_plan(mc, tensor_parallel=8)
+    assert inf.kv_per_token == 78 * (512 + 64 + 128) * 2
+    lay = TrainerLayout(seq_len=131072, dp_shard=224, cp=1, ep=8, activation_checkpointing="full")
+    a = trainer_plan(mc, lay)
+    b = trainer_plan(mc, TrainerLayout(seq_len=131072, dp_shard=56, cp=4, ep=8, ulysses=4,
+                                       activation_checkpointing="full"))
+    assert b.rows["activations"] < a.rows["activations"] / 3  # a quarter of the tokens per rank
+
+
+def test_plan_is_monotone_and_max_seq_len_consistent():
+    mc = MoETransformerConfig.tiny(family="glm4_moe", vocab_size=1000, dim=256, moe_dim=256)
+    lay = TrainerLayout(seq_len=4096, dp_shard=4, cp=2, activation_checkpointing="none")
+    peaks = [trainer_plan(mc, TrainerLayout(**{**lay.__dict__, "seq_len": n})).peak for n in (1024, 4096, 16384)]
+    assert peaks[0] < peaks[1] < peaks[2]
+    budget = peaks[1] + 1
+    n = max_seq_len(mc, lay, budget)
+    assert 4096 <= n < 16384
+    assert trainer_plan(mc, TrainerLayout(**{**lay.__dict__, "seq_len": n})).peak <= budget
+    assert trainer_plan(mc, TrainerLayout(**{**lay.__dict__, "seq_len": n + 1024})).peak > budget
+    ac = trainer_plan(mc, TrainerLayout(**{**lay.__dict__, "activation_checkpointing": "full"}))
+    off = trainer_plan(mc, TrainerLayout(**{**lay.__dict__, "activation_checkpointing": "full",
+                                            "activation_offload": True, "cpu_offload": True}))
+    assert off.peak < ac.peak < trainer_plan(mc, lay).peak
+    assert off.rows["optimizer"] == 0 and off.host["optimizer"] == ac.rows["optimizer"]
+
+
+def test_parse_bytes():
+    assert parse_bytes("141GB") == 141 * 10**9
+    assert parse_bytes("80GiB") == 80 * GiB
+    assert parse_bytes("1.5 gb") == 1.5e9
+    for bad in ("", "GB", "12 parsecs", "-3GB"):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_bytes(bad)
+
+
+def test_plan_for_example_config():
+    cfg = load_config("examples/reverse_text_4rank.toml", [])
+    plan = plan_for_config(cfg, device_memory=parse_bytes("141GB"))
+    assert plan.fits and plan.max_seq_len >= cfg.orchestrator.seq_len
+    with pytest.raises(ConfigError, match="seq-len"):
+        plan_for_config(cfg, seq_len=0)
+    assert torch.is_tensor(torch.zeros(1))
