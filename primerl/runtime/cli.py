@@ -5,6 +5,7 @@
     primerl orchestrator --config ...   (rollouts + embedded inference engine, or a vLLM client)
     primerl inference    --config ... [--host H --port P]   (the embedded engine as an HTTP server)
     primerl vllm-command --config ...   (print the `vllm serve` command the config maps to)
+    primerl plan         --config ... [--device-memory 141GB] [--seq-len N]   (the memory plan)
 
 Every subcommand takes the same config file and overrides, so a cluster can run the pieces
 separately against one ``output_dir`` on a shared filesystem.
@@ -18,7 +19,7 @@ import sys
 from .config import ConfigError, describe_parallel, load_config, to_toml
 from .placement import describe_placement
 
-SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command")
+SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command", "plan")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,7 +29,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.add_argument("--host", default="127.0.0.1", help="inference: address to serve on")
     p.add_argument("--port", type=int, default=8000, help="inference: port to serve on")
+    p.add_argument("--device-memory", default="141GB", help="plan / --dry-run: memory of one device (141GB, 80GiB)")
+    p.add_argument("--seq-len", type=int, default=None, help="plan: tokens per micro-batch (default orchestrator.seq_len)")
     return p
+
+
+def _memory_plan(cfg, args) -> str:
+    from .memory_plan import format_plan, parse_bytes, plan_for_config
+
+    try:
+        device_memory = parse_bytes(args.device_memory)
+    except ValueError as e:
+        raise ConfigError(f"--device-memory: {e}") from None
+    return format_plan(plan_for_config(cfg, device_memory=device_memory, seq_len=args.seq_len))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,10 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"primerl: config error: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
+    if args.command == "plan" or args.dry_run:
+        try:
+            plan = _memory_plan(cfg, args)
+        except ConfigError as e:
+            print(f"primerl: config error: {e}", file=sys.stderr)
+            return 2
+        if args.command == "plan":
+            print(plan, end="")
+            return 0
         print(to_toml(cfg), end="")
         print(describe_parallel(cfg), end="")
         print(describe_placement(cfg), end="")
+        print(plan, end="")
         return 0
     from . import job
     from .output_dir import OutputDirError

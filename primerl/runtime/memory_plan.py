@@ -402,7 +402,7 @@ def trainer_plan(mc, lay: TrainerLayout) -> TrainerPlan:
     act = sum(block_input if ckpt[i] else saved[i] for i in range(L))
     if lay.activation_offload and any(ckpt):
         n = sum(ckpt)
-        host["activations (checkpointed inputs)"] = n * block_input
+        host["checkpointed inputs"] = n * block_input
         act -= max(n - 2, 0) * block_input  # two in flight (the one copied back, the next)
     final_norm = t * mc.dim * (4 + a)  # its output is fused_logprobs' input, kept by that Function
     rows["activations"] = int(act + final_norm)
@@ -539,8 +539,8 @@ def plan_for_config(cfg: RLConfig, *, device_memory: int = 141 * 10**9, seq_len:
     return Plan(mc, trainer_plan(mc, lay), inf, device_memory, max_seq_len(mc, lay, device_memory))
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:10.3f}"
+def _count(n: float) -> str:
+    return f"{n / 1e9:.4g}B" if n >= 1e9 else f"{n / 1e6:.4g}M"
 
 
 def format_plan(plan: Plan) -> str:
@@ -548,14 +548,15 @@ def format_plan(plan: Plan) -> str:
     tp, lay = plan.trainer, plan.trainer.layout
     mc = plan.model
     pc = param_counts(mc)
-    out = [f"# memory plan: {mc.family}, {pc.total / 1e9:.3g}B parameters ({pc.experts / 1e9:.3g}B in routed experts)",
+    unit, scale = ("GiB", GiB) if tp.peak >= GiB else ("MiB", 2**20)
+    out = [f"# memory plan: {mc.family}, {_count(pc.total)} parameters ({_count(pc.experts)} in routed experts)",
            f"# trainer rank: {lay.describe()}",
-           "#   component                      GiB / rank"]
+           f"#   {'component':<28} {unit + ' / rank':>12}"]
     for k, v in tp.rows.items():
-        out.append(f"#   {k:<28} {_gib(v)}")
-    out.append(f"#   {'peak (predicted)':<28} {_gib(tp.peak)}")
+        out.append(f"#   {k:<28} {v / scale:12.3f}")
+    out.append(f"#   {'peak (predicted)':<28} {tp.peak / scale:12.3f}")
     for k, v in tp.host.items():
-        out.append(f"#   host: {k:<22} {_gib(v)}")
+        out.append(f"#   host: {k:<22} {v / scale:12.3f}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     out.append(f"# verdict: {verdict} in {plan.device_memory / 1e9:g} GB ({plan.device_memory / GiB:.1f} GiB) per "
                f"device; largest seq_len that fits this layout: {plan.max_seq_len}")

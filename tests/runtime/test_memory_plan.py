@@ -151,3 +151,23 @@ def test_plan_for_example_config():
     with pytest.raises(ConfigError, match="seq-len"):
         plan_for_config(cfg, seq_len=0)
     assert torch.is_tensor(torch.zeros(1))
+
+
+def test_cli_plan_and_dry_run(capsys):
+    from primerl.runtime.cli import main
+
+    assert main(["plan", "--config", "examples/reverse_text_4rank.toml", "--device-memory", "80GiB",
+                 "--seq-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "# trainer rank: dp_replicate=1 dp_shard=2 cp=2" in out and "seq_len=8192 (4096 per rank)" in out
+    assert "peak (predicted)" in out and "verdict: fits in 85.8993 GB (80.0 GiB)" in out
+    assert main(["rl", "--config", "examples/reverse_text_4rank.toml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "[trainer.parallel]" in out and "# memory plan: qwen3_moe" in out
+    assert main(["plan", "--config", "examples/reverse_text_4rank.toml", "--device-memory", "lots"]) == 2
+    assert "--device-memory: a memory size" in capsys.readouterr().err
+    # a layout that does not fit says so and still names the largest seq_len that would
+    assert main(["plan", "--config", "examples/reverse_text_4rank.toml", "--device-memory", "20MiB",
+                 "--seq-len", "65536"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT in 0.020971" in out and "largest seq_len that fits this layout: " in out
