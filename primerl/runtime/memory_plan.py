@@ -399,13 +399,16 @@ def trainer_plan(mc, lay: TrainerLayout) -> TrainerPlan:
     saved = [layer_saved(mc, lay, t, i) for i in range(L)]
     ckpt = _checkpointed(lay, L)
     block_input = t * mc.dim * a
-    act = sum(block_input if ckpt[i] else saved[i] for i in range(L))
-    if lay.activation_offload and any(ckpt):
-        n = sum(ckpt)
-        host["checkpointed inputs"] = n * block_input
-        act -= max(n - 2, 0) * block_input  # two in flight (the one copied back, the next)
+    # what a block keeps from its forward to its backward: all it saved, or, checkpointed, its
+    # input (on the host under activation_offload: two in flight on the device, the block being
+    # copied back and the next)
+    offload = lay.activation_offload and any(ckpt)
+    kept = [(0 if offload else block_input) if ckpt[i] else saved[i] for i in range(L)]
+    in_flight = 2 * block_input if offload else 0
+    if offload:
+        host["checkpointed inputs"] = sum(ckpt) * block_input
     final_norm = t * mc.dim * (4 + a)  # its output is fused_logprobs' input, kept by that Function
-    rows["activations"] = int(act + final_norm)
+    rows["activations"] = int(sum(kept) + in_flight + final_norm)
     rows["recomputed block"] = max([saved[i] for i in range(L) if ckpt[i]], default=0)
     rows["attention / cp buffers"] = cp_buffers(mc, lay, t)
     rows["log-probs chunks"] = logprobs_buffers(mc, lay, t)
@@ -413,8 +416,7 @@ def trainer_plan(mc, lay: TrainerLayout) -> TrainerPlan:
     # backward of block i: blocks before it keep what they saved (a checkpointed one its input),
     # block i holds all it saved (recomputed when checkpointed) and its working set; blocks after
     # it are done. Its two halves run in turn (attention with the CP buffers).
-    kept = [block_input if ckpt[i] else saved[i] for i in range(L)]
-    phases, below = [], 0
+    phases, below = [], in_flight
     for i in range(L):
         ffn, attn = layer_backward_working(mc, lay, t, i)
         # the exchange's buffers live while the combine's / dispatch's backward runs, not SwiGLU's
@@ -422,10 +424,10 @@ def trainer_plan(mc, lay: TrainerLayout) -> TrainerPlan:
         phases.append(below + saved[i] + (block_input if ckpt[i] else 0) + work)
         below += kept[i]
     worst = max(range(L), key=lambda i: phases[i])
-    rows["backward working set"] = int(phases[worst] - sum(kept[:worst]) - saved[worst])
+    rows["backward working set"] = int(phases[worst] - in_flight - sum(kept[:worst]) - saved[worst])
     static = sum(rows[k] for k in ("parameters", "gradients", "optimizer", "fsdp buffers"))
     # the head's backward: every block's kept tensors, the final norm's, the log-probs blocks
-    head_phase = sum(kept) + final_norm + rows["log-probs chunks"]
+    head_phase = sum(kept) + in_flight + final_norm + rows["log-probs chunks"]
     peak = static + max(head_phase, phases[worst])
     return TrainerPlan(lay, rows, host, int(peak))
 
