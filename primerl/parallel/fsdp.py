@@ -137,12 +137,15 @@ def apply_fsdp(
     return model
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str = "full", *, every: int = 1) -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full", *, every: int = 1,
+                                   offload: bool = False) -> nn.Module:
     """Recompute block activations in the backward: ``mode="full"`` checkpoints every block,
     ``mode="selective"`` every ``every``-th block (blocks 0, every, 2*every, ...).
 
     Each block's ``forward`` is wrapped in place (parameter names do not change), with
     non-reentrant ``torch.utils.checkpoint``, so FSDP, hooks and nested FSDP units still work.
+    ``offload``: the checkpointed blocks' saved inputs live in host memory between forward and
+    backward (:class:`primerl.parallel.offload.OffloadActivations`).
     """
     if mode not in ("full", "selective"):
         raise ValueError(f"apply_activation_checkpointing: mode must be 'full' or 'selective', got {mode!r}")
@@ -151,14 +154,19 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", *, ever
     step = 1 if mode == "full" else every
     for i, block in enumerate(find_blocks(model)):
         if i % step == 0 and not getattr(block, "_primerl_checkpointed", False):
-            _checkpoint_forward(block)
+            _checkpoint_forward(block, offload)
     return model
 
 
-def _checkpoint_forward(block: nn.Module) -> None:
+def _checkpoint_forward(block: nn.Module, offload: bool = False) -> None:
+    from .offload import OffloadActivations
+
     inner = block.forward
 
     def forward(*args, **kwargs):
+        if offload:  # outside the checkpoint's own hooks: they catch only the block's saved inputs
+            with OffloadActivations():
+                return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
         return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     block.forward = forward
