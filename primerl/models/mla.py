@@ -289,16 +289,18 @@ class MLAttention(nn.Module):
         return mla_attention(q, k, v, cu_seqlens=cu_seqlens.to(torch.int32), causal=True,
                              softmax_scale=self.softmax_scale, backend=backend)
 
-    def _sparse(self, q_nope, q_rope, kv, indices):
-        """kv ``[Tk, R + Dr]`` the latent keys (its first R columns are the values), indices ``[T, K]`` rows of kv."""
+    def _sparse(self, q_nope, q_rope, kv, indices, head_parallel: bool = False):
+        """kv ``[Tk, R + Dr]`` the latent keys (its first R columns are the values), indices ``[T, K]`` rows of kv.
+        ``head_parallel``: the context attention's own sparse form (Ulysses: queries all-to-all'd by head)."""
         from primerl.kernels.sparse_attention import sparse_attention
 
         w_uk, w_uv = self._kv_b_halves()
         q_abs = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q = torch.cat((q_abs, q_rope), dim=-1)  # [T, H, R + Dr]
         kv = kv[:, None, :]  # one latent head shared by all heads
-        o_lat = sparse_attention(q, kv, kv[..., :self.kv_lora_rank], indices, softmax_scale=self.softmax_scale,
-                                 backend=_backend(self.config, ("torch", "triton")))
+        attend = self.context_attention.sparse_attention if head_parallel else sparse_attention
+        o_lat = attend(q, kv, kv[..., :self.kv_lora_rank], indices, softmax_scale=self.softmax_scale,
+                       backend=_backend(self.config, ("torch", "triton")))
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens,
@@ -330,7 +332,8 @@ class MLAttention(nn.Module):
                     from primerl.parallel.context import gather_shards
 
                     kv = gather_shards(kv, cu_seqlens)
-                o = self._sparse(q_nope, q_rope, kv, indices)
+                o = self._sparse(q_nope, q_rope, kv, indices, head_parallel=not torch.is_tensor(cu_seqlens)
+                                 and hasattr(self.context_attention, "sparse_attention"))
         if o is None:
             o = self._dense(q_nope, q_rope, c, k_rope, cu_seqlens)
         return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.v_head_dim))

@@ -4,3 +4,4 @@ from .deepep import DeepEPDispatcher  # noqa: E402,F401
 from .expert import AllToAllDispatcher, apply_expert_parallel  # noqa: E402,F401
 from .fsdp import apply_activation_checkpointing, apply_fsdp  # noqa: E402,F401
 from .mesh import ParallelDims, build_mesh  # noqa: E402,F401
+from .ulysses import UlyssesAttention, head_to_seq, seq_to_head, ulysses_attention, ulysses_groups  # noqa: E402,F401

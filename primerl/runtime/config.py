@@ -519,6 +519,41 @@ def cp_degrees(p: ParallelConfig, cp: int) -> tuple[int, int]:
     return u, cp // u
 
 
+def _attention_heads(cfg: RLConfig) -> tuple[int, int]:
+    """(query heads, KV heads) of the policy model (MLA: the dense form's per-head K/V, KV = query heads)."""
+    m = cfg.model
+    if not m.path:
+        return m.n_heads, m.n_kv_heads
+    from primerl.models.config import MoETransformerConfig
+
+    mc = MoETransformerConfig.from_hf(m.path)
+    return mc.n_heads, mc.n_kv_heads
+
+
+def validate_cp_split(cfg: RLConfig, cp: int) -> None:
+    """The context-parallel kind and degrees against cp and the model's heads: a Ulysses degree U
+    must divide cp and the query heads; KV heads must divide by U, or U by them (then each KV head
+    is replicated U / Hkv times, not an error)."""
+    p = cfg.trainer.parallel
+    _need(p.cp_kind != "ring" or p.cp_ulysses in (0, 1), "trainer.parallel.cp_ulysses",
+          "must be 0 or 1 with cp_kind = 'ring' (use 'ulysses' or 'ulysses_ring' for a Ulysses degree)", p.cp_ulysses)
+    _need(p.cp_kind != "ulysses" or p.cp_ulysses in (0, cp), "trainer.parallel.cp_ulysses",
+          f"must be 0 or cp = {cp} with cp_kind = 'ulysses' (a Ulysses degree below cp is cp_kind = 'ulysses_ring')",
+          p.cp_ulysses)
+    if cp == 1 or p.cp_kind == "ring":
+        return
+    u, ring = cp_degrees(p, cp)
+    _need(p.cp_kind != "ulysses_ring" or ring > 1, "trainer.parallel.cp_ulysses",
+          f"must be below cp = {cp} with cp_kind = 'ulysses_ring' (ring degree cp / cp_ulysses = {ring}; "
+          "use cp_kind = 'ulysses')", p.cp_ulysses)
+    heads, kv_heads = _attention_heads(cfg)
+    _need(heads % u == 0, "trainer.parallel.cp_ulysses" if p.cp_ulysses else "trainer.parallel.cp",
+          f"Ulysses degree {u} must divide the model's {heads} attention heads", p.cp_ulysses or cp)
+    _need(kv_heads % u == 0 or u % kv_heads == 0, "trainer.parallel.cp_ulysses" if p.cp_ulysses else "trainer.parallel.cp",
+          f"Ulysses degree {u} and the model's {kv_heads} KV heads: one must divide the other (fewer KV heads "
+          "are replicated)", p.cp_ulysses or cp)
+
+
 def validate_parallel(cfg: RLConfig) -> None:
     """``trainer.parallel`` against ``num_trainer_ranks``, the model and the loss."""
     p, t = cfg.trainer.parallel, cfg.trainer
@@ -533,6 +568,12 @@ def validate_parallel(cfg: RLConfig) -> None:
           f"must divide trainer.parallel.cp = {dims.cp} (cp = cp_ulysses x ring degree)", p.cp_ulysses)
     _need(p.cp_kind != "ulysses_ring" or p.cp_ulysses > 1, "trainer.parallel.cp_ulysses",
           "must be set (> 1) with cp_kind = 'ulysses_ring'", p.cp_ulysses)
+    validate_cp_split(cfg, dims.cp)
+    _need(not p.activation_offload or p.activation_checkpointing != "none", "trainer.parallel.activation_offload",
+          "needs trainer.parallel.activation_checkpointing = 'full' or 'selective' (it offloads the checkpointed "
+          "blocks' saved inputs)", p.activation_offload)
+    _need(not p.cpu_offload or t.fsdp, "trainer.parallel.cpu_offload",
+          "needs trainer.fsdp = true (FSDP2's CPUOffloadPolicy)", p.cpu_offload)
     if dims.cp > 1:
         _need(t.attention != "padded", "trainer.attention",
               f"'padded' cannot run with trainer.parallel.cp = {dims.cp} (context parallel needs ring attention; "
@@ -564,7 +605,20 @@ def describe_parallel(cfg: RLConfig) -> str:
     p = cfg.trainer.parallel
     return (f"# trainer mesh over {dims.world_size} rank(s): {views}\n"
             f"# each cp rank holds seq_len / cp = {cfg.orchestrator.seq_len / dims.cp:g} tokens of a micro-batch; "
-            f"fp8 = {p.fp8}; activation_checkpointing = {p.activation_checkpointing}\n")
+            f"fp8 = {p.fp8}; activation_checkpointing = {p.activation_checkpointing}\n"
+            f"{describe_cp(cfg, dims.cp)}")
+
+
+def describe_cp(cfg: RLConfig, cp: int) -> str:
+    """One comment line: the context-parallel kind, its Ulysses x ring degrees and the offloads."""
+    p = cfg.trainer.parallel
+    if cp == 1:
+        kind = "cp = 1 (no context parallelism)"
+    else:
+        u, ring = cp_degrees(p, cp)
+        kind = f"cp = {cp}: cp_kind = {p.cp_kind}, ulysses = {u} x ring = {ring}, layout = {p.cp_layout}"
+    return (f"# {kind}; activation_offload = {str(p.activation_offload).lower()}; "
+            f"cpu_offload = {str(p.cpu_offload).lower()}\n")
 
 
 # --------------------------------------------------------------------------------------------

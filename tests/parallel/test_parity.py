@@ -173,11 +173,13 @@ def compare(what: str, got: dict, want: dict, rtol: float) -> list[str]:
     return errors
 
 
-def run_layout(cfg: MoETransformerConfig, p: ParallelDims, mesh, replay: bool, ref, activation_checkpointing=None):
-    """The layout's run of the reference's steps; -> the differences from the reference (empty: equal)."""
+def run_layout(cfg: MoETransformerConfig, p: ParallelDims, mesh, replay: bool, ref, activation_checkpointing=None,
+               **parallel_kw):
+    """The layout's run of the reference's steps; -> the differences from the reference (empty: equal).
+    ``parallel_kw`` go to ``parallelize`` (cp_kind, cp_ulysses, activation_offload, ...)."""
     ref_losses, ref_grads0, ref_params = ref
     model = parallelize(make_model(cfg), p, mesh, activation_checkpointing=activation_checkpointing,
-                        param_dtype=torch.float32, reduce_dtype=torch.float32)
+                        param_dtype=torch.float32, reduce_dtype=torch.float32, **parallel_kw)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     loss_group = mesh["loss"].get_group()
     losses, errors = [], []

@@ -31,10 +31,12 @@ class ReverseText(Environment):
     (K <= num_symbols), so each position is identified by its symbol: a two-layer model can then
     reverse by content (find the current token in the prompt, emit its predecessor) instead of
     by absolute position, which rotary-only models learn far more slowly.
+    ``prefix_padding`` puts that many PAD tokens before BOS: the same task in long sequences
+    (examples/long_context_4rank.toml pads each sample to 16k tokens for context parallelism).
     """
 
     def __init__(self, num_symbols: int = 8, min_length: int = 4, max_length: int = 4,
-                 length_dist: str = "uniform", seed: int = 0, distinct: bool = False):
+                 length_dist: str = "uniform", seed: int = 0, distinct: bool = False, prefix_padding: int = 0):
         if num_symbols < 2:
             raise ValueError(f"reverse-text: num_symbols must be >= 2, got {num_symbols}")
         if not 1 <= min_length <= max_length:
@@ -42,7 +44,10 @@ class ReverseText(Environment):
         if length_dist not in ("uniform", "lognormal"):
             raise ValueError(f"reverse-text: length_dist must be 'uniform' or 'lognormal', got {length_dist!r}")
         self.num_symbols, self.min_length, self.max_length = num_symbols, min_length, max_length
+        if isinstance(prefix_padding, bool) or not isinstance(prefix_padding, int) or prefix_padding < 0:
+            raise ValueError(f"reverse-text: prefix_padding must be an int >= 0, got {prefix_padding!r}")
         self.length_dist, self.seed, self.distinct = length_dist, seed, distinct
+        self.prefix_padding = prefix_padding
         self.vocab_size = NUM_SPECIAL + num_symbols
         self.max_new_tokens = max_length
 
@@ -63,7 +68,8 @@ class ReverseText(Environment):
             symbols = [NUM_SPECIAL + s for s in rng.sample(range(self.num_symbols), k)]
         else:
             symbols = [NUM_SPECIAL + rng.randrange(self.num_symbols) for _ in range(k)]
-        return Prompt(index, (BOS, *symbols, SEP), answer=symbols[::-1], max_new_tokens=k)
+        return Prompt(index, (PAD,) * self.prefix_padding + (BOS, *symbols, SEP), answer=symbols[::-1],
+                      max_new_tokens=k)
 
     def reward(self, episode: Episode) -> float:
         return _score(episode.model_turns[-1], episode.prompt.answer)

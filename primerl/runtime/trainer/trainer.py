@@ -43,7 +43,7 @@ from . import _rl
 from . import full_state
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .dcp_checkpoint import is_dcp_checkpoint, load_dcp_checkpoint, save_dcp_checkpoint
-from ..config import RLConfig, parallel_dims
+from ..config import RLConfig, cp_degrees, parallel_dims
 from .guards import check_finite_parameters
 from .padded_attention import padded_forward
 from ..placement import resolve_placement
@@ -155,12 +155,15 @@ class Trainer:
         from primerl.models import parallelize
 
         param_dtype = self.placement.param_dtype  # bf16 under mixed precision, else the stored dtype
+        cp_kw = dict(cp_kind=par.cp_kind, cp_ulysses=cp_degrees(par, self.dims.cp)[0] if self.dims.cp > 1 else 0,
+                     cpu_offload=par.cpu_offload and self.fsdp)
         parallelize(self.model, self.dims, self.mesh, fsdp=self.fsdp,
                     activation_checkpointing=None if par.activation_checkpointing == "none" else par.activation_checkpointing,
-                    ac_every=2, param_dtype=param_dtype, reduce_dtype=torch.float32)
+                    ac_every=2, param_dtype=param_dtype, reduce_dtype=torch.float32,
+                    activation_offload=par.activation_offload, **cp_kw)
         if self.ref_model is not None:  # the same layout: it reads the same sharded micro-batches
             parallelize(self.ref_model, self.dims, self.mesh, fsdp=self.fsdp,
-                        param_dtype=param_dtype, reduce_dtype=torch.float32)
+                        param_dtype=param_dtype, reduce_dtype=torch.float32, **cp_kw)
         # which packed batch this rank reads (the ranks of a cp group read the same one)
         self.data_rank = self.mesh["batch"].get_local_rank() if self.mesh is not None else 0
         self.cp_group = self.mesh["cp"].get_group() if self.dims.cp > 1 else None
