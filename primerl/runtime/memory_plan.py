@@ -85,6 +85,7 @@ class TrainerLayout:
     fsdp: bool = True
     native_lowp: bool = True  # CUDA bf16 GEMMs (fused_logprobs' chunk sizes); False on the CPU
     ref_model: bool = False  # a frozen copy for a KL-to-reference term
+    host_is_device: bool = False  # a CPU job: "offloaded" bytes stay in the same memory
 
     @property
     def ring(self) -> int:
@@ -132,7 +133,7 @@ class TrainerLayout:
                    activation_offload=p.activation_offload, cpu_offload=p.cpu_offload, fp8=p.fp8,
                    mixed_precision=mixed, param_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
                    fsdp=dims.world_size > 1 and t.fsdp or mixed, native_lowp=device == "cuda" and mixed,
-                   ref_model=t.loss.ref_kl_coef > 0)
+                   ref_model=t.loss.ref_kl_coef > 0, host_is_device=device == "cpu")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -232,6 +233,8 @@ def _mla_saved(mc, lay: TrainerLayout, t: int, layer: int) -> int:
         saved += t * H * R * a + t * H * Dv * a + 4 * H * t
         if mc.indexer_types[layer] == "full":
             saved += 4 * t * mc.index_topk
+        if lay.ulysses > 1:  # head-parallel form: o_lat in both layouts, the Ulysses group's selections
+            saved += t * H * R * a + 4 * lay.ulysses * t * mc.index_topk
         return saved
     # dense form (primerl.kernels.attention.mla): q, k [t, H, Dqk]; with Dv == Dqk v is a view of
     # kv_b's output [t, H, Dn + Dv] and the output is o_proj's input; else v and the output are
@@ -257,8 +260,8 @@ def ffn_saved(mc, lay: TrainerLayout, t: int, layer: int) -> int:
         experts = x_rows + m * 2 * Id * 2 + m * D * a  # x_perm, gu (bf16), y_perm
     else:
         experts = m * (2 * D + 3 * Id) * a  # x_perm, gu, h, y_perm
-    if lay.ep > 1:  # the combine upcasts each slot's rows to float32 (kept for the weight gradient)
-        experts += m * D * 4 if a != 4 else 0
+    if lay.ep > 1:  # the dispatcher's combine keeps each slot's rows in float32, not y_perm; index maps
+        experts += (m * D * 4 if a != 4 else 0) - m * D * a + 32 * m
     shared = 4 * t * mc.num_shared_experts * Id * a
     return saved + experts + shared
 
@@ -378,7 +381,7 @@ def trainer_plan(mc, lay: TrainerLayout) -> TrainerPlan:
         params += (pc.total / S) * (a if lay.mixed_precision else pb)
     rows = {"parameters": int(params), "gradients": int(trainable * pb), "optimizer": int(2 * trainable * pb)}
     host = {}
-    if lay.cpu_offload:
+    if lay.cpu_offload and not lay.host_is_device:
         for k in ("parameters", "gradients", "optimizer"):
             host[k], rows[k] = rows[k], 0
 
@@ -402,7 +405,7 @@ def trainer_plan(mc, lay: TrainerLayout) -> TrainerPlan:
     # what a block keeps from its forward to its backward: all it saved, or, checkpointed, its
     # input (on the host under activation_offload: two in flight on the device, the block being
     # copied back and the next)
-    offload = lay.activation_offload and any(ckpt)
+    offload = lay.activation_offload and any(ckpt) and not lay.host_is_device
     kept = [(0 if offload else block_input) if ckpt[i] else saved[i] for i in range(L)]
     in_flight = 2 * block_input if offload else 0
     if offload:

@@ -13,6 +13,7 @@ sequences of seq_len / 8 tokens with random ids, routing replay and advantages.
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def measure(cfg) -> dict[str, int]:
     trainer.train_step(_payload(cfg, 0, trainer.data_rank, batches))
     payload = _payload(cfg, 1, trainer.data_rank, batches)
     static = state_bytes(trainer)
+    gc.collect()  # frees of earlier objects during the measured step would not be subtracted
     step = track_peak_cpu_bytes(lambda: trainer.train_step(payload))
     trainer.close()
     return {**static, "step": step, "peak": sum(static.values()) + step}
