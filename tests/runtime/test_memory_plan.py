@@ -8,8 +8,8 @@
   2-D; checkpointing none / full / selective, with activation and CPU offload; FP8 off / on;
   EP); every rank's measured peak must be within ``TOLERANCE`` of the plan's prediction for the
   CPU. The activations are most of each peak (parameters and optimizer state are a few MB), so
-  the test is one of the activation formulas. Measured 2026-12-05: +0.3% to +9.3% (the plan
-  errs high). About 4 minutes on 2 loaded cores.
+  the test is one of the activation formulas. Measured 2026-12-05: +0.6% to +12.0% (the plan
+  errs high). About 2.5 minutes on 2 loaded cores.
 * The plan's arithmetic: monotone in seq_len, max_seq_len consistent with the verdict, offload
   and checkpointing lower the device peak, MLA's KV cache is the latent, GLM-5 numbers are sane.
 """
