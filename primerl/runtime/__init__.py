@@ -3,8 +3,9 @@ process below (imports are lazy; nothing heavy loads with the package).
 
   config        typed job config (dataclasses), TOML + ``--key.sub value`` overrides, validation
   job           process entry points; run_rl (two processes) and run_threads (one process)
-  cli           the ``primerl`` command (rl, trainer, orchestrator, inference, vllm-command)
+  cli           the ``primerl`` command (rl, trainer, orchestrator, inference, vllm-command, plan)
   placement     device resolution: where the trainer ranks and the engine run, NCCL or gloo, dtypes
+  memory_plan   predicted peak bytes per trainer rank and per inference GPU before launch (`primerl plan`)
   policy        the policy model a config describes (model_config / build_model), for every process
   transport     FileTransport: atomic rollout batches and versioned weights between the processes
   metrics       metrics.jsonl (strict JSON: NaN/inf as null), progress line, plot

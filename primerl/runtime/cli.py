@@ -23,7 +23,9 @@ SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command", "pl
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="primerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # no abbreviations: "--device cpu" is the config key `device`, not a prefix of --device-memory
+    p = argparse.ArgumentParser(prog="primerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("command", choices=SUBCOMMANDS)
     p.add_argument("--config", default=None, help="TOML config file")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")

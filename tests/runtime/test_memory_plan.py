@@ -181,3 +181,7 @@ def test_cli_plan_and_dry_run(capsys):
                  "--seq-len", "65536"]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT in 0.020971" in out and "largest seq_len that fits this layout: " in out
+    # the config key `device` is not taken for --device-memory; the 4-rank Ulysses example
+    assert main(["plan", "--config", "examples/long_context_4rank.toml", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "cp=4 (ulysses 4 x ring 1)" in out and "ac=full" in out and "verdict: fits" in out
