@@ -25,18 +25,26 @@ per rank and sharded over efsdp = S / ep; t = seq_len / cp tokens of a micro-bat
                 gradient and its float32 reduce-scatter input
   expert a2a    expert parallel: the dispatched rows sent and received ([t k, D], FP8 when
                 dispatched in FP8)
-  backward      the working set of one layer's backward (gradients of its largest intermediates)
+  backward      a block's backward working set (gradients of its largest intermediates, less
+                what its backward already freed)
 
-peak = parameters + gradients + optimizer + fsdp buffers + activations + max(log-probs, backward
-+ attention/cp + expert a2a).
+The peak is the largest of the backward's phases (the forward's end is never higher: the
+backward adds gradients to everything the forward kept):
+  head's backward   every block's kept activations + the final norm's + the log-probs chunks
+  block i's         the blocks before i keep theirs, block i holds all it saved (recomputed
+                    first when checkpointed) + max(MoE working set, expert a2a, attention working
+                    set + attention/cp buffers): the two halves run one after the other
+on top of parameters + gradients + optimizer + fsdp buffers.
 
 Per inference GPU (vLLM or the embedded engine): the weights (dense / tensor_parallel, experts /
 expert-parallel size) and the KV cache per token: GQA 2 x Hkv x Dh per layer (heads split over
 tensor_parallel), MLA the compressed latent R + Dr (+ the indexer key Di for DeepSeek sparse
 attention) per layer, replicated on every tensor-parallel GPU.
 
->>> plan = plan_for_config(load_config("examples/reverse_text_4rank.toml"))
->>> print(format_plan(plan))
+>>> from primerl.runtime.config import load_config
+>>> plan = plan_for_config(load_config("examples/plan_glm5_131k.toml"), device_memory=parse_bytes("141GB"))
+>>> plan.fits, round(plan.trainer.peak / GiB, 1), plan.max_seq_len      # (True, 91.9, 274432)
+>>> print(format_plan(plan))                                             # what `primerl plan` prints
 """
 
 from __future__ import annotations
@@ -484,7 +492,7 @@ def inference_plan(mc, *, tensor_parallel: int = 1, data_parallel: int = 1, expe
     pc = param_counts(mc)
     tp, dp = tensor_parallel, data_parallel
     ep = tp * dp if expert_parallel else tp
-    w = (pc.dense - pc.embed - pc.head) / tp + (pc.embed + pc.head) / tp + pc.experts / ep + pc.frozen
+    w = pc.dense / tp + pc.experts / ep + pc.frozen  # the indexer replicated
     weights = int(w * weight_bytes)
     if mc.is_mla:
         width = mc.kv_lora_rank + mc.qk_rope_head_dim + (mc.index_head_dim if mc.is_sparse else 0)
