@@ -385,8 +385,8 @@ def trainer_plan(mc, lay: TrainerLayout) -> TrainerPlan:
     trainable = pc.dense / S + local_experts / efsdp
     frozen = pc.frozen / S
     params = (trainable + frozen) * pb
-    if lay.ref_model:
-        params += (pc.total / S) * (a if lay.mixed_precision else pb)
+    if lay.ref_model:  # a frozen copy, sharded the same way (its forward runs without autograd)
+        params += (pc.total / S) * pb
     rows = {"parameters": int(params), "gradients": int(trainable * pb), "optimizer": int(2 * trainable * pb)}
     host = {}
     if lay.cpu_offload and not lay.host_is_device:

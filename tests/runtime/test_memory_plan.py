@@ -185,3 +185,17 @@ def test_cli_plan_and_dry_run(capsys):
     assert main(["plan", "--config", "examples/long_context_4rank.toml", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "cp=4 (ulysses 4 x ring 1)" in out and "ac=full" in out and "verdict: fits" in out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa"])
+def test_kv_per_token_is_the_embedded_engines_cache(family):
+    """The plan's KV bytes per token (one server GPU, tp = 1) against the cache the embedded engine
+    allocates: its bytes per (slot, position), K and V (or MLA's latent rows) over all layers."""
+    from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
+
+    mc = MoETransformerConfig.tiny(family=family)
+    engine = InferenceEngine(MoETransformer(mc).to(torch.bfloat16), max_batch_size=2)
+    engine.generate([Request(0, [1, 5, 6, 2], SamplingParams(max_new_tokens=2, seed=1))])
+    k, v = engine._k, engine._v
+    per_position = (k.numel() + v.numel()) * k.element_size() // (k.shape[1] * k.shape[2])
+    assert inference_plan(mc, kv_bytes=2).kv_per_token == per_position
