@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="inference: address to serve on")
     p.add_argument("--port", type=int, default=8000, help="inference: port to serve on")
     p.add_argument("--device-memory", default="141GB", help="plan / --dry-run: memory of one device (141GB, 80GiB)")
-    p.add_argument("--seq-len", type=int, default=None, help="plan: tokens per micro-batch (default orchestrator.seq_len)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="plan: tokens per micro-batch (default orchestrator.seq_len)")
     return p
 
 

@@ -76,8 +76,8 @@ def state_bytes(trainer) -> dict[str, int]:
     """Bytes of this rank's parameter, gradient and optimizer-state shards."""
     params, seen = list(trainer.model.parameters()), set()
     state = [v for s in trainer.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"]
-    return {"parameters": _bytes(params, seen), "gradients": _bytes([p.grad for p in params if p.grad is not None], seen),
-            "optimizer": _bytes(state, seen)}
+    grads = [p.grad for p in params if p.grad is not None]
+    return {"parameters": _bytes(params, seen), "gradients": _bytes(grads, seen), "optimizer": _bytes(state, seen)}
 
 
 def measure(cfg) -> dict[str, int]:

@@ -99,7 +99,8 @@ def test_param_counts_exact(family):
     pc = param_counts(mc)
     assert pc.total == sum(p.numel() for p in model.parameters())
     assert pc.frozen == sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    assert pc.experts == sum(p.numel() for n, p in model.named_parameters() if n.endswith(("experts.w13", "experts.w2")))
+    experts = [p for n, p in model.named_parameters() if n.endswith(("experts.w13", "experts.w2"))]
+    assert pc.experts == sum(p.numel() for p in experts)
 
 
 def _glm5() -> MoETransformerConfig:
@@ -160,7 +161,6 @@ def test_plan_for_example_config():
     assert plan.fits and plan.max_seq_len >= cfg.orchestrator.seq_len
     with pytest.raises(ConfigError, match="seq-len"):
         plan_for_config(cfg, seq_len=0)
-    assert torch.is_tensor(torch.zeros(1))
 
 
 def test_cli_plan_and_dry_run(capsys):
