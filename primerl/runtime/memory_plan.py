@@ -565,8 +565,11 @@ def format_plan(plan: Plan) -> str:
     out = [f"# memory plan: {mc.family}, {_count(pc.total)} parameters ({_count(pc.experts)} in routed experts)",
            f"# trainer rank: {lay.describe()}",
            f"#   {'component':<28} {unit + ' / rank':>12}"]
+    bits = 8 * lay.param_bytes
+    labels = {"parameters": f"parameters ({'fp32 master' if lay.mixed_precision else f'{bits}-bit'})",
+              "optimizer": "optimizer (AdamW m, v)"}
     for k, v in tp.rows.items():
-        out.append(f"#   {k:<28} {v / scale:12.3f}")
+        out.append(f"#   {labels.get(k, k):<28} {v / scale:12.3f}")
     out.append(f"#   {'peak (predicted)':<28} {tp.peak / scale:12.3f}")
     for k, v in tp.host.items():
         out.append(f"#   host: {k:<22} {v / scale:12.3f}")
