@@ -33,7 +33,10 @@ attention (V zero-padded to Dqk). In the sparse form a query may select a key he
 every rank all-gathers the latent KV (R + Dr values per token, 576 for GLM-5: the point of MLA)
 and the indexer keys (Di per token), selects against all of them in the plan's padded global
 order, and attends locally; the gather's backward sums each key's gradient over ranks back to
-its owner. Memory per rank: T x (R + Dr + Di) values, not T x H x (Dqk + Dv).
+its owner. Memory per rank: T x (R + Dr + Di) values, not T x H x (Dqk + Dv). Under Ulysses
+(``primerl.parallel.ulysses``) the dense form all-to-alls q/k/v by head, and the sparse form the
+absorbed queries (the latent KV is gathered as above; the top-k rows are all-gathered over the
+Ulysses group), so each rank attends all of its group's tokens for H / U heads.
 
 The indexer's training: kept frozen. Hugging Face's ``GlmMoeDsaIndexer`` runs under
 ``torch.no_grad`` and GLM-5's checkpoints ship a trained indexer; the RL loss has no path to it (a
@@ -332,8 +335,10 @@ class MLAttention(nn.Module):
                     from primerl.parallel.context import gather_shards
 
                     kv = gather_shards(kv, cu_seqlens)
-                o = self._sparse(q_nope, q_rope, kv, indices, head_parallel=not torch.is_tensor(cu_seqlens)
-                                 and hasattr(self.context_attention, "sparse_attention"))
+                if not torch.is_tensor(cu_seqlens) and hasattr(self.context_attention, "sparse_attention"):
+                    o = self._sparse(q_nope, q_rope, kv, indices, head_parallel=True)
+                else:
+                    o = self._sparse(q_nope, q_rope, kv, indices)
         if o is None:
             o = self._dense(q_nope, q_rope, c, k_rope, cu_seqlens)
         return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.v_head_dim))
