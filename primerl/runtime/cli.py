@@ -61,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"primerl: config error: {e}", file=sys.stderr)
             return 2
-        if args.command == "plan":
-            print(plan, end="")
-            return 0
+    if args.command == "plan":
+        print(plan, end="")
+        return 0
+    if args.dry_run:
         print(to_toml(cfg), end="")
         print(describe_parallel(cfg), end="")
         print(describe_placement(cfg), end="")
