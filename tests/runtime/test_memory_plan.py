@@ -258,3 +258,23 @@ def test_saved_activations_per_block(family, fp8):
         for half, predicted in (("attn", attention_saved(mc, lay, T, i)), ("ffn", ffn_saved(mc, lay, T, i))):
             got = measured[(half, i)]
             assert predicted == pytest.approx(got, rel=0.03), (half, i, predicted, got)
+
+
+def test_paper_configs():
+    """examples/plan_glm5_131k.toml and plan_glm45_air_64k.toml (notes/h34p.md's tables): the
+    verdicts the tables state."""
+    P = "--trainer.parallel."
+    h200 = parse_bytes("141GB")
+
+    def plan(path, *over):
+        return plan_for_config(load_config(path, list(over)), device_memory=h200)
+
+    glm5 = "examples/plan_glm5_131k.toml"
+    assert plan(glm5).fits  # Ulysses cp=8 x dp_shard 28, ep=32, full checkpointing
+    assert not plan(glm5, P + "cp", "1", P + "dp_shard", "224", P + "cpu_offload", "true",
+                    P + "activation_offload", "true").fits
+    assert not plan(glm5, P + "activation_checkpointing", "none").fits
+    air = "examples/plan_glm45_air_64k.toml"
+    assert not plan(air, P + "cpu_offload", "false").fits  # 199 GiB of state per GPU
+    peaks = [plan(air, P + "cp", str(cp), P + "dp_shard", str(8 // cp)).trainer.peak for cp in (1, 2, 4)]
+    assert peaks[0] > peaks[1] > peaks[2] and 0.25 < peaks[2] / peaks[0] < 0.5
