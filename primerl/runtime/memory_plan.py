@@ -573,6 +573,9 @@ def format_plan(plan: Plan) -> str:
     out.append(f"#   {'peak (predicted)':<28} {tp.peak / scale:12.3f}")
     for k, v in tp.host.items():
         out.append(f"#   host: {k:<22} {v / scale:12.3f}")
+    t = lay.local_tokens
+    out.append(f"#   per token on this rank: {tp.rows['activations'] / t / 2**10:.1f} KiB kept to the backward, "
+               f"{tp.rows['recomputed block'] / t / 2**10:.1f} KiB for the recomputed block")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     out.append(f"# verdict: {verdict} in {plan.device_memory / 1e9:g} GB ({plan.device_memory / GiB:.1f} GiB) per "
                f"device; largest seq_len that fits this layout: {plan.max_seq_len}")
