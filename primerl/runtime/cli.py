@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plan = _memory_plan(cfg, args)
         except ConfigError as e:
-            print(f"primerl: config error: {e}", file=sys.stderr)
-            return 2
+            if args.command == "plan" or e.args[0].startswith("--device-memory"):
+                print(f"primerl: config error: {e}", file=sys.stderr)
+                return 2
+            plan = f"# memory plan: not made: {e}\n"  # the dry run's checks passed; say why there is no plan
     if args.command == "plan":
         print(plan, end="")
         return 0

@@ -532,10 +532,15 @@ def plan_for_config(cfg: RLConfig, *, device_memory: int = 141 * 10**9, seq_len:
     from .policy import model_config
 
     vocab = 1
-    if not cfg.model.path and not cfg.model.vocab_size:
+    if not cfg.model.path and not cfg.model.vocab_size:  # the environment's vocabulary: build it
         from primerl.rl.envs import load_environment
 
-        vocab = load_environment(cfg.env.id, **cfg.env.args).vocab_size
+        try:
+            vocab = load_environment(cfg.env.id, **cfg.env.args).vocab_size
+        except Exception as e:  # e.g. an optional package the environment needs is not installed here
+            raise ConfigError(f"model.vocab_size: 0 takes the environment's vocab_size, and building env.id = "
+                              f"{cfg.env.id!r} here failed ({type(e).__name__}: {e}); set --model.vocab_size for "
+                              "the plan") from None
     mc = model_config(cfg, vocab)
     lay = TrainerLayout.from_config(cfg, device)
     if seq_len is not None:

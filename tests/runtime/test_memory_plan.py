@@ -278,3 +278,20 @@ def test_paper_configs():
     assert not plan(air, P + "cpu_offload", "false").fits  # 199 GiB of state per GPU
     peaks = [plan(air, P + "cp", str(cp), P + "dp_shard", str(8 // cp)).trainer.peak for cp in (1, 2, 4)]
     assert peaks[0] > peaks[1] > peaks[2] and 0.25 < peaks[2] / peaks[0] < 0.5
+
+
+def test_dry_run_without_the_environment(monkeypatch, capsys):
+    """model.vocab_size = 0 needs the environment built; where it cannot be (an optional package
+    missing), --dry-run still passes and says why there is no plan, and `plan` fails naming the key."""
+    import primerl.rl.envs as envs
+    from primerl.runtime.cli import main
+
+    def missing(*args, **kwargs):
+        raise ImportError("no such package here")
+
+    monkeypatch.setattr(envs, "load_environment", missing)
+    assert main(["rl", "--config", "examples/reverse_text.toml", "--dry-run"]) == 0
+    assert "# memory plan: not made: model.vocab_size: 0 takes the environment's vocab_size" in capsys.readouterr().out
+    assert main(["plan", "--config", "examples/reverse_text.toml"]) == 2
+    assert "ImportError: no such package here" in capsys.readouterr().err
+    assert main(["plan", "--config", "examples/reverse_text.toml", "--model.vocab_size", "64"]) == 0
