@@ -35,7 +35,15 @@ MODEL = ["--model.vocab_size", str(V), "--model.dim", str(DIM), "--model.n_layer
          "--device", "cpu"]
 
 
+# DeepSeek-V3-style multi-head latent attention in the same model (dense MLA form, Dv < Dqk)
+MLA = ["--model.family", "deepseek_v3", "--model.n_kv_heads", str(HEADS), "--model.head_dim", "48",
+       "--model.extra", '{"attn_backend": "sdpa", "num_shared_experts": 1, "q_lora_rank": 64, "kv_lora_rank": 64, '
+       '"qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "qk_norm": false}']
+
+
 def job_config(world: int, seq_len: int, layout: list[str]):
+    """The test model on ``world`` ranks with ``layout`` (overrides; ``MLA`` among them switches the
+    attention to multi-head latent attention)."""
     return load_config(None, [*MODEL, "--num_trainer_ranks", str(world), "--orchestrator.seq_len", str(seq_len),
                               *layout])
 
