@@ -43,7 +43,7 @@ attention) per layer, replicated on every tensor-parallel GPU.
 
 >>> from primerl.runtime.config import load_config
 >>> plan = plan_for_config(load_config("examples/plan_glm5_131k.toml"), device_memory=parse_bytes("141GB"))
->>> plan.fits, round(plan.trainer.peak / GiB, 1), plan.max_seq_len      # (True, 91.9, 274432)
+>>> plan.fits, round(plan.trainer.peak / GiB, 1), plan.max_seq_len      # (True, 87.0, 318464)
 >>> print(format_plan(plan))                                             # what `primerl plan` prints
 """
 
@@ -316,6 +316,14 @@ def cp_buffers(mc, lay: TrainerLayout, t: int) -> int:
     if lay.cp == 1:
         return 0
     a, H = lay.act_bytes, mc.n_heads
+    if mc.is_sparse and lay.seq_len > mc.index_topk:
+        # DeepSeek sparse form: no ring rotation (the latent KV is all-gathered, kept as saved);
+        # Ulysses all-to-alls the absorbed queries [t, H, R + Dr] and the latent outputs [t, H, R]
+        R, Dr = mc.kv_lora_rank, mc.qk_rope_head_dim
+        out = lay.seq_len * mc.index_head_dim * a  # the gathered indexer keys (no gradient)
+        if lay.ulysses > 1:
+            out += 2 * t * H * (2 * R + Dr) * a
+        return int(out)
     Hkv = mc.n_heads if mc.is_mla else mc.n_kv_heads
     Dh = max(mc.head_dim, mc.v_head_dim) if mc.is_mla else mc.head_dim
     out = 0
@@ -327,8 +335,6 @@ def cp_buffers(mc, lay: TrainerLayout, t: int) -> int:
     if lay.ulysses > 1:
         hk = max(Hkv, lay.ulysses)
         out += 2 * t * (2 * H + 2 * hk) * Dh * a  # q, k, v, o: send + receive
-    if mc.is_sparse and lay.seq_len > mc.index_topk:
-        out += lay.seq_len * mc.index_head_dim * a  # the gathered indexer keys (no gradient)
     return int(out)
 
 

@@ -271,7 +271,8 @@ def test_paper_configs():
         return plan_for_config(load_config(path, list(over)), device_memory=h200)
 
     glm5 = "examples/plan_glm5_131k.toml"
-    assert plan(glm5).fits  # Ulysses cp=8 x dp_shard 28, ep=32, full checkpointing
+    assert plan(glm5).fits  # cp=8 x dp_shard 28, ep=32, full checkpointing
+    assert plan(glm5).trainer.peak < plan(glm5, P + "cp_kind", "ulysses").trainer.peak  # the sparse form
     assert not plan(glm5, P + "cp", "1", P + "dp_shard", "224", P + "cpu_offload", "true",
                     P + "activation_offload", "true").fits
     assert not plan(glm5, P + "activation_checkpointing", "none").fits
