@@ -1,17 +1,18 @@
 """The memory plan (``primerl.runtime.memory_plan``) against what the code allocates.
 
-* Parameter counts and per-rank shard bytes: exact (the model's ``numel`` and the trainer's FSDP
-  shards, gradients and AdamW state on 4 gloo ranks).
 * Peaks: the job's ``Trainer`` on 4 gloo ranks (bf16 mixed precision, a tiny FP8-sized MoE,
   8 sequences per 4096-token micro-batch) measured with the CPU allocator's running total
-  (``tests/runtime/memory_testing.py``) for each layout below (cp 1 / 2 / 4; ring, Ulysses and
-  2-D; GQA and dense MLA; checkpointing none / full / selective, with activation and CPU offload; FP8 off / on;
-  EP); every rank's measured peak must be within ``TOLERANCE`` of the plan's prediction for the
-  CPU. The activations are most of each peak (parameters and optimizer state are a few MB), so
-  the test is one of the activation formulas. Measured 2026-12-05: -3.2% to +12.0%. 50-150 s on
-  2 shared cores, depending on their load.
+  (``tests/runtime/memory_testing.py``) for each layout below: cp 1 / 2 / 4; ring, Ulysses and
+  2-D; GQA and dense MLA; checkpointing none / full / selective, with activation and CPU
+  offload; FP8 off / on; EP. Every rank's measured peak must be within ``TOLERANCE`` of the
+  plan's prediction for the CPU. The activations are most of each peak (parameters and optimizer
+  state are a few MB), so this tests the activation formulas. Measured 2026-12-05: -3.2% to
+  +12.0%; 50-150 s on 2 shared cores, depending on their load. Per-rank shard bytes of
+  parameters, gradients and AdamW state within 2% (FSDP pads rows).
+* Per block: the saved activations of each half against autograd's saved tensors (one process).
+* Exact: parameter counts (``numel``) and KV bytes per token (the embedded engine's cache).
 * The plan's arithmetic: monotone in seq_len, max_seq_len consistent with the verdict, offload
-  and checkpointing lower the device peak, MLA's KV cache is the latent, GLM-5 numbers are sane.
+  and checkpointing lower the device peak, GLM-5's scale, the paper configs' verdicts; the CLI.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def measured(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_predicted_peak_within_tolerance(measured, name):
     plan = plan_for_config(job_config(WORLD, SEQ_LEN, LAYOUTS[name]), device="cpu").trainer
@@ -82,6 +84,7 @@ def test_predicted_peak_within_tolerance(measured, name):
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["cp1_dp4", "cp2_ep2_fp8_selective"])
 def test_state_shards_match(measured, name):
     """Parameter, gradient and optimizer-state bytes per rank: FSDP pads a dim-0 shard to a whole
