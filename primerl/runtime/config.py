@@ -118,6 +118,9 @@ class OrchestratorConfig:
     advantage: str = "drgrpo"  # grpo, drgrpo, rloo, rloo_std (/ std of the step's rewards) or max_rl
     seq_len: int = 2048  # tokens per packed micro-batch
     weights_timeout_s: float = 300.0
+    metrics_port: int = 0  # > 0: serve GET /metrics (Prometheus) and /health on this port; 0: off
+    metrics_host: str = "127.0.0.1"
+    save_samples: bool = False  # write each step's trained samples to <output_dir>/samples/step_N.jsonl
 
 
 @dataclass
@@ -391,6 +394,7 @@ def validate(cfg: RLConfig) -> None:
           "must be grpo, drgrpo, rloo, rloo_std or max_rl", o.advantage)
     _need(o.seq_len >= 8, "orchestrator.seq_len", "must be >= 8", o.seq_len)
     _need(o.weights_timeout_s > 0, "orchestrator.weights_timeout_s", "must be > 0", o.weights_timeout_s)
+    _need(0 <= o.metrics_port <= 65535, "orchestrator.metrics_port", "must be a TCP port (0: off)", o.metrics_port)
     _need(i.backend in ("embedded", "vllm"), "inference.backend", "must be 'embedded' or 'vllm'", i.backend)
     _need(i.temperature > 0, "inference.temperature", "must be > 0", i.temperature)
     _need(0 < i.top_p <= 1, "inference.top_p", "must be in (0, 1]", i.top_p)

@@ -74,6 +74,7 @@ class Completion:
     finish_reason: str  # "length" or "stop"
     policy_version: int  # version when the request started (its oldest token)
     policy_version_end: int
+    server: str = ""  # who sampled it: "embedded" or the server's URL (set by the client)
 
 
 class _Active:

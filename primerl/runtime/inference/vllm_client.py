@@ -177,6 +177,10 @@ class VLLMClient:
         except InferenceServerError:
             return False
 
+    def servers_healthy(self) -> int:
+        """How many servers answer ``/health`` (one URL today: 0 or 1)."""
+        return int(self.health())
+
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not self.health():
@@ -259,7 +263,8 @@ class VLLMClient:
             raise InferenceServerError(f"{self.url}: the completion has no routed_experts (start vLLM with "
                                        "--enable-return-routed-experts, or set inference.capture_routing = false)")
         reason = "stop" if choice.get("finish_reason") == "stop" else "length"
-        return Completion(req.request_id, list(req.prompt), tokens, lps, routing, reason, version, self.version)
+        return Completion(req.request_id, list(req.prompt), tokens, lps, routing, reason, version, self.version,
+                          server=self.url)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         return list(self._pool.map(self.complete, requests))

@@ -300,6 +300,9 @@ class VerifiersOrchestrator(BatchSteps):
         }
         return samples, metrics
 
+    def _in_flight(self) -> int:
+        return len(self._inflight)
+
     # ---------------------------------------------------------------- main loop
     @property
     def _env_id(self) -> str:
