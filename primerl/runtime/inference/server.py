@@ -79,6 +79,16 @@ class Pending:
         self.future, self.finish, self.rid = future, finish, rid
 
 
+def _settle(fut: Future, result=None, *, error: BaseException | None = None) -> None:
+    """Complete ``fut`` unless its waiter cancelled it (a cancelled future refuses a result)."""
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
 def http_frontends() -> list[str]:
     """The HTTP front ends usable in this environment, preferred first."""
     try:
@@ -142,7 +152,7 @@ class EngineServer:
                             self.engine.add_request(payload)
                             self._futures[payload.request_id] = fut
                         except ValueError as e:
-                            fut.set_exception(e)
+                            _settle(fut, error=e)
                     elif kind == "abort":  # the client went away: free its slot
                         if self._futures.pop(payload, None) is not None:
                             self.engine.abort([payload])
@@ -150,16 +160,17 @@ class EngineServer:
                         fut.set_result(None)
                     else:  # a weight update (or pause / resume) runs between engine steps
                         try:
-                            fut.set_result(payload())
+                            _settle(fut, payload())
                         except Exception as e:  # noqa: BLE001
-                            fut.set_exception(e)
+                            _settle(fut, error=e)
                 if self._paused or not self.engine.has_unfinished():
                     self.stats.refresh(self.engine, waiting_extra=self._incoming.qsize(), paused=self._paused)
                     self._stop.wait(0.002)
                     continue
                 for c in self.engine.step():
                     f = self._futures.pop(c.request_id, None)
-                    if f is not None:
+                    # a waiter that gave up (aiohttp cancels the wrapped future) is an abort in flight
+                    if f is not None and not f.cancelled():
                         f.set_result(c)
                         self.stats.count("finished")
                 self.stats.refresh(self.engine, waiting_extra=self._incoming.qsize())
@@ -167,7 +178,8 @@ class EngineServer:
             self._engine_error = e
             log.exception("engine thread died")
             for f in self._futures.values():
-                f.set_exception(e)
+                if not f.cancelled():
+                    f.set_exception(e)
 
     def _check_alive(self) -> None:
         if self._engine_error is not None:
@@ -193,8 +205,9 @@ class EngineServer:
         return fut
 
     def abort(self, pending: "Pending") -> None:
-        """Cancel a generation whose client is gone (no-op once it finished)."""
-        if pending.rid is not None and not pending.future.done():
+        """Cancel a generation whose client is gone (no-op once it finished). Its future may already
+        be cancelled (aiohttp cancels the future it waited on); the engine thread then drops it."""
+        if pending.rid is not None:
             self._incoming.put(("abort", pending.rid, Future()))
 
     def pause(self) -> dict:
