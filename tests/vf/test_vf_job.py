@@ -148,7 +148,9 @@ def test_an_env_that_never_scores_fails_the_job_with_the_reason(tmp_path, monkey
     cfg.env.args["env"] = {"taskset": {"id": "primerl-test-flaky", "num_tasks": 1},
                            "agent": {"harness": {"id": "primerl-inprocess"}, "runtime": {"type": "subprocess"},
                                      "max_turns": 1}}
-    cfg.env.args["plugin_paths"] = [str(vf_testing.ROOT / "tests" / "vf" / "plugins"), str(PLUGIN_DIR)]
+    # the user's folder alone: primerl's vf_plugins (the primerl-inprocess harness) is added to it
+    cfg.env.args["plugin_paths"] = [str(vf_testing.ROOT / "tests" / "vf" / "plugins")]
+    assert str(PLUGIN_DIR) not in cfg.env.args["plugin_paths"]
     with pytest.raises(VerifiersEnvError, match="judge unavailable"):
         run_threads(cfg)
 
