@@ -7,6 +7,9 @@ file, then renamed: a reader never sees half a step)::
      "reward": r, "advantage": A, "policy_version_min": v0, "policy_version_max": v1,
      "servers": ["embedded" | url, ...], "turns": t, "loss_weights": [...] | null}
 
+The verifiers path writes one line per trained branch, with ``agent``, ``trace`` and ``branch``
+added and ``attempt`` absent; ``servers`` is the generate route the harness called.
+
 ``policy_version_min`` is the oldest policy version that produced one of its tokens (what the
 staleness bound ``orchestrator.max_off_policy_steps`` counts), ``policy_version_max`` the newest.
 """
@@ -17,21 +20,30 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["episode_record", "write_samples", "samples_path"]
+__all__ = ["episode_record", "sample_record", "write_samples", "samples_path"]
 
 
 def samples_path(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / "samples" / f"step_{step}.jsonl"
 
 
-def episode_record(st, sample) -> dict:
-    """An ``EpisodeState`` and the ``Sample`` built from it -> one JSON line."""
-    return {"step": st.step, "group": st.group, "member": st.member, "attempt": st.attempt,
+def sample_record(sample, *, step: int, group: int, member: int, reward: float, version_min: int | None,
+                  version_max: int | None, servers: list[str], turns: int, extra: dict | None = None) -> dict:
+    """A trained ``Sample`` and what the orchestrator knows of it -> one JSON line."""
+    adv = sample.advantages
+    return {"step": step, "group": group, "member": member, **(extra or {}),
             "input_ids": sample.input_ids.tolist(), "loss_mask": sample.loss_mask.int().tolist(),
-            "inference_logprobs": sample.inference_logprobs.tolist(), "reward": st.reward,
-            "advantage": float(sample.advantages), "policy_version_min": st.version_min,
-            "policy_version_max": st.version_max, "servers": list(st.servers), "turns": st.turn,
+            "inference_logprobs": sample.inference_logprobs.tolist(), "reward": reward,
+            "advantage": adv.tolist() if hasattr(adv, "tolist") else float(adv), "policy_version_min": version_min,
+            "policy_version_max": version_max, "servers": list(servers), "turns": turns,
             "loss_weights": None if sample.loss_weights is None else sample.loss_weights.tolist()}
+
+
+def episode_record(st, sample) -> dict:
+    """An ``EpisodeState`` (built-in path) and the ``Sample`` built from it -> one JSON line."""
+    return sample_record(sample, step=st.step, group=st.group, member=st.member, reward=st.reward,
+                         version_min=st.version_min, version_max=st.version_max, servers=st.servers, turns=st.turn,
+                         extra={"attempt": st.attempt})
 
 
 def write_samples(output_dir: str | Path, step: int, records: list[dict]) -> Path:
