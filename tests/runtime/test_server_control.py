@@ -106,3 +106,26 @@ def test_abort_stops_the_request_on_the_server(slow_server):
     # the server keeps serving
     (c,) = client.generate([Request(2, [1, 3, 4, 2], SamplingParams(max_new_tokens=3, seed=1))])
     assert len(c.tokens) == 3
+
+
+def test_a_client_leaving_the_generate_proxy_aborts_upstream(slow_server):
+    """The verifiers path's recording proxy (in front of vLLM; here the engine server): a harness
+    that closes its connection cancels the upstream call, and the server aborts the request."""
+    import http.client
+    import json
+
+    from primerl.runtime.inference.generate_proxy import GenerateProxy
+
+    srv = slow_server
+    proxy = GenerateProxy(srv.url, lambda: 0).start()
+    try:
+        conn = http.client.HTTPConnection(proxy.host, proxy.port, timeout=30)
+        conn.request("POST", "/inference/v1/generate", body=json.dumps(
+            {"token_ids": [1, 3, 4, 2], "sampling_params": {"max_tokens": N, "seed": 1}}),
+            headers={"Content-Type": "application/json", "X-Session-ID": "t1"})
+        _wait(lambda: srv.stats.read()["generated_tokens"] >= 5)
+        conn.close()
+        _wait(lambda: srv.stats.read()["requests"]["aborted"] == 1, timeout=5)
+        assert srv.stats.read()["requests_running"] == 0 and proxy.pop_session("t1") is None
+    finally:
+        proxy.stop()
