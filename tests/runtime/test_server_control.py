@@ -77,7 +77,7 @@ def test_inflight_update_keeps_the_running_request_and_its_cache(slow_server, tm
     client.submit(REQ)
     _wait(lambda: srv.stats.read()["generated_tokens"] >= 10)
     client.update_weights(1, tr)
-    assert calls == ["pause", "resume"] and srv.engine.policy_version == 1
+    assert calls == ["pause", "resume"] and srv.engine.policy_version == 1 and client.server_versions() == [1]
     _wait(lambda: all(f.done() for f in client._inflight.values()))
     (c,) = client.poll()
     assert len(c.tokens) == N and (c.policy_version, c.policy_version_end) == (0, 1)

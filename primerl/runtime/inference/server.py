@@ -4,7 +4,7 @@ Endpoints: ``GET /health``; ``GET /v1/models`` (the served model with ``max_mode
 ``POST /inference/v1/generate`` (vLLM's token-in / token-out route, what verifiers' train client
 calls: ``generate_api``); ``POST /v1/completions`` (token ids in, token ids + log-probs + routed
 experts out, as primerl's vLLM client reads them); ``POST /collective_rpc`` with
-``update_weights_from_path`` (the filesystem weight update); ``POST /reset_prefix_cache`` (a no-op:
+``update_weights_from_path`` (the filesystem weight update) or ``weights_version``; ``POST /reset_prefix_cache`` (a no-op:
 no prefix cache). One engine thread runs continuous batching over every in-flight HTTP request.
 
 In-flight weight updates: ``POST /pause`` stops stepping the engine and keeps every request (queued
@@ -331,6 +331,8 @@ class EngineServer:
         if path == "/v1/completions":
             return self.start_completion(body)
         if path == "/collective_rpc":
+            if body.get("method") == "weights_version":  # as vLLM's worker extension: one answer per worker
+                return 200, {"results": [{"version": self.engine.policy_version}]}
             if body.get("method") != "update_weights_from_path":
                 raise ValueError(f"collective_rpc: unknown method {body.get('method')!r}")
             return self.start_update_weights(*body.get("args", []))
