@@ -11,10 +11,14 @@ waiting on inference, for the monitor).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Sequence
 
 import torch
+
+
+HEALTH_EVERY_S = 10.0  # with a monitor: servers' health asked at least this often between steps
 
 
 class BatchSteps:
@@ -28,6 +32,11 @@ class BatchSteps:
         self._tokens_since_write = 0
         self.monitor = None  # monitor.OrchestratorMonitor when orchestrator.metrics_port > 0
         self._servers_healthy = 0
+        self._health_checked = -math.inf  # when servers_healthy was last asked (time.monotonic)
+
+    def _check_servers(self) -> None:
+        self._servers_healthy = self.client.servers_healthy()
+        self._health_checked = time.monotonic()
 
     def _count(self, step: int, key: str) -> None:
         self.counters[key] += 1
@@ -47,6 +56,8 @@ class BatchSteps:
         or sent back for resampling)."""
         step = self.next_write
         if self.monitor is not None:
+            if time.monotonic() - self._health_checked > HEALTH_EVERY_S:
+                self._check_servers()
             self.monitor.update(step=step, policy_version=self.version, requests_in_flight=self._in_flight(),
                                 servers_healthy=self._servers_healthy)
         if not self._batch_done(step):
@@ -67,7 +78,7 @@ class BatchSteps:
         """The metrics every batch reports (rewards, off-policy steps, lengths, turns, throughput);
         restarts the throughput clock."""
         r = torch.tensor(rewards)
-        self._servers_healthy = self.client.servers_healthy()
+        self._check_servers()
         now = time.perf_counter()
         dt = max(now - self._t_last_write, 1e-9)
         metrics = {
