@@ -68,9 +68,9 @@ def test_inflight_update_keeps_the_running_request_and_its_cache(slow_server, tm
     client.version = 0
     assert client.can_pause()
     calls = []
-    pause, resume = srv.pause, srv.resume
-    srv.pause = lambda: calls.append("pause") or pause()
-    srv.resume = lambda: calls.append("resume") or resume()
+    pause, resume = srv.start_pause, srv.start_resume
+    srv.start_pause = lambda: calls.append("pause") or pause()
+    srv.start_resume = lambda: calls.append("resume") or resume()
     tr = FileTransport(tmp_path)
     tr.publish_weights(1, _model(1).state_dict())
 

@@ -210,18 +210,17 @@ class EngineServer:
         if pending.rid is not None:
             self._incoming.put(("abort", pending.rid, Future()))
 
-    def pause(self) -> dict:
-        """Stop stepping the engine, keeping every request and its KV cache (``POST /pause``)."""
+    def start_pause(self) -> Pending:
+        """``POST /pause``: stop stepping the engine (after the step under way), keeping every
+        request and its KV cache."""
         def set_paused():
             self._paused = True
-        self._call_in_engine(set_paused, self.request_timeout)
-        return {"status": "paused"}
+        return Pending(self._start_call(set_paused), lambda _: {"status": "paused"})
 
-    def resume(self) -> dict:
+    def start_resume(self) -> Pending:
         def set_running():
             self._paused = False
-        self._call_in_engine(set_running, self.request_timeout)
-        return {"status": "resumed"}
+        return Pending(self._start_call(set_running), lambda _: {"status": "resumed"})
 
     # ---------------------------------------------------------------- routes (transport-free)
     def start_completion(self, body: dict) -> Pending:
@@ -339,9 +338,9 @@ class EngineServer:
         if path == "/reset_prefix_cache":
             return 200, {"success": True}
         if path == "/pause":
-            return 200, self.pause()
+            return self.start_pause()
         if path == "/resume":
-            return 200, self.resume()
+            return self.start_resume()
         return 404, {"error": f"no route POST {path}"}
 
     # ---------------------------------------------------------------- stdlib HTTP
