@@ -275,10 +275,15 @@ class VLLMClient:
             _http(self.url + "/pause?mode=keep&clear_cache=false", {}, self.timeout_s)
         try:
             self._load_from_path(version, path)
-            if pausable:
-                out = _http(self.url + "/reset_prefix_cache", {}, self.timeout_s)
-                if not out.get("success", False):
-                    log.info("weights version %d loaded in flight; cached KV blocks of running requests kept", version)
+            if pausable:  # succeeds only when no request holds blocks (retried briefly: generation is paused)
+                for wait in (0.05, 0.1, None):
+                    if _http(self.url + "/reset_prefix_cache", {}, self.timeout_s).get("success", False):
+                        break
+                    if wait is None:
+                        log.info("weights version %d loaded in flight; the prefix cache keeps blocks of the previous "
+                                 "policy (requests hold them)", version)
+                    else:
+                        time.sleep(wait)
             else:
                 reset_prefix_cache(self.url, self.timeout_s, wait_s=self.reset_wait_s)
         finally:
