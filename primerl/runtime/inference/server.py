@@ -385,13 +385,14 @@ class EngineServer:
                 """Wait for the engine, watching the socket: False (request aborted) if the client
                 closed it first. Raises TimeoutError after the server's request timeout."""
                 import time
+                from concurrent.futures import wait
 
                 deadline = time.monotonic() + server.request_timeout
-                while not p.future.done():
+                while not wait([p.future], timeout=0.05).done:  # answers as soon as the engine does
                     if time.monotonic() > deadline:
                         server.abort(p)
                         raise TimeoutError(f"no result within {server.request_timeout} s")
-                    readable, _, _ = select.select([self.connection], [], [], 0.05)
+                    readable, _, _ = select.select([self.connection], [], [], 0)
                     if readable and not self.connection.recv(1, socket.MSG_PEEK):
                         server.abort(p)
                         self.close_connection = True
