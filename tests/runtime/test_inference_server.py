@@ -60,9 +60,10 @@ def servers(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     ports = [free_port(), free_port()]
     log = tmp_path_factory.mktemp("inference")
+    logs = [open(log / f"{p}.log", "w") for p in ports]
     procs = [subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", "inference", "--config",
-                               str(ROOT / "examples/reverse_text.toml"), "--port", str(p)], env=env, cwd=log,
-                              stdout=open(log / f"{p}.log", "w"), stderr=subprocess.STDOUT) for p in ports]
+                               str(ROOT / "examples/reverse_text.toml"), "--device", "cpu", "--port", str(p)], env=env,
+                              cwd=log, stdout=f, stderr=subprocess.STDOUT) for p, f in zip(ports, logs)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         for u, p in zip(urls, procs):
@@ -70,6 +71,8 @@ def servers(tmp_path_factory):
         yield urls
     finally:
         _stop(procs)
+        for f in logs:
+            f.close()
 
 
 GOOD = {"prompt": [1, 2, 3], "max_tokens": 4}
