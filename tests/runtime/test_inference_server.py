@@ -164,3 +164,36 @@ def test_bad_input_through_vllm_router(servers):
         assert passed >= 8 and bad_after - bad_before == passed  # each reached a server once: no retry of a 4xx
     finally:
         _stop([router])
+
+
+@pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed (requirements-ci.txt)")
+def test_a_client_leaving_the_router_aborts_the_request_on_the_server(servers):
+    """vllm-router passes a client's disconnect on: the server aborts the request (what
+    VLLMClient.abort relies on when a router stands in front)."""
+    import http.client
+
+    port = free_port()
+    router = subprocess.Popen([str(ROUTER), "--worker-urls", servers[0], "--port", str(port), "--policy", "round_robin",
+                               "--health-check-interval-secs", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    health = lambda: json.loads(_call(servers[0], "/health")[1])  # noqa: E731
+    try:
+        _wait_up(f"http://127.0.0.1:{port}", router, "vllm-router", timeout=60)
+        before = health()
+        for path, body in (("/v1/completions", {"prompt": [0, 3, 1], "max_tokens": 4000}),
+                           ("/inference/v1/generate", {"token_ids": [0, 3, 1], "sampling_params": {"max_tokens": 4000}})):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            deadline = time.monotonic() + 30
+            while health()["requests_running"] == 0:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.02)
+            conn.close()
+            while health()["requests_running"]:
+                assert time.monotonic() < deadline + 10, "the server kept generating after the client left"
+                time.sleep(0.02)
+        after = health()
+        assert after["requests"]["aborted"] - before["requests"]["aborted"] == 2
+        assert after["requests"]["finished"] == before["requests"]["finished"]
+        assert after["generated_tokens"] - before["generated_tokens"] < 2 * 4000
+    finally:
+        _stop([router])
