@@ -4,8 +4,9 @@ Endpoints: ``GET /health``; ``GET /v1/models`` (the served model with ``max_mode
 ``POST /inference/v1/generate`` (vLLM's token-in / token-out route, what verifiers' train client
 calls: ``generate_api``); ``POST /v1/completions`` (token ids in, token ids + log-probs + routed
 experts out, as primerl's vLLM client reads them); ``POST /collective_rpc`` with
-``update_weights_from_path`` (the filesystem weight update) or ``weights_version``; ``POST /reset_prefix_cache`` (a no-op:
-no prefix cache). One engine thread runs continuous batching over every in-flight HTTP request.
+``update_weights_from_path`` (the filesystem weight update) or ``weights_version``; ``POST
+/reset_prefix_cache`` (a no-op: no prefix cache). One engine thread runs continuous batching over
+every in-flight HTTP request.
 
 In-flight weight updates: ``POST /pause`` stops stepping the engine and keeps every request (queued
 and running, with its KV cache); ``POST /resume`` continues; ``GET /is_paused``. A weight update
