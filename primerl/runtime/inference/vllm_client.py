@@ -29,7 +29,7 @@ inference`` serves the same one):
   ``{"success": false}`` is retried, then raised.
 
 - In-flight updates: where the server has vLLM's ``POST /pause`` / ``/resume`` (``GET /is_paused``
-  answers; vLLM >= 0.1x with ``VLLM_SERVER_DEV_MODE=1``, and ``primerl inference``), an update is
+  answers: vLLM 0.32, read in its source, with ``VLLM_SERVER_DEV_MODE=1``; ``primerl inference``), an update is
   ``/pause?mode=keep&clear_cache=false`` (requests stay, with their KV cache), load, then a prefix
   cache reset that preempts nothing (``reset_running_requests`` false: it succeeds only when no
   request holds blocks, so a server with running requests keeps its cached blocks: a later request
