@@ -175,10 +175,12 @@ def _post_abortable(url: str, payload: dict, timeout: float, register) -> dict:
     """POST on a connection of its own, handed to ``register(conn)`` so that another thread can
     close it (the server then sees the client disconnect and aborts the request)."""
     u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+    https = u.scheme == "https"
+    conn = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
+        u.hostname, u.port or (443 if https else 80), timeout=timeout)
     register(conn)
     try:
-        conn.request("POST", u.path, body=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+        conn.request("POST", u.path + (f"?{u.query}" if u.query else ""), body=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         body = r.read()
     except (TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
