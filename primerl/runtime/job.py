@@ -128,7 +128,24 @@ def orchestrator_main(cfg: RLConfig) -> None:
         log.info("batch %d written: reward %.3f off_policy<=%d version %d %.0f tok/s", step, m["reward/mean"],
                  m["off_policy/max"], m["policy_version"], m["inference/tokens_per_s"])
 
-    orch.run(on_batch=on_batch)
+    try:
+        orch.run(on_batch=on_batch)
+    except BaseException:
+        _exit_past_receiver(client)
+        raise
+    receiver = getattr(client, "receiver", None)
+    if receiver is not None:  # until the trainer's end-of-updates message (weight_sync.EngineWeightReceiver.close)
+        receiver.close()
+
+
+def _exit_past_receiver(client) -> None:
+    """A failed orchestrator whose weight receiver still waits in a collective: exit at once with
+    the traceback logged (rc 1); a normal exit would abort (-6) on the receiver's live thread."""
+    receiver = getattr(client, "receiver", None)
+    if receiver is not None and receiver.alive:
+        log.exception("the orchestrator failed (its weight receiver is still in the trainer's group)")
+        logging.shutdown()
+        os._exit(1)
 
 
 # ------------------------------------------------------------------------------------ launcher
