@@ -349,5 +349,5 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
         raise errors[0]
     receiver = getattr(client, "receiver", None)
     if receiver is not None:  # the trainer said goodbye: let the receiving thread leave its group
-        receiver.join(timeout=30)
+        receiver.close(timeout=30)
     return read_metrics(out / "metrics.jsonl")

@@ -4,6 +4,7 @@ for 2 trainer ranks), as ``primerl rl`` runs them, and a kill -9 of the orchestr
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -127,3 +128,16 @@ def test_kill_orchestrator_mid_broadcast_fails_the_trainer_naming_it(tmp_path):
     assert "WeightSyncError" in log and "the orchestrator" in log, log[-3000:]
     assert "broadcast of weights version" in log and "Connection closed by peer" in log, log[-3000:]
     assert took < 50, took
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("mode, ranks", [("full", 1), ("selective", 2)])
+def test_activation_checkpointing_trains_on_the_default_attention_path(tmp_path, mode, ranks):
+    """The CPU's default attention (padded SDPA) under activation checkpointing, as ``primerl rl``
+    runs it (it failed at step 0: the recompute in backward lost the padded path). The gradients
+    on every path: tests/runtime/test_trainer.py."""
+    rows = run_rl(_cfg(tmp_path / "run", "--max_steps", "2", "--num_trainer_ranks", str(ranks),
+                       "--trainer.parallel.activation_checkpointing", mode), quiet=True)
+    assert [x["step"] for x in rows] == [0, 1]
+    assert all(math.isfinite(x["loss"]) for x in rows)
