@@ -36,19 +36,33 @@ def validate_job(cfg) -> None:
                      "false set trainer.router_replay = false too (or capture routing)", t.router_replay)
     if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise _error("log.tensorboard", "needs the tensorboard package (pip install tensorboard)", True)
-    if cfg.env.id == "verifiers" and importlib.util.find_spec("verifiers") is None:
-        raise _error("env.id", "the verifiers environment needs verifiers 0.4.0 (pip install 'primerl[verifiers]')",
-                     cfg.env.id)
+    if cfg.env.id == "verifiers":
+        missing = [m for m in ("verifiers", "verifiers.v1", "renderers") if not _installed(m)]
+        if missing:
+            raise _error("env.id", f"the verifiers environment needs verifiers 0.4.0 and renderers ({', '.join(missing)} "
+                         "not installed: pip install 'primerl[verifiers]'; README: verifiers)", cfg.env.id)
     if cfg.warm_start.steps:
         _check_demonstrations(cfg)
     check_output_dir(cfg.output_dir)
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a submodule's parent is missing
+        return False
+
+
 def _check_demonstrations(cfg) -> None:
     from primerl.rl.envs import load_environment
 
-    env = load_environment(cfg.env.id, **cfg.env.args)
-    tasks = getattr(env, "tasks", None)
+    from .config import ConfigError
+
+    try:  # built here only with a warm start: its tasks are what it trains on
+        env = load_environment(cfg.env.id, **cfg.env.args)
+        tasks = getattr(env, "tasks", None)
+    except (ValueError, TypeError, ImportError) as e:
+        raise ConfigError(f"env.id / env.args (for warm_start.steps): {e}") from None
     if not tasks or not callable(getattr(tasks[0], "demonstration", None)):
         raise _error("warm_start.steps", f"the warm start trains on the environment's task demonstrations and "
                      f"{cfg.env.id!r} has none (Task.demonstration()); set warm_start.steps = 0", cfg.warm_start.steps)
