@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from primerl.runtime.config import load_config
-from primerl.runtime.job import prepare_output, run_rl
+from primerl.runtime.job import JobFailed, prepare_output, run_rl
 from primerl.runtime.lifetime import pid_alive
 from primerl.runtime.metrics import read_metrics
 
@@ -80,6 +80,18 @@ def _files_and_broadcast_give_the_same_run(tmp_path, steps, r):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-9)
     versions = sorted((tmp_path / "bcast" / "transport" / "weights").glob("step_*"))
     assert versions and not any((d / "model.safetensors").exists() for d in versions)
+
+
+@pytest.mark.slow
+def test_failing_orchestrator_with_a_broadcast_receiver_exits_1_with_its_error(tmp_path):
+    """Its receiver thread is still in the trainer's group: the process exits 1 with the traceback
+    logged (it used to abort, -6, "terminate called without an active exception")."""
+    cfg = _cfg(tmp_path / "run", "--max_steps", "3", "--inference.weight_update", "broadcast",
+               "--env.id", "tests.runtime._envs:AlwaysRaises", "--env.max_retries", "0")
+    with pytest.raises(JobFailed, match="the orchestrator exited with code 1") as e:
+        run_rl(cfg, quiet=True)
+    assert "grader crashed" in str(e.value) and "terminate called" not in str(e.value), e.value
+    _no_job_process_left(tmp_path / "run")
 
 
 @pytest.mark.slow
