@@ -39,8 +39,9 @@ def validate_job(cfg) -> None:
     if cfg.env.id == "verifiers":
         missing = [m for m in ("verifiers", "verifiers.v1", "renderers") if not _installed(m)]
         if missing:
-            raise _error("env.id", f"the verifiers environment needs verifiers 0.4.0 and renderers ({', '.join(missing)} "
-                         "not installed: pip install 'primerl[verifiers]'; README: verifiers)", cfg.env.id)
+            raise _error("env.id", f"the verifiers environment needs verifiers 0.4.0 and renderers "
+                         f"({', '.join(missing)} not installed: pip install 'primerl[verifiers]'; README: verifiers)",
+                         cfg.env.id)
     if cfg.warm_start.steps:
         _check_demonstrations(cfg)
     check_output_dir(cfg.output_dir)
