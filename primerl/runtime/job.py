@@ -120,28 +120,27 @@ def orchestrator_main(cfg: RLConfig) -> None:
     transport = FileTransport(Path(cfg.output_dir) / "transport")
     transport.drop_batches_from(start)
     client = make_client(cfg, env.vocab_size)
-    orch = build_orchestrator(cfg, env, client, transport, start_step=start,
-                        trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
-                        top_k=model_config(cfg, env.vocab_size).top_k)
 
     def on_batch(step, m):
         log.info("batch %d written: reward %.3f off_policy<=%d version %d %.0f tok/s", step, m["reward/mean"],
                  m["off_policy/max"], m["policy_version"], m["inference/tokens_per_s"])
 
-    try:
-        orch.run(on_batch=on_batch)
-    except BaseException:
-        _exit_past_receiver(client)
-        raise
     receiver = getattr(client, "receiver", None)
-    if receiver is not None:  # until the trainer's end-of-updates message (weight_sync.EngineWeightReceiver.close)
-        receiver.close()
+    try:
+        orch = build_orchestrator(cfg, env, client, transport, start_step=start,
+                            trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
+                            top_k=model_config(cfg, env.vocab_size).top_k)
+        orch.run(on_batch=on_batch)
+        if receiver is not None:  # until the trainer's end-of-updates message (weight_sync.EngineWeightReceiver.close)
+            receiver.close()
+    except BaseException:
+        _exit_past_receiver(receiver)
+        raise
 
 
-def _exit_past_receiver(client) -> None:
+def _exit_past_receiver(receiver) -> None:
     """A failed orchestrator whose weight receiver still waits in a collective: exit at once with
     the traceback logged (rc 1); a normal exit would abort (-6) on the receiver's live thread."""
-    receiver = getattr(client, "receiver", None)
     if receiver is not None and receiver.alive:
         log.exception("the orchestrator failed (its weight receiver is still in the trainer's group)")
         logging.shutdown()
