@@ -34,8 +34,9 @@ def validate_job(cfg) -> None:
     if t.router_replay and not i.capture_routing:
         raise _error("trainer.router_replay", "replay needs the sampler's routing: with inference.capture_routing = "
                      "false set trainer.router_replay = false too (or capture routing)", t.router_replay)
-    if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise _error("log.tensorboard", "needs the tensorboard package (pip install tensorboard)", True)
+    for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if getattr(cfg.log, key) and not _installed(package):
+            raise _error(f"log.{key}", f"needs the {package} package (pip install {package})", True)
     if cfg.env.id == "verifiers":
         missing = [m for m in ("verifiers", "verifiers.v1", "renderers") if not _installed(m)]
         if missing:

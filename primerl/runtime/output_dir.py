@@ -101,7 +101,9 @@ _START_FILES = frozenset({"config.toml", "logs", "pids", "transport", "vllm_init
 
 def _previous_run_files(out: Path) -> list[str]:
     found = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) if out.is_dir() else []
-    return [] if set(found) <= _START_FILES else found
+    started = set(found) - {"metrics.jsonl"} if (out / "metrics.jsonl").is_file() and \
+        (out / "metrics.jsonl").stat().st_size == 0 else set(found)  # opened by the trainer, no step logged
+    return [] if started <= _START_FILES else found
 
 
 def claim_output_dir(cfg) -> OutputDirLock:

@@ -35,8 +35,9 @@ REFUSED = [
     (EXAMPLE, ["--inference.capture_routing", "false"], "trainer.router_replay: replay needs the sampler's routing"),
     (EXAMPLE, ["--output_dir", "/proc/primerl_x"], "output_dir: cannot be created under /proc"),
 ]
-if importlib.util.find_spec("tensorboard") is None:
-    REFUSED.append((EXAMPLE, ["--log.tensorboard", "true"], "log.tensorboard: needs the tensorboard package"))
+for package in ("tensorboard", "wandb"):
+    if importlib.util.find_spec(package) is None:
+        REFUSED.append((EXAMPLE, [f"--log.{package}", "true"], f"log.{package}: needs the {package} package"))
 if importlib.util.find_spec("verifiers") is None:  # else tests/vf runs these examples
     REFUSED += [(str(ROOT / "examples" / name), [], "env.id: the verifiers environment needs verifiers 0.4.0")
                 for name in ("vf_reverse_text.toml", "vf_tool_use.toml")]
@@ -81,10 +82,11 @@ def test_a_start_that_failed_before_its_first_step_does_not_block_the_rerun(tmp_
     (out / "transport" / "weights").mkdir(parents=True)
     (out / "config.toml").write_text("")
     (out / "pids").write_text("trainer 1\n")
+    (out / "metrics.jsonl").write_text("")  # the trainer opened it and logged no step
     with claim_output_dir(cfg):
         pass
-    for name in ("metrics.jsonl", "notes.txt"):
-        (out / name).write_text("")
+    for name, text in (("metrics.jsonl", '{"step": 0}\n'), ("notes.txt", "")):
+        (out / name).write_text(text)
         with pytest.raises(OutputDirNotEmpty, match=name):
             claim_output_dir(cfg)
         (out / name).unlink()

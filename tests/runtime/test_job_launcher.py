@@ -92,6 +92,10 @@ def test_failing_orchestrator_with_a_broadcast_receiver_exits_1_with_its_error(t
         run_rl(cfg, quiet=True)
     assert "grader crashed" in str(e.value) and "terminate called" not in str(e.value), e.value
     _no_job_process_left(tmp_path / "run")
+    # no step ran: the rerun in the same output_dir is not refused (and keeps the failed start's log)
+    rows = run_rl(_cfg(tmp_path / "run", "--max_steps", "1", "--inference.weight_update", "broadcast"), quiet=True)
+    assert [x["step"] for x in rows] == [0]
+    assert "grader crashed" in (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
 
 
 @pytest.mark.slow
