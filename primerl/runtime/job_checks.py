@@ -89,8 +89,6 @@ def check_output_dir(output_dir: str) -> None:
         raise _error("output_dir", f"cannot be created: {a} is not writable by this user", output_dir)
     if os.statvfs(a).f_flag & os.ST_RDONLY:
         raise _error("output_dir", f"cannot be created: {a} is on a read-only filesystem", output_dir)
-    if any(a == Path(k) or Path(k) in a.parents for k in _KERNEL_FS):  # root passes access() there
+    kernel = a == Path("/dev") or any(a == Path(k) or Path(k) in a.parents for k in ("/proc", "/sys"))
+    if kernel:  # root passes access() there (/dev/shm, a tmpfs, is fine)
         raise _error("output_dir", f"cannot be created under {a} (a kernel filesystem)", output_dir)
-
-
-_KERNEL_FS = ("/proc", "/sys", "/dev")
