@@ -45,11 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_placement(cfg), end="")
         return 0
     from . import job
-    from .output_dir import OutputDirError
+    from .output_dir import OutputDirError, OutputDirUnusable
 
     if args.command == "rl":
         try:
             job.run_rl(cfg)
+        except OutputDirUnusable as e:
+            print(f"primerl: config error: {e}", file=sys.stderr)
+            return 2
         except (job.JobFailed, OutputDirError) as e:
             print(f"primerl rl: FAILED: {e}", file=sys.stderr)
             return 1
