@@ -147,7 +147,7 @@ def fused_logprobs(
     targets = targets.reshape(-1).long()
     in_vocab = (targets >= 0) & (targets < V)
     valid = None
-    if ignore_index is not None and not 0 <= ignore_index < V:
+    if ignore_index is not None:
         valid = targets != ignore_index
         in_vocab = in_vocab | ~valid
     ignored = "" if ignore_index is None else f" (or ignore_index={ignore_index})"
