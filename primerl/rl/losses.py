@@ -296,9 +296,10 @@ def _validate(logprobs, inference_logprobs, advantages, loss_mask, method, old_l
             raise ValueError(f"policy_loss: cu_seqlens must be a 1-D integer tensor [S+1], got "
                              f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} {tuple(getattr(cu_seqlens, 'shape', ()))}")
         check_values((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
-                     # static message (T in it would specialise T under torch.compile)
-                     "policy_loss: cu_seqlens must start at 0, be non-decreasing and end at T = logprobs.shape[0]",
-                     lambda: f"T={T}, got {cu_seqlens.tolist()}")
+                     # a symbolic T (dynamic shapes) stays out of the message: formatting it would specialise T
+                     "policy_loss: cu_seqlens must start at 0, be non-decreasing and end at "
+                     + ("T = logprobs.shape[0]" if torch.compiler.is_compiling() else f"T={T}"),
+                     lambda: f"got {cu_seqlens.tolist()}")
     for agg, key, x in (("token_sum_norm", "norm_constant", norm_constant),
                         ("global_token_sum", "global_num_tokens", global_num_tokens)):
         if aggregation == agg:
