@@ -208,6 +208,26 @@ class LogConfig:
 
 
 @dataclass
+class DeploymentConfig:
+    """Where the job's processes run (``primerl.runtime.launch``): one machine (``"local"``, the
+    default), nodes started by hand or any scheduler with ``primerl node`` (``"nodes"``), or a SLURM
+    batch job (``"slurm"``). Trainer nodes run torchrun with c10d rendezvous at ``rdzv_endpoint``."""
+
+    kind: str = "local"  # "local", "nodes" or "slurm"
+    trainer_nodes: int = 1  # nodes running trainer ranks (torchrun --nnodes)
+    inference_nodes: int = 0  # nodes running inference servers (vLLM); 0: the engine is in the orchestrator
+    orchestrator: str = "trainer"  # "trainer": beside the trainer on trainer node 0; "own": a node of its own
+    ranks_per_node: int = 0  # trainer ranks per trainer node; 0: num_trainer_ranks / trainer_nodes
+    gpus_per_node: int = 0  # GPUs of each node; 0: CPU nodes (trainer ranks are processes)
+    hosts: list = field(default_factory=list)  # "nodes": trainer hosts, then inference, then the orchestrator's own
+    rdzv_endpoint: str = ""  # "host:port" of the c10d rendezvous; "": the first trainer host, port 29400
+    rdzv_timeout_s: float = 60.0  # a node that cannot join the rendezvous fails after this
+    grace_s: float = 30.0  # when one node fails, the others get this long to stop (checkpoints finish)
+    sbatch_template: str = ""  # a Jinja2 sbatch template; "": primerl/runtime/launch/templates/sbatch.sh.j2
+    sbatch_args: list = field(default_factory=list)  # extra #SBATCH options, e.g. ["--partition=gpu", "--time=4:00:00"]
+
+
+@dataclass
 class RLConfig:
     output_dir: str = "outputs/run"
     overwrite: bool = False  # a non-empty output_dir is refused unless this or checkpoint.resume is true
@@ -224,6 +244,7 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,9 +480,20 @@ def validate(cfg: RLConfig) -> None:
     _need(cfg.env.max_abs_reward > 0, "env.max_abs_reward", "must be > 0", cfg.env.max_abs_reward)
     validate_names(cfg)
     validate_parallel(cfg)
+    from .launch.deployment import validate_deployment
+
+    validate_deployment(cfg)  # the node plan: ranks per node, hosts, rendezvous address
     from .placement import resolve_placement
 
     resolve_placement(cfg)  # device, GPUs, precision and weight path: named errors before anything starts
+
+
+def trainer_ranks_per_node(cfg: RLConfig) -> int:
+    """Trainer ranks on one trainer node (``num_trainer_ranks`` on one machine)."""
+    d = cfg.deployment
+    if d.kind == "local":
+        return cfg.num_trainer_ranks
+    return d.ranks_per_node or max(cfg.num_trainer_ranks // max(d.trainer_nodes, 1), 1)
 
 
 FP8_RECIPES = ("blockwise", "blockwise_fp8_wgrad", "rowwise")

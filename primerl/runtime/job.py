@@ -198,6 +198,10 @@ def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[d
     Holds ``output_dir``'s lock for the job's life (``output_dir.claim_output_dir``)."""
     with claim_output_dir(cfg):
         cfg = job_warm_start(cfg, quiet=quiet)
+        if cfg.deployment.kind == "nodes":  # several nodes on this machine (127.x hosts)
+            from .launch.local import run_nodes
+
+            return run_nodes(cfg, quiet=quiet, poll_s=poll_s)
         with launched_vllm(cfg, quiet=quiet):
             return _run_rl(cfg, quiet=quiet, poll_s=poll_s)
 
