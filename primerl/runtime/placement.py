@@ -83,6 +83,8 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
     """The job's placement on a machine with ``num_gpus`` visible GPUs (default: this one's).
     Raises ``ConfigError`` naming the key when the config cannot be placed."""
     n = visible_gpus() if num_gpus is None else num_gpus
+    if num_gpus is None and cfg.deployment.kind != "local" and cfg.deployment.gpus_per_node:
+        n = cfg.deployment.gpus_per_node  # a node of the plan, not this (submitting) machine
     i, ranks = cfg.inference, cfg.num_trainer_ranks
     node_ranks = trainer_ranks_per_node(cfg)  # the GPUs are this node's
     if cfg.device not in ("auto", "cpu", "cuda"):

@@ -73,7 +73,7 @@ def run_nodes(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> lis
                 p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=wd, start_new_session=True)
             procs[name] = (node, role, p)
         (out / "pids").write_text("".join(f"{name} {p.pid}\n" for name, (_, _, p) in procs.items()))
-        seen = start - 1
+        seen, first_seen = start - 1, {}
         trainers = [p for _, role, p in procs.values() if role == "trainer"]
         while True:
             for r in read_metrics(out / "metrics.jsonl"):
@@ -81,10 +81,20 @@ def run_nodes(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> lis
                     seen = r["step"]
                     if not quiet and cfg.log.progress:
                         print(progress_line(r, cfg.max_steps), flush=True)
-            failed = [(name, n, role, p) for name, (n, role, p) in procs.items() if p.poll() not in (None, 0)]
-            if failed:
-                # the cause first: a trainer node before the processes that lost their peer through it
-                failed.sort(key=lambda f: (f[2] != "trainer", "ProducerDied" in _tail(out / "logs" / f"{f[0]}.log")))
+            for name, (_, _, p) in procs.items():
+                if p.poll() not in (None, 0):
+                    first_seen.setdefault(name, time.monotonic())
+            if first_seen:
+                # wait a moment for the peers it takes down, then name the cause: the first to fail;
+                # among those seen together one killed by a signal, a trainer, one whose log has no ProducerDied
+                time.sleep(1.0)
+                for name, (_, _, p) in procs.items():
+                    if p.poll() not in (None, 0):
+                        first_seen.setdefault(name, time.monotonic())
+                t_first = min(first_seen.values())
+                failed = [(name, *procs[name]) for name, t in first_seen.items() if t - t_first < 0.5]
+                failed.sort(key=lambda f: (f[3].returncode > 0, f[2] != "trainer",
+                                           "ProducerDied" in _tail(out / "logs" / f"{f[0]}.log")))
                 name, n, role, p = failed[0]
                 raise job.JobFailed(f"node {n.index} ({n.host}) {role} exited with code {p.returncode}; end of "
                                     f"{out / 'logs' / (name + '.log')}:\n{_tail(out / 'logs' / (name + '.log'))}")

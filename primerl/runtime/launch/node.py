@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -100,12 +101,13 @@ def join_rendezvous(plan: NodePlan, node: Node, role: str, digest: str, *, deadl
         if alive is not None and not alive():
             raise NodeError(f"node {node.index} ({node.host}): torchrun exited before the rendezvous at "
                             f"{plan.rdzv_endpoint} was reached (see its output above)")
-        try:
-            store = TCPStore(plan.rdzv_host, plan.rdzv_port, is_master=False,
-                             timeout=timedelta(seconds=min(left(), 5.0)), wait_for_workers=False)
+        try:  # a plain connect first: TCPStore's own retries overrun a short timeout by seconds
+            socket.create_connection((plan.rdzv_host, plan.rdzv_port), timeout=min(left(), 1.0)).close()
+            store = TCPStore(plan.rdzv_host, plan.rdzv_port, is_master=False, timeout=timedelta(seconds=left()),
+                             wait_for_workers=False)
         except (RuntimeError, TimeoutError, OSError) as e:  # not up yet (trainer node 0 starts it)
             err = e
-            time.sleep(0.2)
+            time.sleep(min(0.2, left()))
     if store is None:
         raise NodeError(f"node {node.index} ({node.host}): cannot reach the rendezvous at {plan.rdzv_endpoint} within "
                         f"{plan.rdzv_timeout_s:g} s (deployment.rdzv_endpoint / --rdzv; last error: "

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, RLConfig
-from .deployment import DEFAULT_RDZV_PORT, node_plan, split_endpoint
+from .deployment import DEFAULT_RDZV_PORT, Node, node_plan, split_endpoint
 
 __all__ = ["TEMPLATE", "render_sbatch", "submit"]
 
@@ -51,7 +51,22 @@ def render_sbatch(cfg: RLConfig, config_path: str, *, python: str = sys.executab
         log_dir=shlex.quote(str(out / "logs")), python=shlex.quote(python), config=shlex.quote(config_path),
         rdzv=rdzv, trainer_nodes=[n.index for n in plan.trainer_nodes],
         inference_nodes=[n.index for n in plan.with_role("inference")],
-        orchestrator_node=plan.with_role("orchestrator")[0].index, plan=plan, cfg=cfg)
+        orchestrator_node=plan.with_role("orchestrator")[0].index, plan=plan, cfg=cfg,
+        trainer_commands=_trainer_commands(plan, rdzv, python))
+
+
+def _trainer_commands(plan, rdzv: str, python: str) -> list[str]:
+    """What `primerl node --role trainer` runs on each trainer node (a comment in the script)."""
+    from .node import trainer_command
+
+    lines = []
+    for n in plan.trainer_nodes:
+        node = Node(n.index, f"${{NODES[{n.index}]}}", n.roles, n.trainer_node, n.ranks, n.gpus)
+        cmd = trainer_command(plan, node, ["-m", "primerl.runtime.cli", "trainer", "--config", "CONFIG"], python=python,
+                              run_id="$SLURM_JOB_ID")
+        cmd = [c.replace(plan.rdzv_endpoint, rdzv.strip('"')) for c in cmd]
+        lines.append(f"node {n.index} (trainer) runs: " + " ".join(cmd))
+    return lines
 
 
 def submit(cfg: RLConfig, *, quiet: bool = False) -> str:
