@@ -90,3 +90,109 @@ def test_a_trainer_node_with_a_wrong_rendezvous_address_fails_in_time(tmp_path):
     assert last.startswith(f"primerl node: FAILED: node 1 (127.0.0.2): cannot reach the rendezvous at 127.0.0.1:{port} "
                            "within 4 s"), res.stderr[-2000:]
     assert elapsed < 4 + 30, elapsed  # the timeout plus interpreter start-up on a loaded machine
+
+
+SMALL = ["--max_steps", "3", "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
+         "--orchestrator.max_async_level", "0", "--log.plot", "false", "--orchestrator.weights_timeout_s", "120",
+         "--trainer.batch_timeout_s", "120", "--num_trainer_ranks", "2", "--device", "cpu",
+         "--deployment.trainer_nodes", "2", "--deployment.rdzv_timeout_s", "120", "--deployment.grace_s", "5"]
+
+
+@pytest.mark.dist
+def test_the_sbatch_script_runs_end_to_end_under_slurm_standins(tmp_path):
+    """``primerl rl`` with kind = "slurm" renders the script, and sbatch / srun / scontrol stand-ins
+    (tests/runtime/slurm_standins: each srun step a local process with its SLURM_* variables) run
+    it on hosts 127.0.0.1 and 127.0.0.2: every step once, each (node, role) in its own log."""
+    out = tmp_path / "out"
+    cfg = load_config(ROOT / "examples" / "reverse_text.toml",
+                      ["--output_dir", str(out), *SMALL, "--deployment.kind", "slurm",
+                       "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}"])
+    from primerl.runtime.config import to_toml
+    from primerl.runtime.metrics import read_metrics
+
+    (tmp_path / "cfg.toml").write_text(to_toml(cfg))
+    standins = Path(__file__).resolve().parent / "slurm_standins"
+    res = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(tmp_path / "cfg.toml")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=500,
+                         env=_env(PATH=f"{standins}{os.pathsep}{os.environ['PATH']}",
+                                  PRIMERL_TEST_NODELIST="127.0.0.1,127.0.0.2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Submitted batch job" in res.stdout
+    slurm_out = next((out / "logs").glob("slurm-*.out"))
+    logs = {p.name: p.read_text(errors="replace") for p in (out / "logs").glob("node*.log")}
+    assert Path(f"{slurm_out}.rc").read_text().strip() == "0", slurm_out.read_text()[-3000:] + str(
+        {k: v[-1500:] for k, v in logs.items()})
+    assert sorted(logs) == ["node0-orchestrator.log", "node0-trainer.log", "node1-trainer.log"]
+    assert "every trainer node finished" in slurm_out.read_text()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+    assert "trainer rank 1/2 started" in logs["node1-trainer.log"]  # rank 1 lives on node 1
+    assert (out / "primerl.sbatch").read_text().startswith("#!/bin/bash")
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_killed_trainer_node_stops_the_job_naming_it_and_resume_continues(tmp_path):
+    """Node 1's processes (its `primerl node`, torchrun agent and trainer rank) are killed after
+    the step-2 checkpoint: ``primerl rl`` fails naming node 1 and its role, the metrics already
+    written stay, and ``--checkpoint.resume true`` finishes the job, on 2 nodes, then on 1."""
+    from primerl.runtime.config import to_toml
+    from primerl.runtime.metrics import read_metrics
+
+    out = tmp_path / "out"
+    over = ["--output_dir", str(out), *SMALL, "--max_steps", "6", "--checkpoint.interval", "2",
+            "--deployment.kind", "nodes", "--deployment.hosts", "127.0.0.1,127.0.0.2"]
+    cfg_path = tmp_path / "cfg.toml"
+    cfg_path.write_text(to_toml(load_config(ROOT / "examples" / "reverse_text.toml",
+                                            [*over, "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}"])))
+
+    def rl(*args):
+        return subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(cfg_path), *args],
+                                cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    proc = rl()
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "step_000002").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no step-2 checkpoint in 300 s"
+        time.sleep(0.05)
+    pids = dict(line.split() for line in (out / "pids").read_text().splitlines())
+    for pid in _descendants(int(pids["node1-trainer"])):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    before = read_metrics(out / "metrics.jsonl")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "primerl rl: FAILED: node 1 (127.0.0.2) trainer exited with code -9" in stderr, stderr[-3000:]
+    after = read_metrics(out / "metrics.jsonl")
+    assert len(before) >= 2 and after[:len(before)] == before
+    assert (out / "checkpoints" / "step_000002").is_dir()
+
+    res = rl("--checkpoint.resume", "true")
+    stdout, stderr = res.communicate(timeout=400)
+    assert res.returncode == 0, stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(6))
+    # and once more on one node (the local default), 2 more steps from the step-6 checkpoint
+    one = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(cfg_path),
+                          "--checkpoint.resume", "true", "--deployment.kind", "local", "--deployment.trainer_nodes", "1",
+                          "--deployment.hosts", "[]", "--max_steps", "8"], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=400)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(8))

@@ -214,6 +214,7 @@ def check_rendezvous_port(cfg: RLConfig) -> None:
     if not (is_loopback(host) or host in (socket.gethostname(), socket.getfqdn())):
         return
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: a closed job's TIME_WAIT is no conflict
     try:
         s.bind(("127.0.0.1" if host == "localhost" else host, plan.rdzv_port))
     except OSError as e:
