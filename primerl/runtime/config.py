@@ -118,6 +118,11 @@ class OrchestratorConfig:
     advantage: str = "drgrpo"  # grpo, drgrpo, rloo, rloo_std (/ std of the step's rewards) or max_rl
     seq_len: int = 2048  # tokens per packed micro-batch
     weights_timeout_s: float = 300.0
+    # rollout batches to the trainer ranks: "filesystem" (files under output_dir/transport) or "zmq"
+    # (TCP, ZeroMQ ROUTER/DEALER: no filesystem shared between orchestrator and trainer nodes)
+    batch_transport: str = "filesystem"
+    zmq_host: str = ""  # where trainer ranks reach the orchestrator; "": its node in the plan (127.0.0.1 locally)
+    zmq_port: int = 29620
 
 
 @dataclass
@@ -412,6 +417,9 @@ def validate(cfg: RLConfig) -> None:
           "must be grpo, drgrpo, rloo, rloo_std or max_rl", o.advantage)
     _need(o.seq_len >= 8, "orchestrator.seq_len", "must be >= 8", o.seq_len)
     _need(o.weights_timeout_s > 0, "orchestrator.weights_timeout_s", "must be > 0", o.weights_timeout_s)
+    _need(o.batch_transport in ("filesystem", "zmq"), "orchestrator.batch_transport", "must be filesystem or zmq",
+          o.batch_transport)
+    _need(0 < o.zmq_port < 65536, "orchestrator.zmq_port", "must be a TCP port", o.zmq_port)
     _need(i.backend in ("embedded", "vllm"), "inference.backend", "must be 'embedded' or 'vllm'", i.backend)
     _need(i.temperature > 0, "inference.temperature", "must be > 0", i.temperature)
     _need(0 < i.top_p <= 1, "inference.top_p", "must be in (0, 1]", i.top_p)

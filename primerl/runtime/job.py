@@ -30,7 +30,7 @@ from .lifetime import LAUNCHER_PID_ENV, die_with_parent, pid_alive, watch_launch
 from .metrics import ascii_curve, progress_line, read_metrics, save_plot
 from .output_dir import claim_output_dir
 from .placement import resolve_placement
-from .transport import FileTransport
+from .transport import FileTransport, make_transport
 
 log = logging.getLogger("primerl")
 
@@ -117,7 +117,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
     torch.set_num_threads(cfg.threads)
     env = load_environment(cfg.env.id, **cfg.env.args)
     start = start_step(cfg)
-    transport = FileTransport(Path(cfg.output_dir) / "transport")
+    transport = make_transport(cfg, Path(cfg.output_dir) / "transport", "orchestrator")
     transport.drop_batches_from(start)
     client = make_client(cfg, env.vocab_size)
     orch = build_orchestrator(cfg, env, client, transport, start_step=start,
@@ -321,17 +321,19 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
     cfg.log.progress = cfg.log.progress and not quiet
     th = threading.Thread(target=trainer_thread, name="trainer", daemon=True)
     th.start()
-    transport = FileTransport(out / "transport")
+    transport = make_transport(cfg, out / "transport", "orchestrator")
     client = parts["client"] = make_client(cfg, env.vocab_size)
     orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                         trainer_alive=lambda: not done.is_set() or not errors, top_k=model_config(cfg, env.vocab_size).top_k)
     try:
         orch.run()
     except BaseException:
+        getattr(transport, "close", lambda: None)()  # the ZeroMQ batch server's port
         if errors:
             raise errors[0]
         raise
     th.join(timeout=cfg.trainer.batch_timeout_s + 60)
+    getattr(transport, "close", lambda: None)()
     if errors:
         raise errors[0]
     receiver = getattr(client, "receiver", None)

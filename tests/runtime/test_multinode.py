@@ -196,3 +196,35 @@ def test_a_killed_trainer_node_stops_the_job_naming_it_and_resume_continues(tmp_
                          capture_output=True, text=True, timeout=400)
     assert one.returncode == 0, one.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(8))
+
+
+@pytest.mark.dist
+def test_by_hand_on_two_nodes_without_a_shared_filesystem(tmp_path):
+    """The commands a user runs on two hosts, each node in its own directory with its own
+    output_dir: rollout batches reach trainer node 1 over ZeroMQ (no rollout file anywhere), node
+    1 writes only its checkpoint shard, and the job reaches max_steps."""
+    from primerl.runtime.config import to_toml
+    from primerl.runtime.metrics import read_metrics
+
+    cfg = load_config(ROOT / "examples" / "reverse_text.toml",
+                      ["--output_dir", "out", *SMALL, "--deployment.kind", "nodes",
+                       "--deployment.hosts", "127.0.0.1,127.0.0.2", "--deployment.rdzv_endpoint",
+                       f"127.0.0.1:{_free_port()}", "--orchestrator.batch_transport", "zmq",
+                       "--orchestrator.zmq_port", str(_free_port())])
+    procs = {}
+    for i, role in ((0, "trainer"), (1, "trainer"), (0, "orchestrator")):
+        wd = tmp_path / f"host{i}"
+        wd.mkdir(exist_ok=True)
+        (wd / "cfg.toml").write_text(to_toml(cfg))  # each host its own copy of the config
+        procs[(i, role)] = subprocess.Popen(
+            [sys.executable, "-m", "primerl.runtime.cli", "node", "--config", "cfg.toml", "--role", role,
+             "--node-rank", str(i)], cwd=wd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outs = {k: p.communicate(timeout=400)[0] for k, p in procs.items() if k[1] == "trainer"}
+    assert [procs[k].returncode for k in outs] == [0, 0], {k: v[-2000:] for k, v in outs.items()}
+    procs[(0, "orchestrator")].wait(60)  # it leaves once its last batch is taken
+    assert [r["step"] for r in read_metrics(tmp_path / "host0" / "out" / "metrics.jsonl")] == [0, 1, 2]
+    assert not (tmp_path / "host1" / "out" / "metrics.jsonl").exists()
+    for host in ("host0", "host1"):
+        rollouts = tmp_path / host / "out" / "transport" / "rollouts"
+        assert not rollouts.exists() or not any(rollouts.iterdir()), host
+    assert "trainer rank 1/2 started" in outs[(1, "trainer")]

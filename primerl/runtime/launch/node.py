@@ -169,7 +169,8 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     entry = ["-m", "primerl.runtime.cli", "trainer", "--config", config_path, *overrides]
     cmd = trainer_command(plan, node, entry, run_id=os.environ.get("SLURM_JOB_ID", "primerl"))
     log.info("trainer node %d: %s", node.trainer_node, " ".join(cmd))
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    orch = plan.with_role("orchestrator")[0].host  # where orchestrator.batch_transport = "zmq" serves batches
+    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, PRIMERL_BATCH_HOST=orch))
     # SIGTERM from the scheduler (or the local launcher) reaches torchrun's whole group
     signal.signal(signal.SIGTERM, lambda *_: (_stop_group(proc, cfg.deployment.grace_s), sys.exit(143)))
     try:
