@@ -50,12 +50,12 @@ def run_nodes(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> lis
     from ..lifetime import LAUNCHER_PID_ENV
     from ..metrics import ascii_curve, progress_line, read_metrics
 
-    if not is_local_nodes(cfg):
-        cmds = "\n".join(" ".join(argv) for _, _, argv in node_commands(cfg, str(Path(cfg.output_dir) / "config.toml")))
-        raise job.JobFailed("deployment.hosts are not all 127.x addresses, so this machine cannot start them; run "
-                            f"on each host (same config, output_dir on a shared path):\n{cmds}")
     out = Path(cfg.output_dir).resolve()
-    start = job.prepare_output(cfg)
+    start = job.prepare_output(cfg)  # writes the resolved config.toml that the nodes read
+    if not is_local_nodes(cfg):
+        cmds = "\n".join(" ".join(argv) for _, _, argv in node_commands(cfg, str(out / "config.toml")))
+        raise job.JobFailed("deployment.hosts are not all 127.x addresses, so this machine cannot start them; run "
+                            f"on each host (the config at {out / 'config.toml'} copied there):\n{cmds}")
     cfg_path = str(out / "config.toml")
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH")) if p)
