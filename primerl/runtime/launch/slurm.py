@@ -72,18 +72,18 @@ def _trainer_commands(plan, rdzv: str, python: str) -> list[str]:
 def submit(cfg: RLConfig, *, quiet: bool = False) -> str:
     """Prepare ``output_dir`` (on the shared path), write the script there and ``sbatch`` it;
     returns sbatch's answer (``Submitted batch job N``)."""
-    from .. import job
+    from . import machine
 
     out = Path(cfg.output_dir).resolve()
-    job.prepare_output(cfg)
+    machine.prepare_output(cfg)
     script = out / "primerl.sbatch"
     script.write_text(render_sbatch(cfg, str(out / "config.toml")))
     try:
         res = subprocess.run(["sbatch", str(script)], capture_output=True, text=True)
     except FileNotFoundError:
-        raise job.JobFailed(f"sbatch is not on PATH; the script is at {script}") from None
+        raise machine.JobFailed(f"sbatch is not on PATH; the script is at {script}") from None
     if res.returncode != 0:
-        raise job.JobFailed(f"sbatch {script} failed (exit {res.returncode}): {res.stderr.strip()}")
+        raise machine.JobFailed(f"sbatch {script} failed (exit {res.returncode}): {res.stderr.strip()}")
     if not quiet:
         print(f"primerl rl: {res.stdout.strip()} ({script}; logs in {out / 'logs'})", flush=True)
     return res.stdout.strip()
