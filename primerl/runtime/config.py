@@ -486,11 +486,11 @@ def validate(cfg: RLConfig) -> None:
     _need(cfg.env.max_retries >= 0, "env.max_retries", "must be >= 0", cfg.env.max_retries)
     _need(cfg.env.max_concurrent_calls >= 1, "env.max_concurrent_calls", "must be >= 1", cfg.env.max_concurrent_calls)
     _need(cfg.env.max_abs_reward > 0, "env.max_abs_reward", "must be > 0", cfg.env.max_abs_reward)
-    validate_names(cfg)
-    validate_parallel(cfg)
     from .launch.deployment import validate_deployment
 
     validate_deployment(cfg)  # the node plan: ranks per node, hosts, rendezvous address
+    validate_names(cfg)
+    validate_parallel(cfg)
     from .placement import resolve_placement
 
     resolve_placement(cfg)  # device, GPUs, precision and weight path: named errors before anything starts
