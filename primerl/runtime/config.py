@@ -123,6 +123,9 @@ class OrchestratorConfig:
     batch_transport: str = "filesystem"
     zmq_host: str = ""  # where trainer ranks reach the orchestrator; "": its node in the plan (127.0.0.1 locally)
     zmq_port: int = 29620
+    metrics_port: int = 0  # > 0: serve GET /metrics (Prometheus) and /health on this port; 0: off
+    metrics_host: str = "127.0.0.1"
+    save_samples: bool = False  # write each step's trained samples to <output_dir>/samples/step_N.jsonl
 
 
 @dataclass
@@ -420,6 +423,7 @@ def validate(cfg: RLConfig) -> None:
     _need(o.batch_transport in ("filesystem", "zmq"), "orchestrator.batch_transport", "must be filesystem or zmq",
           o.batch_transport)
     _need(0 < o.zmq_port < 65536, "orchestrator.zmq_port", "must be a TCP port", o.zmq_port)
+    _need(0 <= o.metrics_port <= 65535, "orchestrator.metrics_port", "must be a TCP port (0: off)", o.metrics_port)
     _need(i.backend in ("embedded", "vllm"), "inference.backend", "must be 'embedded' or 'vllm'", i.backend)
     _need(i.temperature > 0, "inference.temperature", "must be > 0", i.temperature)
     _need(0 < i.top_p <= 1, "inference.top_p", "must be in (0, 1]", i.top_p)

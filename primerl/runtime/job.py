@@ -109,6 +109,10 @@ def orchestrator_main(cfg: RLConfig) -> None:
     orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                         trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
                         top_k=model_config(cfg, env.vocab_size).top_k)
+    if cfg.orchestrator.metrics_port:
+        from .orchestrator.monitor import OrchestratorMonitor
+
+        orch.monitor = OrchestratorMonitor(cfg.orchestrator.metrics_host, cfg.orchestrator.metrics_port).start()
 
     def on_batch(step, m):
         log.info("batch %d written: reward %.3f off_policy<=%d version %d %.0f tok/s", step, m["reward/mean"],
