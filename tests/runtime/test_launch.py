@@ -192,3 +192,36 @@ def test_local_deployment_has_no_node_command():
     with pytest.raises(NodeError, match="deployment.kind is 'local'"):
         resolve_node(load_config(None, []), "trainer", 0)
     assert "[deployment]" in to_toml(load_config(None, []))
+
+
+def test_the_sbatch_script_stops_every_step_when_one_fails(tmp_path):
+    """The rendered script's teardown, with a stand-in interpreter for the steps (no torch): trainer
+    node 1 fails after a moment; the script names it, sends SIGTERM to the other steps, which
+    stop, and exits with the failed step's code, well within the grace period."""
+    import subprocess
+
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/bash\n# argv: -m primerl.runtime.cli node --config C --role R --node-rank N --rdzv E\n"
+                    "role=$7; node=$9\n"
+                    "trap 'echo got TERM; exit 143' TERM\n"
+                    "echo \"started $role $node on $SLURMD_NODENAME\"\n"
+                    "if [ \"$role $node\" = 'trainer 1' ]; then sleep 1; exit 3; fi\n"
+                    "for i in $(seq 600); do sleep 0.1; done\n")
+    fake.chmod(0o755)
+    cfg = load_config(None, ["--deployment.kind", "slurm", "--deployment.trainer_nodes", "2", "--num_trainer_ranks", "2",
+                             "--device", "cpu", "--deployment.grace_s", "20", "--output_dir", str(tmp_path / "out")])
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(cfg, "cfg.toml", python=str(fake)))
+    env = dict(os.environ, PATH=f"{STANDINS}{os.pathsep}{os.environ['PATH']}", PRIMERL_TEST_NODELIST="h0,h1")
+    t0 = time.monotonic()
+    res = subprocess.run(["sbatch", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 15  # SIGTERM was enough: the grace period (20 s) was not waited out
+    assert res.stdout.startswith("Submitted batch job")
+    logs = tmp_path / "out" / "logs"
+    slurm_out = next(logs.glob("slurm-*.out"))
+    assert Path(f"{slurm_out}.rc").read_text().strip() == "3"
+    assert "primerl: node 1 (h1) trainer failed (exit 3); stopping the other steps (grace 20 s)" in slurm_out.read_text()
+    assert (logs / "node1-trainer.log").read_text() == "started trainer 1 on h1\n"
+    for name, host in (("node0-trainer", "h0"), ("node0-orchestrator", "h0")):
+        role = name.split("-")[1]
+        assert (logs / f"{name}.log").read_text() == f"started {role} 0 on {host}\ngot TERM\n"
