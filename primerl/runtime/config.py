@@ -118,6 +118,11 @@ class OrchestratorConfig:
     advantage: str = "drgrpo"  # grpo, drgrpo, rloo, rloo_std (/ std of the step's rewards) or max_rl
     seq_len: int = 2048  # tokens per packed micro-batch
     weights_timeout_s: float = 300.0
+    # rollout batches to the trainer ranks: "filesystem" (files under output_dir/transport) or "zmq"
+    # (TCP, ZeroMQ ROUTER/DEALER: no filesystem shared between orchestrator and trainer nodes)
+    batch_transport: str = "filesystem"
+    zmq_host: str = ""  # where trainer ranks reach the orchestrator; "": its node in the plan (127.0.0.1 locally)
+    zmq_port: int = 29620
     metrics_port: int = 0  # > 0: serve GET /metrics (Prometheus) and /health on this port; 0: off
     metrics_host: str = "127.0.0.1"
     save_samples: bool = False  # write each step's trained samples to <output_dir>/samples/step_N.jsonl
@@ -211,6 +216,26 @@ class LogConfig:
 
 
 @dataclass
+class DeploymentConfig:
+    """Where the job's processes run (``primerl.runtime.launch``): one machine (``"local"``, the
+    default), nodes started by hand or any scheduler with ``primerl node`` (``"nodes"``), or a SLURM
+    batch job (``"slurm"``). Trainer nodes run torchrun with c10d rendezvous at ``rdzv_endpoint``."""
+
+    kind: str = "local"  # "local", "nodes" or "slurm"
+    trainer_nodes: int = 1  # nodes running trainer ranks (torchrun --nnodes)
+    inference_nodes: int = 0  # nodes running inference servers (vLLM); 0: the engine is in the orchestrator
+    orchestrator: str = "trainer"  # "trainer": beside the trainer on trainer node 0; "own": a node of its own
+    ranks_per_node: int = 0  # trainer ranks per trainer node; 0: num_trainer_ranks / trainer_nodes
+    gpus_per_node: int = 0  # GPUs of each node; 0: CPU nodes (trainer ranks are processes)
+    hosts: list = field(default_factory=list)  # "nodes": trainer hosts, then inference, then the orchestrator's own
+    rdzv_endpoint: str = ""  # "host:port" of the c10d rendezvous; "": the first trainer host, port 29400
+    rdzv_timeout_s: float = 60.0  # a node that cannot join the rendezvous fails after this
+    grace_s: float = 30.0  # when one node fails, the others get this long to stop (checkpoints finish)
+    sbatch_template: str = ""  # a Jinja2 sbatch template; "": primerl/runtime/launch/templates/sbatch.sh.j2
+    sbatch_args: list = field(default_factory=list)  # extra #SBATCH options, e.g. ["--partition=gpu", "--time=4:00:00"]
+
+
+@dataclass
 class RLConfig:
     output_dir: str = "outputs/run"
     overwrite: bool = False  # a non-empty output_dir is refused unless this or checkpoint.resume is true
@@ -227,6 +252,7 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,6 +453,9 @@ def validate(cfg: RLConfig) -> None:
           "must be grpo, drgrpo, rloo, rloo_std or max_rl", o.advantage)
     _need(o.seq_len >= 8, "orchestrator.seq_len", "must be >= 8", o.seq_len)
     _need(o.weights_timeout_s > 0, "orchestrator.weights_timeout_s", "must be > 0", o.weights_timeout_s)
+    _need(o.batch_transport in ("filesystem", "zmq"), "orchestrator.batch_transport", "must be filesystem or zmq",
+          o.batch_transport)
+    _need(0 < o.zmq_port < 65536, "orchestrator.zmq_port", "must be a TCP port", o.zmq_port)
     _need(0 <= o.metrics_port <= 65535, "orchestrator.metrics_port", "must be a TCP port (0: off)", o.metrics_port)
     _need(i.backend in ("embedded", "vllm"), "inference.backend", "must be 'embedded' or 'vllm'", i.backend)
     _need(i.temperature > 0, "inference.temperature", "must be > 0", i.temperature)
@@ -494,6 +523,9 @@ def validate(cfg: RLConfig) -> None:
     _need(cfg.env.max_retries >= 0, "env.max_retries", "must be >= 0", cfg.env.max_retries)
     _need(cfg.env.max_concurrent_calls >= 1, "env.max_concurrent_calls", "must be >= 1", cfg.env.max_concurrent_calls)
     _need(cfg.env.max_abs_reward > 0, "env.max_abs_reward", "must be > 0", cfg.env.max_abs_reward)
+    from .launch.deployment import validate_deployment
+
+    validate_deployment(cfg)  # the node plan: ranks per node, hosts, rendezvous address
     validate_names(cfg)
     validate_parallel(cfg)
     from .job_checks import validate_job
@@ -502,6 +534,14 @@ def validate(cfg: RLConfig) -> None:
     from .placement import resolve_placement
 
     resolve_placement(cfg)  # device, GPUs, precision and weight path: named errors before anything starts
+
+
+def trainer_ranks_per_node(cfg: RLConfig) -> int:
+    """Trainer ranks on one trainer node (``num_trainer_ranks`` on one machine)."""
+    d = cfg.deployment
+    if d.kind == "local":
+        return cfg.num_trainer_ranks
+    return d.ranks_per_node or max(cfg.num_trainer_ranks // max(d.trainer_nodes, 1), 1)
 
 
 FP8_RECIPES = ("blockwise", "blockwise_fp8_wgrad", "rowwise")

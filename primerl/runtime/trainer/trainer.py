@@ -50,7 +50,7 @@ from .padded_attention import padded_forward
 from ..placement import resolve_placement
 from ..policy import build_model
 from .publish import publish_streamed
-from ..transport import FileTransport
+from ..transport import make_transport
 
 log = logging.getLogger("primerl.trainer")
 
@@ -384,7 +384,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     out = Path(cfg.output_dir)
-    transport = FileTransport(out / "transport")
+    transport = make_transport(cfg, out / "transport", "trainer")
     trainer = Trainer(cfg, vocab_size, rank=rank, world_size=world)
     log.info("trainer rank %d/%d started (%s) on %s, mesh %s, %s, reading batches rank_%d", rank, world,
              dist.get_backend() if dist.is_initialized() else "single process", trainer.device,
