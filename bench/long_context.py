@@ -5,8 +5,8 @@ experts top-2, float32, attention on torch's fused CPU kernel ``attn_backend="sd
 of T = 16384 tokens (--quick 2048): forward, fused log-probs, backward, per layout
 
 * cp=1 (one rank, the plain model);
-* ring cp=4, Ulysses cp=4 (KV heads replicated 4 -> 1 per rank... 4 KV heads split 1 per rank),
-  Ulysses 2 x ring 2, Ulysses cp=2 (on 2 ranks);
+* ring cp=4, Ulysses cp=4 (2 query heads and 1 KV head per rank), Ulysses 2 x ring 2, Ulysses
+  cp=2 (on 2 ranks);
 
 each through ``parallelize`` (FSDP2 over the cp ranks) with a ``ContextShardPlan`` per step.
 

@@ -5,6 +5,8 @@
     primerl orchestrator --config ...   (rollouts + embedded inference engine, or a vLLM client)
     primerl inference    --config ... [--host H --port P]   (the embedded engine as an HTTP server)
     primerl vllm-command --config ...   (print the `vllm serve` command the config maps to)
+    primerl node         --config ... --role trainer|orchestrator|inference [--node-rank R] [--rdzv HOST:PORT]
+                         (one node of a multi-node job, [deployment]; rank from SLURM_NODEID if not given)
     primerl plan         --config ... [--device-memory 141GB] [--seq-len N]   (the memory plan)
 
 Every subcommand takes the same config file and overrides, so a cluster can run the pieces
@@ -19,7 +21,7 @@ import sys
 from .config import ConfigError, describe_parallel, load_config, to_toml
 from .placement import describe_placement
 
-SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command", "plan")
+SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command", "node", "plan")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.add_argument("--host", default="127.0.0.1", help="inference: address to serve on")
     p.add_argument("--port", type=int, default=8000, help="inference: port to serve on")
+    p.add_argument("--role", default=None, help="node: trainer, orchestrator or inference")
+    p.add_argument("--node-rank", type=int, default=None, help="node: index in the plan (default: SLURM_NODEID)")
+    p.add_argument("--rdzv", default=None, help="node: rendezvous HOST:PORT (default: deployment.rdzv_endpoint)")
     p.add_argument("--device-memory", default="141GB", help="plan / --dry-run: memory of one device (141GB, 80GiB)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="plan: tokens per micro-batch (default orchestrator.seq_len)")
@@ -55,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"primerl: config error: {e}", file=sys.stderr)
         return 2
+    if args.command == "rl":
+        from .launch import check_rendezvous_port
+
+        try:
+            check_rendezvous_port(cfg)
+        except ConfigError as e:
+            print(f"primerl: config error: {e}", file=sys.stderr)
+            return 2
     if args.command == "plan" or args.dry_run:
         try:
             plan = _memory_plan(cfg, args)
@@ -71,13 +84,33 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_parallel(cfg), end="")
         print(describe_placement(cfg), end="")
         print(plan, end="")
-        return 0
+        return _dry_run_nodes(cfg)
     from . import job
-    from .output_dir import OutputDirError
+    from .output_dir import OutputDirError, OutputDirUnusable
 
+    if args.command == "node":
+        from .launch.node import NodeError, node_main
+
+        try:
+            return node_main(cfg, args.config, rest, args.role or "", node_rank=args.node_rank, rdzv=args.rdzv)
+        except NodeError as e:
+            print(f"primerl node: FAILED: {e}", file=sys.stderr)
+            return 1
+    if args.command == "rl" and cfg.deployment.kind == "slurm":
+        from .launch.slurm import submit
+
+        try:
+            submit(cfg)
+        except (job.JobFailed, ConfigError) as e:
+            print(f"primerl rl: FAILED: {e}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "rl":
         try:
             job.run_rl(cfg)
+        except OutputDirUnusable as e:
+            print(f"primerl: config error: {e}", file=sys.stderr)
+            return 2
         except (job.JobFailed, OutputDirError) as e:
             print(f"primerl rl: FAILED: {e}", file=sys.stderr)
             return 1
@@ -97,6 +130,31 @@ def main(argv: list[str] | None = None) -> int:
         from .inference.vllm_launch import serve_command_line
 
         print(serve_command_line(cfg))
+    return 0
+
+
+def _dry_run_nodes(cfg) -> int:
+    """The node plan; with SLURM the sbatch script, with nodes the command of each node."""
+    from pathlib import Path
+
+    from .launch import describe_nodes
+
+    print(describe_nodes(cfg), end="")
+    cfg_path = str(Path(cfg.output_dir).resolve() / "config.toml")
+    if cfg.deployment.kind == "slurm":
+        from .launch.slurm import render_sbatch
+
+        try:
+            print("# sbatch script (written to output_dir/primerl.sbatch and submitted by `primerl rl`):")
+            print(render_sbatch(cfg, cfg_path), end="")
+        except ConfigError as e:
+            print(f"primerl: config error: {e}", file=sys.stderr)
+            return 2
+    elif cfg.deployment.kind == "nodes":
+        from .launch.local import node_commands
+
+        for node, role, argv in node_commands(cfg, cfg_path, python="python"):
+            print(f"# on {node.host}: {' '.join(argv)}")
     return 0
 
 

@@ -118,6 +118,14 @@ class OrchestratorConfig:
     advantage: str = "drgrpo"  # grpo, drgrpo, rloo, rloo_std (/ std of the step's rewards) or max_rl
     seq_len: int = 2048  # tokens per packed micro-batch
     weights_timeout_s: float = 300.0
+    # rollout batches to the trainer ranks: "filesystem" (files under output_dir/transport) or "zmq"
+    # (TCP, ZeroMQ ROUTER/DEALER: no filesystem shared between orchestrator and trainer nodes)
+    batch_transport: str = "filesystem"
+    zmq_host: str = ""  # where trainer ranks reach the orchestrator; "": its node in the plan (127.0.0.1 locally)
+    zmq_port: int = 29620
+    metrics_port: int = 0  # > 0: serve GET /metrics (Prometheus) and /health on this port; 0: off
+    metrics_host: str = "127.0.0.1"
+    save_samples: bool = False  # write each step's trained samples to <output_dir>/samples/step_N.jsonl
 
 
 @dataclass
@@ -208,6 +216,26 @@ class LogConfig:
 
 
 @dataclass
+class DeploymentConfig:
+    """Where the job's processes run (``primerl.runtime.launch``): one machine (``"local"``, the
+    default), nodes started by hand or any scheduler with ``primerl node`` (``"nodes"``), or a SLURM
+    batch job (``"slurm"``). Trainer nodes run torchrun with c10d rendezvous at ``rdzv_endpoint``."""
+
+    kind: str = "local"  # "local", "nodes" or "slurm"
+    trainer_nodes: int = 1  # nodes running trainer ranks (torchrun --nnodes)
+    inference_nodes: int = 0  # nodes running inference servers (vLLM); 0: the engine is in the orchestrator
+    orchestrator: str = "trainer"  # "trainer": beside the trainer on trainer node 0; "own": a node of its own
+    ranks_per_node: int = 0  # trainer ranks per trainer node; 0: num_trainer_ranks / trainer_nodes
+    gpus_per_node: int = 0  # GPUs of each node; 0: CPU nodes (trainer ranks are processes)
+    hosts: list = field(default_factory=list)  # "nodes": trainer hosts, then inference, then the orchestrator's own
+    rdzv_endpoint: str = ""  # "host:port" of the c10d rendezvous; "": the first trainer host, port 29400
+    rdzv_timeout_s: float = 60.0  # a node that cannot join the rendezvous fails after this
+    grace_s: float = 30.0  # when one node fails, the others get this long to stop (checkpoints finish)
+    sbatch_template: str = ""  # a Jinja2 sbatch template; "": primerl/runtime/launch/templates/sbatch.sh.j2
+    sbatch_args: list = field(default_factory=list)  # extra #SBATCH options, e.g. ["--partition=gpu", "--time=4:00:00"]
+
+
+@dataclass
 class RLConfig:
     output_dir: str = "outputs/run"
     overwrite: bool = False  # a non-empty output_dir is refused unless this or checkpoint.resume is true
@@ -224,6 +252,7 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,14 +296,15 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     if origin in (list, dict):
-        if isinstance(value, str):  # from the command line: JSON
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                if origin is list:
-                    value = [v for v in value.split(",") if v]
+        if isinstance(value, str):  # from the command line: JSON or a TOML inline table / array
+            parsed = _parse_scalar(value)
+            if parsed is value and origin is list:
+                parsed = [v for v in value.split(",") if v]
+            value = parsed
         if not isinstance(value, origin):
-            raise ConfigError(f"{key}: expected a {origin.__name__}, got {value!r}")
+            hint = {dict: " (a JSON object '{\"k\": 1}' or a TOML inline table '{k = 1}')",
+                    list: " (a JSON or TOML array '[1, 2]', or 'a,b')"}[origin]
+            raise ConfigError(f"{key}: expected a {origin.__name__}{hint}, got {value!r}")
         return value
     return value
 
@@ -325,6 +355,11 @@ def _parse_scalar(raw: Any) -> Any:
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
+        if raw.strip()[:1] in ("{", "["):  # the TOML inline syntax the config files use: {delta_low = 0.2}
+            try:
+                return tomllib.loads(f"v = {raw}")["v"]
+            except tomllib.TOMLDecodeError:
+                return raw
         low = raw.lower()
         if low in ("true", "false"):
             return low == "true"
@@ -362,11 +397,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
     cfg = from_dict(RLConfig, data)
-    for key, val in parse_overrides(overrides or []):
+    file_loss = (cfg.trainer.loss.method, dict(cfg.trainer.loss.hparams))
+    pairs = parse_overrides(overrides or [])
+    for key, val in pairs:
         apply_override(cfg, key, val)
+    _drop_replaced_method_hparams(cfg, *file_loss, [k for k, _ in pairs])
     if check:
         validate(cfg)
     return cfg
+
+
+def _drop_replaced_method_hparams(cfg: RLConfig, file_method: str, file_hparams: dict, keys: list[str]) -> None:
+    """``--trainer.loss.method X`` on the command line replaces the file's method, and with it that
+    method's own hyperparameters in the file's ``hparams`` (dppo_tv's delta_low/delta_high under
+    ppo_clip are an error, not a setting): those X does not use are dropped, with a warning. Kept:
+    names X also uses (kl_coef), those of corrections/terms, and anything set on the command line."""
+    import logging
+
+    from primerl.rl.losses import DEFAULT_HPARAMS
+
+    loss = cfg.trainer.loss
+    if ("trainer.loss.method" not in keys or "trainer.loss.hparams" in keys or loss.method == file_method
+            or file_method not in DEFAULT_HPARAMS):
+        return
+    new_names = DEFAULT_HPARAMS.get(loss.method, {})
+    given = {k.removeprefix("trainer.loss.hparams.") for k in keys if k.startswith("trainer.loss.hparams.")}
+    drop = [k for k in file_hparams if k in DEFAULT_HPARAMS[file_method] and k not in new_names and k not in given]
+    if drop:
+        for k in drop:
+            loss.hparams.pop(k, None)
+        logging.getLogger("primerl.config").warning(
+            "trainer.loss.method = %r (command line) replaces the file's %r: its hyperparameters %s are dropped "
+            "(pass --trainer.loss.hparams to set the new method's)", loss.method, file_method, ", ".join(drop))
 
 
 def _need(cond: bool, key: str, msg: str, value: Any) -> None:
@@ -391,6 +453,10 @@ def validate(cfg: RLConfig) -> None:
           "must be grpo, drgrpo, rloo, rloo_std or max_rl", o.advantage)
     _need(o.seq_len >= 8, "orchestrator.seq_len", "must be >= 8", o.seq_len)
     _need(o.weights_timeout_s > 0, "orchestrator.weights_timeout_s", "must be > 0", o.weights_timeout_s)
+    _need(o.batch_transport in ("filesystem", "zmq"), "orchestrator.batch_transport", "must be filesystem or zmq",
+          o.batch_transport)
+    _need(0 < o.zmq_port < 65536, "orchestrator.zmq_port", "must be a TCP port", o.zmq_port)
+    _need(0 <= o.metrics_port <= 65535, "orchestrator.metrics_port", "must be a TCP port (0: off)", o.metrics_port)
     _need(i.backend in ("embedded", "vllm"), "inference.backend", "must be 'embedded' or 'vllm'", i.backend)
     _need(i.temperature > 0, "inference.temperature", "must be > 0", i.temperature)
     _need(0 < i.top_p <= 1, "inference.top_p", "must be in (0, 1]", i.top_p)
@@ -457,11 +523,25 @@ def validate(cfg: RLConfig) -> None:
     _need(cfg.env.max_retries >= 0, "env.max_retries", "must be >= 0", cfg.env.max_retries)
     _need(cfg.env.max_concurrent_calls >= 1, "env.max_concurrent_calls", "must be >= 1", cfg.env.max_concurrent_calls)
     _need(cfg.env.max_abs_reward > 0, "env.max_abs_reward", "must be > 0", cfg.env.max_abs_reward)
+    from .launch.deployment import validate_deployment
+
+    validate_deployment(cfg)  # the node plan: ranks per node, hosts, rendezvous address
     validate_names(cfg)
     validate_parallel(cfg)
+    from .job_checks import validate_job
+
+    validate_job(cfg)  # combinations the job can only fail on after starting (issue 37)
     from .placement import resolve_placement
 
     resolve_placement(cfg)  # device, GPUs, precision and weight path: named errors before anything starts
+
+
+def trainer_ranks_per_node(cfg: RLConfig) -> int:
+    """Trainer ranks on one trainer node (``num_trainer_ranks`` on one machine)."""
+    d = cfg.deployment
+    if d.kind == "local":
+        return cfg.num_trainer_ranks
+    return d.ranks_per_node or max(cfg.num_trainer_ranks // max(d.trainer_nodes, 1), 1)
 
 
 FP8_RECIPES = ("blockwise", "blockwise_fp8_wgrad", "rowwise")

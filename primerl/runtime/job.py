@@ -1,49 +1,35 @@
-"""Process entry points and the ``primerl rl`` launcher.
+"""Process entry points (``primerl trainer``, ``primerl orchestrator``) and ``run_threads``, the
+whole job in one process.
 
-``primerl rl`` first runs the config's supervised warm start, if it has one (``[warm_start]``,
-``trainer.vf_warmstart.job_warm_start``), then writes the resolved config to ``<output_dir>/config.toml`` and starts two
-processes that only share files: the trainer (``primerl trainer``, under torchrun when
-``num_trainer_ranks > 1``) and the orchestrator with its embedded inference engine
-(``primerl orchestrator``). Each logs to ``<output_dir>/logs/<name>.log``; the launcher prints a
-progress line per step from ``metrics.jsonl``, stops everything when one process fails (naming
-it, with the end of its log), and at the end prints the reward curve and saves ``metrics.png``.
+Starting processes lives in ``primerl.runtime.launch``: one machine (``launch.machine``:
+``run_rl``, re-exported here), nodes by hand or any scheduler (``launch.node``), 127.x nodes on
+this machine (``launch.local``) and SLURM (``launch.slurm``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from .trainer.checkpoint import latest_checkpoint, remove_stale_tmp_dirs
 from .trainer.vf_warmstart import job_warm_start
-from .config import RLConfig, to_toml
-from .lifetime import LAUNCHER_PID_ENV, die_with_parent, pid_alive, watch_launcher
-from .metrics import ascii_curve, progress_line, read_metrics, save_plot
+from .config import RLConfig
+from .launch.machine import (JobFailed, _spawn, _stop, _tail, first_failure, launched_vllm,  # noqa: F401 (re-exported)
+                             prepare_output, run_rl, start_step)
+from .lifetime import pid_alive, watch_launcher
+from .metrics import read_metrics
 from .output_dir import claim_output_dir
 from .placement import resolve_placement
-from .transport import FileTransport
+from .transport import make_transport
 
 log = logging.getLogger("primerl")
 
 
 def _pid_alive(pid: int | None):
     return (lambda: pid_alive(pid)) if pid else None
-
-
-def start_step(cfg: RLConfig) -> int:
-    if not cfg.checkpoint.resume:
-        return 0
-    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
-    return found[0] if found else 0
 
 
 def setup_logging(name: str) -> None:
@@ -117,167 +103,41 @@ def orchestrator_main(cfg: RLConfig) -> None:
     torch.set_num_threads(cfg.threads)
     env = load_environment(cfg.env.id, **cfg.env.args)
     start = start_step(cfg)
-    transport = FileTransport(Path(cfg.output_dir) / "transport")
+    transport = make_transport(cfg, Path(cfg.output_dir) / "transport", "orchestrator")
     transport.drop_batches_from(start)
     client = make_client(cfg, env.vocab_size)
-    orch = build_orchestrator(cfg, env, client, transport, start_step=start,
-                        trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
-                        top_k=model_config(cfg, env.vocab_size).top_k)
 
     def on_batch(step, m):
         log.info("batch %d written: reward %.3f off_policy<=%d version %d %.0f tok/s", step, m["reward/mean"],
                  m["off_policy/max"], m["policy_version"], m["inference/tokens_per_s"])
 
-    orch.run(on_batch=on_batch)
+    receiver = getattr(client, "receiver", None)
+    try:
+        orch = build_orchestrator(cfg, env, client, transport, start_step=start,
+                            trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
+                            top_k=model_config(cfg, env.vocab_size).top_k)
+        if cfg.orchestrator.metrics_port:
+            from .orchestrator.monitor import OrchestratorMonitor
+
+            orch.monitor = OrchestratorMonitor(cfg.orchestrator.metrics_host, cfg.orchestrator.metrics_port).start()
+        orch.run(on_batch=on_batch)
+        if receiver is not None:  # until the trainer's end-of-updates message (weight_sync.EngineWeightReceiver.close)
+            receiver.close()
+    except BaseException:
+        _exit_past_receiver(receiver)
+        raise
+
+
+def _exit_past_receiver(receiver) -> None:
+    """A failed orchestrator whose weight receiver still waits in a collective: exit at once with
+    the traceback logged (rc 1); a normal exit would abort (-6) on the receiver's live thread."""
+    if receiver is not None and receiver.alive:
+        log.exception("the orchestrator failed (its weight receiver is still in the trainer's group)")
+        logging.shutdown()
+        os._exit(1)
 
 
 # ------------------------------------------------------------------------------------ launcher
-class JobFailed(RuntimeError):
-    pass
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-def first_failure(procs: dict[str, subprocess.Popen], log_dir: Path) -> str | None:
-    """The failure to report, or None while no process has failed. When several have, the cause
-    comes first: a process that stopped because its peer was gone (ProducerDied in its log) is not."""
-    failed = [(name, p.returncode, log_dir / f"{name}.log") for name, p in procs.items() if p.poll() not in (None, 0)]
-    if not failed:
-        return None
-    failed.sort(key=lambda f: "ProducerDied" in _tail(f[2]))
-    name, rc, log_path = failed[0]
-    return f"the {name} exited with code {rc}; end of {log_path}:\n" + _tail(log_path)
-
-
-def prepare_output(cfg: RLConfig) -> int:
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for d in ("checkpoints", "transport/weights"):  # temp dirs of saves that failed or were killed
-        remove_stale_tmp_dirs(out / d)
-    step = start_step(cfg)
-    if not cfg.checkpoint.resume:
-        for name in ("transport", "checkpoints"):
-            shutil.rmtree(out / name, ignore_errors=True)
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-    transport = FileTransport(out / "transport")
-    transport.drop_batches_from(step)
-    transport.drop_weights_after(step)
-    (out / "config.toml").write_text(to_toml(cfg))
-    (out / "logs").mkdir(exist_ok=True)
-    return step
-
-
-def _spawn(args: list[str], log_path: Path, env: dict) -> subprocess.Popen:
-    f = open(log_path, "ab")
-    return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            preexec_fn=die_with_parent(os.getpid()))
-
-
-def _stop(p: subprocess.Popen | None, grace: float = 5.0) -> None:
-    if p is None or p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(grace)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-
-
-def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[dict]:
-    """Run trainer + orchestrator as two processes until ``max_steps``; return the metrics rows.
-
-    Holds ``output_dir``'s lock for the job's life (``output_dir.claim_output_dir``)."""
-    with claim_output_dir(cfg):
-        cfg = job_warm_start(cfg, quiet=quiet)
-        with launched_vllm(cfg, quiet=quiet):
-            return _run_rl(cfg, quiet=quiet, poll_s=poll_s)
-
-
-@contextlib.contextmanager
-def launched_vllm(cfg: RLConfig, *, quiet: bool = True):
-    """``inference.vllm.launch``: vLLM serves the job's initial policy for the job's life; its whole
-    process group is stopped when the job ends, failed or not (``inference.vllm_launch.launch_for_job``)."""
-    if cfg.inference.backend != "vllm" or not cfg.inference.vllm.launch:
-        yield None
-        return
-    from primerl.rl.envs import load_environment
-
-    from .inference.vllm_client import InferenceServerError
-    from .inference.vllm_launch import launch_for_job
-
-    if not quiet:
-        print(f"primerl rl: starting vLLM on {cfg.inference.vllm.url} (log: {Path(cfg.output_dir) / 'logs' / 'vllm.log'})",
-              flush=True)
-    try:
-        server = launch_for_job(cfg, load_environment(cfg.env.id, **cfg.env.args).vocab_size)
-    except InferenceServerError as e:
-        raise JobFailed(f"launching vLLM: {e}") from None
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:
-    out = Path(cfg.output_dir)
-    start = prepare_output(cfg)
-    cfg_path = str(out / "config.toml")
-    py = sys.executable
-    base_env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())})
-    t0 = time.perf_counter()
-    if not quiet:
-        print(f"primerl rl: output_dir {out} | start step {start} | logs in {out / 'logs'}", flush=True)
-    orch = _spawn([py, "-m", "primerl.runtime.cli", "orchestrator", "--config", cfg_path], out / "logs" / "orchestrator.log",
-                  dict(base_env, PRIMERL_PEER_PID=str(os.getpid())))
-    trainer_cmd = [py, "-m", "primerl.runtime.cli", "trainer", "--config", cfg_path]
-    if cfg.num_trainer_ranks > 1:
-        trainer_cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.num_trainer_ranks}",
-                       "-m", "primerl.runtime.cli", "trainer", "--config", cfg_path]
-    trainer = _spawn(trainer_cmd, out / "logs" / "trainer.log",
-                     dict(base_env, PRIMERL_PEER_PID=str(orch.pid)))
-    (out / "pids").write_text(f"trainer {trainer.pid}\norchestrator {orch.pid}\n")
-    seen = start - 1
-    try:
-        while True:
-            rows = read_metrics(out / "metrics.jsonl")
-            for r in rows:
-                if r["step"] > seen:
-                    seen = r["step"]
-                    if not quiet and cfg.log.progress:
-                        print(progress_line(r, cfg.max_steps), flush=True)
-            failure = first_failure({"trainer": trainer, "orchestrator": orch}, out / "logs")
-            if failure:
-                raise JobFailed(failure)
-            if trainer.returncode == 0:
-                break
-            time.sleep(poll_s)
-    finally:
-        _stop(trainer)
-        _stop(orch)
-    rows = read_metrics(out / "metrics.jsonl")
-    if not rows or rows[-1]["step"] != cfg.max_steps - 1:  # nothing may go missing silently
-        raise JobFailed(f"the trainer exited normally but {out / 'metrics.jsonl'} ends at step "
-                        f"{rows[-1]['step'] if rows else None}, not {cfg.max_steps - 1}; end of the trainer's log:\n"
-                        + _tail(out / "logs" / "trainer.log"))
-    wall = time.perf_counter() - t0
-    if not quiet:
-        print(f"done: {len(rows)} steps in {wall:.1f} s; reward curve:\n{ascii_curve(rows)}", flush=True)
-    if cfg.log.plot and rows:
-        path = save_plot(rows, out / "metrics.png")
-        if path and not quiet:
-            print(f"plot saved to {path}", flush=True)
-    return rows
-
-
 def run_threads(cfg: RLConfig, *, quiet: bool = True, parts: dict | None = None) -> list[dict]:
     """The same job in ONE process: trainer in a thread, orchestrator + engine in this one.
 
@@ -317,20 +177,22 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
     cfg.log.progress = cfg.log.progress and not quiet
     th = threading.Thread(target=trainer_thread, name="trainer", daemon=True)
     th.start()
-    transport = FileTransport(out / "transport")
+    transport = make_transport(cfg, out / "transport", "orchestrator")
     client = parts["client"] = make_client(cfg, env.vocab_size)
     orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                         trainer_alive=lambda: not done.is_set() or not errors, top_k=model_config(cfg, env.vocab_size).top_k)
     try:
         orch.run()
     except BaseException:
+        getattr(transport, "close", lambda: None)()  # the ZeroMQ batch server's port
         if errors:
             raise errors[0]
         raise
     th.join(timeout=cfg.trainer.batch_timeout_s + 60)
+    getattr(transport, "close", lambda: None)()
     if errors:
         raise errors[0]
     receiver = getattr(client, "receiver", None)
     if receiver is not None:  # the trainer said goodbye: let the receiving thread leave its group
-        receiver.join(timeout=30)
+        receiver.close(timeout=30)
     return read_metrics(out / "metrics.jsonl")

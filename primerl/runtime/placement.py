@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, RLConfig
+from .config import ConfigError, RLConfig, trainer_ranks_per_node
 
 __all__ = ["Placement", "resolve_placement", "describe_placement", "visible_gpus"]
 
@@ -83,7 +83,10 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
     """The job's placement on a machine with ``num_gpus`` visible GPUs (default: this one's).
     Raises ``ConfigError`` naming the key when the config cannot be placed."""
     n = visible_gpus() if num_gpus is None else num_gpus
+    if num_gpus is None and cfg.deployment.kind != "local" and cfg.deployment.gpus_per_node:
+        n = cfg.deployment.gpus_per_node  # a node of the plan, not this (submitting) machine
     i, ranks = cfg.inference, cfg.num_trainer_ranks
+    node_ranks = trainer_ranks_per_node(cfg)  # the GPUs are this node's
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device: must be auto, cpu or cuda, got {cfg.device!r}")
     device = ("cuda" if n else "cpu") if cfg.device == "auto" else cfg.device
@@ -105,16 +108,16 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
                               "inference GPUs need inference.backend = 'vllm')")
         if embedded and n == 1:  # one GPU: shared
             trainer_gpus, engine_gpu = (0,), 0
-            if ranks > 1:
-                raise ConfigError(f"num_trainer_ranks: {ranks} trainer ranks need {ranks} GPUs; this machine has 1, "
+            if node_ranks > 1:
+                raise ConfigError(f"num_trainer_ranks: {node_ranks} trainer ranks need {node_ranks} GPUs; this machine has 1, "
                                   "which the trainer shares with the engine")
         else:
             engine_ids = list(i.gpu_ids) or ([0] if embedded else [])
             rest = [g for g in range(n) if g not in engine_ids]
-            if ranks > len(rest):
-                raise ConfigError(f"num_trainer_ranks: {ranks} trainer ranks need {ranks} GPUs but {len(rest)} of the "
+            if node_ranks > len(rest):
+                raise ConfigError(f"num_trainer_ranks: {node_ranks} trainer ranks need {node_ranks} GPUs but {len(rest)} of the "
                                   f"{n} visible are left after the engine's (inference.gpu_ids = {engine_ids})")
-            trainer_gpus, engine_gpu = tuple(rest[:ranks]), (engine_ids[0] if embedded else None)
+            trainer_gpus, engine_gpu = tuple(rest[:node_ranks]), (engine_ids[0] if embedded else None)
     mp = cfg.trainer.mixed_precision
     fsdp_ok = ranks == 1 or cfg.trainer.fsdp  # the policy is FSDP2's: replicated ranks have none
     if mp == "bf16" and not fsdp_ok:

@@ -171,3 +171,15 @@ class FileTransport:
         for d in self.weights.glob("step_*"):
             if int(d.name[5:]) > version:
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def make_transport(cfg, root: str | Path, side: str) -> FileTransport:
+    """The job's transport for ``side`` ("orchestrator" or "trainer"): files, or rollout batches
+    over ZeroMQ (``orchestrator.batch_transport = "zmq"``, ``zmq_transport.ZmqTransport``)."""
+    o = cfg.orchestrator
+    if o.batch_transport != "zmq":
+        return FileTransport(root)
+    from .zmq_transport import ZmqTransport
+
+    host = o.zmq_host or os.environ.get("PRIMERL_BATCH_HOST", "127.0.0.1")  # set by `primerl node` from the plan
+    return ZmqTransport(root, side=side, host=host, port=o.zmq_port)

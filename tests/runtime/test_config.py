@@ -43,6 +43,7 @@ def test_unknown_keys_in_file_are_named(data, key):
     (["--orchestrator.batch_size", "ten"], "orchestrator.batch_size: expected an int"),
     (["--orchestrator.group_size", "1"], "orchestrator.group_size: must be >= 2"),
     (["--orchestrator.max_async_level", "-1"], "orchestrator.max_async_level"),
+    (["--orchestrator.metrics_port", "70000"], "orchestrator.metrics_port: must be a TCP port"),
     (["--inference.top_p", "1.5"], "inference.top_p"),
     (["--inference.backend", "sglang"], "inference.backend"),
     (["--trainer.lr_schedule", "step"], "trainer.lr_schedule"),

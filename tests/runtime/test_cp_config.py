@@ -72,3 +72,17 @@ def test_dry_run_fails_on_a_bad_split_with_one_line():
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "trainer.parallel.cp" in r.stderr and "6 attention heads" in r.stderr
+
+
+def test_long_context_example_resolves_to_ulysses_cp4_on_16k_samples():
+    from primerl.rl.envs.reverse_text import PAD, ReverseText
+
+    cfg = load_config(ROOT / "examples" / "long_context_4rank.toml")
+    assert cp_degrees(cfg.trainer.parallel, parallel_dims(cfg).cp) == (4, 1)
+    assert "cp_kind = ulysses, ulysses = 4 x ring = 1" in describe_parallel(cfg)
+    env = ReverseText(**cfg.env.args)
+    p = env.prompt(0)
+    assert len(p.tokens) + p.max_new_tokens == cfg.orchestrator.seq_len == 16384
+    assert set(p.tokens[:cfg.env.args["prefix_padding"]]) == {PAD}
+    with pytest.raises(ValueError, match="prefix_padding"):
+        ReverseText(prefix_padding=-1)

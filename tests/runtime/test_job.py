@@ -148,3 +148,37 @@ def test_kill_two_rank_trainer_then_resume_from_dcp_checkpoint(tmp_path):
     assert [r["step"] for r in rows] == list(range(6))
     log = (tmp_path / "killed" / "logs" / "trainer.log").read_text()
     assert "resumed from" in log and "step_000004" in log, log[-2000:]
+
+
+def test_job_reports_servers_healthy_serves_orchestrator_metrics_and_saves_samples(tmp_path):
+    """The two-process job with orchestrator.metrics_port and orchestrator.save_samples: the
+    orchestrator's /health answers while it runs, metrics.jsonl has inference/servers_healthy = 1 on
+    every step, samples/step_N.jsonl holds each step's batch."""
+    import json
+    import threading
+    import urllib.request
+
+    from vllm_testing import free_port
+
+    port = free_port()
+    cfg = _cfg(tmp_path, "--max_steps", "3", "--checkpoint.interval", "0", "--orchestrator.metrics_port", str(port),
+               "--orchestrator.save_samples", "true")
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("rows", run_rl(cfg, quiet=True)), daemon=True)
+    th.start()
+    health = None
+    deadline = time.monotonic() + 300
+    while th.is_alive() and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                health = json.loads(r.read())
+        except OSError:
+            pass
+        time.sleep(0.2)
+    th.join(5)
+    rows = out["rows"]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["inference/servers_healthy"] == 1 for r in rows)
+    assert health is not None and health["status"] == "ok" and health["servers_healthy"] in (0, 1)
+    for step in range(3):
+        lines = (tmp_path / "samples" / f"step_{step}.jsonl").read_text().splitlines()
+        assert len(lines) == 4 * 4 and json.loads(lines[0])["servers"] == ["embedded"]

@@ -30,6 +30,9 @@ class FakeClient:
     def has_pending(self):
         return bool(self.queue)
 
+    def servers_healthy(self):
+        return 1
+
     def poll(self):
         out, self.queue = self.queue[:4], self.queue[4:]
         res = []
@@ -204,3 +207,57 @@ def test_real_engine_batches_line_up_with_the_trainer(tmp_path, env_id):
             assert torch.equal(live[keep], mb.replay_ids.long()[keep])
             n_model += int(mb.loss_mask.sum())
     assert n_model == payload["num_loss_tokens"] > 0
+
+
+def test_monitor_endpoint_servers_healthy_and_samples_on_disk(tmp_path):
+    """orchestrator.metrics_port serves /health and /metrics; every step reports
+    inference/servers_healthy; orchestrator.save_samples writes each step's trained samples."""
+    import json
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from primerl.runtime.orchestrator.monitor import OrchestratorMonitor
+    from primerl.runtime.orchestrator.samples_log import samples_path
+
+    cfg = _cfg(tmp_path, "--orchestrator.max_async_level", "1", "--orchestrator.save_samples", "true")
+    tr = FileTransport(cfg.output_dir)
+    seen = []
+    th = threading.Thread(target=fake_trainer, args=(tr, 4, seen), daemon=True)
+    th.start()
+    orch = Orchestrator(cfg, ReverseText(num_symbols=4), FakeClient(p_correct=0.6), tr)
+    orch.monitor = OrchestratorMonitor().start()
+    try:
+        orch.run()
+        th.join(10)
+        with urllib.request.urlopen(orch.monitor.url + "/health", timeout=10) as r:
+            health = json.loads(r.read())
+        with urllib.request.urlopen(orch.monitor.url + "/metrics", timeout=10) as r:
+            prom = {(s.name, s.labels.get("name")): s.value for f in text_string_to_metric_families(r.read().decode())
+                    for s in f.samples}
+    finally:
+        orch.monitor.stop()
+    assert all(m["inference/servers_healthy"] == 1 for _, m in seen)
+    last = seen[-1][1]
+    assert health["status"] == "ok" and health["last_step"]["step"] == 3 and health["servers_healthy"] == 1
+    assert health["last_step"]["reward/mean"] == last["reward/mean"]
+    assert prom[("primerl_orchestrator_step_metric", "reward/mean")] == pytest.approx(last["reward/mean"])
+    assert prom[("primerl_orchestrator_servers_healthy", None)] == 1.0
+    for step, m in seen:
+        rows = [json.loads(x) for x in samples_path(cfg.output_dir, step).read_text().splitlines()]
+        assert len(rows) == 3 * 4 and {(r["group"], r["member"]) for r in rows} == {(g, i) for g in range(3) for i in range(4)}
+        assert sum(r["reward"] for r in rows) / len(rows) == pytest.approx(m["reward/mean"])
+        for g in range(3):  # drgrpo: reward minus the group's mean
+            grp = [r for r in rows if r["group"] == g]
+            mean = sum(r["reward"] for r in grp) / len(grp)
+            assert all(r["advantage"] == pytest.approx(r["reward"] - mean, abs=1e-6) for r in grp)
+        for r in rows:
+            n = len(r["input_ids"])
+            assert len(r["loss_mask"]) == n and len(r["inference_logprobs"]) == n and sum(r["loss_mask"]) > 0
+            assert all(lp == (-0.5 if k else 0.0) for lp, k in zip(r["inference_logprobs"], r["loss_mask"]))
+            assert step - 1 <= r["policy_version_min"] <= r["policy_version_max"] <= step + 1 and r["servers"] == [""]
+
+
+def test_samples_are_not_written_by_default(tmp_path):
+    _run(_cfg(tmp_path), ReverseText(num_symbols=4), FakeClient(), steps=4)
+    assert not (tmp_path / "samples").exists()

@@ -222,6 +222,44 @@ def test_update_is_verified_retried_and_the_prefix_cache_reset_checked(scripted,
         client.update_weights(3, tr)
 
 
+class _Pausable(_Scripted):
+    """A server with vLLM's /pause, /resume and /is_paused (VLLM_SERVER_DEV_MODE=1)."""
+
+    def do_GET(self):
+        self.requests.append((self.path, None))
+        if self.path == "/is_paused":
+            return self._send(200, {"is_paused": False})
+        return self._send(404, {"error": "no route"})
+
+    def do_POST(self):
+        if self.path.startswith("/pause") or self.path == "/resume":
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.requests.append((self.path, None))
+            return self._send(200, {"status": "ok"})
+        return _Scripted.do_POST(self)
+
+
+def test_update_in_flight_pauses_keeping_requests_and_resumes(scripted, tmp_path):
+    """Where the server has /pause: keep mode without the cache clearing (which in vLLM 0.32 would
+    preempt the kept requests), load, a reset that preempts nobody (retried briefly), resume; the
+    resume is sent even when the load fails."""
+    tr = FileTransport(tmp_path)
+    tr.publish_weights(3, {"w": torch.ones(2)})
+    url, h = scripted(reset_answers=[False])
+    h.do_GET, h.do_POST = _Pausable.do_GET, _Pausable.do_POST
+    client = _client(url)
+    client.update_weights(3, tr)
+    assert client.version == 3 and [p for p, _ in h.requests] == [
+        "/is_paused", "/pause?mode=keep&clear_cache=false", "/collective_rpc", "/reset_prefix_cache",
+        "/reset_prefix_cache", "/resume"]
+    url, h = scripted(rpc_answers=[(500, {"error": "boom"})] * 2)
+    h.do_GET, h.do_POST = _Pausable.do_GET, _Pausable.do_POST
+    client = _client(url)
+    with pytest.raises(InferenceServerError, match="could not be loaded"):
+        client.update_weights(3, tr)
+    assert [p for p, _ in h.requests][-1] == "/resume" and client.version == -1
+
+
 def test_decode_errors():
     with pytest.raises(ValueError, match="not an .npy"):
         decode_routed_experts("AAAA")

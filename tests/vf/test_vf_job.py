@@ -16,10 +16,20 @@ from vf_testing import (Recorder, assert_replay_is_the_samplers_routing, assert_
 
 def test_single_turn_reverse_text_trains_on_exactly_the_sampled_tokens(tmp_path, monkeypatch):
     rec = Recorder(monkeypatch)
-    cfg = small_cfg("vf_reverse_text.toml", tmp_path / "run", "--max_steps", "3", "--env.args.max_tokens", "8")
+    cfg = small_cfg("vf_reverse_text.toml", tmp_path / "run", "--max_steps", "3", "--env.args.max_tokens", "8",
+                    "--orchestrator.save_samples", "true")
     rows = run_threads(cfg)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert assert_samples_are_the_sampled_tokens(rec) == 3 * 2 * 4  # one model turn per episode
+    import json
+
+    from primerl.runtime.orchestrator.samples_log import samples_path
+
+    for step, (samples, _) in rec.writes.items():  # orchestrator.save_samples: the trained samples, as trained
+        lines = [json.loads(x) for x in samples_path(cfg.output_dir, step).read_text().splitlines()]
+        assert [x["input_ids"] for x in lines] == [s.input_ids.tolist() for s in samples]
+        assert [x["loss_mask"] for x in lines] == [s.loss_mask.int().tolist() for s in samples]
+        assert all(x["policy_version_min"] <= x["policy_version_max"] <= step for x in lines)
     assert assert_replay_is_the_samplers_routing(rec) > 0
     from primerl.rl.envs import load_environment
 
@@ -148,7 +158,9 @@ def test_an_env_that_never_scores_fails_the_job_with_the_reason(tmp_path, monkey
     cfg.env.args["env"] = {"taskset": {"id": "primerl-test-flaky", "num_tasks": 1},
                            "agent": {"harness": {"id": "primerl-inprocess"}, "runtime": {"type": "subprocess"},
                                      "max_turns": 1}}
-    cfg.env.args["plugin_paths"] = [str(vf_testing.ROOT / "tests" / "vf" / "plugins"), str(PLUGIN_DIR)]
+    # the user's folder alone: primerl's vf_plugins (the primerl-inprocess harness) is added to it
+    cfg.env.args["plugin_paths"] = [str(vf_testing.ROOT / "tests" / "vf" / "plugins")]
+    assert str(PLUGIN_DIR) not in cfg.env.args["plugin_paths"]
     with pytest.raises(VerifiersEnvError, match="judge unavailable"):
         run_threads(cfg)
 

@@ -23,9 +23,11 @@ Configured as an environment (``verifiers`` is imported only when one is built):
     taskset = { id = "primerl-reverse-text" }
     agent = { harness = { id = "primerl-inprocess" }, runtime = { type = "subprocess" }, max_turns = 1 }
 
-``plugin_paths`` (default: this package's ``vf_plugins`` folder, with the example tasksets and the
-in-process harness) are put on ``sys.path`` and ``PYTHONPATH``: verifiers loads tasksets and
-harnesses by top-level module name, as installed environment packages are. ``pip install 'primerl[verifiers]'``.
+``plugin_paths``: folders of the user's own tasksets / harnesses, ADDED in front of this package's
+``vf_plugins`` folder (the example tasksets and the ``primerl-inprocess`` harness, always there);
+all are put on ``sys.path`` and ``PYTHONPATH``: verifiers loads tasksets and harnesses by top-level
+module name, as installed environment packages are. A module of a user folder shadows one of the
+same name in ``vf_plugins``. ``pip install 'primerl[verifiers]'``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,23 @@ def builtin_tokenizer_dir() -> str:
     return str(path)
 
 
+def plugin_dirs(plugin_paths: list[str] | None) -> list[str]:
+    """``env.args.plugin_paths`` -> the folders to load from: the user's (checked to exist), then
+    ``vf_plugins``, each once."""
+    if plugin_paths is None:
+        plugin_paths = []
+    if isinstance(plugin_paths, (str, Path)) or not all(isinstance(p, (str, Path)) for p in plugin_paths):
+        raise ValueError(f"verifiers env: env.args.plugin_paths must be a list of folders, got {plugin_paths!r}")
+    out = []
+    for p in [*plugin_paths, PLUGIN_DIR]:
+        d = Path(p).expanduser().resolve()
+        if not d.is_dir():
+            raise ValueError(f"verifiers env: env.args.plugin_paths: {p} is not a folder")
+        if str(d) not in out:
+            out.append(str(d))
+    return out
+
+
 def add_plugin_paths(paths: list[str]) -> None:
     """Put ``paths`` first on ``sys.path`` and on ``PYTHONPATH`` (verifiers starts tool servers as
     ``python -m <module>`` subprocesses, which must find the same modules)."""
@@ -105,7 +124,7 @@ class VerifiersEnv(Environment):
         if max_tokens < 1 or max_concurrent < 1:
             raise ValueError(f"verifiers env: max_tokens and max_concurrent must be >= 1, got {max_tokens}, {max_concurrent}")
         _need_verifiers()
-        add_plugin_paths([str(PLUGIN_DIR)] if plugin_paths is None else list(plugin_paths))
+        add_plugin_paths(plugin_dirs(plugin_paths))
         self.env_config = env
         self.tokenizer_path = builtin_tokenizer_dir() if tokenizer == BUILTIN_TOKENIZER else str(tokenizer)
         from transformers import AutoTokenizer

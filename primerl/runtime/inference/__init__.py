@@ -11,6 +11,7 @@ Modules (imported lazily: the vLLM worker loads ``inference.vllm_worker`` alone)
   hf_weights   published weights in the Hugging Face layout (models.checkpoint.hf_layout), FP8 transfer
   generate_api  POST /inference/v1/generate and GET /v1/models: vLLM's token-in / token-out contract
   http_aiohttp  the aiohttp front end of EngineServer (optional extra ``primerl[serve]``)
+  server_metrics  ServerStats: the server's /health and /metrics (Prometheus text, prometheus-client)
   aiohttp_thread  AiohttpThread: an aiohttp server with one catch-all route on its own thread (used by http_aiohttp and generate_proxy)
   generate_proxy  GenerateProxy: a recording pass-through in front of vLLM's generate route (verifiers path)
 
@@ -27,6 +28,7 @@ _EXPORTS = {
     **{name: "engine" for name in ("InferenceEngine", "SamplingParams", "Request", "Completion", "EngineError",
                                    "EngineTimeout", "NonFiniteLogitsError", "sample_next")},
     **{name: "server" for name in ("EngineServer", "serve")},
+    "ServerStats": "server_metrics",
     **{name: "vllm_client" for name in ("VLLMClient", "InferenceServerError")},
     "VLLMLauncher": "vllm_launch",
     "WeightUpdateExtension": "vllm_worker",
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from .engine import (Completion, EngineError, EngineTimeout, InferenceEngine, NonFiniteLogitsError,  # noqa: F401
                          Request, SamplingParams, sample_next)
     from .server import EngineServer, serve  # noqa: F401
+    from .server_metrics import ServerStats  # noqa: F401
     from .vllm_client import InferenceServerError, VLLMClient  # noqa: F401
     from .vllm_launch import VLLMLauncher  # noqa: F401
     from .vllm_worker import WeightUpdateExtension  # noqa: F401

@@ -25,8 +25,9 @@ class AiohttpThread:
 
     def __init__(self, handler: Handler, host: str, port: int, *, name: str,
                  on_start: Callable[[], Awaitable[None]] | None = None,
-                 on_stop: Callable[[], Awaitable[None]] | None = None):
+                 on_stop: Callable[[], Awaitable[None]] | None = None, handler_cancellation: bool = False):
         self._handler, self._name = handler, name
+        self._handler_cancellation = handler_cancellation  # cancel a handler whose client disconnected
         self._on_start, self._on_stop = on_start, on_stop
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -43,7 +44,7 @@ class AiohttpThread:
             await self._on_start()
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handler)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=self._handler_cancellation)
         await runner.setup()
         await web.SockSite(runner, self._sock).start()
         return runner

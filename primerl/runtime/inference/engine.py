@@ -74,6 +74,7 @@ class Completion:
     finish_reason: str  # "length" or "stop"
     policy_version: int  # version when the request started (its oldest token)
     policy_version_end: int
+    server: str = ""  # who sampled it: "embedded" or the server's URL (set by the client)
 
 
 class _Active:
@@ -223,6 +224,15 @@ class InferenceEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def kv_cache_usage(self) -> float:
+        """Cache positions held by running requests over the positions allocated (0 before any)."""
+        total = self.max_batch_size * self._capacity
+        return sum(a.fed for a in self.running.values()) / total if total else 0.0
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._k, self._v) if t is not None)
 
     def abort(self, request_ids) -> None:
         ids = set(request_ids)

@@ -46,8 +46,8 @@ import torch
 
 from .engine import Completion, SamplingParams
 
-__all__ = ["GenerateRequestError", "parse_generate_request", "generate_response", "models_response",
-           "encode_routed_experts_raw"]
+__all__ = ["GenerateRequestError", "parse_generate_request", "parse_completion_request", "generate_response",
+           "models_response", "encode_routed_experts_raw"]
 
 
 class GenerateRequestError(ValueError):
@@ -75,39 +75,78 @@ NEUTRAL = {"top_k": (None, -1, 0), "min_p": (None, 0, 0.0), "repetition_penalty"
            "prompt_logprobs": (None, 0)}
 
 
-def parse_generate_request(body: dict, *, max_model_len: int, default_seed: int) -> tuple[list[int], SamplingParams, int]:
+def _token_ids(value, name: str, vocab_size: int | None) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise GenerateRequestError(f"{name} must be a non-empty list of token ids")
+    ids = [_int(t, f"{name}[i]", minimum=0) for t in value]
+    if vocab_size is not None:
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise GenerateRequestError(f"{name}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _max_tokens(value, name: str, prompt_len: int, max_model_len: int) -> int:
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise GenerateRequestError(f"the prompt has {prompt_len} tokens; max_model_len is {max_model_len}")
+    max_tokens = room if value is None else _int(value, name, minimum=1)
+    if max_tokens > room:
+        raise GenerateRequestError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds "
+                                   f"max_model_len = {max_model_len}")
+    return max_tokens
+
+
+def _sampling(temperature, top_p, prefix: str) -> tuple[float, float]:
+    temperature = _float(temperature, f"{prefix}temperature")
+    if temperature <= 0:
+        raise GenerateRequestError(f"{prefix}temperature must be > 0 (the engine has no greedy mode)")
+    top_p = _float(top_p, f"{prefix}top_p")
+    if not 0 < top_p <= 1:
+        raise GenerateRequestError(f"{prefix}top_p must be in (0, 1], got {top_p}")
+    return temperature, top_p
+
+
+def _stop_ids(value, name: str) -> tuple[int, ...]:
+    value = [] if value is None else value
+    if not isinstance(value, list):
+        raise GenerateRequestError(f"{name} must be a list of token ids")
+    return tuple(_int(t, f"{name}[i]", minimum=0) for t in value)
+
+
+def parse_completion_request(body, *, max_model_len: int, default_seed: int,
+                             vocab_size: int | None = None) -> tuple[list[int], SamplingParams]:
+    """``POST /v1/completions`` as primerl's vLLM client sends it (``prompt`` = token ids,
+    ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop_token_ids``) -> (prompt, params).
+    Every field is checked (type, range, vocabulary, context length); the message names it."""
+    if not isinstance(body, dict):
+        raise GenerateRequestError("the body must be a JSON object")
+    prompt = _token_ids(body.get("prompt"), "prompt", vocab_size)
+    max_tokens = _max_tokens(body.get("max_tokens", 16), "max_tokens", len(prompt), max_model_len)
+    temperature, top_p = _sampling(body.get("temperature", 1.0), body.get("top_p", 1.0), "")
+    seed = body.get("seed")
+    seed = default_seed if seed is None else _int(seed, "seed")
+    return prompt, SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                  stop_token_ids=_stop_ids(body.get("stop_token_ids"), "stop_token_ids"), seed=seed)
+
+
+def parse_generate_request(body, *, max_model_len: int, default_seed: int,
+                           vocab_size: int | None = None) -> tuple[list[int], SamplingParams, int]:
     """-> (prompt token ids, engine sampling params, routed-experts prompt start)."""
     if not isinstance(body, dict):
         raise GenerateRequestError("the body must be a JSON object")
-    prompt = body.get("token_ids")
-    if not isinstance(prompt, list) or not prompt:
-        raise GenerateRequestError("token_ids must be a non-empty list of token ids")
-    prompt = [_int(t, "token_ids[i]", minimum=0) for t in prompt]
-    sp = body.get("sampling_params") or {}
+    prompt = _token_ids(body.get("token_ids"), "token_ids", vocab_size)
+    sp = body.get("sampling_params")
+    sp = {} if sp is None else sp
     if not isinstance(sp, dict):
         raise GenerateRequestError("sampling_params must be an object")
     for key, neutral in NEUTRAL.items():
         if key in sp and not any(sp[key] == v and type(sp[key]) is type(v) or sp[key] is v for v in neutral):
             raise GenerateRequestError(f"sampling_params.{key} = {sp[key]!r:.40} is not supported by the embedded engine "
                                        f"(only {[v for v in neutral if v is not None]})")
-    temperature = _float(sp.get("temperature", 1.0), "sampling_params.temperature")
-    if temperature <= 0:
-        raise GenerateRequestError("sampling_params.temperature must be > 0 (the engine has no greedy mode)")
-    top_p = _float(sp.get("top_p", 1.0), "sampling_params.top_p")
-    if not 0 < top_p <= 1:
-        raise GenerateRequestError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
-    room = max_model_len - len(prompt)
-    if room < 1:
-        raise GenerateRequestError(f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len}")
-    max_tokens = sp.get("max_tokens")
-    max_tokens = room if max_tokens is None else _int(max_tokens, "sampling_params.max_tokens", minimum=1)
-    if max_tokens > room:
-        raise GenerateRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
-                                   f"max_model_len = {max_model_len}")
-    stops = sp.get("stop_token_ids") or []
-    if not isinstance(stops, list):
-        raise GenerateRequestError("sampling_params.stop_token_ids must be a list of token ids")
-    stops = tuple(_int(t, "sampling_params.stop_token_ids[i]", minimum=0) for t in stops)
+    temperature, top_p = _sampling(sp.get("temperature", 1.0), sp.get("top_p", 1.0), "sampling_params.")
+    max_tokens = _max_tokens(sp.get("max_tokens"), "sampling_params.max_tokens", len(prompt), max_model_len)
+    stops = _stop_ids(sp.get("stop_token_ids"), "sampling_params.stop_token_ids")
     logprobs = sp.get("logprobs")
     if logprobs is not None and _int(logprobs, "sampling_params.logprobs", minimum=0) > 1:
         raise GenerateRequestError("sampling_params.logprobs > 1 (top-n alternatives) is not served; use 0 or 1")

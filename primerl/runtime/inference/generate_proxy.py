@@ -40,7 +40,9 @@ class GenerateProxy:
         self.upstream = upstream.rstrip("/")
         self.version = version
         self.request_timeout = request_timeout
-        self._http = AiohttpThread(self._handle, host, port, name="generate-proxy",
+        # handler_cancellation: a harness that gives up on a request cancels the upstream call, whose
+        # closed connection makes the server abort it (vLLM's with_cancellation; primerl inference)
+        self._http = AiohttpThread(self._handle, host, port, name="generate-proxy", handler_cancellation=True,
                                    on_start=self._open_client, on_stop=self._close_client)
         self.host, self.port = self._http.host, self._http.port
         self.url = f"http://{self.host}:{self.port}"

@@ -4,8 +4,26 @@ Endpoints: ``GET /health``; ``GET /v1/models`` (the served model with ``max_mode
 ``POST /inference/v1/generate`` (vLLM's token-in / token-out route, what verifiers' train client
 calls: ``generate_api``); ``POST /v1/completions`` (token ids in, token ids + log-probs + routed
 experts out, as primerl's vLLM client reads them); ``POST /collective_rpc`` with
-``update_weights_from_path`` (the filesystem weight update); ``POST /reset_prefix_cache`` (a no-op:
-no prefix cache). One engine thread runs continuous batching over every in-flight HTTP request.
+``update_weights_from_path`` (the filesystem weight update) or ``weights_version``; ``POST
+/reset_prefix_cache`` (a no-op: no prefix cache). One engine thread runs continuous batching over
+every in-flight HTTP request.
+
+In-flight weight updates: ``POST /pause`` stops stepping the engine and keeps every request (queued
+and running, with its KV cache); ``POST /resume`` continues; ``GET /is_paused``. A weight update
+runs on the engine thread between two steps, paused or not, so running requests continue on the
+new weights without recomputing their cache (``Completion.policy_version`` /
+``policy_version_end``: the oldest and newest version their tokens came from).
+
+Monitoring (``server_metrics``): ``GET /metrics`` (Prometheus text) and ``GET /health`` (JSON:
+status, requests running / waiting, KV-cache use, weights version, generated tokens, paused).
+
+Bad input (malformed JSON, a body that is not an object, empty or out-of-vocabulary token ids,
+``max_tokens`` < 1 or past the context, wrong types) is answered 400 with a message naming the
+field before anything reaches the engine; the server keeps serving.
+
+Stale work is cancelled on the server: a client that closes its connection before the answer
+(``VLLMClient.abort`` does) aborts the request in the engine (aiohttp: the handler is cancelled on
+disconnect; stdlib: the handler watches its socket while it waits).
 
 Two HTTP front ends serve the same routes: aiohttp (``http="aiohttp"``; the ``primerl[serve]``
 extra, and what ``primerl[verifiers]`` brings) and the standard library's threading server
@@ -24,6 +42,8 @@ import collections
 import json
 import logging
 import queue
+import select
+import socket
 import threading
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,7 +51,8 @@ from pathlib import Path
 from typing import Callable
 
 from .engine import InferenceEngine, Request, SamplingParams
-from .generate_api import generate_response, models_response, parse_generate_request
+from .generate_api import generate_response, models_response, parse_completion_request, parse_generate_request
+from .server_metrics import ServerStats, TextBody, render_prometheus
 from .vllm_client import encode_routed_experts
 
 log = logging.getLogger("primerl.inference")
@@ -55,8 +76,18 @@ class SessionRecord:
 class Pending:
     """A request handed to the engine thread: wait on ``future``, then ``finish(result)`` is the body."""
 
-    def __init__(self, future: Future, finish: Callable[[object], dict]):
-        self.future, self.finish = future, finish
+    def __init__(self, future: Future, finish: Callable[[object], dict], rid: int | None = None):
+        self.future, self.finish, self.rid = future, finish, rid
+
+
+def _settle(fut: Future, result=None, *, error: BaseException | None = None) -> None:
+    """Complete ``fut`` unless its waiter cancelled it (a cancelled future refuses a result)."""
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 def http_frontends() -> list[str]:
@@ -92,6 +123,8 @@ class EngineServer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._engine_error: BaseException | None = None
+        self._paused = False
+        self.stats = ServerStats()
         self._sessions: collections.OrderedDict[str, SessionRecord] = collections.OrderedDict()
         if http == "stdlib":
             self.httpd = ThreadingHTTPServer((host, port), self._handler())
@@ -120,24 +153,34 @@ class EngineServer:
                             self.engine.add_request(payload)
                             self._futures[payload.request_id] = fut
                         except ValueError as e:
-                            fut.set_exception(e)
-                    else:  # a weight update runs between engine steps
+                            _settle(fut, error=e)
+                    elif kind == "abort":  # the client went away: free its slot
+                        if self._futures.pop(payload, None) is not None:
+                            self.engine.abort([payload])
+                            self.stats.count("aborted")
+                        fut.set_result(None)
+                    else:  # a weight update (or pause / resume) runs between engine steps
                         try:
-                            fut.set_result(payload())
+                            _settle(fut, payload())
                         except Exception as e:  # noqa: BLE001
-                            fut.set_exception(e)
-                if not self.engine.has_unfinished():
+                            _settle(fut, error=e)
+                if self._paused or not self.engine.has_unfinished():
+                    self.stats.refresh(self.engine, waiting_extra=self._incoming.qsize(), paused=self._paused)
                     self._stop.wait(0.002)
                     continue
                 for c in self.engine.step():
                     f = self._futures.pop(c.request_id, None)
-                    if f is not None:
+                    # a waiter that gave up (aiohttp cancels the wrapped future) is an abort in flight
+                    if f is not None and not f.cancelled():
                         f.set_result(c)
+                        self.stats.count("finished")
+                self.stats.refresh(self.engine, waiting_extra=self._incoming.qsize())
         except BaseException as e:  # noqa: BLE001 - every waiter gets the error
             self._engine_error = e
             log.exception("engine thread died")
             for f in self._futures.values():
-                f.set_exception(e)
+                if not f.cancelled():
+                    f.set_exception(e)
 
     def _check_alive(self) -> None:
         if self._engine_error is not None:
@@ -162,16 +205,30 @@ class EngineServer:
         self._incoming.put(("call", fn, fut))
         return fut
 
+    def abort(self, pending: "Pending") -> None:
+        """Cancel a generation whose client is gone (no-op once it finished). Its future may already
+        be cancelled (aiohttp cancels the future it waited on); the engine thread then drops it."""
+        if pending.rid is not None:
+            self._incoming.put(("abort", pending.rid, Future()))
+
+    def start_pause(self) -> Pending:
+        """``POST /pause``: stop stepping the engine (after the step under way), keeping every
+        request and its KV cache."""
+        def set_paused():
+            self._paused = True
+        return Pending(self._start_call(set_paused), lambda _: {"status": "paused"})
+
+    def start_resume(self) -> Pending:
+        def set_running():
+            self._paused = False
+        return Pending(self._start_call(set_running), lambda _: {"status": "resumed"})
+
     # ---------------------------------------------------------------- routes (transport-free)
     def start_completion(self, body: dict) -> Pending:
         """``POST /v1/completions``: primerl's vLLM client protocol."""
-        prompt = body.get("prompt")
-        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError("prompt must be a list of token ids")
         rid = self._new_id()
-        params = SamplingParams(max_new_tokens=int(body.get("max_tokens", 16)), temperature=float(body.get("temperature", 1.0)),
-                                top_p=float(body.get("top_p", 1.0)), stop_token_ids=tuple(body.get("stop_token_ids") or ()),
-                                seed=int(body.get("seed", rid)))
+        prompt, params = parse_completion_request(body, max_model_len=self.max_model_len, default_seed=rid,
+                                                  vocab_size=self.engine.cfg.vocab_size)
 
         def finish(c) -> dict:
             choice = {"index": 0, "text": "", "token_ids": c.tokens, "finish_reason": c.finish_reason,
@@ -181,19 +238,20 @@ class EngineServer:
             return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice],
                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens)}}
 
-        return Pending(self._submit(rid, prompt, params), finish)
+        return Pending(self._submit(rid, prompt, params), finish, rid)
 
     def start_generate(self, body: dict, session_id: str | None = None) -> Pending:
         """``POST /inference/v1/generate`` (``generate_api``)."""
         rid = self._new_id()
-        prompt, params, start = parse_generate_request(body, max_model_len=self.max_model_len, default_seed=rid)
+        prompt, params, start = parse_generate_request(body, max_model_len=self.max_model_len, default_seed=rid,
+                                                       vocab_size=self.engine.cfg.vocab_size)
 
         def finish(c) -> dict:
             if session_id:
                 self._record_session(session_id, c)
             return generate_response(f"gen-{rid}", c, start)
 
-        return Pending(self._submit(rid, prompt, params), finish)
+        return Pending(self._submit(rid, prompt, params), finish, rid)
 
     def _record_session(self, session_id: str, c) -> None:
         with self._lock:
@@ -221,7 +279,7 @@ class EngineServer:
 
     def health(self) -> tuple[int, dict]:
         ok = self._engine_error is None
-        return (200 if ok else 503), {"status": "ok" if ok else "engine dead"}
+        return (200 if ok else 503), {"status": "ok" if ok else "engine dead", **self.stats.read()}
 
     def start_update_weights(self, path: str) -> Pending:
         from primerl.models.checkpoint import read_safetensors
@@ -261,17 +319,29 @@ class EngineServer:
                 return self.health()
             if path == "/v1/models":
                 return 200, self.models()
+            if path == "/metrics":
+                return 200, render_prometheus(self.stats.read())
+            if path == "/is_paused":
+                return 200, {"is_paused": self._paused}
             return 404, {"error": f"no route GET {path}"}
+        if not isinstance(body, dict):
+            raise ValueError(f"the body of POST {path} must be a JSON object, got {type(body).__name__}")
         if path == "/inference/v1/generate":
             return self.start_generate(body, headers.get(SESSION_HEADER))
         if path == "/v1/completions":
             return self.start_completion(body)
         if path == "/collective_rpc":
+            if body.get("method") == "weights_version":  # as vLLM's worker extension: one answer per worker
+                return 200, {"results": [{"version": self.engine.policy_version}]}
             if body.get("method") != "update_weights_from_path":
-                return 400, {"error": f"unknown method {body.get('method')!r}"}
+                raise ValueError(f"collective_rpc: unknown method {body.get('method')!r}")
             return self.start_update_weights(*body.get("args", []))
         if path == "/reset_prefix_cache":
             return 200, {"success": True}
+        if path == "/pause":
+            return self.start_pause()
+        if path == "/resume":
+            return self.start_resume()
         return 404, {"error": f"no route POST {path}"}
 
     # ---------------------------------------------------------------- stdlib HTTP
@@ -282,11 +352,13 @@ class EngineServer:
             def log_message(self, fmt, *args):  # quiet
                 log.debug(fmt, *args)
 
-            def _send(self, code: int, obj: dict) -> None:
-                # compact, as vLLM's: the renderers client splices routed_experts.data out by its prefix
-                body = json.dumps(obj, separators=(",", ":")).encode()
+            def _send(self, code: int, obj) -> None:
+                if isinstance(obj, TextBody):
+                    body, ctype = obj.data, obj.content_type
+                else:  # compact, as vLLM's: the renderers client splices routed_experts.data out by its prefix
+                    body, ctype = json.dumps(obj, separators=(",", ":")).encode(), "application/json"
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -299,12 +371,34 @@ class EngineServer:
                         body = json.loads(self.rfile.read(n) or b"{}")
                     out = server.route(method, self.path, body, self.headers)
                     if isinstance(out, Pending):
-                        out = 200, out.finish(out.future.result(server.request_timeout))
+                        if not self._wait(out):
+                            return
+                        out = 200, out.finish(out.future.result(0))
                     self._send(*out)
                 except (ValueError, KeyError, TypeError) as e:
+                    server.stats.count("bad_request")
                     self._send(400, {"error": str(e)})
                 except Exception as e:  # noqa: BLE001
+                    server.stats.count("error")
                     self._send(500, {"error": repr(e)})
+
+            def _wait(self, p: Pending) -> bool:
+                """Wait for the engine, watching the socket: False (request aborted) if the client
+                closed it first. Raises TimeoutError after the server's request timeout."""
+                import time
+                from concurrent.futures import wait
+
+                deadline = time.monotonic() + server.request_timeout
+                while not wait([p.future], timeout=0.05).done:  # answers as soon as the engine does
+                    if time.monotonic() > deadline:
+                        server.abort(p)
+                        raise TimeoutError(f"no result within {server.request_timeout} s")
+                    readable, _, _ = select.select([self.connection], [], [], 0)
+                    if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                        server.abort(p)
+                        self.close_connection = True
+                        return False
+                return True
 
             def do_GET(self):
                 self._serve("GET")

@@ -28,16 +28,34 @@ inference`` serves the same one):
   the old policy's keys and values; running requests are preempted and recomputed), checked:
   ``{"success": false}`` is retried, then raised.
 
+- In-flight updates: where the server has vLLM's ``POST /pause`` / ``/resume`` (``GET /is_paused``
+  answers: vLLM 0.32, read in its source, with ``VLLM_SERVER_DEV_MODE=1``; ``primerl inference``), an update is
+  ``/pause?mode=keep&clear_cache=false`` (requests stay, with their KV cache), load, then a prefix
+  cache reset that preempts nothing (``reset_running_requests`` false: it succeeds only when no
+  request holds blocks, so a server with running requests keeps its cached blocks: a later request
+  that shares a prefix with one of them reuses keys/values of the previous policy), ``/resume``.
+  Without those routes: the reset with ``reset_running_requests=true`` above (every running request
+  recomputed). ``clear_cache=false`` matters: vLLM 0.32 resets its caches at the end of any pause
+  with ``clear_cache`` true, ``keep`` included, which preempts the running requests.
+- Abort: ``abort(ids)`` closes the request's connection; vLLM's completion and generate routes
+  (``with_cancellation``) and ``primerl inference`` abort a request whose client disconnected, so the
+  server stops generating it. (vLLM's ``/abort_requests`` takes the server's request ids, which
+  the completion route derives from its own ``X-Request-Id``; closing the connection needs none.)
+
 Every HTTP call has a timeout; a dead server raises :class:`InferenceServerError` naming the URL.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import logging
+import socket
+import threading
 import time
+import urllib.parse
 import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -149,6 +167,43 @@ def reset_prefix_cache(url: str, timeout: float, *, attempts: int = 5, wait_s: f
                                "would reuse KV blocks computed with the previous weights")
 
 
+class _Aborted(Exception):
+    """The request's connection was closed by ``VLLMClient.abort``."""
+
+
+def _post_abortable(url: str, payload: dict, timeout: float, register) -> dict:
+    """POST on a connection of its own, handed to ``register(conn)`` so that another thread can
+    close it (the server then sees the client disconnect and aborts the request)."""
+    u = urllib.parse.urlsplit(url)
+    https = u.scheme == "https"
+    conn = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
+        u.hostname, u.port or (443 if https else 80), timeout=timeout)
+    register(conn)
+    try:
+        conn.request("POST", u.path + (f"?{u.query}" if u.query else ""), body=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        body = r.read()
+    except (TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
+        if getattr(conn, "aborted", False):
+            raise _Aborted(url) from None
+        raise InferenceServerError(f"{url}: no answer within {timeout} s or connection failed ({e})") from None
+    finally:
+        conn.close()
+    if r.status >= 400:
+        raise InferenceServerError(f"{url}: HTTP {r.status}: {body.decode(errors='replace')[:500]}")
+    return json.loads(body) if body else {}
+
+
+def _close_now(conn: http.client.HTTPConnection) -> None:
+    conn.aborted = True
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 class VLLMClient:
     """The orchestrator's inference client for a vLLM server (same interface as EmbeddedClient).
 
@@ -166,6 +221,10 @@ class VLLMClient:
         self.reset_wait_s = 0.5  # first pause before retrying a refused prefix-cache reset (grows linearly)
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="vllm")
         self._inflight: dict[int, Future] = {}
+        self._conns: dict[int, http.client.HTTPConnection] = {}  # request id -> its open connection
+        self._conns_lock = threading.Lock()
+        self._aborted: set[int] = set()
+        self._pausable: bool | None = None  # the server has /pause and /resume (probed once)
         self.version = -1
         self.output_dir = output_dir
 
@@ -176,6 +235,10 @@ class VLLMClient:
             return True
         except InferenceServerError:
             return False
+
+    def servers_healthy(self) -> int:
+        """How many servers answer ``/health`` (one URL today: 0 or 1)."""
+        return int(self.health())
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -209,6 +272,42 @@ class VLLMClient:
             self.version = min(got)
             return
         path = Path(transport.weights_dir(version)).resolve()
+        pausable = self.can_pause()
+        if pausable:  # in flight: running requests stay, with their KV cache
+            _http(self.url + "/pause?mode=keep&clear_cache=false", {}, self.timeout_s)
+        try:
+            self._load_from_path(version, path)
+            if pausable:  # succeeds only when no request holds blocks (retried briefly: generation is paused)
+                for wait in (0.05, 0.1, None):
+                    if _http(self.url + "/reset_prefix_cache", {}, self.timeout_s).get("success", False):
+                        break
+                    if wait is None:
+                        log.info("weights version %d loaded in flight; the prefix cache keeps blocks of the previous "
+                                 "policy (requests hold them)", version)
+                    else:
+                        time.sleep(wait)
+            else:
+                reset_prefix_cache(self.url, self.timeout_s, wait_s=self.reset_wait_s)
+        finally:
+            if pausable:
+                _http(self.url + "/resume", {}, self.timeout_s)
+        self.version = version
+
+    def can_pause(self) -> bool:
+        """Whether the server has ``/pause`` and ``/resume`` (probed once by ``GET /is_paused``)."""
+        if self._pausable is None:
+            try:
+                _http(self.url + "/is_paused", None, timeout=self.timeout_s)
+                self._pausable = True
+            except InferenceServerError as e:
+                if not any(f"HTTP {c}" in str(e) for c in (404, 405, 501)):  # not served: no such route
+                    raise
+                self._pausable = False
+            log.info("%s: weight updates %s", self.url, "in flight (/pause, /resume)" if self._pausable else
+                     "preempt running requests (no /pause route; reset_prefix_cache?reset_running_requests=true)")
+        return self._pausable
+
+    def _load_from_path(self, version: int, path: Path) -> None:
         for attempt in range(1, self.update_attempts + 1):
             try:
                 got = _rpc_versions(self.collective_rpc("update_weights_from_path", str(path)))
@@ -221,8 +320,6 @@ class VLLMClient:
                     raise InferenceServerError(f"weights version {version} could not be loaded by the inference "
                                                f"server in {attempt} attempts: {e}") from None
                 log.warning("weight update to version %d failed (attempt %d): %s; retrying", version, attempt, e)
-        reset_prefix_cache(self.url, self.timeout_s, wait_s=self.reset_wait_s)
-        self.version = version
 
     # -- generation
     def _payload(self, req: Request) -> dict:
@@ -236,7 +333,21 @@ class VLLMClient:
 
     def complete(self, req: Request) -> Completion:
         version = self.version
-        out = _http(self.url + "/v1/completions", self._payload(req), timeout=self.timeout_s)
+        rid = req.request_id
+
+        def register(conn):
+            with self._conns_lock:
+                if rid in self._aborted:  # aborted before it was sent
+                    conn.aborted = True
+                    raise _Aborted(self.url)
+                self._conns[rid] = conn
+
+        try:
+            out = _post_abortable(self.url + "/v1/completions", self._payload(req), self.timeout_s, register)
+        finally:
+            with self._conns_lock:
+                self._conns.pop(rid, None)
+                self._aborted.discard(rid)
         try:
             choice = out["choices"][0]
         except (KeyError, IndexError):
@@ -259,7 +370,8 @@ class VLLMClient:
             raise InferenceServerError(f"{self.url}: the completion has no routed_experts (start vLLM with "
                                        "--enable-return-routed-experts, or set inference.capture_routing = false)")
         reason = "stop" if choice.get("finish_reason") == "stop" else "length"
-        return Completion(req.request_id, list(req.prompt), tokens, lps, routing, reason, version, self.version)
+        return Completion(req.request_id, list(req.prompt), tokens, lps, routing, reason, version, self.version,
+                          server=self.url)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         return list(self._pool.map(self.complete, requests))
@@ -269,10 +381,18 @@ class VLLMClient:
         self._inflight[req.request_id] = self._pool.submit(self.complete, req)
 
     def abort(self, request_ids) -> None:
+        """Forget the requests and stop them on the server: a request not yet sent is cancelled,
+        one in flight has its connection closed (the server aborts a request whose client left)."""
         for rid in request_ids:
             fut = self._inflight.pop(rid, None)
-            if fut is not None:
-                fut.cancel()
+            if fut is None or fut.cancel():
+                continue
+            with self._conns_lock:
+                conn = self._conns.get(rid)
+                if conn is None:
+                    self._aborted.add(rid)  # running, not yet connected: register() refuses it
+                else:
+                    _close_now(conn)
 
     def has_pending(self) -> bool:
         return bool(self._inflight)

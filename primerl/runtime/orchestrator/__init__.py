@@ -6,6 +6,8 @@ Modules (imported lazily):
   batching      finished groups -> advantages (``orchestrator.advantage``) -> per-rank micro-batches
   env_calls     concurrent environment calls with per-call deadlines; reward checks (rejected / clipped)
   vf_orchestrator  build_orchestrator: the built-in Orchestrator, or verifiers episodes -> samples
+  monitor       OrchestratorMonitor: /health and /metrics (orchestrator.metrics_port)
+  samples_log   samples/step_N.jsonl (orchestrator.save_samples)
 
 The names of ``orchestrator`` are re-exported here (``from primerl.runtime.orchestrator import Orchestrator``).
 """
@@ -16,12 +18,14 @@ from typing import TYPE_CHECKING
 
 from .._lazy import lazy_exports
 
-_EXPORTS = {name: "orchestrator" for name in (
-    "Orchestrator", "EmbeddedClient", "EnvError", "COUNTS", "TransportTimeout", "ProducerDied")}
+_EXPORTS = {**{name: "orchestrator" for name in (
+    "Orchestrator", "EmbeddedClient", "EnvError", "COUNTS", "TransportTimeout", "ProducerDied")},
+    "OrchestratorMonitor": "monitor"}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from .monitor import OrchestratorMonitor  # noqa: F401
     from .orchestrator import COUNTS, EmbeddedClient, EnvError, Orchestrator, ProducerDied, TransportTimeout  # noqa: F401
 
 

@@ -167,6 +167,9 @@ class Orchestrator(BatchSteps):
         self._submit_env(st, "respond" if st.turn < self.env.max_turns else "reward")
 
     # ---------------------------------------------------------------- hand-over
+    def _in_flight(self) -> int:
+        return len(self.episodes)
+
     def _batch_done(self, step: int) -> bool:
         return step in self.batches and all(st.done for grp in self.batches[step] for st in grp)
 
@@ -186,6 +189,10 @@ class Orchestrator(BatchSteps):
                                              replay=self.cfg.trainer.router_replay and self.cfg.inference.capture_routing,
                                              temperature=self.cfg.inference.temperature)
         eps = [st for grp in groups for st in grp]
+        if self.o.save_samples:
+            from .samples_log import episode_record, write_samples
+
+            write_samples(self.cfg.output_dir, step, [episode_record(st, s) for st, s in zip(eps, samples)])
         c = self._batch_counters[step]
         metrics = {
             **self._step_metrics(step, [st.reward for st in eps], [step - st.version_min for st in eps],
@@ -237,6 +244,10 @@ class EmbeddedClient:
     def submit(self, req) -> None:
         self.engine.add_request(req)
 
+    def servers_healthy(self) -> int:
+        """The engine runs in this process: it is healthy while this code runs (a dead engine raises)."""
+        return 1
+
     def abort(self, request_ids) -> None:
         self.engine.abort(request_ids)
 
@@ -245,6 +256,8 @@ class EmbeddedClient:
 
     def poll(self):
         out = self.engine.step()
+        for c in out:
+            c.server = "embedded"
         now = time.monotonic()
         if out:
             self._last_progress = now

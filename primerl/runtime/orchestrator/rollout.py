@@ -46,6 +46,7 @@ class EpisodeState:
     reward: float | None = None
     loss_weights: list[float] | None = None  # the environment's token_weights(), if it has them
     done: bool = False
+    servers: list[str] = field(default_factory=list)  # who sampled its model turns (Completion.server), in order
 
     @classmethod
     def start(cls, step: int, group: int, member: int, attempt: int, prompt: Prompt) -> "EpisodeState":
@@ -67,6 +68,8 @@ class EpisodeState:
         self.completion_tokens += len(c.tokens)
         self.version_min = c.policy_version if self.version_min is None else min(self.version_min, c.policy_version)
         self.version_max = max(self.version_max or 0, c.policy_version_end)
+        if c.server not in self.servers:
+            self.servers.append(c.server)
         if c.routing is not None:
             new = c.routing[self.routed_positions:]
             self.routing.append(new)

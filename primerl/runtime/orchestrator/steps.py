@@ -2,17 +2,23 @@
 submit ahead within the async level, hand a finished batch over (finalize, pack, write, report),
 count per batch and in total, and the metrics every batch reports.
 
-A subclass sets ``cfg``, ``o`` (``cfg.orchestrator``) and ``transport``, calls ``_init_steps``, and
-implements ``_submit_batch(step)``, ``_batch_done(step)`` and ``_finalize(step)`` (-> ``(samples,
-metrics)``, or ``None`` when the batch was sent back for resampling).
+A subclass sets ``cfg``, ``o`` (``cfg.orchestrator``), ``transport`` and ``client`` (whose
+``servers_healthy()`` is reported per step as ``inference/servers_healthy``), calls ``_init_steps``,
+and implements ``_submit_batch(step)``, ``_batch_done(step)``, ``_finalize(step)`` (-> ``(samples,
+metrics)``, or ``None`` when the batch was sent back for resampling) and ``_in_flight()`` (requests
+waiting on inference, for the monitor).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Sequence
 
 import torch
+
+
+HEALTH_EVERY_S = 10.0  # with a monitor: servers' health asked at least this often between steps
 
 
 class BatchSteps:
@@ -24,6 +30,13 @@ class BatchSteps:
         self._batch_counters: dict[int, dict] = {}
         self._t_last_write = time.perf_counter()
         self._tokens_since_write = 0
+        self.monitor = None  # monitor.OrchestratorMonitor when orchestrator.metrics_port > 0
+        self._servers_healthy = 0
+        self._health_checked = -math.inf  # when servers_healthy was last asked (time.monotonic)
+
+    def _check_servers(self) -> None:
+        self._servers_healthy = self.client.servers_healthy()
+        self._health_checked = time.monotonic()
 
     def _count(self, step: int, key: str) -> None:
         self.counters[key] += 1
@@ -42,12 +55,19 @@ class BatchSteps:
         """Hand the next batch to the trainer if it is complete; True if it was complete (written,
         or sent back for resampling)."""
         step = self.next_write
+        if self.monitor is not None:
+            if time.monotonic() - self._health_checked > HEALTH_EVERY_S:
+                self._check_servers()
+            self.monitor.update(step=step, policy_version=self.version, requests_in_flight=self._in_flight(),
+                                servers_healthy=self._servers_healthy)
         if not self._batch_done(step):
             return False
         out = self._finalize(step)
         if out is not None:
             samples, metrics = out
             self._write(step, samples, metrics)
+            if self.monitor is not None:
+                self.monitor.step_done(step, metrics)
             if on_batch is not None:
                 on_batch(step, metrics)
             self.next_write += 1
@@ -58,6 +78,7 @@ class BatchSteps:
         """The metrics every batch reports (rewards, off-policy steps, lengths, turns, throughput);
         restarts the throughput clock."""
         r = torch.tensor(rewards)
+        self._check_servers()
         now = time.perf_counter()
         dt = max(now - self._t_last_write, 1e-9)
         metrics = {
@@ -66,6 +87,7 @@ class BatchSteps:
             "policy_version": self.version, "samples/discarded_stale": self._batch_counters[step]["discarded_stale"],
             "seq_len/mean": sum(lens) / len(lens), "seq_len/max": max(lens),
             "inference/tokens_per_s": self._tokens_since_write / dt, "turns/mean": sum(turns) / len(turns),
+            "inference/servers_healthy": self._servers_healthy,
         }
         self._t_last_write, self._tokens_since_write = now, 0
         return metrics

@@ -84,6 +84,7 @@ class Unit:
     turns: int
     tool_calls: int
     sampled_tokens: int
+    version_max: int | None = None  # the newest policy version of its tokens
 
 
 @dataclass
@@ -190,7 +191,7 @@ class VerifiersOrchestrator(BatchSteps):
                 if len(b.token_ids) > self.o.seq_len:
                     raise BranchError(f"bad_branch: {len(b.token_ids)} tokens, more than orchestrator.seq_len = {self.o.seq_len}")
             units.append(Unit(trace.agent.name, reward, branches, rec.first, trace.num_turns, len(trace.tool_messages),
-                              sum(len(r[1]) for r in rec.requests)))
+                              sum(len(r[1]) for r in rec.requests), version_max=rec.last))
         if not units:
             raise BranchError("bad_branch: the episode has no trainable trace")
         return units
@@ -275,6 +276,7 @@ class VerifiersOrchestrator(BatchSteps):
             return None
         adv, adv_metrics = self._advantages(groups)
         samples, rewards, off, lens, turns, tools, branches = [], [], [], [], [], [], []
+        records = []  # orchestrator.save_samples
         T = self.cfg.inference.temperature
         for gi, grp in enumerate(groups):
             for mi, units in enumerate(grp.members):
@@ -284,10 +286,21 @@ class VerifiersOrchestrator(BatchSteps):
                     turns.append(u.turns)
                     tools.append(u.tool_calls)
                     branches.append(len(u.branches))
-                    for b in u.branches:
+                    for bi, b in enumerate(u.branches):
                         samples.append(branch_sample(b, advantage=adv[gi][mi][ui], temperature=T, replay=self.replay,
                                                      vocab_size=self.env.vocab_size))
                         lens.append(len(b.token_ids))
+                        if self.o.save_samples:
+                            from .samples_log import sample_record
+
+                            records.append(sample_record(
+                                samples[-1], step=step, group=gi, member=mi, reward=u.reward, version_min=u.version_min,
+                                version_max=u.version_max, servers=[self.server.url], turns=u.turns,
+                                extra={"agent": u.agent, "trace": ui, "branch": bi}))
+        if self.o.save_samples:
+            from .samples_log import write_samples
+
+            write_samples(self.cfg.output_dir, step, records)
         c = self._batch_counters[step]
         metrics = {
             **self._step_metrics(step, rewards, off, lens, turns),
@@ -299,6 +312,9 @@ class VerifiersOrchestrator(BatchSteps):
             **adv_metrics,
         }
         return samples, metrics
+
+    def _in_flight(self) -> int:
+        return len(self._inflight)
 
     # ---------------------------------------------------------------- main loop
     @property

@@ -221,7 +221,9 @@ def save_dcp_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer
     tmp = root / f"{TMP_PREFIX}{step:06d}.{tag[0]}"  # remove_stale_tmp_dirs knows the pattern
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        # exist_ok: another rank's dcp.save may have created it already (it makes the directory
+        # itself); seen when ranks on two "nodes" share the path: FileExistsError at step 1100
+        tmp.mkdir(exist_ok=True)
         try:
             atomic_torch_save({**train_state, "rng": rngs, "step": step}, tmp / TRAIN_STATE)
         except BaseException:

@@ -1,0 +1,237 @@
+"""The node plan: which node runs which role, its trainer ranks and GPUs, and the rendezvous.
+
+``[deployment]`` (``config.DeploymentConfig``) names the layout; :func:`node_plan` turns it into
+one :class:`Node` per machine, in the job's node order: the trainer nodes first, then the
+inference nodes, then the orchestrator's own node (when ``deployment.orchestrator = "own"``;
+with ``"trainer"`` it runs beside the trainer on trainer node 0). Trainer nodes join one
+torch.distributed group through torchrun's c10d rendezvous at ``rdzv_endpoint``; c10d numbers
+the nodes itself, in the order of their addresses (``--node-rank`` is ignored with c10d), which
+is the order of the plan when hosts are listed in address order.
+
+Every impossible plan is a ``ConfigError`` naming the key (``validate_deployment``, called by
+``config.validate``); :func:`check_rendezvous_port` adds the one check that needs this machine
+(the rendezvous port in use here), run by ``primerl rl`` before anything starts.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+from dataclasses import dataclass
+
+from ..config import ConfigError, RLConfig, trainer_ranks_per_node
+
+__all__ = ["Node", "NodePlan", "node_plan", "validate_deployment", "describe_nodes", "check_rendezvous_port",
+           "split_endpoint", "is_loopback", "config_hash", "DEFAULT_RDZV_PORT", "KINDS", "ROLES"]
+
+KINDS = ("local", "nodes", "slurm")
+ROLES = ("trainer", "inference", "orchestrator")
+DEFAULT_RDZV_PORT = 29400
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int  # position in the job's node list (SLURM_NODEID under SLURM)
+    host: str  # address or host name; "$node<i>" in a SLURM plan before the allocation exists
+    roles: tuple[str, ...]  # of ROLES
+    trainer_node: int | None  # index among the trainer nodes (torchrun's node rank when hosts are in address order)
+    ranks: tuple[int, ...]  # global trainer ranks on this node
+    gpus: tuple[int, ...]  # local GPU index of each trainer rank; () on CPU nodes
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    kind: str
+    nodes: tuple[Node, ...]
+    ranks_per_node: int
+    rdzv_host: str
+    rdzv_port: int
+    rdzv_timeout_s: float
+
+    @property
+    def rdzv_endpoint(self) -> str:
+        return f"{self.rdzv_host}:{self.rdzv_port}"
+
+    @property
+    def trainer_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if "trainer" in n.roles]
+
+    def with_role(self, role: str) -> list[Node]:
+        return [n for n in self.nodes if role in n.roles]
+
+
+def split_endpoint(endpoint: str, key: str = "deployment.rdzv_endpoint") -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{key}: must be 'host:port' with a TCP port, got {endpoint!r}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8 (every address there reaches this machine on Linux) or ``localhost``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _num_nodes(cfg: RLConfig) -> int:
+    d = cfg.deployment
+    return d.trainer_nodes + d.inference_nodes + (d.orchestrator == "own")
+
+
+def _need(cond: bool, key: str, msg: str, value) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}, got {value!r}")
+
+
+def validate_deployment(cfg: RLConfig) -> None:
+    """``[deployment]`` against ``num_trainer_ranks``, the device and the inference backend."""
+    d = cfg.deployment
+    _need(d.kind in KINDS, "deployment.kind", f"must be one of {KINDS}", d.kind)
+    _need(d.trainer_nodes >= 1, "deployment.trainer_nodes", "must be >= 1", d.trainer_nodes)
+    _need(d.inference_nodes >= 0, "deployment.inference_nodes", "must be >= 0", d.inference_nodes)
+    _need(d.orchestrator in ("trainer", "own"), "deployment.orchestrator", "must be 'trainer' or 'own'", d.orchestrator)
+    _need(d.ranks_per_node >= 0, "deployment.ranks_per_node", "must be >= 0 (0: num_trainer_ranks / trainer_nodes)",
+          d.ranks_per_node)
+    _need(d.gpus_per_node >= 0, "deployment.gpus_per_node", "must be >= 0 (0: CPU nodes)", d.gpus_per_node)
+    _need(d.rdzv_timeout_s > 0, "deployment.rdzv_timeout_s", "must be > 0", d.rdzv_timeout_s)
+    _need(d.grace_s >= 0, "deployment.grace_s", "must be >= 0", d.grace_s)
+    _need(all(isinstance(h, str) and h for h in d.hosts), "deployment.hosts", "must be host names or addresses", d.hosts)
+    _need(all(isinstance(a, str) for a in d.sbatch_args), "deployment.sbatch_args", "must be strings", d.sbatch_args)
+    if d.rdzv_endpoint:
+        split_endpoint(d.rdzv_endpoint)
+    if d.kind == "local":
+        _need(d.trainer_nodes == 1 and d.inference_nodes == 0 and d.orchestrator == "trainer", "deployment.kind",
+              "'local' runs every process on this machine; several nodes need kind = 'nodes' or 'slurm'",
+              {"trainer_nodes": d.trainer_nodes, "inference_nodes": d.inference_nodes, "orchestrator": d.orchestrator})
+        _need(not d.hosts, "deployment.hosts", "is for kind = 'nodes' (kind is 'local')", d.hosts)
+        return
+    ranks = cfg.num_trainer_ranks
+    if d.ranks_per_node:
+        _need(d.ranks_per_node * d.trainer_nodes == ranks, "deployment.ranks_per_node",
+              f"times deployment.trainer_nodes = {d.trainer_nodes} must equal num_trainer_ranks = {ranks}",
+              d.ranks_per_node)
+    else:
+        _need(ranks % d.trainer_nodes == 0, "deployment.trainer_nodes",
+              f"must divide num_trainer_ranks = {ranks} (each trainer node runs the same number of ranks)",
+              d.trainer_nodes)
+    per_node = trainer_ranks_per_node(cfg)
+    if cfg.device == "cpu":
+        _need(d.gpus_per_node == 0, "deployment.gpus_per_node", "must be 0 with device = 'cpu'", d.gpus_per_node)
+    elif cfg.device == "cuda":
+        _need(d.gpus_per_node >= 1, "deployment.gpus_per_node", "must be set (>= 1) with device = 'cuda'",
+              d.gpus_per_node)
+    if d.gpus_per_node:
+        # the embedded engine beside the trainer takes a GPU of trainer node 0 (placement: engine first)
+        engine = int(d.orchestrator == "trainer" and cfg.inference.backend == "embedded" and d.gpus_per_node > 1)
+        _need(per_node + engine <= d.gpus_per_node, "deployment.ranks_per_node",
+              f"{per_node} trainer ranks per node{' plus the engine' if engine else ''} need "
+              f"{per_node + engine} GPUs; deployment.gpus_per_node = {d.gpus_per_node}", per_node)
+    _need(d.inference_nodes == 0 or cfg.inference.backend == "vllm", "deployment.inference_nodes",
+          "inference nodes run vLLM servers (inference.backend = 'vllm'); the embedded engine lives in the "
+          "orchestrator", d.inference_nodes)
+    if d.kind == "nodes":
+        n = _num_nodes(cfg)
+        _need(len(d.hosts) == n, "deployment.hosts",
+              f"must list {n} hosts ({d.trainer_nodes} trainer + {d.inference_nodes} inference"
+              f"{' + 1 orchestrator' if d.orchestrator == 'own' else ''}, in that order)", d.hosts)
+        _need(len(set(d.hosts)) == len(d.hosts), "deployment.hosts", "must be distinct", d.hosts)
+    else:
+        _need(not d.hosts, "deployment.hosts", "comes from SLURM_JOB_NODELIST under kind = 'slurm'; leave it empty",
+              d.hosts)
+
+
+def node_plan(cfg: RLConfig, hosts: list[str] | None = None) -> NodePlan:
+    """The plan of a validated config. ``hosts``: the job's nodes in order (SLURM: from
+    ``SLURM_JOB_NODELIST``); default ``deployment.hosts``, or ``$node<i>`` placeholders."""
+    d = cfg.deployment
+    per_node = trainer_ranks_per_node(cfg)
+    if d.kind == "local":
+        gpus = _local_trainer_gpus(cfg)
+        node = Node(0, "127.0.0.1", ("trainer", "orchestrator"), 0, tuple(range(cfg.num_trainer_ranks)), gpus)
+        return NodePlan("local", (node,), per_node, "127.0.0.1", 0, d.rdzv_timeout_s)
+    n = _num_nodes(cfg)
+    hosts = list(hosts or d.hosts or [f"$node{i}" for i in range(n)])
+    if len(hosts) < n:
+        raise ConfigError(f"deployment: the plan needs {n} nodes but the job has {len(hosts)} ({hosts})")
+    engine_first = d.orchestrator == "trainer" and cfg.inference.backend == "embedded" and d.gpus_per_node > 1
+    nodes = []
+    for t in range(d.trainer_nodes):
+        roles = ("trainer", "orchestrator") if t == 0 and d.orchestrator == "trainer" else ("trainer",)
+        gpus = tuple(range(engine_first, engine_first + per_node)) if d.gpus_per_node else ()
+        nodes.append(Node(t, hosts[t], roles, t, tuple(range(t * per_node, (t + 1) * per_node)), gpus))
+    for j in range(d.inference_nodes):
+        i = d.trainer_nodes + j
+        nodes.append(Node(i, hosts[i], ("inference",), None, (), tuple(range(d.gpus_per_node))))
+    if d.orchestrator == "own":
+        nodes.append(Node(n - 1, hosts[n - 1], ("orchestrator",), None, (), ()))
+    if d.rdzv_endpoint:
+        rh, rp = split_endpoint(d.rdzv_endpoint)
+    else:
+        rh, rp = hosts[0], DEFAULT_RDZV_PORT
+    return NodePlan(d.kind, tuple(nodes), per_node, rh, rp, d.rdzv_timeout_s)
+
+
+def _local_trainer_gpus(cfg: RLConfig) -> tuple[int, ...]:
+    from ..placement import resolve_placement
+
+    return resolve_placement(cfg).trainer_gpus
+
+
+def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
+    """The node plan as TOML comment lines (``primerl rl --dry-run`` prints them)."""
+    plan = node_plan(cfg, hosts)
+    d = cfg.deployment
+    if plan.kind == "local":
+        head = "# deployment: local, one node (torchrun --standalone for the trainer)"
+    else:
+        head = (f"# deployment: {plan.kind}, {len(plan.nodes)} node(s); trainer rendezvous c10d at "
+                f"{plan.rdzv_endpoint} (timeout {d.rdzv_timeout_s:g} s), grace {d.grace_s:g} s")
+    lines = [head]
+    for n in plan.nodes:
+        parts = []
+        if n.ranks:
+            where = ", ".join(f"cuda:{g}" for g in n.gpus) if n.gpus else "CPU"
+            parts.append(f"trainer ranks {n.ranks[0]}-{n.ranks[-1]} ({where})")
+        if "inference" in n.roles:
+            parts.append(f"inference server (vLLM, GPUs {list(n.gpus) or 'none'})")
+        if "orchestrator" in n.roles:
+            parts.append("orchestrator" + (" + embedded engine" if cfg.inference.backend == "embedded" else ""))
+        lines.append(f"# node {n.index} {n.host}: " + "; ".join(parts))
+    return "\n".join(lines) + "\n"
+
+
+def check_rendezvous_port(cfg: RLConfig) -> None:
+    """``kind = "nodes"`` with the rendezvous on this machine: its port must be free here now."""
+    if cfg.deployment.kind != "nodes":
+        return
+    plan = node_plan(cfg)
+    host = plan.rdzv_host
+    if not (is_loopback(host) or host in (socket.gethostname(), socket.getfqdn())):
+        return
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: a closed job's TIME_WAIT is no conflict
+    try:
+        s.bind(("127.0.0.1" if host == "localhost" else host, plan.rdzv_port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"deployment.rdzv_endpoint: port {plan.rdzv_port} on {host} is in use (another job or "
+                              f"a leftover process); choose another port, got {plan.rdzv_endpoint!r}") from None
+        raise ConfigError(f"deployment.rdzv_endpoint: cannot bind {plan.rdzv_endpoint} on this machine ({e})") from None
+    finally:
+        s.close()
+
+
+def config_hash(cfg: RLConfig) -> str:
+    """What every node must agree on: the resolved config without ``output_dir`` (a node may
+    write its own files elsewhere)."""
+    import dataclasses
+    import hashlib
+
+    from ..config import to_toml
+
+    return hashlib.sha256(to_toml(dataclasses.replace(cfg, output_dir="")).encode()).hexdigest()[:16]

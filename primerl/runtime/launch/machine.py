@@ -1,0 +1,189 @@
+"""One machine: ``primerl rl``'s launcher (moved here from ``job.py`` unchanged).
+
+``primerl rl`` first runs the config's supervised warm start, if it has one (``[warm_start]``,
+``trainer.vf_warmstart.job_warm_start``), then writes the resolved config to ``<output_dir>/config.toml`` and starts two
+processes that only share files: the trainer (``primerl trainer``, under torchrun when
+``num_trainer_ranks > 1``) and the orchestrator with its embedded inference engine
+(``primerl orchestrator``). Each logs to ``<output_dir>/logs/<name>.log``; the launcher prints a
+progress line per step from ``metrics.jsonl``, stops everything when one process fails (naming
+it, with the end of its log), and at the end prints the reward curve and saves ``metrics.png``.
+With ``deployment.kind = "nodes"`` on 127.x hosts it starts the nodes instead (``local.run_nodes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import RLConfig, to_toml
+from ..lifetime import LAUNCHER_PID_ENV, die_with_parent
+from ..metrics import ascii_curve, progress_line, read_metrics, save_plot
+from ..output_dir import claim_output_dir
+from ..trainer.checkpoint import latest_checkpoint, remove_stale_tmp_dirs
+from ..trainer.vf_warmstart import job_warm_start
+from ..transport import FileTransport
+
+__all__ = ["JobFailed", "first_failure", "launched_vllm", "prepare_output", "run_rl", "start_step"]
+
+
+def start_step(cfg: RLConfig) -> int:
+    if not cfg.checkpoint.resume:
+        return 0
+    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
+    return found[0] if found else 0
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def first_failure(procs: dict[str, subprocess.Popen], log_dir: Path) -> str | None:
+    """The failure to report, or None while no process has failed. When several have, the cause
+    comes first: a process that stopped because its peer was gone (ProducerDied in its log) is not."""
+    failed = [(name, p.returncode, log_dir / f"{name}.log") for name, p in procs.items() if p.poll() not in (None, 0)]
+    if not failed:
+        return None
+    failed.sort(key=lambda f: "ProducerDied" in _tail(f[2]))
+    name, rc, log_path = failed[0]
+    return f"the {name} exited with code {rc}; end of {log_path}:\n" + _tail(log_path)
+
+
+def prepare_output(cfg: RLConfig) -> int:
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for d in ("checkpoints", "transport/weights"):  # temp dirs of saves that failed or were killed
+        remove_stale_tmp_dirs(out / d)
+    step = start_step(cfg)
+    if not cfg.checkpoint.resume:
+        for name in ("transport", "checkpoints"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    transport = FileTransport(out / "transport")
+    transport.drop_batches_from(step)
+    transport.drop_weights_after(step)
+    (out / "config.toml").write_text(to_toml(cfg))
+    (out / "logs").mkdir(exist_ok=True)
+    return step
+
+
+def _spawn(args: list[str], log_path: Path, env: dict) -> subprocess.Popen:
+    f = open(log_path, "ab")
+    return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=die_with_parent(os.getpid()))
+
+
+def _stop(p: subprocess.Popen | None, grace: float = 5.0) -> None:
+    if p is None or p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[dict]:
+    """Run trainer + orchestrator as two processes until ``max_steps``; return the metrics rows.
+
+    Holds ``output_dir``'s lock for the job's life (``output_dir.claim_output_dir``)."""
+    with claim_output_dir(cfg):
+        cfg = job_warm_start(cfg, quiet=quiet)
+        if cfg.deployment.kind == "nodes":  # several nodes on this machine (127.x hosts)
+            from .local import run_nodes
+
+            return run_nodes(cfg, quiet=quiet, poll_s=poll_s)
+        with launched_vllm(cfg, quiet=quiet):
+            return _run_rl(cfg, quiet=quiet, poll_s=poll_s)
+
+
+@contextlib.contextmanager
+def launched_vllm(cfg: RLConfig, *, quiet: bool = True):
+    """``inference.vllm.launch``: vLLM serves the job's initial policy for the job's life; its whole
+    process group is stopped when the job ends, failed or not (``inference.vllm_launch.launch_for_job``)."""
+    if cfg.inference.backend != "vllm" or not cfg.inference.vllm.launch:
+        yield None
+        return
+    from primerl.rl.envs import load_environment
+
+    from ..inference.vllm_client import InferenceServerError
+    from ..inference.vllm_launch import launch_for_job
+
+    if not quiet:
+        print(f"primerl rl: starting vLLM on {cfg.inference.vllm.url} (log: {Path(cfg.output_dir) / 'logs' / 'vllm.log'})",
+              flush=True)
+    try:
+        server = launch_for_job(cfg, load_environment(cfg.env.id, **cfg.env.args).vocab_size)
+    except InferenceServerError as e:
+        raise JobFailed(f"launching vLLM: {e}") from None
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:
+    out = Path(cfg.output_dir)
+    start = prepare_output(cfg)
+    cfg_path = str(out / "config.toml")
+    py = sys.executable
+    base_env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())})
+    t0 = time.perf_counter()
+    if not quiet:
+        print(f"primerl rl: output_dir {out} | start step {start} | logs in {out / 'logs'}", flush=True)
+    orch = _spawn([py, "-m", "primerl.runtime.cli", "orchestrator", "--config", cfg_path], out / "logs" / "orchestrator.log",
+                  dict(base_env, PRIMERL_PEER_PID=str(os.getpid())))
+    trainer_cmd = [py, "-m", "primerl.runtime.cli", "trainer", "--config", cfg_path]
+    if cfg.num_trainer_ranks > 1:
+        trainer_cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.num_trainer_ranks}",
+                       "-m", "primerl.runtime.cli", "trainer", "--config", cfg_path]
+    trainer = _spawn(trainer_cmd, out / "logs" / "trainer.log",
+                     dict(base_env, PRIMERL_PEER_PID=str(orch.pid)))
+    (out / "pids").write_text(f"trainer {trainer.pid}\norchestrator {orch.pid}\n")
+    seen = start - 1
+    try:
+        while True:
+            rows = read_metrics(out / "metrics.jsonl")
+            for r in rows:
+                if r["step"] > seen:
+                    seen = r["step"]
+                    if not quiet and cfg.log.progress:
+                        print(progress_line(r, cfg.max_steps), flush=True)
+            failure = first_failure({"trainer": trainer, "orchestrator": orch}, out / "logs")
+            if failure:
+                raise JobFailed(failure)
+            if trainer.returncode == 0:
+                break
+            time.sleep(poll_s)
+    finally:
+        _stop(trainer)
+        _stop(orch)
+    rows = read_metrics(out / "metrics.jsonl")
+    if not rows or rows[-1]["step"] != cfg.max_steps - 1:  # nothing may go missing silently
+        raise JobFailed(f"the trainer exited normally but {out / 'metrics.jsonl'} ends at step "
+                        f"{rows[-1]['step'] if rows else None}, not {cfg.max_steps - 1}; end of the trainer's log:\n"
+                        + _tail(out / "logs" / "trainer.log"))
+    wall = time.perf_counter() - t0
+    if not quiet:
+        print(f"done: {len(rows)} steps in {wall:.1f} s; reward curve:\n{ascii_curve(rows)}", flush=True)
+    if cfg.log.plot and rows:
+        path = save_plot(rows, out / "metrics.png")
+        if path and not quiet:
+            print(f"plot saved to {path}", flush=True)
+    return rows

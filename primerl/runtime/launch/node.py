@@ -1,0 +1,185 @@
+"""``primerl node``: what one node of a multi-node job runs, for any scheduler (SLURM, by hand).
+
+    primerl node --config cfg.toml --role trainer|orchestrator|inference [--node-rank R] [--rdzv HOST:PORT]
+
+The node rank falls back to ``SLURM_NODEID`` and the job's host list to ``deployment.hosts`` or
+``scontrol show hostnames $SLURM_JOB_NODELIST``. A trainer node runs
+``torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT
+--local-addr <its host>`` over ``primerl trainer``; trainer node 0 hosts the rendezvous store.
+
+Before its role starts, every node joins that store as a client (waiting at most
+``deployment.rdzv_timeout_s``, then failing with the address in the message), posts the hash of
+its resolved config (``deployment.config_hash``) and checks the other nodes' hashes: nodes
+started with different configs are refused, naming both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+from ..config import RLConfig
+from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, split_endpoint
+
+log = logging.getLogger("primerl")
+
+__all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "join_rendezvous", "node_main"]
+
+
+class NodeError(RuntimeError):
+    """This node cannot take its part in the job (the message says why, with the address or key)."""
+
+
+def job_hosts(cfg: RLConfig) -> list[str]:
+    """The job's nodes in order: ``deployment.hosts``, else SLURM's node list expanded by scontrol."""
+    if cfg.deployment.hosts:
+        return list(cfg.deployment.hosts)
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise NodeError("no host list: set deployment.hosts, or run under SLURM (SLURM_JOB_NODELIST is not set)")
+    if shutil.which("scontrol") is None:
+        raise NodeError(f"SLURM_JOB_NODELIST={nodelist!r} but scontrol is not on PATH to expand it")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise NodeError(f"scontrol show hostnames {nodelist!r} failed: {out.stderr.strip()}")
+    return out.stdout.split()
+
+
+def resolve_node(cfg: RLConfig, role: str, node_rank: int | None = None, rdzv: str | None = None
+                 ) -> tuple[NodePlan, Node]:
+    """This node's entry of the plan, its rank from the argument or ``SLURM_NODEID``."""
+    if role not in ROLES:
+        raise NodeError(f"--role must be one of {ROLES}, got {role!r}")
+    if cfg.deployment.kind == "local":
+        raise NodeError("deployment.kind is 'local': `primerl rl` runs the whole job on this machine; "
+                        "`primerl node` is for kind = 'nodes' or 'slurm'")
+    if node_rank is None:
+        env = os.environ.get("SLURM_NODEID")
+        if env is None:
+            raise NodeError("no node rank: pass --node-rank, or run under SLURM (SLURM_NODEID is not set)")
+        node_rank = int(env)
+    plan = node_plan(cfg, job_hosts(cfg))
+    if not 0 <= node_rank < len(plan.nodes):
+        raise NodeError(f"--node-rank {node_rank}: the plan has nodes 0..{len(plan.nodes) - 1}")
+    node = plan.nodes[node_rank]
+    if role not in node.roles:
+        raise NodeError(f"node {node_rank} ({node.host}) has roles {list(node.roles)} in the plan, not {role!r}")
+    if rdzv:
+        h, p = split_endpoint(rdzv, "--rdzv")
+        plan = NodePlan(plan.kind, plan.nodes, plan.ranks_per_node, h, p, plan.rdzv_timeout_s)
+    return plan, node
+
+
+def trainer_command(plan: NodePlan, node: Node, entry: list[str], *, python: str = sys.executable,
+                    run_id: str = "primerl") -> list[str]:
+    """torchrun for one trainer node: c10d rendezvous, its address as ``--local-addr``; trainer
+    node 0 hosts the store (``is_host``). ``entry``: the script or ``-m module`` with arguments."""
+    host = node.trainer_node == 0
+    return [python, "-m", "torch.distributed.run", f"--nnodes={len(plan.trainer_nodes)}",
+            f"--nproc-per-node={plan.ranks_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={plan.rdzv_endpoint}",
+            f"--rdzv-id={run_id}", f"--rdzv-conf=join_timeout={plan.rdzv_timeout_s:g},is_host={int(host)}",
+            f"--local-addr={node.host}", "--max-restarts=0", *entry]
+
+
+def join_rendezvous(plan: NodePlan, node: Node, role: str, digest: str, *, deadline: float,
+                    alive=None):
+    """Connect to the rendezvous store, post this node's config hash and compare it with every
+    other node's role process (all must post before ``deadline``, a ``time.monotonic()``).
+    ``alive()``: False when this node's torchrun has already exited (stop waiting). Returns the store."""
+    from torch.distributed import TCPStore
+
+    left = lambda: max(deadline - time.monotonic(), 0.1)  # noqa: E731
+    store, err = None, None
+    while store is None and time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise NodeError(f"node {node.index} ({node.host}): torchrun exited before the rendezvous at "
+                            f"{plan.rdzv_endpoint} was reached (see its output above)")
+        try:  # a plain connect first: TCPStore's own retries overrun a short timeout by seconds
+            socket.create_connection((plan.rdzv_host, plan.rdzv_port), timeout=min(left(), 1.0)).close()
+            store = TCPStore(plan.rdzv_host, plan.rdzv_port, is_master=False, timeout=timedelta(seconds=left()),
+                             wait_for_workers=False)
+        except (RuntimeError, TimeoutError, OSError) as e:  # not up yet (trainer node 0 starts it)
+            err = e
+            time.sleep(min(0.2, left()))
+    if store is None:
+        raise NodeError(f"node {node.index} ({node.host}): cannot reach the rendezvous at {plan.rdzv_endpoint} within "
+                        f"{plan.rdzv_timeout_s:g} s (deployment.rdzv_endpoint / --rdzv; last error: "
+                        f"{str(err).splitlines()[0] if err else 'none'})")
+    store.set(f"primerl/config/{node.index}/{role}", f"{digest} {node.host}")
+    names = {f"primerl/config/{n.index}/{r}": f"{n.index} {r}" for n in plan.nodes for r in n.roles}
+    keys = list(names)
+    store.set_timeout(timedelta(seconds=left()))
+    try:
+        store.wait(keys)
+    except Exception:  # noqa: BLE001 - the store's timeout type differs across versions
+        missing = [names[k] for k in keys if not store.check([k])]
+        raise NodeError(f"node {node.index} ({node.host}): {missing} (node, role) did not join the rendezvous at "
+                        f"{plan.rdzv_endpoint} within {plan.rdzv_timeout_s:g} s") from None
+    posted = {names[k]: store.get(k).decode().split(" ", 1) for k in keys}
+    other = [(i, h, d) for i, (d, h) in posted.items() if d != digest]
+    if other:
+        i, h, d = other[0]
+        raise NodeError(f"node {node.index} {role} ({node.host}, config {digest}) and node {i} ({h}, config {d}) were "
+                        "started with different configs; every node must run the same resolved config (output_dir aside)")
+    return store
+
+
+def _stop_group(p: subprocess.Popen, grace: float) -> None:
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, *, node_rank: int | None = None,
+              rdzv: str | None = None) -> int:
+    """Run this node's role to its end; return the exit code (a failure raises ``NodeError``)."""
+    plan, node = resolve_node(cfg, role, node_rank, rdzv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format=f"%(asctime)s node{node.index}-{role} %(levelname)s %(message)s")
+    log.info("node %d (%s) role %s; rendezvous %s", node.index, node.host, role, plan.rdzv_endpoint)
+    deadline = time.monotonic() + plan.rdzv_timeout_s
+    digest = config_hash(cfg)
+    if role != "trainer":
+        join_rendezvous(plan, node, role, digest, deadline=deadline)
+        from .. import job
+
+        if role == "orchestrator":
+            job.orchestrator_main(cfg)
+        else:
+            from ..inference.server import serve
+
+            serve(cfg, host=node.host, port=cfg.inference.vllm.port)
+        return 0
+    entry = ["-m", "primerl.runtime.cli", "trainer", "--config", config_path, *overrides]
+    cmd = trainer_command(plan, node, entry, run_id=os.environ.get("SLURM_JOB_ID", "primerl"))
+    log.info("trainer node %d: %s", node.trainer_node, " ".join(cmd))
+    orch = plan.with_role("orchestrator")[0].host  # where orchestrator.batch_transport = "zmq" serves batches
+    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, PRIMERL_BATCH_HOST=orch))
+    # SIGTERM from the scheduler (or the local launcher) reaches torchrun's whole group
+    signal.signal(signal.SIGTERM, lambda *_: (_stop_group(proc, cfg.deployment.grace_s), sys.exit(143)))
+    try:
+        join_rendezvous(plan, node, role, digest, deadline=deadline, alive=lambda: proc.poll() is None)
+    except NodeError:
+        _stop_group(proc, 5.0)
+        raise
+    rc = proc.wait()
+    if rc != 0:
+        raise NodeError(f"node {node.index} ({node.host}, trainer ranks {node.ranks[0]}-{node.ranks[-1]}): torchrun "
+                        f"exited with code {rc}")
+    return 0

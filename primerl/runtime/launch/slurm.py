@@ -1,0 +1,89 @@
+"""``deployment.kind = "slurm"``: ``primerl rl`` renders an sbatch script from a Jinja2 template
+(``templates/sbatch.sh.j2``, or ``deployment.sbatch_template``), writes it to
+``<output_dir>/primerl.sbatch`` and submits it with ``sbatch`` (``--dry-run`` prints it).
+
+The script runs one srun step per (node, role) of the plan: ``primerl node`` with the node's
+index in the allocation (``--relative``), inference first, then the trainer nodes (torchrun
+``--nnodes`` with c10d rendezvous on the first node), then the orchestrator. Each step logs to
+``<output_dir>/logs/node<i>-<role>.log``. ``wait -n`` notices the first step to fail; the others
+then get ``deployment.grace_s`` seconds to stop before they are killed. ``output_dir`` (the
+config, metrics, checkpoints) must be on a path every node sees.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from ..config import ConfigError, RLConfig
+from .deployment import DEFAULT_RDZV_PORT, Node, node_plan, split_endpoint
+
+__all__ = ["TEMPLATE", "render_sbatch", "submit"]
+
+TEMPLATE = Path(__file__).with_name("templates") / "sbatch.sh.j2"
+
+
+def render_sbatch(cfg: RLConfig, config_path: str, *, python: str = sys.executable) -> str:
+    """The sbatch script of a ``kind = "slurm"`` config whose resolved TOML is at ``config_path``."""
+    import jinja2
+
+    d = cfg.deployment
+    template = Path(d.sbatch_template) if d.sbatch_template else TEMPLATE
+    if not template.is_file():
+        raise ConfigError(f"deployment.sbatch_template: no such file, got {str(template)!r}")
+    plan = node_plan(cfg)
+    if d.rdzv_endpoint:
+        split_endpoint(d.rdzv_endpoint)
+        rdzv = shlex.quote(d.rdzv_endpoint)
+    else:
+        rdzv = f'"${{NODES[0]}}:{DEFAULT_RDZV_PORT}"'
+    out = Path(cfg.output_dir).resolve()
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    try:
+        tmpl = env.from_string(template.read_text())
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"deployment.sbatch_template: {template}:{e.lineno}: {e.message}") from None
+    return tmpl.render(
+        template=str(template), job_name=f"primerl-{out.name}", num_nodes=len(plan.nodes),
+        gpus_per_node=d.gpus_per_node, sbatch_args=list(d.sbatch_args), grace_s=f"{d.grace_s:g}",
+        log_dir=shlex.quote(str(out / "logs")), python=shlex.quote(python), config=shlex.quote(config_path),
+        rdzv=rdzv, trainer_nodes=[n.index for n in plan.trainer_nodes],
+        inference_nodes=[n.index for n in plan.with_role("inference")],
+        orchestrator_node=plan.with_role("orchestrator")[0].index, plan=plan, cfg=cfg,
+        trainer_commands=_trainer_commands(plan, rdzv, python))
+
+
+def _trainer_commands(plan, rdzv: str, python: str) -> list[str]:
+    """What `primerl node --role trainer` runs on each trainer node (a comment in the script)."""
+    from .node import trainer_command
+
+    lines = []
+    for n in plan.trainer_nodes:
+        node = Node(n.index, f"${{NODES[{n.index}]}}", n.roles, n.trainer_node, n.ranks, n.gpus)
+        cmd = trainer_command(plan, node, ["-m", "primerl.runtime.cli", "trainer", "--config", "CONFIG"], python=python,
+                              run_id="$SLURM_JOB_ID")
+        cmd = [c.replace(plan.rdzv_endpoint, rdzv.strip('"')) for c in cmd]
+        lines.append(f"node {n.index} (trainer) runs: " + " ".join(cmd))
+    return lines
+
+
+def submit(cfg: RLConfig, *, quiet: bool = False) -> str:
+    """Prepare ``output_dir`` (on the shared path), write the script there and ``sbatch`` it;
+    returns sbatch's answer (``Submitted batch job N``)."""
+    from . import machine
+
+    out = Path(cfg.output_dir).resolve()
+    machine.prepare_output(cfg)
+    script = out / "primerl.sbatch"
+    script.write_text(render_sbatch(cfg, str(out / "config.toml")))
+    try:
+        res = subprocess.run(["sbatch", str(script)], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise machine.JobFailed(f"sbatch is not on PATH; the script is at {script}") from None
+    if res.returncode != 0:
+        raise machine.JobFailed(f"sbatch {script} failed (exit {res.returncode}): {res.stderr.strip()}")
+    if not quiet:
+        print(f"primerl rl: {res.stdout.strip()} ({script}; logs in {out / 'logs'})", flush=True)
+    return res.stdout.strip()

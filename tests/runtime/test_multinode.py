@@ -1,0 +1,230 @@
+"""Several "nodes" on one machine (hosts 127.0.0.1, 127.0.0.2: every 127.x address reaches it):
+torchrun agents joined by c10d rendezvous, each node in its own working directory.
+
+- gold: the trainer's losses, gradient norms and token counts for the first steps of 2 nodes x
+  2 ranks equal those of 1 node x 4 ranks (test_trainer_parallel's layout and tolerance, 1e-5).
+- ``primerl node`` with a wrong rendezvous address fails within its timeout, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from primerl.runtime.config import load_config
+from primerl.runtime.launch import node_plan, trainer_command
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_trainer_parallel import RTOL, STEPS, _compare  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLD = Path(__file__).resolve().parent / "_node_gold.py"
+LAYOUT = "hsdp2_shard2_ep2"  # replicas across the nodes, FSDP and experts within: a real multi-node layout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra):
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+
+
+def _nodes_cfg(port: int, *over: str):
+    return load_config(None, ["--deployment.kind", "nodes", "--deployment.trainer_nodes", "2", "--deployment.hosts",
+                              "127.0.0.1,127.0.0.2", "--num_trainer_ranks", "4", "--device", "cpu",
+                              "--deployment.rdzv_endpoint", f"127.0.0.1:{port}", "--deployment.rdzv_timeout_s", "120",
+                              *over])
+
+
+@pytest.mark.dist
+def test_two_nodes_of_two_ranks_match_one_node_of_four(tmp_path):
+    one = tmp_path / "one_node"
+    one.mkdir()
+    ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                          str(GOLD), LAYOUT, str(one / "rows.pt")], cwd=one, env=_env(PRIMERL_TEST_NODE="local"),
+                         capture_output=True, text=True, timeout=400)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    plan = node_plan(_nodes_cfg(_free_port()))
+    procs = []
+    for node in plan.trainer_nodes:  # each node: its own working directory, output file and torchrun agent
+        wd = tmp_path / f"node{node.index}"
+        wd.mkdir()
+        cmd = trainer_command(plan, node, [str(GOLD), LAYOUT, str(wd / "rows.pt")], run_id="gold")
+        procs.append(subprocess.Popen(cmd, cwd=wd, env=_env(PRIMERL_TEST_NODE=node.host), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert not (tmp_path / "node1" / "rows.pt").exists()  # rank 0 is on node 0 (c10d orders nodes by address)
+    got, want = torch.load(tmp_path / "node0" / "rows.pt"), torch.load(one / "rows.pt")
+    assert got["hosts"] == ["127.0.0.1"] * 2 + ["127.0.0.2"] * 2 and want["hosts"] == ["local"] * 4
+    assert len(got["rows"]) == STEPS
+    errors = _compare(got["rows"], got["weights"], (want["rows"], want["weights"]), check_weights=True)
+    assert errors == [], "\n".join(errors)
+    assert RTOL == 1e-5
+
+
+@pytest.mark.dist
+def test_a_trainer_node_with_a_wrong_rendezvous_address_fails_in_time(tmp_path):
+    port = _free_port()  # nobody listens: trainer node 0 was never started
+    cfg_path = tmp_path / "cfg.toml"
+    from primerl.runtime.config import to_toml
+
+    cfg_path.write_text(to_toml(_nodes_cfg(port, "--deployment.rdzv_timeout_s", "4")))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "node", "--config", str(cfg_path), "--role",
+                          "trainer", "--node-rank", "1"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 1, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"primerl node: FAILED: node 1 (127.0.0.2): cannot reach the rendezvous at 127.0.0.1:{port} "
+                           "within 4 s"), res.stderr[-2000:]
+    assert elapsed < 4 + 30, elapsed  # the timeout plus interpreter start-up on a loaded machine
+
+
+SMALL = ["--max_steps", "3", "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
+         "--orchestrator.max_async_level", "0", "--log.plot", "false", "--orchestrator.weights_timeout_s", "120",
+         "--trainer.batch_timeout_s", "120", "--num_trainer_ranks", "2", "--device", "cpu",
+         "--deployment.trainer_nodes", "2", "--deployment.rdzv_timeout_s", "120", "--deployment.grace_s", "5"]
+
+
+@pytest.mark.dist
+def test_the_sbatch_script_runs_end_to_end_under_slurm_standins(tmp_path):
+    """``primerl rl`` with kind = "slurm" renders the script, and sbatch / srun / scontrol stand-ins
+    (tests/runtime/slurm_standins: each srun step a local process with its SLURM_* variables) run
+    it on hosts 127.0.0.1 and 127.0.0.2: every step once, each (node, role) in its own log."""
+    out = tmp_path / "out"
+    cfg = load_config(ROOT / "examples" / "reverse_text.toml",
+                      ["--output_dir", str(out), *SMALL, "--deployment.kind", "slurm",
+                       "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}"])
+    from primerl.runtime.config import to_toml
+    from primerl.runtime.metrics import read_metrics
+
+    (tmp_path / "cfg.toml").write_text(to_toml(cfg))
+    standins = Path(__file__).resolve().parent / "slurm_standins"
+    res = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(tmp_path / "cfg.toml")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=500,
+                         env=_env(PATH=f"{standins}{os.pathsep}{os.environ['PATH']}",
+                                  PRIMERL_TEST_NODELIST="127.0.0.1,127.0.0.2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Submitted batch job" in res.stdout
+    slurm_out = next((out / "logs").glob("slurm-*.out"))
+    logs = {p.name: p.read_text(errors="replace") for p in (out / "logs").glob("node*.log")}
+    assert Path(f"{slurm_out}.rc").read_text().strip() == "0", slurm_out.read_text()[-3000:] + str(
+        {k: v[-1500:] for k, v in logs.items()})
+    assert sorted(logs) == ["node0-orchestrator.log", "node0-trainer.log", "node1-trainer.log"]
+    assert "every trainer node finished" in slurm_out.read_text()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+    assert "trainer rank 1/2 started" in logs["node1-trainer.log"]  # rank 1 lives on node 1
+    assert (out / "primerl.sbatch").read_text().startswith("#!/bin/bash")
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_killed_trainer_node_stops_the_job_naming_it_and_resume_continues(tmp_path):
+    """Node 1's processes (its `primerl node`, torchrun agent and trainer rank) are killed after
+    the step-2 checkpoint: ``primerl rl`` fails naming node 1 and its role, the metrics already
+    written stay, and ``--checkpoint.resume true`` finishes the job, on 2 nodes, then on 1."""
+    from primerl.runtime.config import to_toml
+    from primerl.runtime.metrics import read_metrics
+
+    out = tmp_path / "out"
+    over = ["--output_dir", str(out), *SMALL, "--max_steps", "6", "--checkpoint.interval", "2",
+            "--deployment.kind", "nodes", "--deployment.hosts", "127.0.0.1,127.0.0.2"]
+    cfg_path = tmp_path / "cfg.toml"
+    cfg_path.write_text(to_toml(load_config(ROOT / "examples" / "reverse_text.toml",
+                                            [*over, "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}"])))
+
+    def rl(*args):
+        return subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(cfg_path), *args],
+                                cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    proc = rl()
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "step_000002").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no step-2 checkpoint in 300 s"
+        time.sleep(0.05)
+    pids = dict(line.split() for line in (out / "pids").read_text().splitlines())
+    for pid in _descendants(int(pids["node1-trainer"])):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    before = read_metrics(out / "metrics.jsonl")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "primerl rl: FAILED: node 1 (127.0.0.2) trainer exited with code -9" in stderr, stderr[-3000:]
+    after = read_metrics(out / "metrics.jsonl")
+    assert len(before) >= 2 and after[:len(before)] == before
+    assert (out / "checkpoints" / "step_000002").is_dir()
+
+    res = rl("--checkpoint.resume", "true")
+    stdout, stderr = res.communicate(timeout=400)
+    assert res.returncode == 0, stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(6))
+    # and once more on one node (the local default), 2 more steps from the step-6 checkpoint
+    one = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(cfg_path),
+                          "--checkpoint.resume", "true", "--deployment.kind", "local", "--deployment.trainer_nodes", "1",
+                          "--deployment.hosts", "[]", "--max_steps", "8"], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=400)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(8))
+
+
+@pytest.mark.dist
+def test_by_hand_on_two_nodes_without_a_shared_filesystem(tmp_path):
+    """The commands a user runs on two hosts, each node in its own directory with its own
+    output_dir: rollout batches reach trainer node 1 over ZeroMQ (no rollout file anywhere), node
+    1 writes only its checkpoint shard, and the job reaches max_steps."""
+    from primerl.runtime.config import to_toml
+    from primerl.runtime.metrics import read_metrics
+
+    cfg = load_config(ROOT / "examples" / "reverse_text.toml",
+                      ["--output_dir", "out", *SMALL, "--deployment.kind", "nodes",
+                       "--deployment.hosts", "127.0.0.1,127.0.0.2", "--deployment.rdzv_endpoint",
+                       f"127.0.0.1:{_free_port()}", "--orchestrator.batch_transport", "zmq",
+                       "--orchestrator.zmq_port", str(_free_port())])
+    procs = {}
+    for i, role in ((0, "trainer"), (1, "trainer"), (0, "orchestrator")):
+        wd = tmp_path / f"host{i}"
+        wd.mkdir(exist_ok=True)
+        (wd / "cfg.toml").write_text(to_toml(cfg))  # each host its own copy of the config
+        procs[(i, role)] = subprocess.Popen(
+            [sys.executable, "-m", "primerl.runtime.cli", "node", "--config", "cfg.toml", "--role", role,
+             "--node-rank", str(i)], cwd=wd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outs = {k: p.communicate(timeout=400)[0] for k, p in procs.items() if k[1] == "trainer"}
+    assert [procs[k].returncode for k in outs] == [0, 0], {k: v[-2000:] for k, v in outs.items()}
+    procs[(0, "orchestrator")].wait(60)  # it leaves once its last batch is taken
+    assert [r["step"] for r in read_metrics(tmp_path / "host0" / "out" / "metrics.jsonl")] == [0, 1, 2]
+    assert not (tmp_path / "host1" / "out" / "metrics.jsonl").exists()
+    for host in ("host0", "host1"):
+        rollouts = tmp_path / host / "out" / "transport" / "rollouts"
+        assert not rollouts.exists() or not any(rollouts.iterdir()), host
+    assert "trainer rank 1/2 started" in outs[(1, "trainer")]
