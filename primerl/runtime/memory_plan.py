@@ -93,7 +93,7 @@ class TrainerLayout:
     fsdp: bool = True
     native_lowp: bool = True  # CUDA bf16 GEMMs (fused_logprobs' chunk sizes); False on the CPU
     ref_model: bool = False  # a frozen copy for a KL-to-reference term
-    host_is_device: bool = False  # a CPU job: "offloaded" bytes stay in the same memory
+    host_is_device: bool = False  # a CPU job: "offloaded" bytes stay in the same memory, CPU-only op paths
 
     @property
     def ring(self) -> int:
@@ -263,7 +263,9 @@ def ffn_saved(mc, lay: TrainerLayout, t: int, layer: int) -> int:
     k, E, Id = mc.top_k, mc.num_experts, mc.moe_dim
     m = t * k  # routed rows (balanced over ep ranks)
     saved += (4 * t * D if a != 4 else 0) + 3 * t * E * 4 + 12 * m  # router input in float32, scores, ids/weights
-    if _fp8_experts(mc, lay):
+    if _cpu_experts(mc, lay, m):
+        experts = m * (2 * Id + D) * 4 + 16 * m  # gu, y_perm (rows and h recomputed in backward), slots, tokens
+    elif _fp8_experts(mc, lay):
         x_rows = m * D * (1 if lay.fp8 == "blockwise_fp8_wgrad" else a)
         experts = x_rows + m * 2 * Id * 2 + m * D * a  # x_perm, gu (bf16), y_perm
     else:
@@ -305,6 +307,15 @@ def layer_backward_working(mc, lay: TrainerLayout, t: int, layer: int) -> tuple[
     Hkv, Dh = (H, max(mc.head_dim, mc.v_head_dim)) if mc.is_mla else (mc.n_kv_heads, mc.head_dim)
     attn = t * H * Dh * (2 * a + 4) + 2 * t * Hkv * Dh * a
     return ffn + residual, attn + residual
+
+
+def _cpu_experts(mc, lay: TrainerLayout, rows: int) -> bool:
+    """The CPU's expert-by-expert float32 path (``primerl.kernels.moe.cpu_experts``), taken without
+    expert parallelism when the routed rows are large enough to pay off."""
+    from primerl.kernels.moe.cpu_experts import MIN_BYTES
+
+    return (lay.host_is_device and lay.act_bytes == 4 and not _fp8_experts(mc, lay) and lay.ep == 1
+            and rows * max(2 * mc.moe_dim, mc.dim) * 4 >= MIN_BYTES)
 
 
 def _fp8_experts(mc, lay: TrainerLayout) -> bool:
