@@ -247,8 +247,9 @@ def _mla_saved(mc, lay: TrainerLayout, t: int, layer: int) -> int:
     # dense form (primerl.kernels.attention.mla): q, k [t, H, Dqk]; with Dv == Dqk v is a view of
     # kv_b's output [t, H, Dn + Dv] and the output is o_proj's input; else v and the output are
     # zero-padded to the wider head dim and o_proj reads a copy of the output's first Dv columns
-    if Dv == Dqk:
-        return saved + 2 * t * H * Dqk * a + t * H * (Dn + Dv) * a + t * H * Dv * a + 4 * H * t
+    if Dv == Dqk:  # under Ulysses o_proj's input is the all-to-all's output, not the kernel's
+        ulysses_o = t * H * Dv * a if lay.ulysses > 1 else 0
+        return saved + 2 * t * H * Dqk * a + t * H * (Dn + Dv) * a + t * H * Dv * a + 4 * H * t + ulysses_o
     Dm = max(Dqk, Dv)
     return saved + 2 * t * H * Dm * a + 2 * t * H * Dm * a + t * H * Dv * a + 4 * H * t
 
