@@ -24,6 +24,7 @@ CASES = [
     ("gqa_kv_replicated_ragged", [1, 13, 30, 7], 4, 1, 16, True, torch.float32),
     ("gqa_kv_split", [19, 2, 24], 8, 4, 8, True, torch.float32),
     ("kv2_full_mask_even", [16, 32], 4, 2, 8, False, torch.float32),
+    ("full_mask_ragged", [5, 22], 4, 1, 8, False, torch.float32),  # 2-D refuses it (padding keys)
     ("bf16_with_empty_seq", [9, 0, 16], 4, 4, 16, True, torch.bfloat16),
 ]
 SPLITS = ("u4", "u2", "u2xr2")  # U=4 over all ranks; U=2 in two cp groups of 2; 2-D over 4
@@ -90,6 +91,15 @@ def _sparse_case(plan, ctx, seed):
     return errors
 
 
+def _refused(plan, ctx, hq, hkv, d):
+    t = plan.local_num_tokens
+    try:
+        ctx(torch.zeros(t, hq, d), torch.zeros(t, hkv, d), torch.zeros(t, hkv, d), plan, causal=False)
+    except ValueError as e:
+        return [] if "non-causal 2-D" in str(e) else [str(e)]
+    return ["non-causal 2-D attention over padded sequences was not refused"]
+
+
 def _worker(rank, world, log):
     world_group = dist.group.WORLD
     pairs, _ = dist.new_subgroups(2)  # cp groups {0,1} and {2,3}
@@ -104,6 +114,9 @@ def _worker(rank, world, log):
         for layout in LAYOUTS:
             for i, (name, lens, hq, hkv, d, causal, dtype) in enumerate(CASES):
                 plan = ContextShardPlan(_cu(lens), cp_group, layout=layout)
+                if split == "u2xr2" and name == "full_mask_ragged":
+                    log.run(f"{split}-{layout}-{name}", _refused, plan, ctx, hq, hkv, d)
+                    continue
                 log.run(f"{split}-{layout}-{name}", _ring_case, plan, ctx, lens, hq, hkv, d, causal, dtype, "torch",
                         10 + i)
     for split in ("u4", "u2xr2"):

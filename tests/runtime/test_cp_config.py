@@ -86,3 +86,14 @@ def test_long_context_example_resolves_to_ulysses_cp4_on_16k_samples():
     assert set(p.tokens[:cfg.env.args["prefix_padding"]]) == {PAD}
     with pytest.raises(ValueError, match="prefix_padding"):
         ReverseText(prefix_padding=-1)
+
+
+def test_cpu_offload_on_one_rank_without_fsdp_is_refused():
+    """One CPU rank in float32 runs without FSDP2, so there is no CPUOffloadPolicy to apply: an error
+    naming the key, not a run that silently keeps everything where it was."""
+    from primerl.runtime.trainer import Trainer
+
+    cfg = load_config(None, ["--model.n_layers", "1", "--model.dim", "32", "--model.moe_dim", "16",
+                             "--trainer.parallel.cpu_offload", "true"])
+    with pytest.raises(ValueError, match="trainer.parallel.cpu_offload"):
+        Trainer(cfg, 12)

@@ -131,8 +131,11 @@ class Trainer:
         from primerl.models import parallelize
 
         param_dtype = self.placement.param_dtype  # bf16 under mixed precision, else the stored dtype
+        if par.cpu_offload and not self.fsdp:
+            raise ValueError("trainer.parallel.cpu_offload: needs FSDP2 (more than one trainer rank, or mixed "
+                             "precision); this trainer runs one rank without it")
         cp_kw = dict(cp_kind=par.cp_kind, cp_ulysses=cp_degrees(par, self.dims.cp)[0] if self.dims.cp > 1 else 0,
-                     cpu_offload=par.cpu_offload and self.fsdp)
+                     cpu_offload=par.cpu_offload)
         parallelize(self.model, self.dims, self.mesh, fsdp=self.fsdp,
                     activation_checkpointing=None if par.activation_checkpointing == "none" else par.activation_checkpointing,
                     ac_every=2, param_dtype=param_dtype, reduce_dtype=torch.float32,
