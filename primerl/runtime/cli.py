@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_placement(cfg), end="")
         return _dry_run_nodes(cfg)
     from . import job
-    from .output_dir import OutputDirError
+    from .output_dir import OutputDirError, OutputDirUnusable
 
     if args.command == "node":
         from .launch.node import NodeError, node_main
@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "rl":
         try:
             job.run_rl(cfg)
+        except OutputDirUnusable as e:
+            print(f"primerl: config error: {e}", file=sys.stderr)
+            return 2
         except (job.JobFailed, OutputDirError) as e:
             print(f"primerl rl: FAILED: {e}", file=sys.stderr)
             return 1

@@ -296,14 +296,15 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     if origin in (list, dict):
-        if isinstance(value, str):  # from the command line: JSON
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                if origin is list:
-                    value = [v for v in value.split(",") if v]
+        if isinstance(value, str):  # from the command line: JSON or a TOML inline table / array
+            parsed = _parse_scalar(value)
+            if parsed is value and origin is list:
+                parsed = [v for v in value.split(",") if v]
+            value = parsed
         if not isinstance(value, origin):
-            raise ConfigError(f"{key}: expected a {origin.__name__}, got {value!r}")
+            hint = {dict: " (a JSON object '{\"k\": 1}' or a TOML inline table '{k = 1}')",
+                    list: " (a JSON or TOML array '[1, 2]', or 'a,b')"}[origin]
+            raise ConfigError(f"{key}: expected a {origin.__name__}{hint}, got {value!r}")
         return value
     return value
 
@@ -354,6 +355,11 @@ def _parse_scalar(raw: Any) -> Any:
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
+        if raw.strip()[:1] in ("{", "["):  # the TOML inline syntax the config files use: {delta_low = 0.2}
+            try:
+                return tomllib.loads(f"v = {raw}")["v"]
+            except tomllib.TOMLDecodeError:
+                return raw
         low = raw.lower()
         if low in ("true", "false"):
             return low == "true"
@@ -391,11 +397,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
     cfg = from_dict(RLConfig, data)
-    for key, val in parse_overrides(overrides or []):
+    file_loss = (cfg.trainer.loss.method, dict(cfg.trainer.loss.hparams))
+    pairs = parse_overrides(overrides or [])
+    for key, val in pairs:
         apply_override(cfg, key, val)
+    _drop_replaced_method_hparams(cfg, *file_loss, [k for k, _ in pairs])
     if check:
         validate(cfg)
     return cfg
+
+
+def _drop_replaced_method_hparams(cfg: RLConfig, file_method: str, file_hparams: dict, keys: list[str]) -> None:
+    """``--trainer.loss.method X`` on the command line replaces the file's method, and with it that
+    method's own hyperparameters in the file's ``hparams`` (dppo_tv's delta_low/delta_high under
+    ppo_clip are an error, not a setting): those X does not use are dropped, with a warning. Kept:
+    names X also uses (kl_coef), those of corrections/terms, and anything set on the command line."""
+    import logging
+
+    from primerl.rl.losses import DEFAULT_HPARAMS
+
+    loss = cfg.trainer.loss
+    if ("trainer.loss.method" not in keys or "trainer.loss.hparams" in keys or loss.method == file_method
+            or file_method not in DEFAULT_HPARAMS):
+        return
+    new_names = DEFAULT_HPARAMS.get(loss.method, {})
+    given = {k.removeprefix("trainer.loss.hparams.") for k in keys if k.startswith("trainer.loss.hparams.")}
+    drop = [k for k in file_hparams if k in DEFAULT_HPARAMS[file_method] and k not in new_names and k not in given]
+    if drop:
+        for k in drop:
+            loss.hparams.pop(k, None)
+        logging.getLogger("primerl.config").warning(
+            "trainer.loss.method = %r (command line) replaces the file's %r: its hyperparameters %s are dropped "
+            "(pass --trainer.loss.hparams to set the new method's)", loss.method, file_method, ", ".join(drop))
 
 
 def _need(cond: bool, key: str, msg: str, value: Any) -> None:
@@ -495,6 +528,9 @@ def validate(cfg: RLConfig) -> None:
     validate_deployment(cfg)  # the node plan: ranks per node, hosts, rendezvous address
     validate_names(cfg)
     validate_parallel(cfg)
+    from .job_checks import validate_job
+
+    validate_job(cfg)  # combinations the job can only fail on after starting (issue 37)
     from .placement import resolve_placement
 
     resolve_placement(cfg)  # device, GPUs, precision and weight path: named errors before anything starts

@@ -101,19 +101,35 @@ def orchestrator_main(cfg: RLConfig) -> None:
     transport = make_transport(cfg, Path(cfg.output_dir) / "transport", "orchestrator")
     transport.drop_batches_from(start)
     client = make_client(cfg, env.vocab_size)
-    orch = build_orchestrator(cfg, env, client, transport, start_step=start,
-                        trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
-                        top_k=model_config(cfg, env.vocab_size).top_k)
-    if cfg.orchestrator.metrics_port:
-        from .orchestrator.monitor import OrchestratorMonitor
-
-        orch.monitor = OrchestratorMonitor(cfg.orchestrator.metrics_host, cfg.orchestrator.metrics_port).start()
 
     def on_batch(step, m):
         log.info("batch %d written: reward %.3f off_policy<=%d version %d %.0f tok/s", step, m["reward/mean"],
                  m["off_policy/max"], m["policy_version"], m["inference/tokens_per_s"])
 
-    orch.run(on_batch=on_batch)
+    receiver = getattr(client, "receiver", None)
+    try:
+        orch = build_orchestrator(cfg, env, client, transport, start_step=start,
+                            trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
+                            top_k=model_config(cfg, env.vocab_size).top_k)
+        if cfg.orchestrator.metrics_port:
+            from .orchestrator.monitor import OrchestratorMonitor
+
+            orch.monitor = OrchestratorMonitor(cfg.orchestrator.metrics_host, cfg.orchestrator.metrics_port).start()
+        orch.run(on_batch=on_batch)
+        if receiver is not None:  # until the trainer's end-of-updates message (weight_sync.EngineWeightReceiver.close)
+            receiver.close()
+    except BaseException:
+        _exit_past_receiver(receiver)
+        raise
+
+
+def _exit_past_receiver(receiver) -> None:
+    """A failed orchestrator whose weight receiver still waits in a collective: exit at once with
+    the traceback logged (rc 1); a normal exit would abort (-6) on the receiver's live thread."""
+    if receiver is not None and receiver.alive:
+        log.exception("the orchestrator failed (its weight receiver is still in the trainer's group)")
+        logging.shutdown()
+        os._exit(1)
 
 
 # ------------------------------------------------------------------------------------ launcher
@@ -173,5 +189,5 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
         raise errors[0]
     receiver = getattr(client, "receiver", None)
     if receiver is not None:  # the trainer said goodbye: let the receiving thread leave its group
-        receiver.join(timeout=30)
+        receiver.close(timeout=30)
     return read_metrics(out / "metrics.jsonl")

@@ -26,7 +26,8 @@ from pathlib import Path
 
 LOCK_NAME = ".primerl.lock"
 
-__all__ = ["LOCK_NAME", "OutputDirError", "OutputDirBusy", "OutputDirNotEmpty", "OutputDirLock", "claim_output_dir"]
+__all__ = ["LOCK_NAME", "OutputDirError", "OutputDirBusy", "OutputDirNotEmpty", "OutputDirUnusable", "OutputDirLock",
+           "claim_output_dir"]
 
 
 class OutputDirError(RuntimeError):
@@ -41,6 +42,12 @@ class OutputDirNotEmpty(OutputDirError):
     pass
 
 
+class OutputDirUnusable(OutputDirError):
+    """output_dir cannot be created or written (a file in the way, no permission, a kernel
+    filesystem): a config error (``primerl rl`` exits 2), found when ``config.validate``'s look at
+    the path could not tell."""
+
+
 class OutputDirLock:
     """An exclusive, non-blocking ``flock`` on ``<output_dir>/.primerl.lock`` (context manager)."""
 
@@ -50,8 +57,12 @@ class OutputDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> "OutputDirLock":
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise OutputDirUnusable(f"output_dir: cannot create or write {self.dir}: {e.strerror or e} "
+                                    f"({type(e).__name__}); choose another --output_dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -81,8 +92,18 @@ class OutputDirLock:
         self.release()
 
 
+# What ``primerl rl`` writes before the trainer's first step (the resolved config, the processes'
+# logs and pids, the transport with its initial weights, vLLM's initial policy, the warm start, which
+# a new start redoes anyway): a directory holding only these is a start that failed, not a run whose
+# work a new start would delete, so it is reused (its logs are appended to: the failure stays readable).
+_START_FILES = frozenset({"config.toml", "logs", "pids", "transport", "vllm_init", "warm_start"})
+
+
 def _previous_run_files(out: Path) -> list[str]:
-    return sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) if out.is_dir() else []
+    found = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME) if out.is_dir() else []
+    started = set(found) - {"metrics.jsonl"} if (out / "metrics.jsonl").is_file() and \
+        (out / "metrics.jsonl").stat().st_size == 0 else set(found)  # opened by the trainer, no step logged
+    return [] if started <= _START_FILES else found
 
 
 def claim_output_dir(cfg) -> OutputDirLock:

@@ -3,8 +3,9 @@
 - one GPU: trainer and embedded engine share it for 24 steps of the GPU example; parameters,
   the KV cache and the engine's logits live on CUDA, the trainer computes in bf16 over float32
   master weights, and the reward rises.
+- one GPU through the launcher (``run_rl``: two processes sharing it).
 - two GPUs: the engine on GPU 0, the trainer on GPU 1, weights by NCCL broadcast (the
-  processes' logs say where each side ran).
+  processes' logs say where each side ran), at async levels 0 and 1.
 - two NCCL trainer ranks against one process (the gold test of test_trainer_parallel, on GPUs).
 """
 
@@ -78,6 +79,19 @@ def test_one_gpu_job_trains_on_the_gpu(tmp_path):
     assert rows[-1]["memory/trainer_peak_gb"] > 0 and rows[-1]["memory/engine_peak_gb"] > 0
 
 
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
+def test_one_gpu_job_through_the_launcher(tmp_path):
+    """The same layout as ``primerl rl`` runs it: two processes sharing the GPU (files)."""
+    from primerl.runtime.job import run_rl
+
+    cfg = _gpu_cfg(tmp_path / "job", "--max_steps", "4", "--inference.gpu_ids", "[0]")
+    rows = run_rl(cfg, quiet=True)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    logs = Path(cfg.output_dir) / "logs"
+    assert "embedded engine on cuda:0" in (logs / "orchestrator.log").read_text()
+    assert rows[-1]["memory/trainer_peak_gb"] > 0 and rows[-1]["memory/engine_peak_gb"] > 0
+
+
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs (engine on one, trainer on another); {GPUS} visible")
 def test_two_gpu_layout_puts_the_engine_on_its_own_gpu(tmp_path):
     from primerl.runtime.job import run_rl
@@ -91,6 +105,11 @@ def test_two_gpu_layout_puts_the_engine_on_its_own_gpu(tmp_path):
     logs = Path(cfg.output_dir) / "logs"
     assert "embedded engine on cuda:0" in (logs / "orchestrator.log").read_text()
     assert "on cuda:1" in (logs / "trainer.log").read_text()
+    # async level 1: the orchestrator's last batch comes before the trainer's last versions (NCCL)
+    rows = run_rl(_gpu_cfg(tmp_path / "async1", "--max_steps", "6", "--orchestrator.max_async_level", "1"), quiet=True)
+    assert len(rows) == 6
+    log = (tmp_path / "async1" / "logs" / "orchestrator.log").read_text()
+    assert "the trainer ended its updates after version 6" in log
 
 
 def _nccl_worker(rank, world, tmp, ref):

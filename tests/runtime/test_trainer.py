@@ -171,4 +171,25 @@ def test_padded_attention_path_matches_the_kernel_path():
     assert g0.keys() == g1.keys() and len(g0) > 10
     for n in g0:
         assert torch.allclose(g0[n], g1[n], rtol=1e-4, atol=1e-6 * float(g0[n].abs().max())), n
-    assert t.model.layers[0].attention.context_attention is None  # the hook is removed again
+    # the hook stays (activation checkpointing recomputes through it) and leaves the kernel path alone
+    assert torch.equal(t.model(mb.input_ids, mb.position_ids, mb.cu_seqlens), h0)
+
+
+MLA = ["--model.family", "deepseek_v3", "--model.n_kv_heads", "4", "--model.extra", '{"kv_lora_rank": 16, '
+       '"qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16}']
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("path", ["padded", "kernel", "mla_padded"])
+def test_activation_checkpointing_gives_the_same_step_on_every_attention_path(path, mode):
+    """The recompute in backward takes the forward's attention path (padded SDPA's hook included):
+    a step under activation checkpointing has the gradients of the step without it."""
+    over = ["--model.n_layers", "2", "--trainer.router_replay", "false", "--trainer.attention", "kernel" if path == "kernel" else "padded",
+            *(MLA if path.startswith("mla") else [])]
+    plain = Trainer(_cfg(*over), V)
+    ckpt = Trainer(_cfg(*over, "--trainer.parallel.activation_checkpointing", mode), V)
+    assert ckpt.padded == (path != "kernel")
+    ga, gb = record_grads(plain), record_grads(ckpt)
+    ma, mb = plain.train_step(_payload(_samples(5), 64)), ckpt.train_step(_payload(_samples(5), 64))
+    assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-5, abs=1e-7)
+    assert_same_grads(ga, gb)

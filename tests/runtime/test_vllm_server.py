@@ -53,7 +53,8 @@ def _step(model: MoETransformer, seed: int) -> MoETransformer:
 def _cfg(port: int, *over: str):
     return load_config(None, ["--inference.backend", "vllm", "--inference.vllm.url", f"http://127.0.0.1:{port}",
                               "--inference.vllm.port", str(port), "--inference.vllm.max_model_len", "64",
-                              "--inference.capture_routing", "false", "--inference.vllm.extra_args",
+                              "--inference.capture_routing", "false", "--trainer.router_replay", "false",
+                              "--inference.vllm.extra_args",
                               '["--enforce-eager"]', *over])
 
 

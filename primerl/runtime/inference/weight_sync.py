@@ -43,12 +43,12 @@ class BroadcastWeightSender:
     this side broadcasts; without it the receivers call ``receive_update`` in a loop themselves."""
 
     def __init__(self, host: str, port: int, num_receivers: int, *, timeout_s: float = 300.0,
-                 rpc_url: str | None = None, backend: str | None = None):
+                 rpc_url: str | None = None, backend: str | None = None, peer: str = "a receiver"):
         if num_receivers < 1:
             raise ValueError(f"num_receivers must be >= 1, got {num_receivers}")
         self.host, self.port, self.num_receivers, self.backend = host, port, num_receivers, backend
         self.timeout_s, self.rpc_url = timeout_s, rpc_url.rstrip("/") if rpc_url else None
-        self.group = None
+        self.group, self.peer = None, peer  # peer: who receives, for the errors
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-rpc") if self.rpc_url else None
 
     @classmethod
@@ -110,7 +110,7 @@ class BroadcastWeightSender:
                                    backend=self.backend)
         except Exception as e:  # noqa: BLE001 (the store raises a bare RuntimeError/DistNetworkError on timeout)
             raise WeightSyncError(f"weight broadcast group at {self.host}:{self.port}: {self.num_receivers} "
-                                  f"receiver(s) did not join within {self.timeout_s} s ({e})") from e
+                                  f"receiver(s) ({self.peer}) did not join within {self.timeout_s} s ({e})") from e
         self._finish(fut, "joining the weight broadcast group")
         return self
 
@@ -123,7 +123,7 @@ class BroadcastWeightSender:
         try:
             send_update(self.group, version, tensors)
         except Exception as e:  # noqa: BLE001
-            raise WeightSyncError(f"broadcast of weights version {version} failed (a receiver died or timed out "
+            raise WeightSyncError(f"broadcast of weights version {version} failed ({self.peer} died or timed out "
                                   f"after {self.timeout_s} s): {e}") from e
         self._finish(fut, f"weights version {version}")
 
@@ -139,10 +139,23 @@ class BroadcastWeightSender:
                 log.warning("weight broadcast: the end-of-updates message failed: %s", e)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if goodbye:
+            _shutdown(self.group)
         self.group = None
 
 
 END_OF_UPDATES = -1  # the version of the goodbye message
+
+
+def _shutdown(group) -> None:
+    """Leave a process group made by ``vllm_worker.new_group`` in order (its worker threads joined
+    now, not in a destructor at the process's exit)."""
+    if group is None:
+        return
+    try:
+        group.shutdown()
+    except Exception as e:  # noqa: BLE001 - a peer already gone: nothing left to tell it
+        log.debug("weight broadcast: shutting the group down: %s", e)
 
 
 class EngineWeightReceiver:
@@ -161,7 +174,8 @@ class EngineWeightReceiver:
         self._cv = threading.Condition()
         self._got: dict[int, dict[str, torch.Tensor]] = {}
         self._error: BaseException | None = None
-        self._ended = False
+        self._ended = self._draining = False
+        self.last_version: int | None = None
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
 
     def start(self) -> "EngineWeightReceiver":
@@ -171,6 +185,7 @@ class EngineWeightReceiver:
     def _run(self) -> None:
         from .vllm_worker import new_group, receive_update
 
+        group = None
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -183,19 +198,49 @@ class EngineWeightReceiver:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()  # the tensors are complete before the hand-over
                 with self._cv:
-                    self._got[version] = dict(weights)
+                    self.last_version = version
+                    if not self._draining:  # after close(): received (the trainer's send completes), not kept
+                        self._got[version] = dict(weights)
                     self._cv.notify_all()
-        except BaseException as e:  # noqa: BLE001 - reported by take()
+        except BaseException as e:  # noqa: BLE001 - reported by take() and close()
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
             return
+        finally:
+            _shutdown(group)
         with self._cv:
             self._ended = True
             self._cv.notify_all()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """The job's end: receive (and drop) every version the trainer still sends until its
+        end-of-updates message, then leave the group. The trainer sends each version (the last is
+        ``max_steps``) whether or not the engine needs it, so the receiver must stay until the
+        goodbye: gone earlier, the trainer's send fails; and a process that exits while this thread
+        waits in a collective aborts (a joinable C++ thread destroyed at exit).
+
+        Raises :class:`WeightSyncError` when the trainer neither says goodbye nor fails within
+        ``timeout`` (default: the receiver's own timeout, plus a margin)."""
+        timeout = self.timeout_s + 30.0 if timeout is None else timeout
+        with self._cv:
+            self._draining = True
+            self._got.clear()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise WeightSyncError(f"weight broadcast: the trainer sent no end-of-updates message within {timeout} s "
+                                  f"(last version received: {self.last_version})")
+        if self._error is not None:
+            raise WeightSyncError(f"weight broadcast: the receiver failed after version {self.last_version} "
+                                  f"before the trainer's end-of-updates message: {self._error!r}") from self._error
+        log.info("weight broadcast: the trainer ended its updates after version %s", self.last_version)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def take(self, version: int, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """The tensors of ``version`` (dropping any older version still held); waits for them."""
@@ -228,7 +273,8 @@ class WeightPublisher:
         if not self.hf and placement.weight_update == "broadcast":
             self.engine_sender = BroadcastWeightSender("127.0.0.1", i.broadcast_port, 1,
                                                        timeout_s=cfg.orchestrator.weights_timeout_s,
-                                                       backend=placement.broadcast_backend)
+                                                       backend=placement.broadcast_backend,
+                                                       peer="the orchestrator (embedded engine's receiver)")
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         from .hf_weights import hf_weights, publish_hf

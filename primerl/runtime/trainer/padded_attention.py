@@ -53,14 +53,31 @@ def padded_attention(q, k, v, plan: PaddedPlan, *, causal: bool = True, softmax_
     return o.transpose(1, 2)[seq, pos]
 
 
+class _PaddedOrInner:
+    """The attention hook :func:`padded_forward` leaves on each layer: a :class:`PaddedPlan` goes to
+    :func:`padded_attention`, any other plan to the hook that was there before (if any).
+
+    It stays installed after the forward: activation checkpointing recomputes each block's forward
+    inside the backward, after ``padded_forward`` has returned, and the recompute must take the
+    same path (a hook removed on return left the recompute with no way to read a PaddedPlan)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, q, k, v, plan, **kwargs):
+        if isinstance(plan, PaddedPlan):
+            return padded_attention(q, k, v, plan, **kwargs)
+        if self.inner is None:
+            raise TypeError(f"attention: cu_seqlens must be a tensor or a plan, got {type(plan).__name__}")
+        return self.inner(q, k, v, plan, **kwargs)
+
+
 def padded_forward(model, input_ids, position_ids, cu_seqlens, *, replay_ids=None):
-    """``model(...)`` with every attention layer on the padded SDPA path (hidden states ``[T, D]``)."""
-    layers = [layer.attention for layer in model.layers]
-    saved = [a.context_attention for a in layers]
-    for a in layers:
-        a.context_attention = padded_attention
-    try:
-        return model(input_ids, position_ids, PaddedPlan(cu_seqlens), replay_ids=replay_ids)
-    finally:
-        for a, s in zip(layers, saved):
-            a.context_attention = s
+    """``model(...)`` with every attention layer on the padded SDPA path (hidden states ``[T, D]``).
+    Backward-safe under activation checkpointing (see :class:`_PaddedOrInner`); calls with a
+    ``cu_seqlens`` tensor or another plan are unaffected."""
+    for layer in model.layers:
+        a = layer.attention
+        if not isinstance(a.context_attention, _PaddedOrInner):
+            a.context_attention = _PaddedOrInner(a.context_attention)
+    return model(input_ids, position_ids, PaddedPlan(cu_seqlens), replay_ids=replay_ids)

@@ -1,0 +1,159 @@
+"""The embedded engine's weight paths through the real launcher (``run_rl``: two processes, torchrun
+for 2 trainer ranks), as ``primerl rl`` runs them, and a kill -9 of the orchestrator mid-broadcast.
+(tests/runtime/test_device_job.py runs the broadcast in one process, ``run_threads``.)"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from primerl.runtime.config import load_config
+from primerl.runtime.job import JobFailed, prepare_output, run_rl
+from primerl.runtime.lifetime import pid_alive
+from primerl.runtime.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--orchestrator.batch_size", "4", "--orchestrator.group_size", "4", "--checkpoint.interval", "0",
+         "--log.plot", "false", "--log.progress", "false", "--orchestrator.weights_timeout_s", "60",
+         "--trainer.batch_timeout_s", "60"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cfg(out, *over):
+    return load_config(ROOT / "examples" / "reverse_text.toml",
+                       ["--output_dir", str(out), *SMALL, "--inference.broadcast_port", str(_port()), *over])
+
+
+def _no_job_process_left(out: Path) -> None:
+    pids = dict(line.split() for line in (out / "pids").read_text().splitlines())
+    left = [name for name, pid in pids.items() if pid_alive(int(pid)) and _state(int(pid)) != "Z"]
+    assert not left, f"still running after the job: {left}"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_every_weight_update_mode_through_the_launcher(tmp_path, ranks):
+    """One rank: filesystem and broadcast at the synchronous level give the same run (the same
+    versions sampled; files over 2 ranks through run_rl are in test_job.py). Broadcast at async
+    level 1, where the orchestrator writes its last batch before the trainer publishes its last
+    versions, ends with every step and exit 0 (it used to abort, -6), on 1 and 2 trainer ranks."""
+    steps, r = "3", ["--num_trainer_ranks", str(ranks)]
+    if ranks == 1:
+        _files_and_broadcast_give_the_same_run(tmp_path, steps, r)
+    async1 = run_rl(_cfg(tmp_path / "async1", "--max_steps", steps, "--orchestrator.max_async_level", "1",
+                         "--inference.weight_update", "broadcast", *r), quiet=True)
+    assert [x["step"] for x in async1] == [0, 1, 2]
+    log = (tmp_path / "async1" / "logs" / "orchestrator.log").read_text()
+    assert "the trainer ended its updates after version 3" in log, log[-2000:]
+    for run in ("files", "bcast", "async1")[(ranks > 1) * 2:]:
+        _no_job_process_left(tmp_path / run)
+
+
+def _files_and_broadcast_give_the_same_run(tmp_path, steps, r):
+    files = run_rl(_cfg(tmp_path / "files", "--max_steps", steps, "--orchestrator.max_async_level", "0", *r), quiet=True)
+    bcast = run_rl(_cfg(tmp_path / "bcast", "--max_steps", steps, "--orchestrator.max_async_level", "0",
+                        "--inference.weight_update", "broadcast", *r), quiet=True)
+    assert [x["step"] for x in bcast] == [x["step"] for x in files] == [0, 1, 2]
+    for a, b in zip(files, bcast):
+        assert (a["reward/mean"], a["policy_version"]) == (b["reward/mean"], b["policy_version"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-9)
+    versions = sorted((tmp_path / "bcast" / "transport" / "weights").glob("step_*"))
+    assert versions and not any((d / "model.safetensors").exists() for d in versions)
+
+
+@pytest.mark.slow
+def test_failing_orchestrator_with_a_broadcast_receiver_exits_1_with_its_error(tmp_path):
+    """Its receiver thread is still in the trainer's group: the process exits 1 with the traceback
+    logged (it used to abort, -6, "terminate called without an active exception")."""
+    cfg = _cfg(tmp_path / "run", "--max_steps", "3", "--inference.weight_update", "broadcast",
+               "--env.id", "tests.runtime._envs:AlwaysRaises", "--env.max_retries", "0")
+    with pytest.raises(JobFailed, match="the orchestrator exited with code 1") as e:
+        run_rl(cfg, quiet=True)
+    assert "grader crashed" in str(e.value) and "terminate called" not in str(e.value), e.value
+    _no_job_process_left(tmp_path / "run")
+    # no step ran: the rerun in the same output_dir is not refused (and keeps the failed start's log)
+    rows = run_rl(_cfg(tmp_path / "run", "--max_steps", "1", "--inference.weight_update", "broadcast"), quiet=True)
+    assert [x["step"] for x in rows] == [0]
+    assert "grader crashed" in (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
+
+
+@pytest.mark.slow
+def test_kill_orchestrator_mid_broadcast_fails_the_trainer_naming_it(tmp_path):
+    """The two job processes as the launcher starts them, without the launcher (which would stop
+    the trainer itself): every batch is written up front (async level = max_steps), so the trainer
+    never waits for one; killed once the trainer has joined the group and trained a step, the
+    orchestrator's receiver is in a collective, and the trainer's next broadcast meets its end."""
+    steps = 8
+    cfg = _cfg(tmp_path / "run", "--max_steps", str(steps), "--orchestrator.max_async_level", str(steps),
+               "--orchestrator.max_off_policy_steps", str(steps), "--inference.weight_update", "broadcast",
+               "--orchestrator.weights_timeout_s", "20", "--trainer.batch_timeout_s", "20",
+               "--trainer.attention", "kernel")  # the slower path: the trainer is still mid-run at the kill
+    out = Path(cfg.output_dir)
+    prepare_output(cfg)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("PRIMERL_LAUNCHER_PID", None)
+
+    def spawn(name, peer):
+        return subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", name, "--config", str(out / "config.toml")],
+                                stdout=open(out / "logs" / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+                                env=dict(env, PRIMERL_PEER_PID=str(peer)))
+
+    orch = spawn("orchestrator", os.getpid())
+    trainer = spawn("trainer", orch.pid)
+    try:
+        deadline = time.monotonic() + 120
+        last = f"batch {steps - 1} written"
+        while last not in (out / "logs" / "orchestrator.log").read_text() or not read_metrics(out / "metrics.jsonl"):
+            assert orch.poll() is None and trainer.poll() is None, (out / "logs" / "orchestrator.log").read_text()
+            assert time.monotonic() < deadline, "the orchestrator did not write every batch"
+            time.sleep(0.05)
+        assert trainer.poll() is None, "the trainer finished before the kill: the test needs a slower trainer"
+        orch.send_signal(signal.SIGKILL)
+        orch.wait(10)
+        t0 = time.monotonic()
+        rc = trainer.wait(20 + 30)  # its weights timeout, and a margin for a loaded machine
+        took = time.monotonic() - t0
+    finally:
+        for p in (orch, trainer):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    log = (out / "logs" / "trainer.log").read_text()
+    assert rc not in (0, None), log[-3000:]
+    assert "WeightSyncError" in log and "the orchestrator" in log, log[-3000:]
+    assert "broadcast of weights version" in log and "Connection closed by peer" in log, log[-3000:]
+    assert took < 50, took
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("mode, ranks", [("full", 1), ("selective", 2)])
+def test_activation_checkpointing_trains_on_the_default_attention_path(tmp_path, mode, ranks):
+    """The CPU's default attention (padded SDPA) under activation checkpointing, as ``primerl rl``
+    runs it (it failed at step 0: the recompute in backward lost the padded path). The gradients
+    on every path: tests/runtime/test_trainer.py."""
+    rows = run_rl(_cfg(tmp_path / "run", "--max_steps", "2", "--num_trainer_ranks", str(ranks),
+                       "--trainer.parallel.activation_checkpointing", mode), quiet=True)
+    assert [x["step"] for x in rows] == [0, 1]
+    assert all(math.isfinite(x["loss"]) for x in rows)
