@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from .trainer.vf_warmstart import job_warm_start
 from .config import RLConfig
 from .launch.machine import (JobFailed, _spawn, _stop, _tail, first_failure, launched_vllm,  # noqa: F401 (re-exported)
                              prepare_output, run_rl, start_step)
-from .lifetime import pid_alive, watch_launcher
+from .lifetime import pid_alive, setup_logging, watch_launcher  # noqa: F401 (setup_logging re-exported)
 from .metrics import read_metrics
 from .output_dir import claim_output_dir
 from .placement import resolve_placement
@@ -30,10 +29,6 @@ log = logging.getLogger("primerl")
 
 def _pid_alive(pid: int | None):
     return (lambda: pid_alive(pid)) if pid else None
-
-
-def setup_logging(name: str) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------ processes

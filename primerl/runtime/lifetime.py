@@ -72,3 +72,18 @@ def watch_launcher(interval_s: float = 0.5) -> threading.Thread | None:
     th = threading.Thread(target=watch, name="launcher-watchdog", daemon=True)
     th.start()
     return th
+
+
+def setup_logging(name: str) -> None:
+    """A process's log lines: time, its name (trainer / orchestrator / ...), level, message."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def log_tail(path, n: int = 15) -> str:
+    """The last ``n`` lines of a process's log, for the message naming it when it failed."""
+    from pathlib import Path
+
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"

@@ -433,7 +433,7 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000) -> None:
 
     from primerl.rl.envs import load_environment
 
-    from ..job import setup_logging
+    from ..lifetime import setup_logging
     from ..placement import resolve_placement
     from ..policy import build_model
 

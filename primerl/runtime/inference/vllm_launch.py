@@ -126,7 +126,7 @@ class VLLMLauncher:
             except InferenceServerError:
                 pass
             if self.proc.poll() is not None:
-                from ..job import _tail
+                from ..lifetime import log_tail as _tail
 
                 raise InferenceServerError(f"the vLLM server exited with code {self.proc.returncode} before answering "
                                            f"/health; end of {self.log_path}:\n{_tail(self.log_path)}")

@@ -1,7 +1,16 @@
-"""Starting the job's processes: on one machine, on nodes started by hand or any scheduler
-(``primerl node``), and under SLURM (an sbatch script from a Jinja2 template).
+"""Starting the job's processes: what runs where, in one place.
 
-What runs where is the node plan (``deployment.node_plan``): ``primerl rl --dry-run`` prints it.
+- ``deployment``: ``[deployment]`` as a node plan (role, trainer ranks and GPUs of every node, the
+  rendezvous); ``primerl rl --dry-run`` prints it; impossible plans are ``ConfigError``s.
+- ``machine``: one machine (``kind = "local"``, the default): ``run_rl`` starts the trainer
+  (``torchrun --standalone`` when several ranks) and the orchestrator with its engine.
+- ``node``: ``primerl node --role trainer|orchestrator|inference``, one node of a multi-node job for
+  any scheduler; trainer nodes run torchrun with c10d rendezvous; configs compared at the store.
+- ``local``: ``kind = "nodes"`` with 127.x hosts, every node started by ``primerl rl`` here.
+- ``slurm``: ``kind = "slurm"``, an sbatch script rendered from ``templates/sbatch.sh.j2``.
+
+The processes themselves: ``job.trainer_main`` / ``job.orchestrator_main`` (``primerl trainer`` /
+``primerl orchestrator``) and ``inference.server.serve`` (``primerl inference``).
 """
 
 from .deployment import (DEFAULT_RDZV_PORT, Node, NodePlan, check_rendezvous_port, config_hash, describe_nodes,

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..config import RLConfig, to_toml
-from ..lifetime import LAUNCHER_PID_ENV, die_with_parent
+from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, log_tail
 from ..metrics import ascii_curve, progress_line, read_metrics, save_plot
 from ..output_dir import claim_output_dir
 from ..trainer.checkpoint import latest_checkpoint, remove_stale_tmp_dirs
@@ -43,11 +43,7 @@ class JobFailed(RuntimeError):
     pass
 
 
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
+_tail = log_tail
 
 
 def first_failure(procs: dict[str, subprocess.Popen], log_dir: Path) -> str | None:
