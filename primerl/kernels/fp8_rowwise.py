@@ -57,6 +57,13 @@ def _q(x: torch.Tensor):
     return quant_rowwise(x.contiguous())
 
 
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The emulation's float32 ``torch._grouped_mm``, traceable (its meta kernel takes bf16 only)."""
+    from .gemm._opaque_ops import grouped_mm
+
+    return grouped_mm(a, b, offsets)
+
+
 def scaled_mm(aq, sa, bq, sb) -> torch.Tensor:
     """aq [M, C], sa [M, 1], bq [N, C], sb [N, 1] -> bf16 [M, N] = (aq*sa) @ (bq*sb).T."""
     if _kernels(aq):
@@ -72,7 +79,7 @@ def scaled_grouped_mm(aq, sa, bq, sb, offsets) -> torch.Tensor:
     else:
         a = aq.float() * sa[:, None]
         b = bq.float() * sb[..., None]
-        out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets).to(torch.bfloat16)
+        out = _grouped_mm(a, b.transpose(-2, -1), offsets).to(torch.bfloat16)
     tail = torch.arange(out.shape[0], device=out.device) >= offsets[-1]
     return out.masked_fill_(tail[:, None], 0)
 
@@ -88,7 +95,7 @@ def scaled_k_grouped_mm(atq, sat, btq, sbt, offsets) -> torch.Tensor:
     grp = torch.searchsorted(offsets, cols, right=True).clamp_max(groups - 1)
     a = atq.float() * sat.view(groups, -1)[grp].t()
     b = btq.float() * sbt.view(groups, -1)[grp].t()
-    return torch._grouped_mm(a, b.t(), offs=offsets).to(torch.bfloat16)
+    return _grouped_mm(a, b.t(), offsets).to(torch.bfloat16)
 
 
 def _padded_rows(x: torch.Tensor, offsets: torch.Tensor, align: int):

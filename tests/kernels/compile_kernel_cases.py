@@ -220,7 +220,7 @@ def _moe_cases():
         ("moe.expert_counts", lambda i: M.expert_counts(i, E), ids, False),
         ("moe.moe_align", lambda i: M.moe_align(i, E, 4), ids, False),
         ("moe.permute", lambda x, i: M.permute(x, i, E), perm, True),
-        ("moe.permute(align=4)", lambda x, i: M.permute(x, i, E, 4), perm, True),
+        ("moe.permute(align=4,num_rows)", lambda x, i: M.permute(x, i, E, 4, num_rows=T * TOPK + E * 3), perm, True),
         ("moe.unpermute_combine", lambda y, rm, w: M.unpermute_combine(y, rm, w), combine, True),
         ("moe.fused_experts", fused(), experts, True),
         ("moe.fused_experts(bf16)", fused(), lambda s: experts(s, torch.bfloat16), True),
