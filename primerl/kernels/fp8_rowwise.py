@@ -29,6 +29,7 @@ import contextlib
 
 import torch
 
+from ._opaque import tracing
 from .fp8 import quant_rowwise
 
 ALIGN = 16  # FP8 operands: 16-byte rows, so dims and wgrad token groups are multiples of 16
@@ -144,6 +145,9 @@ def _q_transposed(w: torch.Tensor):
     """Rowwise quantization of ``w[G, N, K].transpose(-2, -1)`` (scales over N) -> (q [G, K, N]
     contiguous, s [G, K]), one group at a time: the transient transposed copy is one expert's, not
     all experts' weights."""
+    if tracing(w):  # inductor cannot lower copies into slices of an fp8 buffer: stack (same bits)
+        parts = [_q(w[g].t()) for g in range(w.shape[0])]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1].view(-1) for p in parts])
     q = torch.empty(w.shape[0], w.shape[2], w.shape[1], dtype=torch.float8_e4m3fn, device=w.device)
     s = torch.empty(w.shape[0], w.shape[2], dtype=torch.float32, device=w.device)
     for g in range(w.shape[0]):

@@ -129,7 +129,7 @@ def _gemm_cases():
 
     def fp8_masked_gemm(x, w, mm):
         y = G.m_grouped_fp8_gemm_nt_masked(F8.quant_per_token_group(x, 128), F8.quant_per_block(w), mm, 4)
-        valid = torch.arange(4)[None, :, None] < mm[:, None, None]
+        valid = torch.arange(4, device=y.device)[None, :, None] < mm[:, None, None]
         return torch.where(valid, y, 0)  # rows past masked_m hold whatever the allocator left
 
     def colwise(seed):

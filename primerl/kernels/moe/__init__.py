@@ -64,7 +64,7 @@ def _check_ids(op: str, name: str, ids, num_experts: int, shape=None, unique_row
             row = int(dup.nonzero()[0, 0])
             return f"row {row} is {ids[row].tolist()}"
 
-        check_values(~dup.any(), f"{op}: {name} has a repeated expert in a row", detail)
+        check_values(~dup.any(), f"{op}: {name} has a repeated expert (within a row)", detail)
 
 
 def _weights_float32(op: str, topk_weights: torch.Tensor) -> torch.Tensor:
