@@ -221,6 +221,24 @@ def _opcheck_samples():
         ("fp8_linear_bwd", (gb, xb.detach(), wb.detach(), "blockwise_fp8_wgrad", None, True, True)),
         ("fp8_grouped_linear_fwd", (xb, wg, goffs, "blockwise", None)),
         ("fp8_grouped_linear_bwd", (gb, xb.detach(), wg.detach(), goffs, "blockwise_fp8_wgrad", None, True, True)),
+    ] + _opcheck_triton_samples(g)
+
+
+def _opcheck_triton_samples(g):
+    if not K.backend_status("triton").available:
+        return []
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)]).to(torch.int32)
+    row_map = torch.randperm(10, generator=g).view(5, 2).to(torch.int32)
+    gu = torch.randn(6, 16, generator=g)
+    return [
+        ("moe_align_triton", (ids, 4, 4)),
+        ("moe_expert_counts_triton", (ids, 4)),
+        ("moe_scatter_rows_triton", (torch.randn(5, 8, generator=g), row_map, torch.rand(5, 2, generator=g), 12)),
+        ("moe_scatter_rows_triton", (torch.randn(5, 8, generator=g), row_map, None, 10)),
+        ("moe_combine_rows_triton", (torch.randn(10, 8, generator=g), row_map, torch.rand(5, 2, generator=g))),
+        ("moe_swiglu_triton", (gu,)),
+        ("moe_swiglu_backward_triton", (gu, torch.randn(6, 8, generator=g))),
+        ("moe_swiglu_quant_triton", (torch.randn(6, 256, generator=g), 128, torch.float8_e4m3fn, False, "reciprocal")),
     ]
 
 
