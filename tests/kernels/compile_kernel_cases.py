@@ -62,7 +62,13 @@ def _fp8_cases():
         ("fp8.quant_rowwise", lambda x: F8.quant_rowwise(x), tok, False),
         ("fp8.quant_tensorwise", lambda x: F8.quant_tensorwise(x), tok, False),
         ("fp8.dequant", lambda q, sf: F8.dequant(q, sf, group_shape=(1, 128), out_dtype=torch.float32), deq, False),
-    ]
+    ] + ([] if not PK.backend_status("triton").available else [
+        # the Triton launchers (custom ops primerl::fp8_quant_*_triton)
+        ("fp8.quant_per_token_group[triton]", lambda x: F8.quant_per_token_group(x, 128, backend="triton"), tok, False),
+        ("fp8.quant_per_block[triton]", lambda w: F8.quant_per_block(w, backend="triton"), blk, False),
+        ("fp8.quant_rowwise[triton]", lambda x: F8.quant_rowwise(x, backend="triton"), tok, False),
+        ("fp8.quant_tensorwise[triton]", lambda x: F8.quant_tensorwise(x, backend="triton"), tok, False),
+    ])
 
 
 # ------------------------------------------------------------------------------ gemm

@@ -246,6 +246,12 @@ def _opcheck_triton_samples(g):
         ("moe_swiglu_triton", (gu,)),
         ("moe_swiglu_backward_triton", (gu, torch.randn(6, 8, generator=g))),
         ("moe_swiglu_quant_triton", (torch.randn(6, 256, generator=g), 128, torch.float8_e4m3fn, False, "reciprocal")),
+        ("fp8_quant_per_token_group_triton", (torch.randn(3, 256, generator=g), 128, torch.float8_e4m3fn, True,
+                                              "reciprocal")),
+        ("fp8_quant_per_block_triton", (torch.randn(2, 130, 131, generator=g), 128, 128, torch.float8_e5m2, False,
+                                        "divide")),
+        ("fp8_quant_rowwise_triton", (torch.randn(3, 64, generator=g), torch.float8_e4m3fn, "divide")),
+        ("fp8_quant_tensorwise_triton", (torch.randn(3, 64, generator=g), torch.float8_e4m3fn, "divide")),
     ]
 
 
