@@ -29,6 +29,7 @@ import contextlib
 
 import torch
 
+from ._opaque import tracing
 from .fp8 import quant_rowwise
 
 ALIGN = 16  # FP8 operands: 16-byte rows, so dims and wgrad token groups are multiples of 16
@@ -57,6 +58,13 @@ def _q(x: torch.Tensor):
     return quant_rowwise(x.contiguous())
 
 
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The emulation's float32 ``torch._grouped_mm``, traceable (its meta kernel takes bf16 only)."""
+    from .gemm._opaque_ops import grouped_mm
+
+    return grouped_mm(a, b, offsets)
+
+
 def scaled_mm(aq, sa, bq, sb) -> torch.Tensor:
     """aq [M, C], sa [M, 1], bq [N, C], sb [N, 1] -> bf16 [M, N] = (aq*sa) @ (bq*sb).T."""
     if _kernels(aq):
@@ -72,7 +80,7 @@ def scaled_grouped_mm(aq, sa, bq, sb, offsets) -> torch.Tensor:
     else:
         a = aq.float() * sa[:, None]
         b = bq.float() * sb[..., None]
-        out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets).to(torch.bfloat16)
+        out = _grouped_mm(a, b.transpose(-2, -1), offsets).to(torch.bfloat16)
     tail = torch.arange(out.shape[0], device=out.device) >= offsets[-1]
     return out.masked_fill_(tail[:, None], 0)
 
@@ -88,7 +96,7 @@ def scaled_k_grouped_mm(atq, sat, btq, sbt, offsets) -> torch.Tensor:
     grp = torch.searchsorted(offsets, cols, right=True).clamp_max(groups - 1)
     a = atq.float() * sat.view(groups, -1)[grp].t()
     b = btq.float() * sbt.view(groups, -1)[grp].t()
-    return torch._grouped_mm(a, b.t(), offs=offsets).to(torch.bfloat16)
+    return _grouped_mm(a, b.t(), offsets).to(torch.bfloat16)
 
 
 def _padded_rows(x: torch.Tensor, offsets: torch.Tensor, align: int):
@@ -137,6 +145,9 @@ def _q_transposed(w: torch.Tensor):
     """Rowwise quantization of ``w[G, N, K].transpose(-2, -1)`` (scales over N) -> (q [G, K, N]
     contiguous, s [G, K]), one group at a time: the transient transposed copy is one expert's, not
     all experts' weights."""
+    if tracing(w):  # inductor cannot lower copies into slices of an fp8 buffer: stack (same bits)
+        parts = [_q(w[g].t()) for g in range(w.shape[0])]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1].view(-1) for p in parts])
     q = torch.empty(w.shape[0], w.shape[2], w.shape[1], dtype=torch.float8_e4m3fn, device=w.device)
     s = torch.empty(w.shape[0], w.shape[2], dtype=torch.float32, device=w.device)
     for g in range(w.shape[0]):

@@ -171,7 +171,7 @@ def test_replay_other_ids_renormalised_softmax_and_router_grad():
     [
         (torch.tensor([[0, 6]] * 4), "must lie in"),
         (torch.tensor([[-1, 2]] * 4), "must lie in"),
-        (torch.tensor([[1, 1], [0, 2], [0, 2], [0, 2]]), "repeated expert in row 0"),
+        (torch.tensor([[1, 1], [0, 2], [0, 2], [0, 2]]), "repeated expert.*row 0"),
         (torch.tensor([[0, 1, 2]] * 4), "must have shape"),
         (torch.tensor([[0, 1]] * 3), "must have shape"),
         (torch.tensor([[0.0, 1.0]] * 4), "dtype"),

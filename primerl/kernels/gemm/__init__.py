@@ -180,8 +180,8 @@ def grouped_gemm_nt(a: torch.Tensor, b: torch.Tensor, offsets_or_m_indices: torc
     kind = _infer_layout(op, index, a.shape[0], b.shape[0], layout)
     if kind == "offsets":
         _check_offsets_content(op, index, a.shape[0])
-    elif index.device.type == "cpu" and bool(((index < -1) | (index >= b.shape[0])).any()):
-        raise ValueError(f"{op}: m_indices values must be in [-1, {b.shape[0]})")
+    else:
+        _check_m_indices_content(op, index, b.shape[0], one_group_per_block=False)
     out_dtype = a.dtype if out_dtype is None else out_dtype
     dev = _check_same_device(op, a=a, b=b, index=index)
     be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=_CUBLAS_FIRST)

@@ -1,10 +1,13 @@
 """Validation shared by the GEMM entry points: one message format (op, argument, expected, got),
-raised before any work starts. Content checks that need values on the host run only for CPU index
-tensors (free there); CUDA callers get the shape and dtype checks."""
+raised before any work starts. Checks of index values (offsets monotonic, ids in range) go through
+:func:`primerl.kernels.check_values`: a device-side assertion, no host read (a ValueError with the
+values in debug mode)."""
 
 from __future__ import annotations
 
 import torch
+
+from .._value_checks import check_values
 
 BLOCK = 128
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -56,32 +59,33 @@ def _check_index(op: str, name: str, t, length: int | None = None) -> torch.Tens
 
 
 def _check_offsets_content(op: str, offsets: torch.Tensor, num_rows: int) -> None:
-    """Content checks need the values on the host: done only for CPU tensors (free there)."""
-    if offsets.device.type != "cpu" or offsets.numel() == 0:
+    """offsets non-decreasing, >= 0, ending within the rows: a device-side check (no host read)."""
+    if offsets.numel() == 0:
         return
-    if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[0]) < 0:
-        raise ValueError(f"{op}: offsets must be non-decreasing and >= 0, got {offsets.tolist()}")
-    if int(offsets[-1]) > num_rows:
-        raise ValueError(f"{op}: offsets[-1]={int(offsets[-1])} exceeds the {num_rows} rows of the input")
+    ok = (offsets[1:] >= offsets[:-1]).all() & (offsets[0] >= 0) & (offsets[-1] <= num_rows)
+    check_values(ok, f"{op}: offsets must be non-decreasing, >= 0 and at most the {num_rows} rows of the input",
+                 lambda: f"got {offsets.tolist()}")
 
 
 def _check_m_indices_content(op: str, m_indices: torch.Tensor, num_groups: int, ascending: bool = False,
                              one_group_per_block: bool = True) -> None:
-    if m_indices.device.type != "cpu":
+    """m_indices in [-1, G), and (kernels' layout) one group per 128-row block, groups ascending:
+    device-side checks (no host read)."""
+    if m_indices.numel() == 0:
         return
-    if bool(((m_indices < -1) | (m_indices >= num_groups)).any()):
-        raise ValueError(f"{op}: m_indices values must be in [-1, {num_groups}), got min {int(m_indices.min())} max {int(m_indices.max())}")
+    check_values(((m_indices >= -1) & (m_indices < num_groups)).all(), f"{op}: m_indices values must be in [-1, {num_groups})",
+                 lambda: f"got min {int(m_indices.min())} max {int(m_indices.max())}")
     if not one_group_per_block:
         return
     blocks = m_indices.view(-1, BLOCK)
     hi = blocks.max(dim=1).values
-    if bool(((blocks != hi[:, None]) & (blocks != -1)).any()):
-        raise ValueError(f"{op}: every {BLOCK}-row block of m_indices must hold one group (or -1 padding); "
-                         "build the layout with pad_to_contiguous")
+    check_values(((blocks == hi[:, None]) | (blocks == -1)).all(),
+                 f"{op}: every {BLOCK}-row block of m_indices must hold one group (or -1 padding); "
+                 "build the layout with pad_to_contiguous")
     if ascending:
         owners = torch.cummax(hi, 0).values
-        if bool(((hi >= 0) & (hi != owners)).any()):
-            raise ValueError(f"{op}: groups in m_indices must appear in ascending order (pad_to_contiguous's layout)")
+        check_values(((hi < 0) | (hi == owners)).all(),
+                     f"{op}: groups in m_indices must appear in ascending order (pad_to_contiguous's layout)")
 
 
 def _impl(backend: str):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import BackendUnavailableError, resolve_backend
+from .._value_checks import check_values
 from ..fp8.reference import ROUNDINGS
 from ._checks import (
     _OUT_DTYPES,
@@ -216,15 +217,15 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout: torch.Tensor, d: torc
 
 
 def _check_psum_content(op: str, psum: torch.Tensor, num_rows: int) -> None:
-    if psum.device.type != "cpu" or psum.numel() == 0:
+    if psum.numel() == 0:
         return
     alignment = get_mk_alignment_for_contiguous_layout()
     starts = torch.cat([psum.new_zeros(1), (psum[:-1] + alignment - 1) // alignment * alignment])
-    if bool((psum < starts).any()):
-        raise ValueError(f"{op}: psum {psum.tolist()} is not a psum layout for alignment {alignment} (each entry must be "
-                         f">= the previous one rounded up to the alignment; build it with counts_to_psum)")
-    if int(psum[-1]) > num_rows:
-        raise ValueError(f"{op}: psum[-1]={int(psum[-1])} exceeds the {num_rows} rows of a")
+    check_values((psum >= starts).all(), f"{op}: grouped_layout is not a psum layout for alignment {alignment} (each "
+                 "entry must be >= the previous one rounded up to the alignment; build it with counts_to_psum)",
+                 lambda: f"got psum {psum.tolist()}")
+    check_values(psum[-1] <= num_rows, f"{op}: psum[-1] exceeds the {num_rows} rows of a",
+                 lambda: f"psum[-1]={int(psum[-1])}")
 
 
 def m_grouped_fp8_gemm_nt_offsets(a, b, offsets: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
@@ -259,8 +260,8 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m: torch.Tensor, expected_m: int, 
     masked_m = _check_index(op, "masked_m", masked_m, groups)
     if not isinstance(expected_m, int) or expected_m < 0:
         raise ValueError(f"{op}: expected_m must be a non-negative int, got {expected_m!r}")
-    if masked_m.device.type == "cpu" and bool(((masked_m > max_m) | (masked_m < 0)).any()):
-        raise ValueError(f"{op}: masked_m {masked_m.tolist()} must lie in [0, max_m={max_m}]")
+    check_values(((masked_m <= max_m) & (masked_m >= 0)).all(), f"{op}: masked_m must lie in [0, max_m={max_m}]",
+                 lambda: f"got {masked_m.tolist()}")
     dev = _check_same_device(op, aq=a[0], bq=b[0], masked_m=masked_m)
     shape = (groups, max_m, b[0].shape[1])
     d, out_dtype = _output(op, d, shape, out_dtype, dev)
@@ -286,8 +287,8 @@ def _group_offsets(op: str, offsets, ks, num_rows: int, device: torch.device) ->
             ks = torch.tensor(list(ks), dtype=torch.int32)
         else:
             raise ValueError(f"{op}: ks must be a list of ints or a 1-D int tensor, got {ks!r}")
-        if ks.device.type == "cpu" and bool((ks < 0).any()):
-            raise ValueError(f"{op}: ks must be >= 0, got {ks.tolist()}")
+        if ks.numel():
+            check_values((ks >= 0).all(), f"{op}: ks must be >= 0", lambda: f"got {ks.tolist()}")
         offsets = torch.cumsum(ks, 0, dtype=torch.int32).to(device)
     else:
         offsets = _check_index(op, "offsets", offsets)
@@ -301,15 +302,16 @@ def _group_offsets(op: str, offsets, ks, num_rows: int, device: torch.device) ->
 def _reject_sizes_as_offsets(op: str, offsets: torch.Tensor, num_rows: int) -> None:
     """DeepGEMM's k-grouped ops take per-group sizes, each a multiple of the K alignment, summing to T.
     Such a list read as cumulative offsets would silently drop rows: a non-decreasing list of aligned
-    values that sums to T but ends before T is taken for sizes and rejected (CPU index tensors)."""
-    if offsets.device.type == "cpu" and offsets.numel() > 1:
-        last, total = int(offsets[-1]), int(offsets.sum())
-        aligned = bool((offsets % get_mk_alignment_for_contiguous_layout() == 0).all())
-        if last < num_rows and total == num_rows and aligned:
-            raise ValueError(
-                f"{op}: offsets {offsets.tolist()} end at row {last} of {num_rows} but sum to exactly {num_rows}: they "
-                f"look like per-group sizes. offsets are cumulative END rows; pass per-group sizes as ks= (DeepGEMM's "
-                f"convention). For cumulative offsets with a tail, pass ks=offsets_to_counts(offsets).tolist()")
+    values that sums to T but ends before T is taken for sizes and rejected (a device-side check)."""
+    if offsets.numel() > 1:
+        last, total = offsets[-1], offsets.sum()
+        aligned = (offsets % get_mk_alignment_for_contiguous_layout() == 0).all()
+        looks_like_sizes = (last < num_rows) & (total == num_rows) & aligned
+        check_values(~looks_like_sizes,
+                     f"{op}: offsets end before row {num_rows} but sum to exactly {num_rows}: they look like "
+                     "per-group sizes. offsets are cumulative END rows; pass per-group sizes as ks= (DeepGEMM's "
+                     "convention). For cumulative offsets with a tail, pass ks=offsets_to_counts(offsets).tolist()",
+                     lambda: f"got offsets {offsets.tolist()}")
 
 
 def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor | None = None, *, ks=None,
@@ -403,16 +405,16 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
     num_rows = aq.shape[0] * BLOCK if blocks else aq.shape[0]  # blocks: a bound on offsets[-1]
     offsets = _group_offsets(op, offsets, ks, num_rows, aq.device)
     bound = max_group_blocks(num_rows, offsets.numel())
-    exact = _compact_rows(offsets) if offsets.device.type == "cpu" else None
+    compact = ((offsets_to_counts(offsets) + BLOCK - 1) // BLOCK).sum()  # on the device: no host read
     for name, q, sf in (("a", aq, asf), ("b", bq, bsf)):
+        want = (f"{op}: {name} scales must be ({bound}, {q.shape[1]}) (quant_per_group_colwise's static layout) or "
+                f"(sum(ceil(ks / 128)), {q.shape[1]}) (compact rows for these groups), got {tuple(sf.shape)}")
+        if sf.shape[1] != q.shape[1] or (not blocks and sf.shape[0] > bound):
+            raise ValueError(want)
         if blocks:
-            rows_ok = exact is None or sf.shape[0] >= exact
-        else:
-            rows_ok = sf.shape[0] == bound or (exact is not None and sf.shape[0] == exact) or \
-                (exact is None and sf.shape[0] <= bound)
-        if sf.shape[1] != q.shape[1] or not rows_ok:
-            raise ValueError(f"{op}: {name} scales must be ({bound}, {q.shape[1]}) (quant_per_group_colwise's static "
-                             f"layout) or ({exact}, {q.shape[1]}) (compact rows for these groups), got {tuple(sf.shape)}")
+            check_values(compact <= sf.shape[0], want, lambda: f"the groups need {int(compact)} scale rows")
+        elif sf.shape[0] != bound:
+            check_values(compact == sf.shape[0], want, lambda: f"the groups need {int(compact)} scale rows")
     dev = _check_same_device(op, aq=aq, bq=bq, offsets=offsets)
     out_dtype = torch.float32 if (out_dtype is None and d is None) else out_dtype
     shape = (offsets.numel(), aq.shape[1], bq.shape[1])

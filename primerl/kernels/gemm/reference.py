@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .._opaque import tracing
 from ..fp8 import reference as fp8_ref
 from . import offsets as off
 
@@ -45,53 +46,82 @@ def _grouped_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> to
     return torch.cat(parts)
 
 
+def per_group_forward(a: torch.Tensor, b: torch.Tensor, ends: list[int]) -> torch.Tensor:
+    """CPU float32/float64: one ``torch.mm`` per group written into a preallocated output, rows
+    past the last end never read (zero output). Bitwise what ``torch._grouped_mm`` computes on CPU
+    (the same per-group GEMMs), without the row masking around it. (A zero-padded ``torch.bmm``
+    over ``[G, max_rows, K]`` was tried: not bitwise, and slower in the MoE block on 2 cores.)"""
+    out = a.new_empty(a.shape[0], b.shape[1])
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            torch.mm(a[start:end], b[g].t(), out=out[start:end])
+        start = end
+    out[start:].zero_()
+    return out
+
+
+def per_group_backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ends: list[int], need_a: bool,
+                       need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward of :func:`per_group_forward`: bitwise ``torch._grouped_mm``'s autograd on CPU,
+    without the per-group slice gradients of ``b`` (a full-size zero tensor each) that autograd
+    through a Python loop would build; rows past the last end get a zero gradient."""
+    da = a.new_empty(a.shape) if need_a else None
+    db = b.new_empty(b.shape) if need_b else None
+    start = 0
+    for g, end in enumerate(ends):
+        if da is not None and end > start:
+            torch.mm(dout[start:end], b[g], out=da[start:end])
+        if db is not None:
+            if end > start:
+                torch.mm(dout[start:end].t(), a[start:end], out=db[g])
+            else:
+                db[g].zero_()
+        start = end
+    if da is not None:
+        da[start:].zero_()
+    return da, db
+
+
 class _GroupedMMPerGroup(torch.autograd.Function):
-    """CPU float32/float64: one ``torch.mm`` per group written into a preallocated output, forward
-    and backward, rows past the last end never read (and their gradient zero). Bitwise what
-    ``torch._grouped_mm`` and its autograd compute on CPU (the same per-group GEMMs), without the
-    row masking around it and without the per-group slice gradients of ``b`` (a full-size zero
-    tensor each) that autograd through a Python loop would build. (A zero-padded ``torch.bmm`` over
-    ``[G, max_rows, K]`` was tried: not bitwise, and slower in the MoE block on 2 cores.)"""
+    """:func:`per_group_forward` / :func:`per_group_backward` as an autograd Function (``ends`` a
+    host list)."""
 
     @staticmethod
     def forward(ctx, a, b, ends: list[int]):
-        out = a.new_empty(a.shape[0], b.shape[1])
-        start = 0
-        for g, end in enumerate(ends):
-            if end > start:
-                torch.mm(a[start:end], b[g].t(), out=out[start:end])
-            start = end
-        out[start:].zero_()
         ctx.save_for_backward(a, b)
         ctx.ends = ends
-        return out
+        return per_group_forward(a, b, ends)
 
     @staticmethod
     def backward(ctx, dout):
         a, b = ctx.saved_tensors
-        da = db = None
-        if ctx.needs_input_grad[0]:
-            da = a.new_empty(a.shape)
-        if ctx.needs_input_grad[1]:
-            db = b.new_empty(b.shape)
-        start = 0
-        for g, end in enumerate(ctx.ends):
-            if da is not None and end > start:
-                torch.mm(dout[start:end], b[g], out=da[start:end])
-            if db is not None:
-                if end > start:
-                    torch.mm(dout[start:end].t(), a[start:end], out=db[g])
-                else:
-                    db[g].zero_()
-            start = end
-        if da is not None:
-            da[start:].zero_()
+        da, db = per_group_backward(dout.contiguous(), a, b, ctx.ends, ctx.needs_input_grad[0],
+                                    ctx.needs_input_grad[1])
         return da, db, None
+
+
+def _direct_grouped_mm(a: torch.Tensor) -> bool:
+    """Whether the grouped GEMMs below run as plain traceable code here: on CUDA in bf16 (no host
+    read, a dtype torch._grouped_mm's meta kernel takes). Elsewhere they read offsets on the host
+    (CPU tensors: free) or run torch._grouped_mm on a dtype its meta kernel rejects, so they run
+    inside a custom op (:mod:`._opaque_ops`) that compile and FakeTensor see as one node."""
+    return a.device.type == "cuda" and (a.dtype == torch.bfloat16 or not tracing(a))
 
 
 def grouped_gemm_nt_offsets(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """a [M, K], b [G, N, K], offsets [G] int32 (cumulative ends) -> [M, N]; rows past
-    ``offsets[-1]`` are zero (and their input is never read, NaN included)."""
+    ``offsets[-1]`` are zero (and their input is never read, NaN included). Differentiable."""
+    if _direct_grouped_mm(a):
+        return grouped_gemm_nt_offsets_eager(a, b, offsets, out_dtype)
+    from . import _opaque_ops
+
+    return _opaque_ops.grouped_gemm_nt_offsets(a, b, offsets, out_dtype)
+
+
+def grouped_gemm_nt_offsets_eager(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                                  out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`grouped_gemm_nt_offsets` as eager code (the body of its custom op)."""
     if out_dtype != a.dtype:
         a, b = a.float(), b.float()
     if a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64):
@@ -122,7 +152,9 @@ def grouped_gemm_nt_m_indices(a: torch.Tensor, b: torch.Tensor, m_indices: torch
     num_groups = b.shape[0]
     key = torch.where(m_indices < 0, num_groups, m_indices).long()
     perm = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_groups + 1)[:num_groups]
+    # bincount's output size depends on the data; a scatter_add into num_groups + 1 bins does not
+    counts = torch.zeros(num_groups + 1, dtype=torch.long, device=key.device).scatter_add_(
+        0, key, torch.ones_like(key))[:num_groups]
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     out_sorted = grouped_gemm_nt_offsets(a.index_select(0, perm), b, offsets, out_dtype)
     return out_sorted.index_select(0, torch.argsort(perm))
@@ -145,7 +177,20 @@ def grouped_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Ten
 
 def k_grouped_gemm_tn(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """a [T, N], b [T, K], offsets [G] along T -> d [G, N, K], d[g] = a_g.T @ b_g (weight gradient
-    of grouped experts: a = dY, b = X). Rows past offsets[-1] are never read."""
+    of grouped experts: a = dY, b = X). Rows past offsets[-1] are never read. Differentiable.
+
+    The float32 accumulation runs ``torch._grouped_mm`` on float32 operands (CPU) or a per-group
+    loop over host offsets: neither traces (the meta kernel takes bf16 only), so outside CUDA eager
+    it runs inside a custom op (:mod:`._opaque_ops`), the same code traced or not."""
+    if a.device.type == "cuda" and not tracing(a):
+        return k_grouped_gemm_tn_eager(a, b, offsets, out_dtype)
+    from . import _opaque_ops
+
+    return _opaque_ops.k_grouped_gemm_tn(a, b, offsets, out_dtype)
+
+
+def k_grouped_gemm_tn_eager(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`k_grouped_gemm_tn` as eager code (the body of its custom op)."""
     num_rows = a.shape[0]
     valid = torch.arange(num_rows, device=a.device) < offsets[-1]
     zero = torch.zeros((), dtype=a.dtype, device=a.device)

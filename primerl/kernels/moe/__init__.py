@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 
 from .._args import check_int
+from .._opaque import tracing
 from .._backend import resolve_backend
+from .._value_checks import check_values
 from . import _functions, reference
 
 __all__ = ["topk_route", "expert_counts", "moe_align", "permute", "unpermute_combine", "fused_experts"]
@@ -27,6 +29,8 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu",)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int32, torch.int64)
+# replay ids as recorded: MoETransformer.routing() stores the smallest unsigned dtype that holds them
+_REPLAY_DTYPES = (torch.uint8, torch.uint16, torch.int16, torch.int32, torch.int64)
 
 
 def _check_tensor(op: str, name: str, t, dims: int, dtypes) -> None:
@@ -39,26 +43,35 @@ def _check_tensor(op: str, name: str, t, dims: int, dtypes) -> None:
 
 
 def _check_ids(op: str, name: str, ids, num_experts: int, shape=None, unique_rows: bool = False,
-               always_check_values: bool = False) -> None:
-    """Validate expert ids [T, k]. Their values (range, duplicates) are data: checked for CPU
-    tensors, and on CUDA only with ``always_check_values`` (replay ids: one host sync), since
-    ids made by :func:`topk_route` are valid by construction."""
-    _check_tensor(op, name, ids, 2, _INT_DTYPES)
+               dtypes=_INT_DTYPES) -> None:
+    """Validate expert ids [T, k]: shape and dtype on the host, values (range, duplicates) on the
+    device through :func:`primerl.kernels.check_values` (no host read; ValueError in debug mode)."""
+    _check_tensor(op, name, ids, 2, dtypes)
     if shape is not None and tuple(ids.shape) != tuple(shape):
         raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(ids.shape)}")
     if num_experts <= 0:
         raise ValueError(f"{op}: num_experts must be positive, got {num_experts}")
-    if ids.numel() == 0 or (ids.device.type != "cpu" and not always_check_values):
+    if ids.numel() == 0:
         return
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= num_experts:
-        raise ValueError(f"{op}: {name} must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
+    wide = ids.long()
+    check_values(((wide >= 0) & (wide < num_experts)).all(), f"{op}: {name} must lie in [0, {num_experts})",
+                 lambda: f"got values in [{int(wide.min())}, {int(wide.max())}]")
     if unique_rows and ids.shape[1] > 1:
-        s = ids.sort(dim=1).values
+        s = wide.sort(dim=1).values
         dup = (s[:, 1:] == s[:, :-1]).any(dim=1)
-        if bool(dup.any()):
+
+        def detail() -> str:
             row = int(dup.nonzero()[0, 0])
-            raise ValueError(f"{op}: {name} has a repeated expert in row {row}: {ids[row].tolist()}")
+            return f"row {row} is {ids[row].tolist()}"
+
+        check_values(~dup.any(), f"{op}: {name} has a repeated expert (within a row)", detail)
+
+
+def _weights_float32(op: str, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Routing weights in float32 (the combine's precision): bf16 / fp16 weights are cast here, a
+    differentiable cast (their gradient comes back in their dtype)."""
+    _check_tensor(op, "topk_weights", topk_weights, 2, _FLOAT_DTYPES)
+    return topk_weights.float()
 
 
 def topk_route(
@@ -82,7 +95,9 @@ def topk_route(
     Weights are the scores of the chosen experts, renormalised to sum 1 if ``route_norm``, times
     ``route_scale``. With ``replay_ids [T, k]`` the selection is taken from it as is (column order
     kept; bias and groups skipped) and the weights are gathered from this forward's scores, so the
-    router still gets gradients. Ids are best-first when selected here.
+    router still gets gradients. Ids are best-first when selected here. ``replay_ids`` may be any
+    integer dtype that holds them (``MoETransformer.routing()`` records uint8 for <= 256 experts).
+    The weights are float32 whatever the logits' dtype (the ops taking them accept bf16 too).
     """
     op = "topk_route"
     _check_tensor(op, "logits", logits, 2, _FLOAT_DTYPES)
@@ -107,7 +122,7 @@ def topk_route(
         if expert_bias.shape[0] != e:
             raise ValueError(f"{op}: expert_bias must have shape ({e},), got {tuple(expert_bias.shape)}")
     if replay_ids is not None:
-        _check_ids(op, "replay_ids", replay_ids, e, shape=(t, top_k), unique_rows=True, always_check_values=True)
+        _check_ids(op, "replay_ids", replay_ids, e, shape=(t, top_k), unique_rows=True, dtypes=_REPLAY_DTYPES)
         if replay_ids.device != logits.device:
             raise ValueError(f"{op}: replay_ids is on {replay_ids.device}, logits on {logits.device}")
     resolve_backend(op, backend, logits.device, supported=("torch",))
@@ -144,14 +159,18 @@ def moe_align(
 
 
 def permute(
-    x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: int = 1, *, backend: str | None = None
+    x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: int = 1, *, num_rows: int | None = None,
+    backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group token copies by expert: x [T, D] -> (x_perm [M, D], row_map [T, k] int32, offsets [E] int32).
 
     Row ``row_map[t, j]`` of x_perm is x[t] (token t's j-th expert). Expert e owns rows
-    ``[offsets[e-1], offsets[e])`` (offsets[-1] = M; the ``offs`` of ``torch._grouped_mm``), its
-    count padded up to a multiple of ``align`` with zero rows (M = T*k when align == 1; otherwise
-    M is data-dependent and costs one host sync). Differentiable in x.
+    ``[offsets[e-1], offsets[e])`` (offsets[-1] = the padded total; the ``offs`` of
+    ``torch._grouped_mm``), its count padded up to a multiple of ``align`` with zero rows. M = T*k
+    when align == 1. Otherwise M is ``num_rows`` when given (at least the padded total, e.g. the
+    static bound ``T*k + E*(align-1)``; rows past ``offsets[-1]`` are zero; no host read, and what
+    torch.compile / FakeTensor need) or else the exact padded total (one host read; eager only).
+    Differentiable in x.
     """
     op = "permute"
     _check_tensor(op, "x", x, 2, _FLOAT_DTYPES)
@@ -160,12 +179,23 @@ def permute(
         raise ValueError(f"{op}: topk_ids has {topk_ids.shape[0]} rows, x has {x.shape[0]}")
     if align < 1:
         raise ValueError(f"{op}: align must be >= 1, got {align}")
+    t, k = topk_ids.shape
+    if num_rows is not None:
+        check_int(op, "num_rows", num_rows)
+        if num_rows < t * k:
+            raise ValueError(f"{op}: num_rows={num_rows} is less than the T*k={t * k} routed rows")
+    elif align > 1 and tracing(x, topk_ids):
+        raise ValueError(f"{op}: with align={align} the padded row count depends on the ids; pass num_rows= (e.g. "
+                         f"the bound T*k + E*(align-1) = {t * k + num_experts * (align - 1)}) to trace this op")
     be = resolve_backend(op, backend, x.device, supported=("torch", "triton", "cuda"))
     impl = _functions.backend_impl(be)
-    t, k = topk_ids.shape
     with torch.no_grad():
         row_of_slot, _, _, total, ends = _functions.op(impl, "align")(topk_ids, num_experts, align)
-    num_rows = t * k if align == 1 else int(total)
+    if num_rows is None:
+        num_rows = t * k if align == 1 else int(total)  # the documented host read
+    else:
+        check_values(total[0] <= num_rows, f"{op}: num_rows={num_rows} is less than the padded total",
+                     lambda: f"the padded total is {int(total)}")
     row_map = row_of_slot.view(t, k)
     return _functions.Permute.apply(x.contiguous(), row_map, num_rows, impl), row_map, ends
 
@@ -175,7 +205,8 @@ def unpermute_combine(
 ) -> torch.Tensor:
     """Weighted sum of each token's k expert outputs: y[t] = sum_j w[t, j] * y_perm[row_map[t, j]].
 
-    y_perm [M, D], row_map [T, k] (from :func:`permute`), topk_weights [T, k] float32 (None: sum)
+    y_perm [M, D], row_map [T, k] (from :func:`permute`), topk_weights [T, k] float32 (bf16 / fp16
+    are cast to float32; None: sum)
     -> y [T, D] in y_perm's dtype, summed in float32 in fixed j order (bitwise reproducible).
     Differentiable in y_perm and topk_weights.
     """
@@ -183,7 +214,7 @@ def unpermute_combine(
     _check_tensor(op, "y_perm", y_perm, 2, _FLOAT_DTYPES)
     _check_ids(op, "row_map", row_map, max(y_perm.shape[0], 1))
     if topk_weights is not None:
-        _check_tensor(op, "topk_weights", topk_weights, 2, (torch.float32,))
+        topk_weights = _weights_float32(op, topk_weights)
         if topk_weights.shape != row_map.shape:
             raise ValueError(
                 f"{op}: topk_weights shape {tuple(topk_weights.shape)} != row_map shape {tuple(row_map.shape)}"
@@ -204,7 +235,7 @@ def fused_experts(
     backend: str | None = None,
 ) -> torch.Tensor:
     """The routed experts of an MoE layer: x [T, D] -> y [T, D], differentiable in x, w13, w2 and
-    topk_weights.
+    topk_weights (float32; bf16 / fp16 are cast to float32, the combine's precision).
 
     permute -> grouped GEMM with w13 [E, 2I, D] -> SwiGLU -> grouped GEMM with w2 [E, D, I] ->
     weighted combine (float32, fixed order). ``backend`` picks the permute / SwiGLU / combine
@@ -227,7 +258,7 @@ def fused_experts(
     _check_ids(op, "topk_ids", topk_ids, e)
     if topk_ids.shape[0] != t:
         raise ValueError(f"{op}: topk_ids has {topk_ids.shape[0]} rows, x has {t}")
-    _check_tensor(op, "topk_weights", topk_weights, 2, (torch.float32,))
+    topk_weights = _weights_float32(op, topk_weights)
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"{op}: topk_weights shape {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}")
     if activation not in ACTIVATIONS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .._opaque import tracing
 from . import cpu_experts, reference
 
 
@@ -104,7 +105,7 @@ def experts_on_grouped_rows(x_perm, w13, w2, ends, impl, fp8_recipe=None):
             return RowwiseGroupedExperts.apply(x_perm, w13, w2, ends, impl)
         return FP8GroupedExperts.apply(x_perm, w13, w2, ends, name, impl)
     if impl is reference and cpu_experts.supported(x_perm, w13, w2, fp8_recipe) \
-            and cpu_experts.worthwhile(x_perm.shape[0], w13):
+            and cpu_experts.worthwhile(x_perm.shape[0], w13) and not tracing(x_perm, ends):
         ends_list = ends.tolist()  # host sync: free on CPU
         if ends_list and ends_list[-1] == x_perm.shape[0]:
             return cpu_experts.grouped_experts(x_perm, w13, w2, ends_list)
@@ -118,7 +119,10 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, impl, fp8_recipe=None):
     with torch.no_grad():
         row_of_slot, _, _, _, ends = op(impl, "align")(topk_ids, w13.shape[0], 1)
     row_map = row_of_slot.view(t, k)
-    if impl is reference and cpu_experts.supported(x, w13, w2, fp8_recipe) and cpu_experts.worthwhile(t * k, w13):
+    # the by-expert CPU path loops over host ends; traced, the composition below runs instead (the
+    # same forward values; d x summed in k order instead of expert order, see cpu_experts)
+    if impl is reference and cpu_experts.supported(x, w13, w2, fp8_recipe) and cpu_experts.worthwhile(t * k, w13) \
+            and not tracing(x, topk_ids):
         return cpu_experts.routed_experts(x, w13, w2, topk_weights, row_map, ends)
     x_perm = Permute.apply(x, row_map, t * k, impl)
     y_perm = experts_on_grouped_rows(x_perm, w13, w2, ends, impl, fp8_recipe)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .._opaque import tracing
 from ..fp8.reference import ROUNDINGS, cast_scaled, scale_from_amax
 
 NORM_EPS = 1e-20
@@ -70,8 +71,13 @@ def topk_route(
 
 
 # ------------------------------------------------------------------------------ counts and layout
+def _counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """bincount with a fixed output size (bincount's depends on the data: a host read), int64."""
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    return torch.bincount(topk_ids.reshape(-1).long(), minlength=num_experts).to(torch.int32)
+    return _counts(topk_ids.reshape(-1).long(), num_experts).to(torch.int32)
 
 
 def max_padded_rows(n: int, num_experts: int, block: int) -> int:
@@ -88,7 +94,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block: int):
     """
     flat = topk_ids.reshape(-1).long()
     n, dev = flat.numel(), flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = _counts(flat, num_experts)
     padded = (counts + block - 1) // block * block
     ends = padded.cumsum(0)
     starts = ends - padded
@@ -248,7 +254,9 @@ def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     """d gu [M, 2I] (gu dtype) from dh [M, I]:
     d gate = dh * up * sig * (1 + gate * (1 - sig)), d up = dh * gate * sig (sig = sigmoid(gate))."""
     i = gu.shape[1] // 2
-    if gu.dtype == torch.float32 and dh.dtype == torch.float32:
+    # traced (torch.compile cannot write through the column-sliced out= views) the general path
+    # below runs: the same ops in the same order, the same bits
+    if gu.dtype == torch.float32 and dh.dtype == torch.float32 and not tracing(gu, dh):
         # both halves written in place, chunk by chunk (same ops, no staging copies)
         m = gu.shape[0]
         out = torch.empty_like(gu)
