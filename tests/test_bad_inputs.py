@@ -56,9 +56,9 @@ def _loss_inputs(T=6):
     return lp, lp + 0.01, torch.randn(T, generator=g), torch.ones(T, dtype=torch.bool)
 
 
-def test_policy_loss_rejects_a_float_mask_and_mixed_devices():
+def test_policy_loss_rejects_a_fractional_mask_and_mixed_devices():
     lp, ilp, adv, mask = _loss_inputs()
-    with pytest.raises(ValueError, match="loss_mask must be a bool tensor, got torch.float32"):
+    with pytest.raises(ValueError, match=r"a float/int loss_mask must hold only 0 and 1 .*loss_weights=.*loss_mask.bool\(\)"):
         policy_loss(lp, ilp, adv, torch.full((6,), 0.5))
     with pytest.raises(ValueError, match="advantages is on meta but logprobs is on cpu"):
         policy_loss(lp, ilp, adv.to("meta"), mask)

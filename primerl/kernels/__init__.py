@@ -26,3 +26,13 @@ from . import sparse_attention  # noqa: E402,F401
 from .logprobs import fused_logprobs  # noqa: E402,F401
 from . import moe  # noqa: E402,F401
 from . import fp8_training, gemm  # noqa: E402,F401
+
+__all__ = [
+    # backends and value checks
+    "BackendStatus", "BackendUnavailableError", "backend_status", "backends", "resolve_backend",
+    "triton_interpreter_enabled", "HAS_CUDA_EXT", "check_values", "debug_checks", "debug_checks_enabled",
+    "set_debug_checks",
+    # op families (subpackages) and their most used functions
+    "fp8", "attention", "sparse_attention", "moe", "fp8_training", "gemm",
+    "dequant", "quant_per_block", "quant_per_token_group", "quant_rowwise", "quant_tensorwise", "fused_logprobs",
+]

@@ -5,3 +5,6 @@ from .checkpoint import CheckpointError  # noqa: F401
 from .transformer import MoETransformer  # noqa: F401
 from .parallelize import parallelize  # noqa: F401
 from .fp8 import convert_to_fp8  # noqa: F401
+
+__all__ = ["MoETransformerConfig", "UnsupportedCheckpointError", "CheckpointError", "MoETransformer", "parallelize",
+           "convert_to_fp8"]

@@ -16,6 +16,10 @@ flags, and zeroes, a group whose mean reward is <= 0).
   it upweights hard prompts like 1/p). Rewards are meant to be >= 0 (canonically 0/1).
 - :func:`linear_length_penalty` r_i - coef * len_i / max_len, applied before any estimator when
   ``lengths`` and ``length_coef`` are given.
+
+Value checks (finite rewards, lengths >= 0, advantages that fit float32) are device assertions
+(:func:`primerl.kernels.check_values`): no host read, so every estimator runs under
+``torch.compile(fullgraph=True)``, FakeTensorMode and on meta tensors.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from primerl.kernels._args import check_int
+from primerl.kernels._value_checks import check_values
 
 __all__ = ["Advantages", "grpo", "drgrpo", "rloo", "max_rl", "linear_length_penalty"]
 
@@ -47,12 +52,15 @@ def linear_length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: fl
     lengths = torch.as_tensor(lengths, device=rewards.device)
     if lengths.shape != rewards.shape:
         raise ValueError(f"linear_length_penalty: lengths must have shape {tuple(rewards.shape)}, got {tuple(lengths.shape)}")
-    if bool((lengths < 0).any()):
-        raise ValueError("linear_length_penalty: lengths must be >= 0")
-    denom = float(max_length) if max_length is not None else float(lengths.max().clamp_min(1))
-    if not denom > 0:
-        raise ValueError(f"linear_length_penalty: max_length must be > 0, got {max_length}")
+    check_values((lengths >= 0).all(), "linear_length_penalty: lengths must be >= 0",
+                 lambda: f"min {int(lengths.min())}")
     dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    if max_length is not None:
+        if not float(max_length) > 0:
+            raise ValueError(f"linear_length_penalty: max_length must be > 0, got {max_length}")
+        denom = float(max_length)
+    else:  # on the device (no host read); max(lengths) is an integer, exact in either dtype
+        denom = lengths.max().clamp_min(1).to(dtype) if lengths.numel() else 1.0
     return rewards.to(dtype) - coef * lengths.to(dtype) / denom
 
 
@@ -72,8 +80,8 @@ def _groups(op: str, rewards, group_size: int, lengths, length_coef: float, max_
         raise ValueError(f"{op}: the number of rewards ({n}) must be a multiple of group_size ({group_size})")
     # float64 inside: float32 sums and squares of large finite rewards (|r| ~ 1e38) overflow to inf
     r = rewards.double()
-    if not bool(torch.isfinite(r).all()):
-        raise ValueError(f"{op}: rewards contain NaN or inf")
+    check_values(torch.isfinite(r).all(), f"{op}: rewards contain NaN or inf",
+                 lambda: f"{int((~torch.isfinite(r)).sum())} of {r.numel()} rewards")
     if length_coef:
         if lengths is None:
             raise ValueError(f"{op}: length_coef={length_coef} needs lengths")
@@ -85,9 +93,9 @@ def _groups(op: str, rewards, group_size: int, lengths, length_coef: float, max_
 
 def _finish(op: str, adv_g: torch.Tensor, uniform: torch.Tensor) -> Advantages:
     adv_g = torch.where(uniform.unsqueeze(1), torch.zeros_like(adv_g), adv_g).float()
-    if not bool(torch.isfinite(adv_g).all()):
-        raise ValueError(f"{op}: advantages do not fit float32 (rewards differ by more than ~3.4e38 within a "
-                         "group); clip the rewards first (the job does: env.max_abs_reward)")
+    check_values(torch.isfinite(adv_g).all(),
+                 f"{op}: advantages do not fit float32 (rewards differ by more than ~3.4e38 within a "
+                 "group); clip the rewards first (the job does: env.max_abs_reward)")
     return Advantages(adv_g.reshape(-1), uniform)
 
 
@@ -129,7 +137,7 @@ def rloo(rewards: torch.Tensor, group_size: int, *, std_normalize: str | None = 
     if std_normalize == "group":
         adv = adv / (r_g.std(dim=1, keepdim=True) + eps)
     elif std_normalize == "batch":
-        adv = adv / ((r_g.std() if r_g.numel() > 1 else torch.zeros(())) + eps)
+        adv = adv / ((r_g.std() if r_g.numel() > 1 else r_g.new_zeros(())) + eps)
     return _finish("rloo", adv, uniform)
 
 

@@ -82,6 +82,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from primerl.kernels._value_checks import check_values
+
 from .loss_terms import LossInputs, load_custom_loss, ref_kl_metric, ref_kl_per_token, term_mean
 from .metrics import effective_sample_size, kl_k3, masked_mean
 
@@ -213,23 +215,54 @@ def check_loss_spec(method, corrections: Sequence[str] | str = (), aggregation: 
     return name, custom, fn_kwargs, corrections, aggregation, hp
 
 
-def _check_tensors(logprobs, named, weights):
-    T = logprobs.shape[0] if isinstance(logprobs, torch.Tensor) and logprobs.dim() == 1 else -1
-    for name, x in {"logprobs": logprobs, **named, **weights}.items():
-        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] != T:
-            raise ValueError(f"policy_loss: {name} must be a 1-D tensor [T] matching logprobs "
-                             f"({getattr(logprobs, 'shape', type(logprobs))}), got {getattr(x, 'shape', type(x))}")
+def _check_tensors(logprobs, named, weights, num_seqs):
+    """Shapes, devices and dtypes of the per-token tensors; ``num_seqs`` (S, or None without
+    cu_seqlens) also admits advantages [S]. -> T."""
+    if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 1 or not logprobs.dtype.is_floating_point:
+        raise ValueError(f"policy_loss: logprobs must be a 1-D float tensor [T] (one entry per packed token), got "
+                         f"{getattr(logprobs, 'dtype', type(logprobs))} {tuple(getattr(logprobs, 'shape', ()))}")
+    T = logprobs.shape[0]
+    for name, x in {**named, **weights}.items():
+        per_seq = name == "advantages" and num_seqs is not None and isinstance(x, torch.Tensor) \
+            and x.dim() == 1 and x.shape[0] == num_seqs
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or (x.shape[0] != T and not per_seq):
+            also = f" or [S={num_seqs}] (one per sequence of cu_seqlens)" if name == "advantages" and num_seqs is not None \
+                else ""
+            raise ValueError(f"policy_loss: {name} must be a 1-D tensor [T={T}] like logprobs{also}, got "
+                             f"{tuple(getattr(x, 'shape', ())) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if x.device != logprobs.device:
             raise ValueError(f"policy_loss: {name} is on {x.device} but logprobs is on {logprobs.device}")
         if name == "loss_mask":
             if x.dtype != torch.bool:
-                raise ValueError(f"policy_loss: loss_mask must be a bool tensor, got {x.dtype}")
+                raise ValueError(f"policy_loss: loss_mask must be a bool tensor (or 0/1 float/int), got {x.dtype}")
         elif not x.dtype.is_floating_point:
             raise ValueError(f"policy_loss: {name} must be floating point, got {x.dtype}")
     for name, x in weights.items():
-        if not bool((torch.isfinite(x) & (x >= 0)).all()):
-            raise ValueError(f"policy_loss: {name} must be finite and >= 0")
+        check_values((torch.isfinite(x) & (x >= 0)).all(), f"policy_loss: {name} must be finite and >= 0",
+                     lambda x=x: f"min {float(x.min())}, non-finite {int((~torch.isfinite(x)).sum())}")
     return T
+
+
+def _bool_mask(loss_mask):
+    """A 0/1 float or integer mask -> bool (a fractional weight is ``loss_weights``' job)."""
+    if not isinstance(loss_mask, torch.Tensor) or loss_mask.dtype == torch.bool:
+        return loss_mask
+    if not (loss_mask.dtype.is_floating_point or loss_mask.dtype in (torch.uint8, torch.int8, torch.int16,
+                                                                         torch.int32, torch.int64)):
+        raise ValueError(f"policy_loss: loss_mask must be bool (or 0/1 float/int), got {loss_mask.dtype}")
+    check_values(((loss_mask == 0) | (loss_mask == 1)).all(),
+                 "policy_loss: a float/int loss_mask must hold only 0 and 1 (weights go in loss_weights=; "
+                 "convert with loss_mask.bool())",
+                 lambda: f"values {torch.unique(loss_mask)[:8].tolist()}")
+    return loss_mask != 0
+
+
+def _positive_number(name: str, x) -> None:
+    """x > 0, for a Python number (checked here) or a tensor (a device assertion)."""
+    if isinstance(x, torch.Tensor):
+        check_values((x > 0).all(), f"policy_loss: {name} must be > 0", lambda: f"got {x.tolist()}")
+    elif not float(x) > 0:
+        raise ValueError(f"policy_loss: {name} must be > 0, got {x}")
 
 
 def _validate(logprobs, inference_logprobs, advantages, loss_mask, method, old_logprobs, corrections, aggregation,
@@ -248,7 +281,8 @@ def _validate(logprobs, inference_logprobs, advantages, loss_mask, method, old_l
     for key, x in (("old_logprobs", old_logprobs), ("entropy", entropy), ("ref_logprobs", ref_logprobs)):
         if x is not None:
             named[key] = x
-    T = _check_tensors(logprobs, named, weights)
+    num_seqs = cu_seqlens.numel() - 1 if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 else None
+    T = _check_tensors(logprobs, named, weights, num_seqs)
 
     needs_seqs = (name in ("gspo", "gspo_token") or aggregation == "seq_mean_token_mean"
                   or any(c in corrections for c in SEQUENCE_LEVEL_CORRECTIONS)
@@ -261,19 +295,26 @@ def _validate(logprobs, inference_logprobs, advantages, loss_mask, method, old_l
                 or cu_seqlens.dtype.is_floating_point:
             raise ValueError(f"policy_loss: cu_seqlens must be a 1-D integer tensor [S+1], got "
                              f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} {tuple(getattr(cu_seqlens, 'shape', ()))}")
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-            raise ValueError(f"policy_loss: cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cu_seqlens.tolist()}")
-    if aggregation == "token_sum_norm" and not (norm_constant is not None and float(norm_constant) > 0):
-        raise ValueError(f"policy_loss: aggregation 'token_sum_norm' needs norm_constant > 0, got {norm_constant}")
-    if aggregation == "global_token_sum" and not (global_num_tokens is not None and float(global_num_tokens) > 0):
-        raise ValueError(f"policy_loss: aggregation 'global_token_sum' needs global_num_tokens > 0, got {global_num_tokens}")
-    if global_num_seqs is not None and (aggregation != "seq_mean_token_mean" or not float(global_num_seqs) > 0):
-        raise ValueError(f"policy_loss: global_num_seqs ({global_num_seqs}) must be > 0 and is used only by "
-                         f"aggregation 'seq_mean_token_mean', got aggregation {aggregation!r}")
+        check_values((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
+                     # a symbolic T (dynamic shapes) stays out of the message: formatting it would specialise T
+                     "policy_loss: cu_seqlens must start at 0, be non-decreasing and end at "
+                     + ("T = logprobs.shape[0]" if torch.compiler.is_compiling() else f"T={T}"),
+                     lambda: f"got {cu_seqlens.tolist()}")
+    for agg, key, x in (("token_sum_norm", "norm_constant", norm_constant),
+                        ("global_token_sum", "global_num_tokens", global_num_tokens)):
+        if aggregation == agg:
+            if x is None:
+                raise ValueError(f"policy_loss: aggregation {agg!r} needs {key} > 0, got None")
+            _positive_number(key, x)
+    if global_num_seqs is not None:
+        if aggregation != "seq_mean_token_mean":
+            raise ValueError(f"policy_loss: global_num_seqs ({global_num_seqs}) is used only by aggregation "
+                             f"'seq_mean_token_mean', got aggregation {aggregation!r}")
+        _positive_number("global_num_seqs", global_num_seqs)
     for key, n in (global_term_tokens or {}).items():
-        if key not in terms or not float(n) > 0:
-            raise ValueError(f"policy_loss: global_term_tokens[{key!r}] = {n}: keys must name a term in use "
-                             f"{terms} and values must be > 0")
+        if key not in terms:
+            raise ValueError(f"policy_loss: global_term_tokens[{key!r}] = {n}: keys must name a term in use {terms}")
+        _positive_number(f"global_term_tokens[{key!r}]", n)
     return name, custom, fn_kwargs, corrections, aggregation, hp
 
 
@@ -375,7 +416,7 @@ def _aggregate(loss, w, aggregation, seq_w, norm_constant, global_num_tokens, gl
     if aggregation == "token_mean":
         return weighted.sum() / _positive(w.sum())
     if aggregation == "token_sum_norm":
-        return weighted.sum() / float(norm_constant)
+        return weighted.sum() / (norm_constant if isinstance(norm_constant, torch.Tensor) else float(norm_constant))
     if aggregation == "global_token_sum":
         return weighted.sum() / global_num_tokens
     seq_ids, S, w_i = seq_w
@@ -409,11 +450,22 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of a packed batch and its metrics (see the module docstring for formulas).
 
+    Defaults differ from the job's (``primerl rl``, ``trainer.loss``): here ``method="ppo_clip"``,
+    ``drop_zero_advantage=False`` and a local token mean; the job's default loss is prime-rl's,
+    ``method="dppo_tv", drop_zero_advantage=True`` with the token mean taken over the global
+    policy-gradient token count (``aggregation="global_token_sum"``). Pass those to get the job's
+    loss. Value checks (cu_seqlens, weights, a 0/1 mask) are device assertions
+    (:func:`primerl.kernels.check_values`): no host read, traceable by ``torch.compile``.
+
     Args:
         logprobs: [T] trainer log-probs of the sampled tokens (differentiable).
         inference_logprobs: [T] the sampler's log-probs of the same tokens.
-        advantages: [T] per-token advantages (a sequence's advantage repeated over its tokens).
-        loss_mask: [T] bool, True on trained tokens (completions); other positions may hold anything.
+        advantages: [T] per-token advantages (a sequence's advantage repeated over its tokens), or
+            [S] one per sequence of ``cu_seqlens`` (repeated over its tokens here; when S == T the
+            two readings agree only for one-token sequences, so [T] is taken).
+        loss_mask: [T] bool, True on trained tokens (completions); other positions may hold
+            anything. A float or integer mask of 0/1 values is accepted (other values fail a
+            check: fractional weights go in ``loss_weights``).
         method: a name in LOSS_METHODS, or a custom method: ``"package.module:function"`` or a
             callable ``fn(inputs: LossInputs, **hparams) -> [T] loss | ([T] loss, metrics)``.
         corrections / aggregation: see the module docstring; aggregation None picks the method's
@@ -426,6 +478,7 @@ def policy_loss(
         entropy: [T] optional per-token entropy, only logged.
         drop_zero_advantage: remove tokens with advantage exactly 0 from the policy-gradient term
             and its denominator.
+
         loss_weights: [T] float >= 0, per-token weights of the policy-gradient term (0 removes a
             token from it and from its denominator).
         ref_logprobs: [T] reference-model log-probs: adds the reference-KL term on the loss tokens
@@ -451,10 +504,13 @@ def policy_loss(
     """
     weights = {k: v for k, v in (("loss_weights", loss_weights), ("ref_weights", ref_weights),
                                  ("sft_weights", sft_weights)) if v is not None}
+    loss_mask = _bool_mask(loss_mask)
     name, custom, fn_kwargs, corrections, aggregation, hp = _validate(
         logprobs, inference_logprobs, advantages, loss_mask, method, old_logprobs, corrections, aggregation,
         cu_seqlens, norm_constant, global_num_tokens, global_num_seqs, entropy, ref_logprobs, weights,
         global_term_tokens, hparams)
+    if advantages.shape[0] != logprobs.shape[0]:  # [S] per sequence (checked against cu_seqlens)
+        advantages = advantages[seq_ids_from_cu_seqlens(cu_seqlens.to(advantages.device), logprobs.shape[0])]
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     mask = loss_mask
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)

@@ -171,7 +171,8 @@ def test_custom_method_by_import_path(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(loss_mask=torch.ones(4)), "loss_mask must be a bool tensor"),
+    (dict(loss_mask=torch.full((4,), 2.0)), "loss_mask must hold only 0 and 1"),
+    (dict(loss_mask=torch.ones(4, dtype=torch.complex64)), "loss_mask must be bool"),
     (dict(advantages=torch.zeros(4, device="meta")), "advantages is on meta"),
     (dict(loss_weights=torch.tensor([1.0, -1.0, 0.0, 0.0])), "loss_weights must be finite and >= 0"),
     (dict(sft_weights=torch.tensor([1.0, float("nan"), 0.0, 0.0])), "sft_weights must be finite"),

@@ -101,9 +101,9 @@ class TorchChunkOps:
             dz = torch.mul(p, -g_lp.unsqueeze(1), out=z)
         local = targets - v0
         inside = (local >= 0) & (local < vc)
-        rows = inside.nonzero().squeeze(1)
-        if rows.numel():
-            dz[rows, local[rows]] = tgt_grad[rows]
+        # the target element of each row whose target lies in this chunk (no nonzero: no host read)
+        col = local.clamp(0, vc - 1).unsqueeze(1)
+        dz.scatter_(1, col, torch.where(inside, tgt_grad, dz.gather(1, col).squeeze(1)).unsqueeze(1))
         if inv_temp is not None:
             dz.mul_(inv_temp.unsqueeze(1))
         if dz_out is not z:
@@ -326,30 +326,3 @@ def _backward_blocks(hidden, weight, targets, inv_temp, unit_temp, logprobs, ent
         if gw_acc is not None:
             grad_w[v0:v1].copy_(gw_acc[: v1 - v0])
     return grad_h, grad_w
-
-
-class ChunkedLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, unit_temp, chunk_size, vocab_chunk_size, grad_chunk_size,
-                with_entropy, ops):
-        logprobs, entropy, (m, ls, c) = chunked_forward(hidden, weight, targets, inv_temp, unit_temp, chunk_size,
-                                                        vocab_chunk_size, with_entropy, ops)
-        ctx.save_for_backward(hidden, weight, targets, inv_temp, logprobs, entropy, m, ls, c)
-        ctx.cfg = (unit_temp, chunk_size, vocab_chunk_size, grad_chunk_size, with_entropy, ops)
-        # an unused output (typically the entropy, logged only) then arrives as None, not zeros
-        ctx.set_materialize_grads(False)
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent):
-        hidden, weight, targets, inv_temp, logprobs, entropy, m, ls, c = ctx.saved_tensors
-        unit_temp, chunk_size, vocab_chunk_size, grad_chunk_size, with_entropy, ops = ctx.cfg
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_h or need_w) or (g_lp is None and (g_ent is None or not with_entropy)):
-            return (None,) * 10
-        g_lp = torch.zeros_like(m) if g_lp is None else g_lp.float().contiguous()
-        g_ent = None if (g_ent is None or not with_entropy) else g_ent.float().contiguous()
-        grad_h, grad_w = chunked_backward(hidden, weight, targets, inv_temp, unit_temp, logprobs, entropy, (m, ls, c),
-                                          g_lp, g_ent, chunk_size, vocab_chunk_size, grad_chunk_size, need_h, need_w,
-                                          ops)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None

@@ -17,8 +17,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+
+try:
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutput
+except ImportError as exc:  # ModuleNotFoundError included
+    raise ImportError(f"primerl.models.integrations.transformers needs Hugging Face transformers (>= 5.0): "
+                      f"pip install 'primerl[hf]' ({exc})") from exc
 
 from ..config import MoETransformerConfig
 from ..transformer import MoETransformer

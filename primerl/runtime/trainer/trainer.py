@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from primerl.kernels.logprobs import fused_logprobs
+from primerl.rl.next_token import FORWARD_FIELDS, next_token_batch, next_token_targets, token_aligned  # noqa: F401
 
 from . import _rl
 from . import full_state
@@ -83,35 +84,10 @@ def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int | None = None, 
         hidden = padded_forward(model, ids, mb.position_ids, mb.cu_seqlens, replay_ids=replay_ids)
     else:
         hidden = model(ids, mb.position_ids, mb.cu_seqlens, replay_ids=replay_ids)
-    targets = torch.roll(ids, -1)
-    temperature = 1.0 if mb.temperatures is None else torch.roll(mb.temperatures, -1)
-    lp, ent = fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
-    starts = torch.zeros_like(ids, dtype=torch.bool)
-    starts[mb.cu_seqlens[:-1].long().clamp(max=ids.numel() - 1)] = True
-    zero = lp.new_zeros(1)
-    lp, ent = torch.cat([zero, lp[:-1]]), torch.cat([zero, ent[:-1]])
-    return torch.where(starts, torch.zeros_like(lp), lp), torch.where(starts, torch.zeros_like(ent), ent)
-
-
-FORWARD_FIELDS = ("input_ids", "position_ids", "replay_ids")  # what the model reads; the rest is loss-side
-
-
-def next_token_batch(mb):
-    """-> (mb', targets [T]): ``mb`` with every loss-side per-token field moved one token earlier,
-    so entry t describes token t+1 and is scored from the hidden state at t, and the targets
-    ``input_ids[t+1]``. Forward inputs stay. An entry at a sequence's last token is masked out
-    (its next token opens another sequence). Sequence membership of every masked-in entry is
-    unchanged, so per-sequence loss terms see the same tokens."""
-    from dataclasses import replace
-
-    T = mb.num_tokens
-    last = torch.zeros(T, dtype=torch.bool)
-    if T:
-        last[(mb.cu_seqlens[1:].long() - 1).clamp(0, T - 1)] = True
-    moved = {name: torch.roll(getattr(mb, name), -1, 0) for name in mb.PER_TOKEN
-             if name not in FORWARD_FIELDS and getattr(mb, name) is not None}
-    moved["loss_mask"] = moved["loss_mask"] & ~last
-    return replace(mb, **moved), torch.roll(mb.input_ids, -1, 0)
+    temperature = 1.0 if mb.temperatures is None else next_token_targets(mb.temperatures)
+    lp, ent = fused_logprobs(hidden, model.lm_head.weight, next_token_targets(ids), temperature=temperature,
+                             chunk_size=chunk_size)
+    return token_aligned(lp, mb.cu_seqlens), token_aligned(ent, mb.cu_seqlens)
 
 
 def next_token_logprobs(model, mb, targets, *, replay: bool, plan=None, padded: bool = False,
