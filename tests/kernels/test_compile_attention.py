@@ -21,6 +21,11 @@ from primerl.kernels.testing import assert_bitwise_equal, count_host_reads, max_
 TOL = 2e-5  # inductor vs eager, float32, relative to the tensor's scale
 BACKENDS = ("aot_eager", "inductor")
 
+# torch.compile cannot trace the tests' NaN-poisoning wrapper of torch.empty (a Python function
+# around the C builtin), and the meta device context does not reach through it: compiled results are
+# compared with eager instead.
+pytestmark = pytest.mark.no_poison
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

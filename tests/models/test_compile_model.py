@@ -22,6 +22,11 @@ TOL = 5e-5
 BACKENDS = ("aot_eager", "inductor")
 V = 16
 
+# torch.compile cannot trace the tests' NaN-poisoning wrapper of torch.empty (a Python function
+# around the C builtin), and the meta device context does not reach through it: compiled results are
+# compared with eager instead.
+pytestmark = pytest.mark.no_poison
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
@@ -45,8 +50,8 @@ def _batch(lens, seed):
     return torch.randint(0, V, (T,), generator=g), pos, cu
 
 
-def _fwd_bwd(model, fn, batch, seed):
-    out = fn(*batch)
+def _fwd_bwd(model, fn, batch, seed, **kw):
+    out = fn(*batch, **kw)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad((out * w).sum(), params)
@@ -66,10 +71,10 @@ def test_job_model_forward_backward_fullgraph(backend):
     torch.manual_seed(0)
     model = MoETransformer(job_model_config())
     batch = _batch((10, 10, 7, 10), seed=1)
-    want_out, want_grads = _fwd_bwd(model, model, batch, seed=1)
+    want_out, want_grads = _fwd_bwd(model, model, batch, seed=1, return_logits=True)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    got_out, got_grads = _fwd_bwd(model, compiled, batch, seed=1)
-    _compare(backend, got_out, want_out, "hidden")
+    got_out, got_grads = _fwd_bwd(model, compiled, batch, seed=1, return_logits=True)
+    _compare(backend, got_out, want_out, "logits")
     for (name, _), g, w in zip(model.named_parameters(), got_grads, want_grads):
         _compare(backend, g, w, f"grad {name}")
 
@@ -92,26 +97,28 @@ def test_attention_layers_fullgraph(family):
 
 @pytest.mark.parametrize("mode", ("fake", "meta"))
 def test_job_model_under_fake_and_meta(mode):
-    """Built on the meta device (or under FakeTensorMode); forward and backward give the eager
-    shapes and dtypes (a memory estimate or an export needs no real weights)."""
+    """Forward and backward on meta weights and inputs (the model built on the meta device), or with
+    FakeTensor weights and inputs under FakeTensorMode: the eager shapes and dtypes (a memory
+    estimate or an export needs no real weights)."""
     batch = _batch((10, 3, 10), seed=4)
     if mode == "meta":
         with torch.device("meta"):
             model = MoETransformer(job_model_config())
-        ids, pos, cu = (t.to("meta") for t in batch)
-        out = model(ids, pos, cu)
-        out.sum().backward()
+        params = dict(model.named_parameters())
+        inputs = [t.to("meta") for t in batch]
+        ctx = torch.enable_grad()
     else:
-        fake = FakeTensorMode()
-        ids, pos, cu = (fake.from_tensor(t) for t in batch)
-        with fake:
-            model = MoETransformer(job_model_config())
-            out = model(ids, pos, cu)
-            out.sum().backward()
-    assert tuple(out.shape) == (batch[0].shape[0], model.config.dim) and out.dtype == torch.float32
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
+        model = MoETransformer(job_model_config())
+        ctx = FakeTensorMode()
+        params = {n: ctx.from_tensor(p).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+        inputs = [ctx.from_tensor(t) for t in batch]
+    with ctx:
+        out = torch.func.functional_call(model, params, tuple(inputs), {"return_logits": True})
+        trained = [n for n, p in params.items() if p.requires_grad]
+        grads = torch.autograd.grad(out.sum(), [params[n] for n in trained])
+    assert tuple(out.shape) == (batch[0].shape[0], model.config.vocab_size) and out.dtype == torch.float32
+    for name, g in zip(trained, grads):
+        assert g.shape == params[name].shape and g.dtype == params[name].dtype, name
 
 
 def test_job_model_no_host_reads_forward_backward():
