@@ -15,7 +15,8 @@ Both ops are ``torch.library.custom_op``s (forward and backward each one op, wit
 and ``register_autograd``), so ``torch.compile`` traces them as single nodes. Tensors saved for
 backward are the high-precision ``x`` and ``weight`` (quantized again in backward).
 
-Module swap protocol (:func:`convert_to_fp8`): exact ``nn.Linear`` modules become
+Module swap protocol (:func:`convert_to_fp8`, which reports what it converted and what it kept and
+why in ``model.fp8_conversion``): exact ``nn.Linear`` modules become
 :class:`Fp8Linear` (class swap in place: parameters, hooks and optimizer state are untouched).
 Any module with a method ``enable_fp8(recipe: str) -> None`` (e.g. the project's grouped experts)
 is asked to switch itself: it must route its grouped GEMMs through :func:`fp8_grouped_linear`
@@ -26,6 +27,8 @@ into it).
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -36,7 +39,7 @@ from .fp8 import quant_per_block, quant_per_token_group
 
 RECIPES = ("blockwise", "blockwise_fp8_wgrad", "rowwise")
 BLOCK = 128
-__all__ = ["RECIPES", "fp8_linear", "fp8_grouped_linear", "Fp8Linear", "convert_to_fp8"]
+__all__ = ["RECIPES", "fp8_linear", "fp8_grouped_linear", "Fp8Linear", "Fp8ConversionReport", "convert_to_fp8"]
 
 
 def _quant_backend(backend: Optional[str]) -> Optional[str]:
@@ -258,36 +261,81 @@ class Fp8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe!r}"
 
 
+@dataclass
+class Fp8ConversionReport:
+    """What :func:`convert_to_fp8` did: ``converted`` the fqns switched to FP8 (``"<root>"`` for the
+    model itself), ``kept`` the candidates left in high precision (exact ``nn.Linear`` and modules with
+    ``enable_fp8``) mapped to why. Set as ``model.fp8_conversion`` and logged (logger ``primerl.fp8``)."""
+
+    recipe: str
+    converted: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"convert_to_fp8({self.recipe!r}): {len(self.converted)} converted, {len(self.kept)} kept in "
+                 "high precision"]
+        lines += [f"  kept {fqn}: {why}" for fqn, why in self.kept.items()]
+        return "\n".join(lines)
+
+
+INCOMPATIBLE = ("skip", "raise")
+
+
 def convert_to_fp8(model: nn.Module, recipe: str = "blockwise",
-                   filter_fn: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
-    """Switch ``model`` to FP8 training in place and return it.
+                   filter_fn: Callable[[str, nn.Module], bool] | None = None, *,
+                   incompatible: str = "skip") -> nn.Module:
+    """Switch ``model`` to FP8 training in place and return it; ``model.fp8_conversion`` holds the
+    :class:`Fp8ConversionReport` (what was converted, what was kept and why).
 
     Every exact ``nn.Linear`` for which ``filter_fn(fqn, module)`` is true (all when None) becomes
     an :class:`Fp8Linear` with ``recipe``; every module exposing ``enable_fp8(recipe)`` (grouped
-    experts) is asked to switch itself and is not descended into. All selected modules are checked
-    before anything changes: a Linear whose dims are not multiples of 128 raises ``ValueError``
-    naming it (exclude it with ``filter_fn``). Convert before wrapping with FSDP / compile.
+    experts) is asked to switch itself and is not descended into. A selected module whose dims are
+    not multiples of 128 (the recipes' block) is kept in high precision and reported with
+    ``incompatible="skip"`` (the default, as ``primerl.models.convert_to_fp8``), or, with
+    ``incompatible="raise"``, raises ``ValueError`` naming it before anything changes (an
+    ``enable_fp8`` module's own ValueError propagates). Convert before wrapping with FSDP / compile.
     """
-    _check_recipe("convert_to_fp8", recipe)
+    op = "convert_to_fp8"
+    _check_recipe(op, recipe)
+    if incompatible not in INCOMPATIBLE:
+        raise ValueError(f"{op}: incompatible must be one of {INCOMPATIBLE}, got {incompatible!r}")
+    report = Fp8ConversionReport(recipe)
     linears, grouped, owned = [], [], []
     for fqn, module in model.named_modules():
         if any(fqn.startswith(prefix + ".") or prefix == "" for prefix in owned):
             continue
-        selected = filter_fn is None or filter_fn(fqn, module)
-        if callable(getattr(module, "enable_fp8", None)):
+        name = fqn or "<root>"
+        has_enable = callable(getattr(module, "enable_fp8", None))
+        if not has_enable and type(module) is not nn.Linear:
+            continue
+        if has_enable:
             owned.append(fqn)
-            if selected:
-                grouped.append(module)
-        elif type(module) is nn.Linear and selected:
-            if module.out_features % BLOCK or module.in_features % BLOCK:
-                raise ValueError(
-                    f"convert_to_fp8: {fqn or '<root>'} is nn.Linear(in_features={module.in_features}, "
-                    f"out_features={module.out_features}); FP8 blockwise needs both to be multiples of {BLOCK}. "
-                    "Exclude it with filter_fn.")
-            linears.append(module)
-    for module in grouped:
-        module.enable_fp8(recipe)
-    for module in linears:
+        if filter_fn is not None and not filter_fn(fqn, module):
+            report.kept[name] = "excluded by filter_fn"
+            continue
+        if has_enable:
+            grouped.append((name, module))
+        elif module.out_features % BLOCK or module.in_features % BLOCK:
+            why = (f"nn.Linear(in_features={module.in_features}, out_features={module.out_features}): FP8 blockwise "
+                   f"needs both to be multiples of {BLOCK}")
+            if incompatible == "raise":
+                raise ValueError(f"{op}: {name} is {why}. Exclude it with filter_fn or pass incompatible='skip'.")
+            report.kept[name] = why
+        else:
+            linears.append((name, module))
+    for name, module in grouped:
+        try:
+            module.enable_fp8(recipe)
+        except ValueError as exc:
+            if incompatible == "raise":
+                raise
+            report.kept[name] = f"enable_fp8 refused: {exc}"
+            continue
+        report.converted.append(name)
+    for name, module in linears:
         module.__class__ = Fp8Linear
         module.recipe = recipe
+        report.converted.append(name)
+    object.__setattr__(model, "fp8_conversion", report)
+    logging.getLogger("primerl.fp8").info("%s", report)
     return model

@@ -6,6 +6,8 @@ in bf16 inputs with float64 math, >= 25 dB for both recipes and both backends.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -133,13 +135,18 @@ def test_convert_to_fp8():
     model = nn.Sequential(nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 256), nn.Linear(256, 10))
     model.experts = _ToyExperts()
     with pytest.raises(ValueError, match=r"3 is nn.Linear\(in_features=256, out_features=10\)"):
-        convert_to_fp8(model)
+        convert_to_fp8(model, incompatible="raise")
     assert type(model[0]) is nn.Linear and model.experts.recipe is None  # nothing changed on error
+    skipped = convert_to_fp8(copy.deepcopy(model))  # the default: kept in high precision, reported
+    assert type(skipped[3]) is nn.Linear and isinstance(skipped[0], Fp8Linear)
+    assert sorted(skipped.fp8_conversion.converted) == ["0", "2", "experts"]
+    assert list(skipped.fp8_conversion.kept) == ["3"] and "multiples of 128" in skipped.fp8_conversion.kept["3"]
     ref = [p.detach().clone() for p in model.parameters()]
     params = list(model.parameters())
     x = torch.randn(24, 256)
     y_ref = model[:3](x)
     convert_to_fp8(model, "blockwise_fp8_wgrad", filter_fn=lambda fqn, mod: fqn != "3")
+    assert model.fp8_conversion.kept == {"3": "excluded by filter_fn"}
     assert isinstance(model[0], Fp8Linear) and isinstance(model[2], Fp8Linear) and type(model[3]) is nn.Linear
     assert model[0].recipe == "blockwise_fp8_wgrad" and model.experts.recipe == "blockwise_fp8_wgrad"
     assert type(model.experts.inner) is nn.Linear

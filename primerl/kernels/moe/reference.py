@@ -130,7 +130,8 @@ def chunk_rows(cols: int) -> int:
 def slot_of_rows(row_map: torch.Tensor) -> torch.Tensor:
     """The inverse of a full layout (M == n == T*k): row r holds slot ``slot_of_rows(row_map)[r]`` [n] int64."""
     flat = row_map.reshape(-1).long()
-    inv = torch.empty_like(flat)
+    # traced: inductor cannot lower an index_put into a fresh torch.empty in a backward graph
+    inv = torch.zeros_like(flat) if tracing(flat) else torch.empty_like(flat)
     inv[flat] = torch.arange(flat.numel(), device=flat.device)
     return inv
 
@@ -160,6 +161,11 @@ def combine_rows(y_perm: torch.Tensor, row_map: torch.Tensor, weights: torch.Ten
     d = y_perm.shape[1]
     acc = torch.zeros(t, d, dtype=torch.float32, device=y_perm.device)
     idx = row_map.long().t().contiguous()  # [k, T]: column j contiguous for index_select
+    if tracing(y_perm, row_map):  # no out= scratch buffers in a graph: the same ops, whole columns at once
+        for j in range(k):
+            term = y_perm.index_select(0, idx[j]).float()
+            acc = acc + (term * weights[:, j : j + 1] if weights is not None else term)
+        return acc.to(y_perm.dtype)
     step = chunk_rows(d)
     buf = y_perm.new_empty(min(step, t), d)
     for t0 in range(0, t, step):  # a token chunk's accumulator stays in cache over the k terms
@@ -191,7 +197,8 @@ def combine_backward(dy: torch.Tensor, y_perm: torch.Tensor, row_map: torch.Tens
     tokens = torch.div(slots, k, rounding_mode="floor")
     rows_scale = weights.reshape(-1).index_select(0, slots).unsqueeze(-1) if need_perm else None
     m, d = y_perm.shape
-    if dy.dtype != torch.float32 or y_perm.dtype != torch.float32:
+    # traced: the general path (the same products and row sums, without out= into scratch buffers)
+    if dy.dtype != torch.float32 or y_perm.dtype != torch.float32 or tracing(dy, y_perm):
         dy_rows = dy.index_select(0, tokens).float()  # [M, D]
         grad_w = None
         if need_weights:
@@ -237,6 +244,9 @@ def swiglu(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     i = gu.shape[1] // 2
     if out is not None and (gu.dtype != torch.float32 or out.dtype != torch.float32):
         raise ValueError(f"swiglu: out= needs float32 gu and out, got {gu.dtype} and {out.dtype}")
+    if gu.dtype == torch.float32 and out is None and tracing(gu):  # the same ops, no out= buffers
+        g, u = gu[:, :i], gu[:, i:]
+        return torch.reciprocal(torch.exp(torch.neg(g)) + 1.0) * g * u
     if gu.dtype == torch.float32:  # the whole chain written in place into h, chunk by chunk
         m = gu.shape[0]
         h = gu.new_empty(m, i) if out is None else out
@@ -273,6 +283,8 @@ def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     silu = g * sig
     dg = (d * u).mul_(sig)
     dg.mul_(sig.neg_().add_(1.0).mul_(g).add_(1.0))
+    if tracing(gu):  # inductor cannot lower slice writes into a fresh torch.empty in a backward graph
+        return torch.cat([dg, silu.mul_(d)], dim=1).to(gu.dtype)
     out = torch.empty_like(gu)
     out[:, :i] = dg
     out[:, i:] = silu.mul_(d)
