@@ -121,14 +121,14 @@ def test_opcheck_custom_ops(backend):
     weight = torch.randn(v, d, generator=g, requires_grad=True)
     targets = torch.randint(0, v, (t,), generator=g)
     inv_temp = torch.rand(t, generator=g) + 0.5
-    fwd_args = (hidden, weight, targets, inv_temp, False, 2, 4, 2, True, backend)
+    fwd_args = (hidden, weight, targets, inv_temp, False, 2, 4, True, backend)
     torch.library.opcheck(fused_logprobs_fwd, fwd_args)
     with torch.no_grad():  # the backward op has no autograd of its own (no double backward)
         lp, ent, m, ls, c = fused_logprobs_fwd(*fwd_args)
     g_lp, g_ent = torch.randn(t, generator=g), torch.randn(t, generator=g)
     for need in ((True, True), (True, False), (False, True)):
         bwd_args = (hidden.detach(), weight.detach(), targets, inv_temp, lp, ent, m, ls, c, g_lp,
-                    g_ent, False, 2, 4, 2, *need, backend)
+                    g_ent, False, 2, 4, *need, backend)
         torch.library.opcheck(fused_logprobs_bwd, bwd_args)
     torch.library.opcheck(fused_logprobs_bwd, bwd_args[:10] + (None,) + bwd_args[11:])  # entropy unused
 

@@ -29,6 +29,7 @@ LOSSES = {  # name -> policy_loss kwargs (cu_seqlens added where "cu")
     "dppo_seq_mean_geo_rs_cu": dict(method="dppo_tv", aggregation="seq_mean_token_mean", corrections=("geo_rs", "veto"),
                                     cu=True),
     "cispo_mis_seq_cu": dict(method="cispo", corrections=("mis",), mis_level="sequence", cu=True),
+    "ppo_tis_terms_weights": dict(old=True, corrections=("tis", "icepop"), terms=True),  # ref-KL + SFT terms
 }
 
 
@@ -51,6 +52,12 @@ def _loss_fn(name):
         k = dict(kw)
         if "global_num_tokens" in k:  # a device count, as the job's all-reduced one
             k["global_num_tokens"] = mask.sum().to(lp.dtype)
+        if k.pop("old", False):
+            k["old_logprobs"] = ilp + 0.02 * torch.cos(torch.arange(lp.shape[0], device=lp.device, dtype=lp.dtype))
+        if k.pop("terms", False):
+            k.update(ref_logprobs=ilp - 0.1, sft_weights=mask.to(lp.dtype) * 0.5,
+                     loss_weights=torch.linspace(0.0, 2.0, lp.shape[0], device=lp.device, dtype=lp.dtype),
+                     ref_kl_coef=0.5, sft_coef=0.1)
         loss, metrics = policy_loss(lp, ilp, adv, mask, cu_seqlens=cu if use_cu else None, **k)
         return loss, metrics["ratio_mean"], metrics["clip_frac_high"]
     return f

@@ -31,7 +31,6 @@ import torch
 
 from .._backend import resolve_backend
 from .._value_checks import check_values
-from . import chunked
 from .op import fused_logprobs_bwd, fused_logprobs_fwd  # noqa: F401  (registers the custom ops)
 from .reference import logprobs_reference
 
@@ -54,8 +53,7 @@ def _inv_temperature(temperature, lead: tuple, device) -> tuple[torch.Tensor, bo
         if temperature.dtype == torch.bool or not (temperature.dtype.is_floating_point or temperature.dtype in
                                                    (torch.int32, torch.int64)):
             raise ValueError(f"fused_logprobs: temperature must be a float tensor, got {temperature.dtype}")
-        if temperature.device != device:
-            raise ValueError(f"fused_logprobs: temperature is on {temperature.device}, hidden on {device}")
+        temperature = temperature.to(device)  # a copy to the device, not a read back
         check_values((temperature > 0).all(), "fused_logprobs: every temperature must be > 0",
                      lambda: f"min {float(temperature.min())}")
         # 1 / t in float64, rounded once: the value a Python float temperature gives
@@ -161,15 +159,10 @@ def fused_logprobs(
     if bias is not None:  # z = [h, 1] . [W, b]
         h2 = torch.cat([h2, h2.new_ones(T, 1)], dim=1)
         weight = torch.cat([weight, bias.unsqueeze(1)], dim=1)
-    tz, vc, td = chunked.default_chunk_sizes(T, V, h2.shape[1], chunked.native_low_precision(h2, weight))
-    if chunk_size is not None:  # explicit tokens per block: the gradient blocks have as many
-        tz = td = chunk_size
-    if vocab_chunk_size is not None:
-        vc = vocab_chunk_size
     safe_targets = targets if valid is None else torch.where(valid, targets, torch.zeros_like(targets))
     logprobs, entropy, _, _, _ = fused_logprobs_fwd(
-        h2.contiguous(), weight.contiguous(), safe_targets.contiguous(), inv_temp, unit_temp, tz, vc, td,
-        bool(return_entropy), name)
+        h2.contiguous(), weight.contiguous(), safe_targets.contiguous(), inv_temp, unit_temp, chunk_size or 0,
+        vocab_chunk_size or 0, bool(return_entropy), name)
     if valid is not None:  # 0 and no gradient at the ignored targets
         logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
         entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
