@@ -90,7 +90,7 @@ def _ops():
     ]
 
 
-def job_model_step(T_lens=(10,) * 8, seed=0, padded=False):
+def job_model_step(T_lens=(10,) * 8, seed=0, fused_adamw=False):
     """One step of examples/reverse_text.toml's model: forward, fused_logprobs, policy_loss with
     cu_seqlens, backward, AdamW step. Returns a closure and its inputs."""
     from primerl.kernels.logprobs import fused_logprobs
@@ -102,7 +102,7 @@ def job_model_step(T_lens=(10,) * 8, seed=0, padded=False):
                                num_experts=4, top_k=2, rope_theta=100.0)
     torch.manual_seed(seed)
     model = MoETransformer(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused_adamw or None)
     T = sum(T_lens)
     cu = torch.tensor([0, *torch.tensor(T_lens).cumsum(0).tolist()], dtype=torch.int32)
     pos = torch.cat([torch.arange(n) for n in T_lens])
@@ -132,18 +132,21 @@ def main():
         n, counts = _host_reads(fn, *args)
         gb, gc = _explain(fn, *args)
         print(f"| {name} | {gb} | {gc} | {n} {counts} |")
-    model, step, args = job_model_step()
-    n, counts = _host_reads(step, *args)
-    with debug_checks(False), count_host_reads() as c:
-        step(*args)
-    where = {}
-    for w in c.where:
-        where[w] = where.get(w, 0) + 1
-    gb, gc = _explain(lambda *a: model(*a[:3]), *args)
-    print(f"| job model forward (explain) | {gb} | {gc} | |")
-    print(f"| job model step (fwd, fused_logprobs, policy_loss(cu_seqlens), bwd, AdamW) | | | {n} {counts} |")
-    for w, m in sorted(where.items(), key=lambda x: -x[1]):
-        print(f"  {m} x {w}")
+    for fused in (False, True):
+        model, step, args = job_model_step(fused_adamw=fused)
+        step(*args)  # warm-up (optimizer state)
+        with debug_checks(False), count_host_reads() as c:
+            step(*args)
+        where = {}
+        for w in c.where:
+            where[w] = where.get(w, 0) + 1
+        if not fused:
+            gb, gc = _explain(lambda *a: model(*a[:3]), *args)
+            print(f"| job model forward (explain) | {gb} | {gc} | |")
+        print(f"| job model step (fwd, fused_logprobs, policy_loss(cu_seqlens), bwd, AdamW{' fused' if fused else ''})"
+              f" | | | {c.total} {dict(c.counts)} |")
+        for w, m in sorted(where.items(), key=lambda x: -x[1]):
+            print(f"  {m} x {w}")
 
 
 if __name__ == "__main__":

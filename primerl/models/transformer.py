@@ -160,7 +160,7 @@ class MoETransformer(nn.Module):
             if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"cu_seqlens must be an int32 tensor [B+1] with B >= 1, got shape "
                                  f"{tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype}")
-            ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
+            ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (cu_seqlens.diff() >= 0).all()
             check_values(ok, "cu_seqlens must be non-decreasing from 0 to T (the number of tokens)",
                          lambda: f"T={T}, got {cu_seqlens.tolist()}")
         elif cu_seqlens is None or not hasattr(cu_seqlens, "shard"):

@@ -139,7 +139,7 @@ def _check_cu(op: str, name: str, cu, total: int, device) -> torch.Tensor:
         raise ValueError(f"{op}: {name} must be int32 (flash-attn convention), got {cu.dtype}")
     if cu.device != device:
         raise ValueError(f"{op}: {name} is on {cu.device}, the tensors on {device}")
-    ok = (cu[0] == 0) & (cu[-1] == total) & (cu[1:] >= cu[:-1]).all()
+    ok = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() >= 0).all()
     check_values(ok, f"{op}: {name} must start at 0, be non-decreasing and end at the token count",
                  lambda: f"end {total}; got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
     return cu.to(torch.int32).contiguous()

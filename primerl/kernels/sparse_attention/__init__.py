@@ -49,7 +49,7 @@ def _check_cu(op, cu, total, device):
                          f"{getattr(cu, 'dtype', type(cu))} {tuple(getattr(cu, 'shape', ()))}")
     if cu.device != device:
         raise ValueError(f"{op}: cu_seqlens is on {cu.device}, the tensors on {device}")
-    ok = (cu[0] == 0) & (cu[-1] == total) & (cu[1:] >= cu[:-1]).all()
+    ok = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() >= 0).all()
     check_values(ok, f"{op}: cu_seqlens must start at 0, be non-decreasing and end at the token count",
                  lambda: f"end {total}; got {cu.tolist()[:8]}")
     return cu.to(torch.int32).contiguous()
