@@ -108,7 +108,7 @@ def _ring_block(q, k, v, cu, dout):
     return out, lse, dq, dk, dv, merged, mlse
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ("aot_eager",))  # the same ops as the dense forms above (inductor there)
 def test_ring_block_ops_fullgraph(backend):
     q, k, v, _, cu, _ = _attention_inputs(seed=2)
     q, k, v = q.detach(), k.detach(), v.detach()
