@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+import primerl.kernels as PK
 from primerl.kernels import fp8 as F8
 from primerl.kernels import fp8_training as FT
 from primerl.kernels import gemm as G
@@ -227,6 +228,25 @@ def _moe_cases():
         ("moe.fused_experts(fp8 blockwise)", fused("blockwise"), experts_fp8, True),
         ("moe.fused_experts(fp8 blockwise_fp8_wgrad)", fused("blockwise_fp8_wgrad"), experts_fp8, True),
         ("moe.fused_experts(fp8 rowwise)", fused("rowwise"), experts_fp8, True),
+    ] + _moe_triton_cases(ids, perm, combine, experts, experts_fp8)
+
+
+def _moe_triton_cases(ids, perm, combine, experts, experts_fp8):
+    """The MoE Triton launchers (custom ops primerl::moe_*_triton), where Triton runs: on CUDA, or
+    on CPU under TRITON_INTERPRET=1 (the tests' default)."""
+    if not PK.backend_status("triton").available:
+        return []
+    tr = "triton"
+    return [
+        ("moe.expert_counts[triton]", lambda i: M.expert_counts(i, E, backend=tr), ids, False),
+        ("moe.moe_align[triton]", lambda i: M.moe_align(i, E, 4, backend=tr), ids, False),
+        ("moe.permute[triton]", lambda x, i: M.permute(x, i, E, backend=tr), perm, True),
+        ("moe.unpermute_combine[triton]", lambda y, rm, w: M.unpermute_combine(y, rm, w, backend=tr), combine, True),
+        ("moe.fused_experts[triton]", lambda x, w13, w2, i, w: M.fused_experts(x, w13, w2, i, w, backend=tr), experts,
+         True),
+        ("moe.fused_experts(fp8 blockwise)[triton]",
+         lambda x, w13, w2, i, w: M.fused_experts(x, w13, w2, i, w, fp8_recipe="blockwise", backend=tr), experts_fp8,
+         True),
     ]
 
 
