@@ -36,9 +36,17 @@ def test_compile_key_is_off_by_default_and_validated():
         _cfg("--trainer.compile", "sometimes")
 
 
-def test_compiled_trainer_matches_eager_without_recompiling():
+def test_compiled_trainer_matches_eager_without_recompiling(monkeypatch):
+    """The trainer's compile wiring with the aot_eager backend (inductor's C++ compile of the whole
+    trainer graph takes minutes on a loaded 2-core CI box; the model's inductor forward and backward
+    are checked in tests/models/test_compile_model.py)."""
+    from functools import partial
+
     from torch._dynamo.utils import counters
 
+    from primerl.runtime.trainer import trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "compile_model", partial(trainer_mod.compile_model, backend="aot_eager"))
     torch._dynamo.reset()
     counters.clear()
     eager, compiled = Trainer(_cfg(), V), Trainer(_cfg("--trainer.compile", "true"), V)
@@ -50,7 +58,9 @@ def test_compiled_trainer_matches_eager_without_recompiling():
         graphs.append(counters["stats"]["unique_graphs"])
     for (name, p), q in zip(eager.model.named_parameters(), compiled.model.parameters()):
         assert max_rel_err(q.detach(), p.detach()) < 1e-4, name
-    assert graphs[-1] == graphs[0], f"graphs after each step {graphs}: a new packing recompiled"
+    # at most 2 graphs: one for micro-batches of >= 2 sequences and, once, one for a micro-batch of a
+    # single sequence (dynamo specialises sizes 0 and 1; the (5, 20) packing has one)
+    assert graphs[-1] <= 2, f"graphs after each step {graphs}: a new packing recompiled"
     torch._dynamo.reset()
 
 

@@ -330,12 +330,12 @@ class Trainer:
         return metrics
 
 
-def compile_model(model) -> None:
+def compile_model(model, backend: str = "inductor") -> None:
     """``trainer.compile``: the model's forward under ``torch.compile(dynamic=True)``, in place
     (``nn.Module.compile``: parameter names, checkpoints and weight publishing are unchanged). Token
     and sequence counts are symbolic from the first call, so a new packing reuses the graph instead
     of recompiling; autograd compiles the backward alongside."""
-    model.compile(dynamic=True)
+    model.compile(backend=backend, dynamic=True)
 
 
 def open_single_rank_group(backend: str) -> bool:
