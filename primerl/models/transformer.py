@@ -21,6 +21,8 @@ import os
 import torch
 from torch import nn
 
+from primerl.kernels import check_values
+
 from .config import MoETransformerConfig
 from .layers import Attention, DenseMLP, RMSNorm
 
@@ -158,9 +160,9 @@ class MoETransformer(nn.Module):
             if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"cu_seqlens must be an int32 tensor [B+1] with B >= 1, got shape "
                                  f"{tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype}")
-            first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
-            if first != 0 or last != T or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-                raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {cu_seqlens.tolist()}")
+            ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (cu_seqlens.diff() >= 0).all()
+            check_values(ok, "cu_seqlens must be non-decreasing from 0 to T (the number of tokens)",
+                         lambda: f"T={T}, got {cu_seqlens.tolist()}")
         elif cu_seqlens is None or not hasattr(cu_seqlens, "shard"):
             raise ValueError(f"cu_seqlens must be an int32 tensor [B+1] or a ContextShardPlan, got {type(cu_seqlens)}")
         self._validate_values(input_ids, position_ids, cu_seqlens if torch.is_tensor(cu_seqlens) else None)
@@ -175,28 +177,29 @@ class MoETransformer(nn.Module):
         """Token ids in [0, vocab_size), and (with a tensor ``cu_seqlens``) position t of a sequence
         equal to t: positions that contradict the boundaries would silently shift RoPE.
 
-        Costs O(T) elementwise work and one host sync per forward on a GPU (the checks of
-        ``cu_seqlens`` above already sync; they are free when it lives on the CPU). Under context
+        Costs O(T) elementwise work on the device and no host read
+        (:func:`primerl.kernels.check_values`; in debug mode a read and a detailed ValueError). Under context
         parallelism (a ``ContextShardPlan``) or the trainer's padded path the positions come from
         the packer and are not re-checked."""
         V, T = self.config.vocab_size, input_ids.shape[0]
         if T == 0:
             return
-        flags = [((input_ids < 0) | (input_ids >= V)).any()]
+        check_values(((input_ids >= 0) & (input_ids < V)).all(), "input_ids must be in [0, vocab_size)",
+                     lambda: f"vocab_size={V}, got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
         if cu_seqlens is not None:
-            cu = cu_seqlens.to(position_ids.device, torch.long)
-            starts = torch.repeat_interleave(cu[:-1], cu.diff(), output_size=T)
-            expected = torch.arange(T, device=position_ids.device) - starts
-            flags.append((position_ids.long() != expected).any())
-        bad = torch.stack(flags).tolist()
-        if bad[0]:
-            raise ValueError(f"input_ids must be in [0, vocab_size={V}), got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-        if len(bad) > 1 and bad[1]:
-            i = int((position_ids.long() != expected).nonzero()[0])
-            raise ValueError(f"position_ids contradict cu_seqlens {cu_seqlens.tolist()}: positions must restart at 0 "
-                             f"at every sequence start and count up by 1; index {i} has {int(position_ids[i])}, "
-                             f"expected {int(expected[i])}")
+            from primerl.kernels.attention.reference import default_positions
+
+            cu = cu_seqlens.to(position_ids.device)
+            expected = default_positions(cu, cu, T, T)[0].long()
+
+            def detail():
+                i = int((position_ids.long() != expected).nonzero()[0])
+                return (f"cu_seqlens {cu_seqlens.tolist()}; index {i} has {int(position_ids[i])}, "
+                        f"expected {int(expected[i])}")
+
+            check_values((position_ids.long() == expected).all(),
+                         "position_ids contradict cu_seqlens: positions must restart at 0 at every sequence start "
+                         "and count up by 1", detail)
 
     def routing(self) -> torch.Tensor:
         """Top-k expert ids of the last forward, ``[T, L, k]`` in the smallest unsigned dtype that holds

@@ -184,6 +184,9 @@ class TrainerConfig:
     batch_timeout_s: float = 300.0
     nan_retries: int = 2  # a step with a non-finite loss is skipped (counted) this many times in a row
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Run the model's forward (and so its backward) under torch.compile(dynamic=True): one graph
+    # serves every packing. Off by default until measured on a GPU (bench/RESULTS.md: CPU step time).
+    compile: bool = False
 
 
 @dataclass

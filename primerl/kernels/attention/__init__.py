@@ -48,11 +48,12 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .._backend import BackendUnavailableError, resolve_backend
+from .._value_checks import check_values
 from . import reference
 
 __all__ = [
@@ -74,7 +75,13 @@ _TORCH_CUDA = ("varlen_flash", "cudnn")
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Validated mask description shared by forward and backward (positions None = defaults)."""
+    """Validated mask description shared by forward and backward (positions None = defaults).
+
+    ``max_seqlen_q/k`` and ``host_cu_q/k`` are the offsets' values on the host: only the GPU kernels
+    (grid sizes, cuDNN's runs) need them, so they are filled (:func:`_host_spec`, a read of
+    ``cu_seqlens``) only for those backends, or given by the caller (``max_seqlen=``). The torch
+    backend never reads them: it runs without a host read, under torch.compile and FakeTensor.
+    """
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
@@ -82,44 +89,60 @@ class AttentionSpec:
     softmax_scale: float
     q_positions: torch.Tensor | None
     k_positions: torch.Tensor | None
-    max_seqlen_q: int
-    max_seqlen_k: int
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
     host_cu_q: tuple[int, ...] = ()  # cu_seqlens values on the host (read once, cached per tensor)
     host_cu_k: tuple[int, ...] = ()
+    num_q: int | None = None  # token counts T, Tk (None: read from the offsets' last values)
+    num_k: int | None = None
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_positions is not None:
             return self.q_positions, self.k_positions
-        return reference.default_positions(self.cu_seqlens_q, self.cu_seqlens_k)
+        return reference.default_positions(self.cu_seqlens_q, self.cu_seqlens_k, self.num_q, self.num_k)
 
 
-# Checked cu_seqlens by tensor identity and version: reading the values is a host sync on CUDA,
-# and every layer of a model (every step of a ring) passes the same tensor again.
-_CU_CACHE: dict[int, tuple[weakref.ref, int, int, torch.Tensor, int, tuple]] = {}
+# cu_seqlens values read on the host, by tensor identity and version: on CUDA a read is a sync, and
+# every layer of a model (every step of a ring) passes the same tensor again. Eager GPU paths only.
+_CU_CACHE: dict[int, tuple[weakref.ref, int, tuple]] = {}
 
 
-def _check_cu(op: str, name: str, cu: torch.Tensor, total: int, device) -> tuple[torch.Tensor, int, tuple]:
-    hit = _CU_CACHE.get(id(cu)) if isinstance(cu, torch.Tensor) else None
-    if hit is not None and hit[0]() is cu and hit[1] == cu._version and hit[2] == total and cu.device == device:
-        return hit[3], hit[4], hit[5]
-    checked = _check_cu_values(op, name, cu, total, device)
+def _host_values(cu: torch.Tensor) -> tuple[int, ...]:
+    hit = _CU_CACHE.get(id(cu))
+    if hit is not None and hit[0]() is cu and hit[1] == cu._version:
+        return hit[2]
+    vals = tuple(cu.tolist())
     if len(_CU_CACHE) > 256:
         _CU_CACHE.clear()
-    _CU_CACHE[id(cu)] = (weakref.ref(cu), cu._version, total, *checked)
-    return checked
+    _CU_CACHE[id(cu)] = (weakref.ref(cu), cu._version, vals)
+    return vals
 
 
-def _check_cu_values(op: str, name: str, cu: torch.Tensor, total: int, device) -> tuple[torch.Tensor, int, tuple]:
+def _host_spec(spec: AttentionSpec, need_offsets: bool = True) -> AttentionSpec:
+    """``spec`` with the offsets' host values (a read of cu_seqlens, cached per tensor): what the GPU
+    kernels need. With ``need_offsets`` False and both max_seqlen given, nothing is read."""
+    if spec.host_cu_q or (not need_offsets and spec.max_seqlen_q is not None and spec.max_seqlen_k is not None):
+        return spec
+    cq, ck = _host_values(spec.cu_seqlens_q), _host_values(spec.cu_seqlens_k)
+    longest = lambda c: max((b - a for a, b in zip(c, c[1:])), default=0)  # noqa: E731
+    return replace(spec, host_cu_q=cq, host_cu_k=ck,
+                   max_seqlen_q=longest(cq) if spec.max_seqlen_q is None else spec.max_seqlen_q,
+                   max_seqlen_k=longest(ck) if spec.max_seqlen_k is None else spec.max_seqlen_k)
+
+
+def _check_cu(op: str, name: str, cu, total: int, device) -> torch.Tensor:
+    """Shape, dtype and device checked in Python; the values (0, non-decreasing, ``total``) on the
+    device (:func:`primerl.kernels.check_values`: no host read outside debug mode)."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{op}: {name} must be a 1-D tensor [B+1] with B >= 1, got {getattr(cu, 'shape', type(cu))}")
     if cu.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{op}: {name} must be int32 (flash-attn convention), got {cu.dtype}")
     if cu.device != device:
         raise ValueError(f"{op}: {name} is on {cu.device}, the tensors on {device}")
-    vals = cu.tolist()
-    if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in zip(vals, vals[1:])):
-        raise ValueError(f"{op}: {name} must start at 0, be non-decreasing and end at {total}; got {vals[:8]}{'...' if len(vals) > 8 else ''}")
-    return cu.to(torch.int32).contiguous(), max(b - a for a, b in zip(vals, vals[1:])), tuple(vals)
+    ok = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() >= 0).all()
+    check_values(ok, f"{op}: {name} must start at 0, be non-decreasing and end at the token count",
+                 lambda: f"end {total}; got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+    return cu.to(torch.int32).contiguous()
 
 
 def _check_positions(op: str, name: str, pos, total: int, device):
@@ -133,7 +156,8 @@ def _check_positions(op: str, name: str, pos, total: int, device):
     return pos.to(torch.int32).contiguous()
 
 
-def _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions) -> AttentionSpec:
+def _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions,
+               max_seqlen=None, max_seqlen_k=None) -> AttentionSpec:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{op}: {name} must be a 3-D tensor [tokens, heads, head_dim], got {tuple(getattr(t, 'shape', ()))}")
@@ -151,32 +175,38 @@ def _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_p
         raise ValueError(f"{op}: head_dim of q ({D}) and k ({Dk}) differ")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    for name, m in (("max_seqlen", max_seqlen), ("max_seqlen_k", max_seqlen_k)):
+        if m is not None and not (isinstance(m, int) and m >= 0):
+            raise ValueError(f"{op}: {name} must be a non-negative int (the longest sequence), got {m!r}")
+    host_q = host_k = ()
     if cu_seqlens is None:  # one sequence: the offsets are known without reading a device tensor
         if cu_seqlens_k is not None:
             raise ValueError(f"{op}: cu_seqlens_k given without cu_seqlens")
         cu_q = torch.tensor([0, T], dtype=torch.int32, device=q.device)
         cu_k = torch.tensor([0, Tk], dtype=torch.int32, device=q.device)
-        max_q, host_q, max_k, host_k = T, (0, T), Tk, (0, Tk)
+        max_seqlen, max_seqlen_k, host_q, host_k = T, Tk, (0, T), (0, Tk)
     else:
         if cu_seqlens_k is None:
             if Tk != T:
                 raise ValueError(f"{op}: k has {Tk} tokens but q has {T}; pass cu_seqlens_k for a non-square block")
             cu_seqlens_k = cu_seqlens
-        cu_q, max_q, host_q = _check_cu(op, "cu_seqlens", cu_seqlens, T, q.device)
-        cu_k, max_k, host_k = _check_cu(op, "cu_seqlens_k", cu_seqlens_k, Tk, q.device)
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"{op}: cu_seqlens ({cu_q.numel() - 1} sequences) and cu_seqlens_k ({cu_k.numel() - 1}) differ")
+            max_seqlen_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
+        cu_q = _check_cu(op, "cu_seqlens", cu_seqlens, T, q.device)
+        cu_k = cu_q if cu_seqlens_k is cu_seqlens else _check_cu(op, "cu_seqlens_k", cu_seqlens_k, Tk, q.device)
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"{op}: cu_seqlens ({cu_q.shape[0] - 1} sequences) and cu_seqlens_k ({cu_k.shape[0] - 1}) differ")
     q_pos = _check_positions(op, "q_positions", q_positions, T, q.device)
     k_pos = _check_positions(op, "k_positions", k_positions, Tk, q.device)
     if (q_pos is None) != (k_pos is None):
-        dq_pos, dk_pos = reference.default_positions(cu_q, cu_k)
+        dq_pos, dk_pos = reference.default_positions(cu_q, cu_k, T, Tk)
         q_pos = dq_pos if q_pos is None else q_pos
         k_pos = dk_pos if k_pos is None else k_pos
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     elif not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
         raise ValueError(f"{op}: softmax_scale must be a positive float, got {softmax_scale!r}")
-    return AttentionSpec(cu_q, cu_k, bool(causal), float(softmax_scale), q_pos, k_pos, max_q, max_k, host_q, host_k)
+    return AttentionSpec(cu_q, cu_k, bool(causal), float(softmax_scale), q_pos, k_pos, max_seqlen, max_seqlen_k,
+                         host_q, host_k, T, Tk)
 
 
 def _impl(backend: str):
@@ -222,19 +252,30 @@ def _auto_cuda(q: torch.Tensor, spec: AttentionSpec, dlse: bool) -> str:
     return resolve_backend("attention", None, q.device, supported=_SUPPORTED, preference=("triton", "torch"))
 
 
-def _resolve(op, backend, q: torch.Tensor, spec: AttentionSpec, dlse: bool = False) -> str:
-    """The backend that runs this case. ``dlse``: a gradient through lse will be (or may be) needed."""
+def _resolve(op, backend, q: torch.Tensor, spec: AttentionSpec, dlse: bool = False) -> tuple[str, AttentionSpec]:
+    """The backend that runs this case, and the spec with the host values that backend needs.
+    ``dlse``: a gradient through lse will be (or may be) needed."""
     if backend is None and q.device.type == "cuda":
-        return _auto_cuda(q, spec, dlse)
+        spec = _host_spec(spec)  # choosing cuDNN needs its runs of equal lengths
+        return _auto_cuda(q, spec, dlse), spec
     if backend in _TORCH_CUDA:
+        spec = _host_spec(spec, need_offsets=backend == "cudnn")
         reason = _torch_cuda_reason(backend, q, spec, dlse)
         if reason is not None:
             raise BackendUnavailableError(f"{op}: backend {backend!r} cannot run this case: {reason}")
-        return backend
+        return backend, spec
     be = resolve_backend(op, backend, q.device, supported=_SUPPORTED, preference=("triton", "torch"))
     if be == "flash_attn" and spec.q_positions is not None:
         raise ValueError(f"{op}: backend 'flash_attn' does not take q_positions/k_positions; use 'triton' or 'torch'")
-    return be
+    if be in ("triton", "flash_attn"):  # grid sizes / the kernel's max_seqlen
+        spec = _host_spec(spec, need_offsets=False)
+    return be, spec
+
+
+def _tracing(q: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return torch.compiler.is_compiling() or q.is_meta or is_fake(q)
 
 
 class _AttentionFn(torch.autograd.Function):
@@ -269,17 +310,31 @@ def attention(
     cu_seqlens_k: torch.Tensor | None = None,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    max_seqlen_k: int | None = None,
 ):
     """Softmax attention, differentiable in q, k, v (and through lse when returned).
 
     q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[T, Hq, D]`` (q.dtype), and lse ``[Hq, T]``
     float32 when ``return_lse``. ``softmax_scale`` defaults to 1/sqrt(D). See the module
     docstring for ``cu_seqlens_k`` and the positions (the non-square form).
+
+    ``max_seqlen`` (``max_seqlen_k``): the longest query (key) sequence, as flash-attn takes it.
+    Only the GPU kernels need it (grid sizes); given, the Triton and varlen_flash backends run
+    without reading ``cu_seqlens`` on the host (cuDNN, and ``backend=None`` on CUDA which may pick
+    it, read the offsets once per tensor). The torch backend (CPU default) never reads the host:
+    it is traceable by ``torch.compile(fullgraph=True)``, FakeTensor and meta tensors, with
+    symbolic token counts (a new packing does not recompile).
     """
-    spec = _make_spec("attention", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions)
+    spec = _make_spec("attention", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions,
+                      max_seqlen, max_seqlen_k)
     # an lse the caller may differentiate: a backend that takes dlse in its backward
-    be = _resolve("attention", backend, q, spec, dlse=return_lse and torch.is_grad_enabled())
-    if be == "flash_attn":
+    be, spec = _resolve("attention", backend, q, spec, dlse=return_lse and torch.is_grad_enabled())
+    if be == "torch":  # plain differentiable ops over the whole packed block: no host read
+        q_pos, k_pos = spec.positions()
+        out, lse = reference.attention_dense(q, k, v, spec.cu_seqlens_q, spec.cu_seqlens_k, spec.causal,
+                                             spec.softmax_scale, q_pos, k_pos)
+    elif be == "flash_attn":
         out, lse = _impl(be).differentiable(q, k, v, spec)
     else:
         out, lse = _AttentionFn.apply(q, k, v, spec, be)
@@ -293,7 +348,7 @@ def attention_forward(
     """The forward alone, outside autograd: (out ``[T, Hq, D]`` in ``out_dtype`` (default q.dtype),
     lse ``[Hq, T]`` float32). Ring attention calls it once per key block."""
     spec = _make_spec("attention_forward", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions)
-    be = _resolve("attention_forward", backend, q, spec)
+    be, spec = _resolve("attention_forward", backend, q, spec)
     if out_dtype is not None and out_dtype not in _DTYPES:
         raise ValueError(f"attention_forward: out_dtype must be one of {_DTYPES}, got {out_dtype}")
     with torch.no_grad():
@@ -318,7 +373,7 @@ def attention_backward(
     for name, t in (("lse", lse), ("dlse", dlse)):
         if t is not None and (t.shape != want or t.dtype != torch.float32):
             raise ValueError(f"{op}: {name} must be float32 of shape {want}, got {t.dtype} {tuple(t.shape)}")
-    be = _resolve(op, backend, q, spec, dlse=dlse is not None)
+    be, spec = _resolve(op, backend, q, spec, dlse=dlse is not None)
     with torch.no_grad():
         grads = _impl(be).backward(dout.contiguous(), q, k, v, out, lse, dlse, spec)
     return tuple(g.float() for g in grads)  # the torch CUDA kernels return q.dtype

@@ -20,18 +20,82 @@ import math
 import torch
 
 
-def default_positions(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_pos ``[T]`` and k_pos ``[Tk]`` int32: index within sequence, queries aligned bottom-right."""
-    lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[total]`` int64: the sequence of each packed token (``searchsorted``: no host read; token
+    counts stay symbolic under torch.compile)."""
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    seq = torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True)
+    return seq.clamp(max=cu_seqlens.shape[0] - 2)  # only reached by invalid offsets (checked by the caller)
 
-    def local_index(cu, lens):
-        total = int(cu[-1])
-        idx = torch.arange(total, device=cu.device)
-        return idx - torch.repeat_interleave(cu[:-1].long(), lens, output_size=total)
 
-    q_pos = local_index(cu_seqlens_q, lq) + torch.repeat_interleave(lk - lq, lq, output_size=int(cu_seqlens_q[-1]))
-    return q_pos.int(), local_index(cu_seqlens_k, lk).int()
+def default_positions(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, T: int | None = None,
+                      Tk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_pos ``[T]`` and k_pos ``[Tk]`` int32: index within sequence, queries aligned bottom-right.
+    ``T`` / ``Tk`` default to the offsets' last values (a host read); callers pass the token counts."""
+    T = int(cu_seqlens_q[-1]) if T is None else T
+    Tk = int(cu_seqlens_k[-1]) if Tk is None else Tk
+    cq, ck = cu_seqlens_q.long(), cu_seqlens_k.long()
+    sq, sk = sequence_ids(cq, T), sequence_ids(ck, Tk)
+    shift = (ck[1:] - ck[:-1]) - (cq[1:] - cq[:-1])  # Lk - Lq per sequence
+    q_pos = torch.arange(T, device=cq.device) - cq[sq] + shift[sq]
+    k_pos = torch.arange(Tk, device=ck.device) - ck[sk]
+    return q_pos.int(), k_pos.int()
+
+
+def visibility(cu_seqlens_q, cu_seqlens_k, q_pos, k_pos, causal: bool) -> torch.Tensor:
+    """``[T, Tk]`` bool: query i sees key j (same sequence, ``k_pos[j] >= 0``, causal ``k_pos[j] <= q_pos[i]``)."""
+    T, Tk = q_pos.shape[0], k_pos.shape[0]
+    sq, sk = sequence_ids(cu_seqlens_q.long(), T), sequence_ids(cu_seqlens_k.long(), Tk)
+    kp, qp = k_pos.long(), q_pos.long()
+    vis = (sq[:, None] == sk[None, :]) & (kp >= 0)[None, :]
+    if causal:
+        vis = vis & (kp[None, :] <= qp[:, None])
+    return vis
+
+
+def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, softmax_scale: float, q_pos, k_pos,
+                    compute_dtype: torch.dtype = torch.float32, out_dtype: torch.dtype | None = None):
+    """The same attention as :func:`attention_forward` over the whole packed block at once (one
+    ``[Hkv, G, T, Tk]`` score tensor masked by :func:`visibility`), in plain differentiable ops:
+    no host read and no data-dependent shape, so torch.compile, FakeTensor and meta tensors trace
+    it; autograd gives the gradients (through lse too). Costs T x Tk, not sum of L^2: the form for
+    the model's packed batches on CPU, not for long sequences."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    vis = visibility(cu_seqlens_q, cu_seqlens_k, q_pos, k_pos, causal)  # [T, Tk]
+    s = _scores(q.view(T, Hkv, G, D), k, softmax_scale, vis, compute_dtype).float()  # [Hkv, G, T, Tk]
+    seen = vis.any(1)  # [T]: a row that sees no key gets lse -inf, out 0 (and finite gradients)
+    lse_raw = torch.logsumexp(torch.where(seen[:, None], s, 0.0), dim=-1)  # [Hkv, G, T]
+    p = torch.exp(s - lse_raw[..., None]).to(compute_dtype)  # exactly 0 at -inf scores
+    out = torch.einsum("hgmn,nhd->mhgd", p, v.to(compute_dtype))
+    lse = torch.where(seen, lse_raw, float("-inf"))
+    return out.reshape(T, Hq, D).to(out_dtype or q.dtype), lse.reshape(Hq, T)
+
+
+def attention_backward_dense(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, causal: bool,
+                             softmax_scale: float, q_pos, k_pos, compute_dtype: torch.dtype = torch.float32):
+    """:func:`attention_backward` over the whole block at once (no host read; see :func:`attention_dense`)."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    vis = visibility(cu_seqlens_q, cu_seqlens_k, q_pos, k_pos, causal)
+    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1)  # [Hq, T]
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta = delta.reshape(Hkv, G, T)
+    lse4 = lse.float().reshape(Hkv, G, T)
+    lse4 = torch.where(torch.isinf(lse4) & (lse4 < 0), math.inf, lse4)  # no key seen: P = 0
+    q4, do4 = q.view(T, Hkv, G, D).to(compute_dtype), dout.view(T, Hkv, G, D).to(compute_dtype)
+    k_c, v_c = k.to(compute_dtype), v.to(compute_dtype)
+    s = _scores(q4, k_c, softmax_scale, vis, compute_dtype)
+    p = torch.exp(s.float() - lse4[..., None]).to(compute_dtype)
+    dv = torch.einsum("hgmn,mhgd->nhd", p, do4).float()
+    dp = torch.einsum("mhgd,nhd->hgmn", do4, v_c)
+    ds = (p * (dp - delta[..., None].to(compute_dtype)) * softmax_scale).to(compute_dtype)
+    dq = torch.einsum("hgmn,nhd->mhgd", ds, k_c).float()
+    dk = torch.einsum("hgmn,mhgd->nhd", ds, q4).float()
+    return dq.reshape(T, Hq, D), dk, dv
 
 
 def _visible_block(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):

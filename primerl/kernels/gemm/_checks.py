@@ -63,8 +63,10 @@ def _check_offsets_content(op: str, offsets: torch.Tensor, num_rows: int) -> Non
     if offsets.numel() == 0:
         return
     ok = (offsets[1:] >= offsets[:-1]).all() & (offsets[0] >= 0) & (offsets[-1] <= num_rows)
-    check_values(ok, f"{op}: offsets must be non-decreasing, >= 0 and at most the {num_rows} rows of the input",
-                 lambda: f"got {offsets.tolist()}")
+    # the row count only in the detail: formatting a symbolic size into the static message would
+    # specialise a compiled graph on it (a recompile per packing)
+    check_values(ok, f"{op}: offsets must be non-decreasing, >= 0 and at most the rows of the input",
+                 lambda: f"{num_rows} rows, got {offsets.tolist()}")
 
 
 def _check_m_indices_content(op: str, m_indices: torch.Tensor, num_groups: int, ascending: bool = False,

@@ -24,6 +24,7 @@ import torch
 
 from .._args import check_int
 from .._backend import resolve_backend
+from .._value_checks import check_values
 from . import reference
 
 __all__ = ["indexer_topk", "sparse_attention"]
@@ -42,15 +43,21 @@ def _check_float(op, name, t, ndim):
 
 
 def _check_cu(op, cu, total, device):
+    """Shape, dtype and device in Python; the values on the device (no host read outside debug mode)."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{op}: cu_seqlens must be an int32 tensor [B+1] with B >= 1, got "
                          f"{getattr(cu, 'dtype', type(cu))} {tuple(getattr(cu, 'shape', ()))}")
     if cu.device != device:
         raise ValueError(f"{op}: cu_seqlens is on {cu.device}, the tensors on {device}")
-    vals = cu.tolist()
-    if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in zip(vals, vals[1:])):
-        raise ValueError(f"{op}: cu_seqlens must start at 0, be non-decreasing and end at {total}; got {vals[:8]}")
-    return cu.to(torch.int32).contiguous(), max(b - a for a, b in zip(vals, vals[1:]))
+    ok = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() >= 0).all()
+    check_values(ok, f"{op}: cu_seqlens must start at 0, be non-decreasing and end at the token count",
+                 lambda: f"end {total}; got {cu.tolist()[:8]}")
+    return cu.to(torch.int32).contiguous()
+
+
+def _longest(cu: torch.Tensor) -> int:
+    """The longest sequence (a host read: the Triton grids only)."""
+    return int((cu[1:] - cu[:-1]).max())
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
@@ -82,13 +89,12 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_
     topk = check_int(op, "topk", topk, min_value=1)
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=q.device)
-    cu, max_len = _check_cu(op, cu_seqlens, T, q.device)
-    max_q = max_len
+    cu = _check_cu(op, cu_seqlens, T, q.device)
     q_pos = k_pos = cu_k = None
     if cu_seqlens_k is not None or q_positions is not None or k_positions is not None:
         if cu_seqlens_k is None or q_positions is None or k_positions is None:
             raise ValueError(f"{op}: the non-square form needs cu_seqlens_k, q_positions and k_positions together")
-        cu_k, max_len = _check_cu(op, cu_seqlens_k, Tk, q.device)
+        cu_k = _check_cu(op, cu_seqlens_k, Tk, q.device)
         if cu_k.numel() != cu.numel():
             raise ValueError(f"{op}: cu_seqlens ({cu.numel() - 1} sequences) and cu_seqlens_k ({cu_k.numel() - 1}) differ")
         for name, pos, n in (("q_positions", q_positions, T), ("k_positions", k_positions, Tk)):
@@ -105,6 +111,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_
             return reference.indexer_topk(q, k, weights, cu, topk, scale, cu_k, q_pos, k_pos)
         from . import triton as impl
 
+        max_q = _longest(cu)
+        max_len = max_q if cu_k is None else _longest(cu_k)
         out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
         key_starts = (cu if cu_k is None else cu_k)[:-1].long()
         starts = torch.repeat_interleave(key_starts, cu.diff().long(), output_size=T)
@@ -166,8 +174,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
         raise ValueError(f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     if indices.dim() != 2 or indices.shape[0] != T or indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{op}: indices must be an int32 tensor [T={T}, K], got {indices.dtype} {tuple(indices.shape)}")
-    if indices.numel() and (int(indices.max()) >= Tk or int(indices.min()) < -1):
-        raise ValueError(f"{op}: indices must be in [-1, Tk={Tk}), got [{int(indices.min())}, {int(indices.max())}]")
+    if indices.numel():
+        check_values(((indices >= -1) & (indices < Tk)).all(), f"{op}: indices must be in [-1, Tk)",
+                     lambda: f"Tk={Tk}, got [{int(indices.min())}, {int(indices.max())}]")
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     if not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"{op}: softmax_scale must be a positive float, got {softmax_scale!r}")

@@ -56,26 +56,29 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seq
     Square form (``cu_seqlens_k`` None): keys are the queries' own tokens, causal by index. Non-square
     form (a context-parallel shard's queries against the gathered keys): sequence b's queries
     ``cu_seqlens[b]:cu_seqlens[b+1]`` see its keys ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` with
-    ``0 <= k_pos <= q_pos`` (negative k_pos: padding)."""
-    T = q.shape[0]
-    out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
-    bq = cu_seqlens.tolist()
-    bk = bq if cu_seqlens_k is None else cu_seqlens_k.tolist()
-    for b in range(len(bq) - 1):
-        qs, qe, ks, ke = bq[b], bq[b + 1], bk[b], bk[b + 1]
-        if qe == qs:
-            continue
-        if cu_seqlens_k is None:
-            scores = indexer_scores(q[qs:qe], k[qs:qe], weights[qs:qe], softmax_scale)
-        else:
-            s = torch.einsum("thd,sd->ths", q[qs:qe].float(), k[ks:ke].float()) * softmax_scale
-            scores = torch.einsum("th,ths->ts", weights[qs:qe].float(), torch.relu(s))
-            kp, qp = k_pos[ks:ke].long(), q_pos[qs:qe].long()
-            scores = scores.masked_fill(~((kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])), float("-inf"))
-        if scores.shape[1] == 0:
-            continue
-        out[qs:qe] = topk_from_scores(scores, topk, torch.full((qe - qs,), ks, device=q.device))
-    return out
+    ``0 <= k_pos <= q_pos`` (negative k_pos: padding).
+
+    Scores the whole packed block at once (``[T, Tk]``, keys of other sequences masked to -inf):
+    no host read and no data-dependent shape (torch.compile, FakeTensor and meta trace it); the
+    selected rows are the per-sequence selection's, as a masked key never outranks a visible one
+    and the stable sort keeps the earlier key among equal scores."""
+    T, Tk = q.shape[0], k.shape[0]
+    s = torch.einsum("thd,sd->ths", q.float(), k.float()) * softmax_scale
+    scores = torch.einsum("th,ths->ts", weights.float(), torch.relu(s))
+    cu = cu_seqlens.long()
+    tq = torch.arange(T, device=q.device)
+    sq = torch.searchsorted(cu[1:].contiguous(), tq, right=True).clamp(max=cu.shape[0] - 2)
+    if cu_seqlens_k is None:
+        tk = torch.arange(Tk, device=q.device)
+        vis = (sq[:, None] == sq[None, :]) & (tk[None, :] <= tq[:, None])
+    else:
+        cuk = cu_seqlens_k.long()
+        sk = torch.searchsorted(cuk[1:].contiguous(), torch.arange(Tk, device=q.device), right=True)
+        sk = sk.clamp(max=cuk.shape[0] - 2)
+        kp, qp = k_pos.long(), q_pos.long()
+        vis = (sq[:, None] == sk[None, :]) & (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
+    scores = scores.masked_fill(~vis, float("-inf"))
+    return topk_from_scores(scores, topk, torch.zeros(T, dtype=torch.long, device=q.device))
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, softmax_scale: float,

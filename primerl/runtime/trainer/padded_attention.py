@@ -27,6 +27,9 @@ class PaddedPlan:
         seq = torch.repeat_interleave(torch.arange(len(self.lengths)), self.lengths)
         pos = torch.arange(T) - cu[:-1][seq]
         self.index = (seq, pos)  # token t -> (sequence, position) in the padded layout
+        # [B, Lmax] real keys: the padded width travels as a tensor size, which a model compiled with
+        # dynamic shapes (trainer.compile) sees as symbolic, so another Lmax does not recompile
+        self.keep = torch.arange(self.max_len)[None, :] < self.lengths[:, None]
 
     def shard(self, *args, **kwargs):  # the model checks for a plan object by this attribute
         raise NotImplementedError("PaddedPlan is not a context-parallel plan")
@@ -36,7 +39,7 @@ def padded_attention(q, k, v, plan: PaddedPlan, *, causal: bool = True, softmax_
                      backend: str | None = None):
     """q ``[T, H, Dh]``, k/v ``[T, Hkv, Dh]`` -> ``[T, H, Dh]`` (per-sequence causal attention;
     always torch's SDPA: ``backend``, the model's attention backend, does not apply)."""
-    B, L = len(plan.lengths), plan.max_len
+    B, L = plan.keep.shape
     seq, pos = plan.index
 
     def pad(x):
@@ -44,8 +47,7 @@ def padded_attention(q, k, v, plan: PaddedPlan, *, causal: bool = True, softmax_
         out[seq, pos] = x
         return out.transpose(1, 2)  # [B, H, L, Dh]
 
-    keep = torch.arange(L)[None, :] < plan.lengths[:, None]  # [B, L] real keys
-    mask = keep[:, None, None, :]
+    mask = plan.keep[:, None, None, :]
     if causal:
         mask = mask & torch.ones(L, L, dtype=torch.bool).tril()[None, None]
     o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask, scale=softmax_scale,

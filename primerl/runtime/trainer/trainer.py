@@ -153,6 +153,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.padded = self.dims.cp == 1 and (
             t.attention == "padded" or (t.attention == "auto" and self.model.embed.weight.device.type == "cpu"))
+        if t.compile:
+            compile_model(self.model)
         self.step = 0
         self.nan_streak = 0
         self.nan_skipped = 0
@@ -332,6 +334,14 @@ class Trainer:
         self.optimizer.step()
         check_finite_parameters(self.model, self.step, distributed=self.world_size > 1)
         return metrics
+
+
+def compile_model(model, backend: str = "inductor") -> None:
+    """``trainer.compile``: the model's forward under ``torch.compile(dynamic=True)``, in place
+    (``nn.Module.compile``: parameter names, checkpoints and weight publishing are unchanged). Token
+    and sequence counts are symbolic from the first call, so a new packing reuses the graph instead
+    of recompiling; autograd compiles the backward alongside."""
+    model.compile(backend=backend, dynamic=True)
 
 
 def open_single_rank_group(backend: str) -> bool:
