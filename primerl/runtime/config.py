@@ -87,6 +87,27 @@ class VLLMConfig:
 
 
 @dataclass
+class PDConfig:
+    """Prefill/decode disaggregation (issue 35): ``prefill`` prefill servers and ``decode`` decode
+    servers behind vllm-router in P/D mode, started by the job (both 0: off)."""
+
+    prefill: int = 0
+    decode: int = 0
+    host: str = "127.0.0.1"
+    base_port: int = 8100  # prefill servers on base_port, base_port + 1, ...; the decode servers after them
+    router_port: int = 8090
+    router_metrics_port: int = 8091  # the router's Prometheus exporter (its default, 29000, is shared by every router)
+    router: str = ""  # the vllm-router executable ("": the one next to this Python)
+    policy: str = "round_robin"  # the router's policy for both pools
+    resamples: int = 3  # a request whose KV hand-off fails is sent again this many times (counted)
+    launch_timeout_s: float = 300.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefill > 0 or self.decode > 0
+
+
+@dataclass
 class InferenceConfig:
     backend: str = "embedded"  # "embedded" (this process, CPU or one GPU) or "vllm"
     # GPUs of the engine (device = cuda). []: with one GPU the engine shares it with the trainer,
@@ -107,6 +128,7 @@ class InferenceConfig:
     router_noise: float = 0.0  # std of noise on the sampler's router logits (a numerics stand-in)
     timeout_s: float = 300.0  # one generation batch
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
 
 
 @dataclass
@@ -436,6 +458,30 @@ def _need(cond: bool, key: str, msg: str, value: Any) -> None:
         raise ConfigError(f"{key}: {msg}, got {value!r}")
 
 
+def _validate_pd(i: InferenceConfig) -> None:
+    pd = i.pd
+    _need(pd.prefill >= 0 and pd.decode >= 0, "inference.pd.prefill/decode", "must be >= 0", (pd.prefill, pd.decode))
+    if not pd.enabled:
+        return
+    _need(pd.prefill >= 1 and pd.decode >= 1, "inference.pd.prefill/decode",
+          "need at least one prefill and one decode server (both 0: no disaggregation)", (pd.prefill, pd.decode))
+    _need(0 < pd.base_port and pd.base_port + pd.prefill + pd.decode <= 65536, "inference.pd.base_port",
+          "must leave a TCP port for every prefill and decode server", pd.base_port)
+    _need(0 < pd.router_port < 65536 and not pd.base_port <= pd.router_port < pd.base_port + pd.prefill + pd.decode,
+          "inference.pd.router_port", "must be a TCP port outside the servers' range", pd.router_port)
+    _need(0 < pd.router_metrics_port < 65536 and pd.router_metrics_port != pd.router_port
+          and not pd.base_port <= pd.router_metrics_port < pd.base_port + pd.prefill + pd.decode,
+          "inference.pd.router_metrics_port", "must be a free TCP port apart from the router's and the servers'",
+          pd.router_metrics_port)
+    _need(pd.policy in ("random", "round_robin", "cache_aware", "power_of_two", "consistent_hash"), "inference.pd.policy",
+          "must be a vllm-router policy (random, round_robin, cache_aware, power_of_two, consistent_hash)", pd.policy)
+    _need(pd.resamples >= 0, "inference.pd.resamples", "must be >= 0", pd.resamples)
+    _need(pd.launch_timeout_s > 0, "inference.pd.launch_timeout_s", "must be > 0", pd.launch_timeout_s)
+    _need(i.kv_cache, "inference.pd", "needs inference.kv_cache = true (the prefill server hands over its cache)", i.kv_cache)
+    _need(not i.vllm.disaggregation, "inference.vllm.disaggregation",
+          "is set per server by inference.pd; leave it empty", i.vllm.disaggregation)
+
+
 def validate(cfg: RLConfig) -> None:
     """Range and choice checks; raises ``ConfigError`` naming the key."""
     validate_finite(cfg)
@@ -478,6 +524,7 @@ def validate(cfg: RLConfig) -> None:
           "inference.vllm.all2all_backend", "is not a known all-to-all backend", v.all2all_backend)
     _need(v.data_parallel >= 1 and v.tensor_parallel >= 1, "inference.vllm.data_parallel/tensor_parallel", "must be >= 1",
           (v.data_parallel, v.tensor_parallel))
+    _validate_pd(i)
     _need(t.lr > 0, "trainer.lr", "must be > 0", t.lr)
     _need(t.eps > 0, "trainer.eps", "must be > 0", t.eps)
     _need(t.max_grad_norm >= 0, "trainer.max_grad_norm", "must be >= 0 (0 disables clipping)", t.max_grad_norm)

@@ -62,6 +62,8 @@ def trainer_main(cfg: RLConfig) -> None:
 def make_client(cfg: RLConfig, vocab_size: int):
     from .orchestrator.orchestrator import EmbeddedClient
 
+    if cfg.inference.pd.enabled:
+        return make_pd_client(cfg, vocab_size)
     if cfg.inference.backend == "vllm":
         from .policy import model_config
         from .inference.vllm_client import VLLMClient
@@ -90,6 +92,30 @@ def make_client(cfg: RLConfig, vocab_size: int):
         receiver = EngineWeightReceiver("127.0.0.1", i.broadcast_port, backend=placement.broadcast_backend,
                                         device=device, timeout_s=cfg.orchestrator.weights_timeout_s).start()
     return EmbeddedClient(engine, timeout_s=i.timeout_s, receiver=receiver)
+
+
+def make_pd_client(cfg: RLConfig, vocab_size: int):
+    """``inference.pd``: start the prefill and decode servers and vllm-router in P/D mode
+    (``inference.pd_launch``), and the client that samples through the router; the deployment
+    stops with this process (``client.deployment.stop()`` at exit)."""
+    import atexit
+    import dataclasses
+
+    from .inference.pd_client import PDClient
+    from .inference.pd_launch import PDDeployment
+    from .inference.vllm_launch import wants_routing
+    from .policy import model_config
+
+    dep = PDDeployment(cfg).start()
+    atexit.register(dep.stop)
+    mc = model_config(cfg, vocab_size)
+    routing = wants_routing(cfg) if cfg.inference.backend == "vllm" else cfg.inference.capture_routing
+    v = dataclasses.replace(cfg.inference.vllm, url=dep.router_url)
+    client = PDClient(v, dep.server_urls, resamples=cfg.inference.pd.resamples, timeout_s=cfg.inference.timeout_s,
+                      output_dir=cfg.output_dir, num_layers=len(mc.moe_layer_ids), top_k=mc.top_k,
+                      expect_routing=routing)
+    client.deployment = dep
+    return client
 
 
 def orchestrator_main(cfg: RLConfig) -> None:
