@@ -54,17 +54,29 @@ def embedded_command(config_path: str, role: str, host: str, port: int) -> list[
             "--host", host, "--port", str(port)]
 
 
-def vllm_pd_commands(cfg, *, checkpoint: str | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
-    """The vLLM servers of ``inference.pd``: [(role, argv, extra environment)], then the router's."""
+def vllm_pd_commands(cfg, *, checkpoint: str | None = None,
+                     kv_buffer_device: str | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
+    """The vLLM servers of ``inference.pd``: [(role, argv, extra environment)], then the router's.
+
+    ``kv_buffer_device`` (default: ``cuda`` where a GPU is visible, else ``cpu``) goes into the
+    ``--kv-transfer-config``: vLLM's CPU build registers its KV cache with NIXL as host memory and
+    accepts only ``cpu`` there (it also needs the ``nixl`` package, published for CUDA only)."""
+    import torch
+
     from .vllm_launch import vllm_env, vllm_serve_command, wants_routing
 
+    if kv_buffer_device is None:
+        kv_buffer_device = "cuda" if torch.cuda.is_available() else "cpu"
     out = []
     servers = pd_servers(cfg)
     for i, (role, host, port) in enumerate(servers):
         v = dataclasses.replace(cfg.inference.vllm, host=host, port=port, disaggregation=role)
         env = {**vllm_env(v), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_BASE + i),
                "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
-        out.append((role, vllm_serve_command(v, cfg.model, checkpoint=checkpoint, routing=wants_routing(cfg)), env))
+        argv = vllm_serve_command(v, cfg.model, checkpoint=checkpoint, routing=wants_routing(cfg))
+        i_kv = argv.index("--kv-transfer-config") + 1
+        argv[i_kv] = json.dumps({**json.loads(argv[i_kv]), "kv_buffer_device": kv_buffer_device})
+        out.append((role, argv, env))
     urls = {r: [f"http://{h}:{p}" for rr, h, p in servers if rr == r] for r in ("prefill", "decode")}
     out.append(("router", router_command(cfg, urls["prefill"], urls["decode"]), {}))
     return out
