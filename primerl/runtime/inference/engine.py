@@ -71,6 +71,7 @@ class Prefilled:
     first_logprob: float
     routing: torch.Tensor | None
     policy_version: int
+    first_time: float = 0.0  # time.monotonic() on the prefill server when the first token was sampled
 
 
 @dataclass
@@ -94,10 +95,11 @@ class Completion:
     policy_version_end: int
     server: str = ""  # who sampled it: "embedded" or the server's URL (set by the client)
     kv: tuple[torch.Tensor, torch.Tensor] | None = None  # Request.export_kv: (k, v) [L, fed, ...] of its slot
+    token_times: list = field(default_factory=list)  # time.monotonic() when each token was sampled (latency benches)
 
 
 class _Active:
-    __slots__ = ("req", "slot", "tokens", "logprobs", "routing", "rng", "version", "fed")
+    __slots__ = ("req", "slot", "tokens", "logprobs", "routing", "rng", "version", "fed", "times")
 
     def __init__(self, req: Request, slot: int, version: int):
         self.req, self.slot, self.version = req, slot, version
@@ -106,6 +108,7 @@ class _Active:
         self.routing: list[torch.Tensor] = []
         self.rng = random.Random(req.params.seed)
         self.fed = 0  # positions already in the cache
+        self.times: list[float] = []
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -324,7 +327,9 @@ class InferenceEngine:
             raise NonFiniteLogitsError(f"{_non_finite_error([bool(x) for x in host[2 * B:]])} "
                                        f"(policy version {self.policy_version})")
         routing = self._split_routing(routing)
+        now = time.monotonic()
         for i, a in enumerate(active):
+            a.times.append(now)
             if routing is not None:
                 a.routing.append(routing[i])
             tok = int(host[i])
@@ -351,6 +356,7 @@ class InferenceEngine:
         a.rng.random()
         a.tokens.append(pf.first_token)
         a.logprobs.append(pf.first_logprob)
+        a.times.append(pf.first_time)
         if self.capture_routing and pf.routing is not None:
             a.routing.append(pf.routing.long())
         p = a.req.params
@@ -370,7 +376,7 @@ class InferenceEngine:
         if a.req.export_kv and self.kv_cache:
             kv = (self._k[:, a.slot, :a.fed].clone(), self._v[:, a.slot, :a.fed].clone())
         return Completion(a.req.request_id, list(a.req.prompt), a.tokens, a.logprobs, routing, reason,
-                          a.version, self.policy_version, kv=kv)
+                          a.version, self.policy_version, kv=kv, token_times=a.times)
 
     @staticmethod
     def _split_routing(routing):

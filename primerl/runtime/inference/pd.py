@@ -65,6 +65,7 @@ def encode_prefilled(pf: Prefilled, *, seed: int, prompt: list[int]) -> bytes:
         tensors["routing"] = pf.routing
     header = {"first_token": int(pf.first_token), "first_logprob": float(pf.first_logprob),
               "policy_version": int(pf.policy_version), "seed": int(seed), "prompt_len": len(prompt),
+              "first_time": float(pf.first_time),
               "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype)} for n, t in tensors.items()}}
     h = json.dumps(header).encode()
     parts = [struct.pack("<Q", len(h)), h]
@@ -94,7 +95,7 @@ def decode_prefilled(data: bytes) -> tuple[Prefilled, dict]:
         if off != len(data):
             raise ValueError(f"{len(data) - off} trailing bytes")
         pf = Prefilled(out["k"], out["v"], int(header["first_token"]), float(header["first_logprob"]),
-                       out.get("routing"), int(header["policy_version"]))
+                       out.get("routing"), int(header["policy_version"]), float(header.get("first_time", 0.0)))
     except (KeyError, ValueError, struct.error, json.JSONDecodeError) as e:
         raise KVTransferError(f"malformed KV hand-off body ({len(data)} bytes): {e}") from None
     return pf, header

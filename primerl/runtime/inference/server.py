@@ -230,7 +230,8 @@ class EngineServer:
             def extra(c) -> dict:
                 k, v = c.kv
                 routing = None if c.routing is None else c.routing[:len(prompt)]
-                pf = Prefilled(k.cpu(), v.cpu(), c.tokens[0], c.logprobs[0], routing, c.policy_version)
+                pf = Prefilled(k.cpu(), v.cpu(), c.tokens[0], c.logprobs[0], routing, c.policy_version,
+                               c.token_times[0] if c.token_times else 0.0)
                 tid = self.pd.store.put(encode_prefilled(pf, seed=params.seed, prompt=prompt))
                 return {"kv_transfer_params": prefill_params(self.host, self.port, self.pd.engine_id, tid)}
 
@@ -292,6 +293,8 @@ class EngineServer:
                       "logprobs": {"tokens": [f"token_id:{t}" for t in c.tokens], "token_logprobs": c.logprobs}}
             if c.routing is not None:  # as vLLM with --enable-return-routed-experts: base64 of np.save bytes
                 choice["routed_experts"] = encode_routed_experts(c.routing)
+            if body.get("return_token_times"):  # bench/pd.py: when each token was sampled (time.monotonic)
+                choice["token_times"] = c.token_times
             out = {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice],
                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens)}}
             return out if extra is None else {**out, **extra(c)}
