@@ -62,6 +62,7 @@ class PoolClient(VLLMClient):
         self._redispatched_reported = 0
         self._loaded: dict[str, tuple] = {}  # url -> (instance, version) it holds by our load
         self._healthy: set[str] = set()
+        self._seen: set[str] = set()  # asked at least once
         self._transport = None
         self._lock = threading.RLock()  # one control-plane action at a time (an update, a re-sync)
         self._count_lock = threading.Lock()
@@ -133,12 +134,14 @@ class PoolClient(VLLMClient):
                         continue
                 ready.add(url)
             self._healthy = {u for u, s in states.items() if s[0]}
+            self._seen.update(states)
             try:
                 listed = set(_http(self.url + "/list_workers", None, timeout=5).get("urls") or [])
             except InferenceServerError:
                 return  # the router is down (the launcher restarts it): next pass
             for url in ready - listed:
                 self._set_router(url, True)
+                log.info("%s holds weights version %d: in the router", url, self.version)
             for url in (listed & set(self.members)) - ready:
                 self._set_router(url, False)
 
@@ -172,7 +175,8 @@ class PoolClient(VLLMClient):
     def update_weights(self, version: int, transport) -> None:
         with self._lock:
             self._transport = transport
-            urls = list(self.members)
+            # a server known down is left to the maintenance pass (re-synced when it answers again)
+            urls = [u for u in self.members if u in self._healthy or u not in self._seen]
 
             def one(url):
                 inst = self._state(url)[1]
@@ -186,6 +190,7 @@ class PoolClient(VLLMClient):
                     self._loaded[url] = (fut.result(), version)
                     ok += 1
                 except InferenceServerError as e:
+                    self._healthy.discard(url)
                     log.warning("%s missed weights version %d (%s): out of the router until it holds it", url, version, e)
                     self._loaded.pop(url, None)
                     self._set_router(url, False)
