@@ -151,7 +151,10 @@ def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:
     from .servers import POOL_ENV, ProcessTable, pool_for_job
 
     table = ProcessTable(out / "processes.json")
-    pool = pool_for_job(cfg, cfg_path, out, table, base_env)  # inference.num_servers > 1: servers + router
+    try:
+        pool = pool_for_job(cfg, cfg_path, out, table, base_env)  # inference.num_servers > 1: servers + router
+    except FileNotFoundError as e:  # no vllm-router
+        raise JobFailed(f"inference.num_servers = {cfg.inference.num_servers}: {e}") from None
     orch_env = dict(base_env, PRIMERL_PEER_PID=str(os.getpid()))
     if pool is not None:
         pool.start()
