@@ -153,6 +153,23 @@ def test_pool_survives_a_hung_server(tmp_path):
         os.kill(victim["pid"], 0)  # the hung process was killed, not left behind
 
 
+@needs_router
+def test_a_server_dying_past_max_restarts_fails_the_job_naming_it(tmp_path):
+    out = tmp_path / "job"
+    proc = _start(out, 200, "--inference.max_restarts", "0")
+    try:
+        _wait_step(out, proc, 1)
+        victim = _processes(out)["inference-2"]
+        os.kill(victim["pid"], signal.SIGKILL)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert f"the inference-2 process ({victim['url']}) exited with code -9 after 0 restart(s)" in text, text[-2000:]
+    assert "inference.max_restarts = 0" in text
+
+
 def test_processes_json_is_replaced_atomically(tmp_path):
     t = ProcessTable(tmp_path / "processes.json")
     t.set("inference-0", "inference", 11, "http://127.0.0.1:1")
