@@ -53,7 +53,9 @@ class PoolClient(VLLMClient):
     def __init__(self, cfg: VLLMConfig, servers: list[str], router: str, *, timeout_s: float = 300.0,
                  output_dir: str | None = None, processes_json: str | None = None, health_timeout_s: float = 10.0,
                  interval_s: float = 1.0, **kw):
-        super().__init__(dataclasses.replace(cfg, url=router), timeout_s=timeout_s, output_dir=output_dir, **kw)
+        concurrency = kw.pop("concurrency", 64)  # requests in flight through the router
+        super().__init__(dataclasses.replace(cfg, url=router), timeout_s=timeout_s, output_dir=output_dir,
+                         concurrency=concurrency, **kw)
         self.members = {u.rstrip("/"): VLLMClient(dataclasses.replace(cfg, url=u), timeout_s=timeout_s,
                                                   output_dir=output_dir, concurrency=1, **kw) for u in servers}
         self.health_timeout_s, self.interval_s = health_timeout_s, interval_s
