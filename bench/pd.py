@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -93,6 +94,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _mixed_load(mode: Mode, seconds: float, long_every_s: float, *, in_flight: int = 12, long_len: int = 4096):
     """-> (ITLs of short requests, their TTFTs, generated tokens, wall seconds, long requests done)."""
     itl, ttft, tokens = [], [], [0]
+    errors: list[str] = []
     lock = threading.Lock()
     stop = time.monotonic() + seconds
     longs = [0]
@@ -102,7 +104,12 @@ def _mixed_load(mode: Mode, seconds: float, long_every_s: float, *, in_flight: i
         while time.monotonic() < stop:
             i += 1
             t0 = time.monotonic()
-            out = mode.complete({"prompt": _prompt(8, 1000 * w + i), "max_tokens": 48, "seed": 1000 * w + i})
+            try:
+                out = mode.complete({"prompt": _prompt(8, 1000 * w + i), "max_tokens": 48, "seed": 1000 * w + i})
+            except urllib.error.HTTPError as e:
+                with lock:
+                    errors.append(f"HTTP {e.code}: {e.read()[:300]!r}")
+                continue
             times = out["choices"][0]["token_times"]
             with lock:
                 ttft.append(times[0] - t0)
@@ -114,7 +121,12 @@ def _mixed_load(mode: Mode, seconds: float, long_every_s: float, *, in_flight: i
         while time.monotonic() < stop:
             j += 1
             t_next = time.monotonic() + long_every_s
-            out = mode.complete({"prompt": _prompt(long_len, j), "max_tokens": 2, "seed": j})
+            try:
+                out = mode.complete({"prompt": _prompt(long_len, j), "max_tokens": 2, "seed": j})
+            except urllib.error.HTTPError as e:
+                with lock:
+                    errors.append(f"long: HTTP {e.code}: {e.read()[:300]!r}")
+                continue
             with lock:
                 tokens[0] += len(out["choices"][0]["token_ids"])
                 longs[0] += 1
@@ -127,6 +139,8 @@ def _mixed_load(mode: Mode, seconds: float, long_every_s: float, *, in_flight: i
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        print(f"{mode.name}: {len(errors)} failed requests, first: {errors[0]}", flush=True)
     return itl, ttft, tokens[0], time.monotonic() - t0, longs[0]
 
 
