@@ -3,7 +3,8 @@
 Data plane through the router: every completion goes to the router URL (``X-Session-ID`` set, for
 ``consistent_hash``). A request that fails with a 5xx or a broken / refused connection (its server
 was killed, or the router itself is being restarted) is sent again through the router until
-``timeout_s`` has passed, and counted (``inference/redispatched``); a 4xx is the caller's error and
+``timeout_s`` has passed, and counted once (``inference/redispatched``: requests that needed
+more than one send); a 4xx is the caller's error and
 is not retried.
 
 Control plane straight to every server (vllm-router 0.1.17 forwards an unknown route to ONE worker,
@@ -206,7 +207,7 @@ class PoolClient(VLLMClient):
 
     def complete(self, req: Request) -> Completion:
         deadline = time.monotonic() + self.timeout_s
-        wait = 0.1
+        wait, first = 0.1, True
         while True:
             try:
                 return super().complete(req)
@@ -215,8 +216,10 @@ class PoolClient(VLLMClient):
             except InferenceServerError as e:
                 if _CLIENT_ERROR.search(str(e)) or time.monotonic() + wait > deadline:
                     raise
-                with self._count_lock:
-                    self.redispatched += 1
+                if first:  # a request counts once, however many sends it took
+                    with self._count_lock:
+                        self.redispatched += 1
+                    first = False
                 log.info("request %d re-dispatched after: %s", req.request_id, str(e)[:200])
                 time.sleep(wait)
                 wait = min(wait * 2, 2.0)
