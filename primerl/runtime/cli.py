@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.add_argument("--host", default="127.0.0.1", help="inference: address to serve on")
     p.add_argument("--port", type=int, default=8000, help="inference: port to serve on")
-    p.add_argument("--role", default=None, help="node: trainer, orchestrator or inference")
+    p.add_argument("--role", default=None, help="node: trainer, orchestrator or inference; "
+                   "inference: prefill, decode or both (default: both; prefill/decode disaggregation)")
     p.add_argument("--node-rank", type=int, default=None, help="node: index in the plan (default: SLURM_NODEID)")
     p.add_argument("--rdzv", default=None, help="node: rendezvous HOST:PORT (default: deployment.rdzv_endpoint)")
     p.add_argument("--device-memory", default="141GB", help="plan / --dry-run: memory of one device (141GB, 80GiB)")
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "inference":
         from .inference.server import serve
 
-        serve(cfg, host=args.host, port=args.port)
+        serve(cfg, host=args.host, port=args.port, role=args.role or "both")
     elif args.command == "vllm-command":
         from .inference.vllm_launch import serve_command_line
 

@@ -84,6 +84,29 @@ class VLLMConfig:
     broadcast_rpc: bool = True  # ask the server (collective_rpc) to receive; False: receivers listen on their own
     broadcast_timeout_s: float = 300.0  # joining the group, and each version's transfer
     extra_args: list = field(default_factory=list)
+    # several external vLLM servers: the job puts a vllm-router in front of them (url is then unused)
+    urls: list = field(default_factory=list)
+
+
+@dataclass
+class PDConfig:
+    """Prefill/decode disaggregation (issue 35): ``prefill`` prefill servers and ``decode`` decode
+    servers behind vllm-router in P/D mode, started by the job (both 0: off)."""
+
+    prefill: int = 0
+    decode: int = 0
+    host: str = "127.0.0.1"
+    base_port: int = 8100  # prefill servers on base_port, base_port + 1, ...; the decode servers after them
+    router_port: int = 8090
+    router_metrics_port: int = 8091  # the router's Prometheus exporter (its default, 29000, is shared by every router)
+    router: str = ""  # the vllm-router executable ("": the one next to this Python)
+    policy: str = "round_robin"  # the router's policy for both pools
+    resamples: int = 3  # a request whose KV hand-off fails is sent again this many times (counted)
+    launch_timeout_s: float = 300.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefill > 0 or self.decode > 0
 
 
 @dataclass
@@ -107,6 +130,13 @@ class InferenceConfig:
     router_noise: float = 0.0  # std of noise on the sampler's router logits (a numerics stand-in)
     timeout_s: float = 300.0  # one generation batch
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
+    # > 1: that many `primerl inference` server processes (each its own engine) behind vllm-router;
+    # 1: the engine inside the orchestrator (launch.servers, inference.pool_client)
+    num_servers: int = 1
+    router_policy: str = "consistent_hash"  # vllm-router policy (X-Session-ID for consistent_hash) or round_robin, ...
+    max_restarts: int = 3  # per server (and the router): past it the job fails naming the process
+    health_timeout_s: float = 10.0  # a server that misses /health twice within this is hung: killed, restarted
 
 
 @dataclass
@@ -439,6 +469,33 @@ def _need(cond: bool, key: str, msg: str, value: Any) -> None:
         raise ConfigError(f"{key}: {msg}, got {value!r}")
 
 
+def _validate_pd(i: InferenceConfig) -> None:
+    pd = i.pd
+    _need(pd.prefill >= 0 and pd.decode >= 0, "inference.pd.prefill/decode", "must be >= 0", (pd.prefill, pd.decode))
+    if not pd.enabled:
+        return
+    _need(pd.prefill >= 1 and pd.decode >= 1, "inference.pd.prefill/decode",
+          "need at least one prefill and one decode server (both 0: no disaggregation)", (pd.prefill, pd.decode))
+    _need(0 < pd.base_port and pd.base_port + pd.prefill + pd.decode <= 65536, "inference.pd.base_port",
+          "must leave a TCP port for every prefill and decode server", pd.base_port)
+    _need(0 < pd.router_port < 65536 and not pd.base_port <= pd.router_port < pd.base_port + pd.prefill + pd.decode,
+          "inference.pd.router_port", "must be a TCP port outside the servers' range", pd.router_port)
+    _need(0 < pd.router_metrics_port < 65536 and pd.router_metrics_port != pd.router_port
+          and not pd.base_port <= pd.router_metrics_port < pd.base_port + pd.prefill + pd.decode,
+          "inference.pd.router_metrics_port", "must be a free TCP port apart from the router's and the servers'",
+          pd.router_metrics_port)
+    _need(pd.policy in ("random", "round_robin", "cache_aware", "power_of_two", "consistent_hash"), "inference.pd.policy",
+          "must be a vllm-router policy (random, round_robin, cache_aware, power_of_two, consistent_hash)", pd.policy)
+    _need(pd.resamples >= 0, "inference.pd.resamples", "must be >= 0", pd.resamples)
+    _need(pd.launch_timeout_s > 0, "inference.pd.launch_timeout_s", "must be > 0", pd.launch_timeout_s)
+    _need(i.kv_cache, "inference.pd", "needs inference.kv_cache = true (the prefill server hands over its cache)", i.kv_cache)
+    _need(not i.vllm.disaggregation, "inference.vllm.disaggregation",
+          "is set per server by inference.pd; leave it empty", i.vllm.disaggregation)
+    _need(i.num_servers == 1 and not i.vllm.urls, "inference.pd",
+          "starts its own prefill and decode servers: leave inference.num_servers = 1 and inference.vllm.urls empty",
+          (i.num_servers, i.vllm.urls))
+
+
 def validate(cfg: RLConfig) -> None:
     """Range and choice checks; raises ``ConfigError`` naming the key."""
     validate_finite(cfg)
@@ -481,6 +538,7 @@ def validate(cfg: RLConfig) -> None:
           "inference.vllm.all2all_backend", "is not a known all-to-all backend", v.all2all_backend)
     _need(v.data_parallel >= 1 and v.tensor_parallel >= 1, "inference.vllm.data_parallel/tensor_parallel", "must be >= 1",
           (v.data_parallel, v.tensor_parallel))
+    _validate_pd(i)
     _need(t.lr > 0, "trainer.lr", "must be > 0", t.lr)
     _need(t.eps > 0, "trainer.eps", "must be > 0", t.eps)
     _need(t.max_grad_norm >= 0, "trainer.max_grad_norm", "must be >= 0 (0 disables clipping)", t.max_grad_norm)
@@ -518,6 +576,26 @@ def validate(cfg: RLConfig) -> None:
     _need(i.weight_update != "broadcast" or i.backend == "embedded", "inference.weight_update",
           "'broadcast' is the embedded engine's; vLLM's is inference.vllm.weight_update", i.weight_update)
     _need(0 < i.broadcast_port < 65536, "inference.broadcast_port", "must be a TCP port", i.broadcast_port)
+    _need(isinstance(i.num_servers, int) and i.num_servers >= 1, "inference.num_servers", "must be an integer >= 1",
+          i.num_servers)
+    _need(i.router_policy in ("consistent_hash", "round_robin", "power_of_two", "cache_aware", "random"),
+          "inference.router_policy", "must be consistent_hash, round_robin, power_of_two, cache_aware or random",
+          i.router_policy)
+    _need(i.max_restarts >= 0, "inference.max_restarts", "must be >= 0", i.max_restarts)
+    _need(i.health_timeout_s > 0, "inference.health_timeout_s", "must be > 0", i.health_timeout_s)
+    _need(i.num_servers == 1 or i.backend == "embedded", "inference.num_servers",
+          "> 1 starts `primerl inference` servers (inference.backend = 'embedded'); for several vLLM servers list "
+          "them in inference.vllm.urls", i.num_servers)
+    _need(not v.urls or i.backend == "vllm", "inference.vllm.urls", "needs inference.backend = 'vllm'", v.urls)
+    _need(not v.urls or not v.launch, "inference.vllm.urls", "external servers: inference.vllm.launch must be false",
+          v.urls)
+    pool = i.num_servers > 1 or bool(v.urls)
+    _need(not pool or i.weight_update in ("auto", "filesystem"), "inference.weight_update",
+          "a pool of servers takes weights by the filesystem (each server loads the published files)", i.weight_update)
+    _need(not pool or v.weight_update == "filesystem", "inference.vllm.weight_update",
+          "a pool of servers takes weights by the filesystem", v.weight_update)
+    _need(not pool or cfg.deployment.kind == "local", "inference.num_servers",
+          "a server pool is started by the one-machine launcher (deployment.kind = 'local')", i.num_servers)
     _need(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in i.gpu_ids)
           and len(set(i.gpu_ids)) == len(i.gpu_ids), "inference.gpu_ids", "must be distinct GPU indices >= 0", i.gpu_ids)
     _need(m.top_k >= 1 and m.top_k <= m.num_experts, "model.top_k", f"must be in [1, num_experts={m.num_experts}]", m.top_k)

@@ -141,7 +141,7 @@ def test_health_and_prometheus_metrics(servers):
 @pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed (requirements-ci.txt)")
 def test_bad_input_through_vllm_router(servers):
     port = free_port()
-    router = subprocess.Popen([str(ROUTER), "--worker-urls", *servers, "--port", str(port), "--policy", "round_robin",
+    router = subprocess.Popen([str(ROUTER), "--worker-urls", *servers, "--port", str(port), "--prometheus-port", str(free_port()), "--policy", "round_robin",
                                "--health-check-interval-secs", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -173,7 +173,7 @@ def test_a_client_leaving_the_router_aborts_the_request_on_the_server(servers):
     import http.client
 
     port = free_port()
-    router = subprocess.Popen([str(ROUTER), "--worker-urls", servers[0], "--port", str(port), "--policy", "round_robin",
+    router = subprocess.Popen([str(ROUTER), "--worker-urls", servers[0], "--port", str(port), "--prometheus-port", str(free_port()), "--policy", "round_robin",
                                "--health-check-interval-secs", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     health = lambda: json.loads(_call(servers[0], "/health")[1])  # noqa: E731
     try:

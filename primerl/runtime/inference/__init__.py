@@ -33,6 +33,10 @@ _EXPORTS = {
     "VLLMLauncher": "vllm_launch",
     "WeightUpdateExtension": "vllm_worker",
     **{name: "weight_sync" for name in ("WeightPublisher", "EngineWeightReceiver", "WeightSyncError")},
+    "Prefilled": "engine",
+    **{name: "pd" for name in ("KVTransferError", "PDState")},
+    "PDClient": "pd_client",
+    **{name: "pd_launch" for name in ("PDDeployment", "vllm_pd_commands")},
 }
 
 __all__ = sorted(_EXPORTS)
@@ -46,6 +50,10 @@ if TYPE_CHECKING:
     from .vllm_launch import VLLMLauncher  # noqa: F401
     from .vllm_worker import WeightUpdateExtension  # noqa: F401
     from .weight_sync import EngineWeightReceiver, WeightPublisher, WeightSyncError  # noqa: F401
+    from .engine import Prefilled  # noqa: F401
+    from .pd import KVTransferError, PDState  # noqa: F401
+    from .pd_client import PDClient  # noqa: F401
+    from .pd_launch import PDDeployment, vllm_pd_commands  # noqa: F401
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -58,10 +58,29 @@ class SamplingParams:
 
 
 @dataclass
+class Prefilled:
+    """A prompt's KV cache computed by a prefill server (``primerl.runtime.inference.pd``).
+
+    k, v: [L, P, Hkv, Dh] (MLA: k [L, P, W] latent rows, v [L, P, 0]) in the model's dtype;
+    first_token / first_logprob: the token the prefill server sampled after the prompt (with the
+    request's first uniform); routing: [P, L, k] the prompt positions' routed experts, or None."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    first_token: int
+    first_logprob: float
+    routing: torch.Tensor | None
+    policy_version: int
+    first_time: float = 0.0  # time.monotonic() on the prefill server when the first token was sampled
+
+
+@dataclass
 class Request:
     request_id: int
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    prefilled: Prefilled | None = None  # decode role: continue from a handed-over cache
+    export_kv: bool = False  # prefill role: return the prompt's cache in Completion.kv
 
 
 @dataclass
@@ -75,10 +94,12 @@ class Completion:
     policy_version: int  # version when the request started (its oldest token)
     policy_version_end: int
     server: str = ""  # who sampled it: "embedded" or the server's URL (set by the client)
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None  # Request.export_kv: (k, v) [L, fed, ...] of its slot
+    token_times: list = field(default_factory=list)  # time.monotonic() when each token was sampled (latency benches)
 
 
 class _Active:
-    __slots__ = ("req", "slot", "tokens", "logprobs", "routing", "rng", "version", "fed")
+    __slots__ = ("req", "slot", "tokens", "logprobs", "routing", "rng", "version", "fed", "times")
 
     def __init__(self, req: Request, slot: int, version: int):
         self.req, self.slot, self.version = req, slot, version
@@ -87,6 +108,7 @@ class _Active:
         self.routing: list[torch.Tensor] = []
         self.rng = random.Random(req.params.seed)
         self.fed = 0  # positions already in the cache
+        self.times: list[float] = []
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -216,7 +238,33 @@ class InferenceEngine:
         if total > self.cfg.max_position_embeddings:
             raise ValueError(f"request {req.request_id}: prompt + max_new_tokens = {total} exceeds "
                              f"max_position_embeddings = {self.cfg.max_position_embeddings}")
+        if req.prefilled is not None:
+            self.check_prefilled(req.request_id, len(req.prompt), req.prefilled)
         self.waiting.append(req)
+
+    def kv_row_shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The per-layer, per-position shapes of this model's (k, v) cache rows: ([Hkv, Dh], [Hkv, Dh]),
+        or for MLA ([W], [0])."""
+        c = self.cfg
+        if getattr(c, "is_mla", False):
+            return (self.model.layers[0].attention.cache_width(),), (0,)
+        return (c.n_kv_heads, c.head_dim), (c.n_kv_heads, c.head_dim)
+
+    def check_prefilled(self, request_id, prompt_len: int, pf: Prefilled) -> None:
+        """Raise ValueError naming the mismatch when a handed-over cache does not fit this model."""
+        kr, vr = self.kv_row_shape()
+        want_k, want_v = (self.cfg.n_layers, prompt_len, *kr), (self.cfg.n_layers, prompt_len, *vr)
+        dtype = self.model.embed.weight.dtype
+        for name, t, want in (("k", pf.k, want_k), ("v", pf.v, want_v)):
+            if tuple(t.shape) != want or t.dtype != dtype:
+                raise ValueError(f"request {request_id}: handed-over KV cache {name} has shape {tuple(t.shape)} "
+                                 f"{t.dtype}, this model needs {want} {dtype} (layers, prompt positions, heads, head dim)")
+        if not 0 <= pf.first_token < self.cfg.vocab_size:
+            raise ValueError(f"request {request_id}: handed-over first token {pf.first_token} outside "
+                             f"[0, {self.cfg.vocab_size})")
+        if pf.routing is not None and pf.routing.shape[0] != prompt_len:
+            raise ValueError(f"request {request_id}: handed-over routing covers {pf.routing.shape[0]} positions, "
+                             f"the prompt has {prompt_len}")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -257,11 +305,17 @@ class InferenceEngine:
     # ---------------------------------------------------------------- one engine step
     @torch.no_grad()
     def step(self) -> list[Completion]:
+        finished = []
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
-            self.running[req.request_id] = _Active(req, self.free_slots.pop(), self.policy_version)
+            a = _Active(req, self.free_slots.pop(), self.policy_version)
+            self.running[req.request_id] = a
+            if req.prefilled is not None:
+                done = self._admit_prefilled(a)
+                if done is not None:
+                    finished.append(done)
         if not self.running:
-            return []
+            return finished
         active = list(self.running.values())
         logits, routing = (self._forward_cached if self.kv_cache else self._forward_full)(active)
         tokens, logps, finite = sample_on_device(logits, [a.req.params.temperature for a in active],
@@ -273,8 +327,9 @@ class InferenceEngine:
             raise NonFiniteLogitsError(f"{_non_finite_error([bool(x) for x in host[2 * B:]])} "
                                        f"(policy version {self.policy_version})")
         routing = self._split_routing(routing)
-        finished = []
+        now = time.monotonic()
         for i, a in enumerate(active):
+            a.times.append(now)
             if routing is not None:
                 a.routing.append(routing[i])
             tok = int(host[i])
@@ -287,14 +342,41 @@ class InferenceEngine:
                 finished.append(self._finish(a, reason))
         return finished
 
+    def _admit_prefilled(self, a: _Active) -> Completion | None:
+        """Write a handed-over prompt cache into ``a``'s slot and take the prefill server's first
+        token as this request's first (its uniform is drawn and dropped, so the next tokens use the
+        same uniforms as on a colocated engine). -> the Completion if that token already ends it."""
+        pf, P = a.req.prefilled, len(a.req.prompt)
+        if self.kv_cache:
+            self._ensure_cache(P)
+            self._k[:, a.slot, :P] = pf.k.to(self.device)
+            self._v[:, a.slot, :P] = pf.v.to(self.device)
+        a.fed = P  # the full-recompute reference path ignores the cache and recomputes from the tokens
+        a.version = min(a.version, pf.policy_version)
+        a.rng.random()
+        a.tokens.append(pf.first_token)
+        a.logprobs.append(pf.first_logprob)
+        a.times.append(pf.first_time)
+        if self.capture_routing and pf.routing is not None:
+            a.routing.append(pf.routing.long())
+        p = a.req.params
+        if pf.first_token in p.stop_token_ids:
+            return self._finish(a, "stop")
+        if p.max_new_tokens <= 1:
+            return self._finish(a, "length")
+        return None
+
     def _finish(self, a: _Active, reason: str) -> Completion:
         del self.running[a.req.request_id]
         self.free_slots.append(a.slot)
         routing = None
         if self.capture_routing and a.routing:
-            routing = torch.cat(a.routing, 0).to(self.cfg.routing_dtype())
+            routing = torch.cat([r.long() for r in a.routing], 0).to(self.cfg.routing_dtype())
+        kv = None
+        if a.req.export_kv and self.kv_cache:
+            kv = (self._k[:, a.slot, :a.fed].clone(), self._v[:, a.slot, :a.fed].clone())
         return Completion(a.req.request_id, list(a.req.prompt), a.tokens, a.logprobs, routing, reason,
-                          a.version, self.policy_version)
+                          a.version, self.policy_version, kv=kv, token_times=a.times)
 
     @staticmethod
     def _split_routing(routing):

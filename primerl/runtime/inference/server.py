@@ -30,6 +30,10 @@ extra, and what ``primerl[verifiers]`` brings) and the standard library's thread
 (``http="stdlib"``, no dependency). ``http=None`` takes aiohttp when it is installed; the choice
 is logged and readable as ``server.http``.
 
+Prefill/decode roles (``role="prefill" | "decode"``, ``primerl inference --role``; ``pd``): a request
+whose body carries vLLM's ``kv_transfer_params`` is one leg of a disaggregated request as vllm-router's
+P/D mode sends it; ``GET /kv_transfer/<id>`` hands a prefilled cache to the decode server once.
+
 Every ``generate`` call with an ``X-Session-ID`` header (verifiers sends the rollout's trace id)
 records the policy versions its tokens came from: ``session_versions(id)`` returns
 ``(oldest, newest, requests)``, so an orchestrator can join them to its samples (the client drops
@@ -50,7 +54,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from .engine import InferenceEngine, Request, SamplingParams
+from .engine import InferenceEngine, Prefilled, Request, SamplingParams
+from .pd import KV_ROUTE, PDState, encode_prefilled, prefill_params
 from .generate_api import generate_response, models_response, parse_completion_request, parse_generate_request
 from .server_metrics import ServerStats, TextBody, render_prometheus
 from .vllm_client import encode_routed_experts
@@ -101,8 +106,10 @@ def http_frontends() -> list[str]:
 
 class EngineServer:
     def __init__(self, engine: InferenceEngine, host: str = "127.0.0.1", port: int = 0, *, request_timeout: float = 300.0,
-                 model_name: str = "primerl", max_model_len: int | None = None, http: str | None = None):
+                 model_name: str = "primerl", max_model_len: int | None = None, http: str | None = None,
+                 role: str = "both"):
         self.engine = engine
+        self.pd = PDState(role)
         self.request_timeout = request_timeout
         self.model_name = model_name
         self.max_model_len = int(max_model_len or engine.cfg.max_position_embeddings)
@@ -192,10 +199,61 @@ class EngineServer:
             return self._next_id
 
     def _submit(self, rid: int, prompt: list[int], params: SamplingParams) -> Future:
+        return self._submit_request(Request(rid, prompt, params))
+
+    def _submit_request(self, req: Request) -> Future:
         self._check_alive()
         fut: Future = Future()
-        self._incoming.put(("request", Request(rid, prompt, params), fut))
+        self._incoming.put(("request", req, fut))
         return fut
+
+    # ---------------------------------------------------------------- prefill/decode legs (pd.py)
+    def _pd_leg(self, body: dict, rid: int, prompt: list[int], params: SamplingParams):
+        """-> (engine future, extra response fields: callable(Completion) -> dict) for a request, by
+        its ``kv_transfer_params``: a prefill leg (do_remote_decode), a decode leg (do_remote_prefill),
+        or a plain request (none)."""
+        ktp = body.get("kv_transfer_params")
+        if ktp is None:
+            return self._submit(rid, prompt, params), None
+        if not isinstance(ktp, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {type(ktp).__name__}")
+        role = self.pd.role
+        if ktp.get("do_remote_decode"):
+            if role == "decode":
+                raise ValueError("kv_transfer_params.do_remote_decode: this server's role is decode, not prefill")
+            import dataclasses
+
+            self.pd.count("prefills")
+            fut = self._submit_request(Request(rid, prompt, dataclasses.replace(params, max_new_tokens=1),
+                                               export_kv=True))
+
+            def extra(c) -> dict:
+                k, v = c.kv
+                routing = None if c.routing is None else c.routing[:len(prompt)]
+                pf = Prefilled(k.cpu(), v.cpu(), c.tokens[0], c.logprobs[0], routing, c.policy_version,
+                               c.token_times[0] if c.token_times else 0.0)
+                tid = self.pd.store.put(encode_prefilled(pf, seed=params.seed, prompt=prompt))
+                return {"kv_transfer_params": prefill_params(self.host, self.port, self.pd.engine_id, tid)}
+
+            return fut, extra
+        if ktp.get("do_remote_prefill"):
+            if role == "prefill":
+                raise ValueError("kv_transfer_params.do_remote_prefill: this server's role is prefill, not decode")
+            import dataclasses
+
+            def check(pf, header):
+                if header.get("prompt_len") != len(prompt):
+                    raise ValueError(f"the prefilled prompt has {header.get('prompt_len')} tokens, this request's "
+                                     f"prompt {len(prompt)}")
+                self.engine.check_prefilled(rid, len(prompt), pf)
+
+            def submit(pf, header):
+                return self._submit_request(Request(rid, prompt, dataclasses.replace(params, seed=int(header["seed"])),
+                                                    prefilled=pf))
+
+            self._check_alive()
+            return self.pd.start_decode(ktp, check, submit), None
+        return self._submit(rid, prompt, params), None
 
     def _call_in_engine(self, fn, timeout: float):
         return self._start_call(fn).result(timeout)
@@ -235,10 +293,14 @@ class EngineServer:
                       "logprobs": {"tokens": [f"token_id:{t}" for t in c.tokens], "token_logprobs": c.logprobs}}
             if c.routing is not None:  # as vLLM with --enable-return-routed-experts: base64 of np.save bytes
                 choice["routed_experts"] = encode_routed_experts(c.routing)
-            return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice],
-                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens)}}
+            if body.get("return_token_times"):  # bench/pd.py: when each token was sampled (time.monotonic)
+                choice["token_times"] = c.token_times
+            out = {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice],
+                   "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens)}}
+            return out if extra is None else {**out, **extra(c)}
 
-        return Pending(self._submit(rid, prompt, params), finish, rid)
+        fut, extra = self._pd_leg(body, rid, prompt, params)
+        return Pending(fut, finish, rid)
 
     def start_generate(self, body: dict, session_id: str | None = None) -> Pending:
         """``POST /inference/v1/generate`` (``generate_api``)."""
@@ -247,11 +309,13 @@ class EngineServer:
                                                        vocab_size=self.engine.cfg.vocab_size)
 
         def finish(c) -> dict:
-            if session_id:
+            if session_id and extra is None:  # a prefill leg is recorded by its decode leg
                 self._record_session(session_id, c)
-            return generate_response(f"gen-{rid}", c, start)
+            out = generate_response(f"gen-{rid}", c, start)
+            return out if extra is None else {**out, **extra(c)}
 
-        return Pending(self._submit(rid, prompt, params), finish, rid)
+        fut, extra = self._pd_leg(body, rid, prompt, params)
+        return Pending(fut, finish, rid)
 
     def _record_session(self, session_id: str, c) -> None:
         with self._lock:
@@ -279,7 +343,10 @@ class EngineServer:
 
     def health(self) -> tuple[int, dict]:
         ok = self._engine_error is None
-        return (200 if ok else 503), {"status": "ok" if ok else "engine dead", **self.stats.read()}
+        out = {"status": "ok" if ok else "engine dead", **self.stats.read()}
+        if self.pd.role != "both":
+            out["pd"] = self.pd.read()
+        return (200 if ok else 503), out
 
     def start_update_weights(self, path: str) -> Pending:
         from primerl.models.checkpoint import read_safetensors
@@ -323,6 +390,13 @@ class EngineServer:
                 return 200, render_prometheus(self.stats.read())
             if path == "/is_paused":
                 return 200, {"is_paused": self._paused}
+            if path.startswith(KV_ROUTE):
+                tid = path[len(KV_ROUTE):]
+                data = self.pd.serve_pull(tid)
+                if data is None:
+                    return 404, {"error": f"unknown KV transfer {tid!r}: never prefilled here, already pulled, "
+                                          f"or expired after {self.pd.store.ttl_s:g} s"}
+                return 200, BytesBody(data)
             return 404, {"error": f"no route GET {path}"}
         if not isinstance(body, dict):
             raise ValueError(f"the body of POST {path} must be a JSON object, got {type(body).__name__}")
@@ -427,7 +501,14 @@ class EngineServer:
             self._frontend.stop()
 
 
-def serve(cfg, host: str = "127.0.0.1", port: int = 8000) -> None:
+class BytesBody(TextBody):
+    """A binary response body (a KV hand-off)."""
+
+    def __init__(self, data: bytes):
+        self.data, self.content_type = data, "application/octet-stream"
+
+
+def serve(cfg, host: str = "127.0.0.1", port: int = 8000, role: str = "both") -> None:
     """Blocking: the config's model in an embedded engine, served until interrupted."""
     import torch
 
@@ -448,8 +529,8 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000) -> None:
     engine = InferenceEngine(build_model(cfg, env.vocab_size, device=device, dtype=placement.param_dtype),
                              max_batch_size=i.max_batch_size, kv_cache=i.kv_cache, capture_routing=i.capture_routing,
                              fp8_experts=i.fp8_experts, router_noise=i.router_noise, kv_cache_gb=i.kv_cache_gb)
-    srv = EngineServer(engine, host, port, request_timeout=i.timeout_s).start()
-    print(f"primerl inference: serving on {srv.url}", flush=True)
+    srv = EngineServer(engine, host, port, request_timeout=i.timeout_s, role=role).start()
+    print(f"primerl inference: serving on {srv.url}" + ("" if role == "both" else f" (role {role})"), flush=True)
     try:
         srv._http_thread.join()
     except KeyboardInterrupt:

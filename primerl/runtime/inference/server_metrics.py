@@ -17,6 +17,7 @@ Prometheus names (one server per process; a scraper labels them by target):
 from __future__ import annotations
 
 import threading
+import uuid
 
 __all__ = ["ServerStats", "TextBody", "render_prometheus"]
 
@@ -30,20 +31,26 @@ class TextBody:
         self.data, self.content_type = text.encode(), content_type
 
 
+# this process's id in /health: a pool client tells a restarted server (fresh weights) from one it loaded
+INSTANCE = uuid.uuid4().hex
+
+
 class ServerStats:
     """Counters and the engine snapshot of one server; every method is thread-safe."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.snapshot = {"requests_running": 0, "requests_waiting": 0, "kv_cache_usage": 0.0, "kv_cache_bytes": 0,
-                         "weights_version": 0, "generated_tokens": 0, "paused": False}
+                         "weights_version": 0, "generated_tokens": 0, "paused": False,
+                         "instance": INSTANCE}
         self.requests = dict.fromkeys(OUTCOMES, 0)
 
     def refresh(self, engine, *, waiting_extra: int = 0, paused: bool = False) -> None:
         """Called on the engine thread only."""
         snap = {"requests_running": len(engine.running), "requests_waiting": len(engine.waiting) + waiting_extra,
                 "kv_cache_usage": engine.kv_cache_usage(), "kv_cache_bytes": engine.kv_cache_bytes,
-                "weights_version": engine.policy_version, "generated_tokens": engine.tokens_generated, "paused": paused}
+                "weights_version": engine.policy_version, "generated_tokens": engine.tokens_generated, "paused": paused,
+                "instance": INSTANCE}
         with self._lock:
             self.snapshot = snap
 

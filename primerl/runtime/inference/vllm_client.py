@@ -171,7 +171,7 @@ class _Aborted(Exception):
     """The request's connection was closed by ``VLLMClient.abort``."""
 
 
-def _post_abortable(url: str, payload: dict, timeout: float, register) -> dict:
+def _post_abortable(url: str, payload: dict, timeout: float, register, headers: dict | None = None) -> dict:
     """POST on a connection of its own, handed to ``register(conn)`` so that another thread can
     close it (the server then sees the client disconnect and aborts the request)."""
     u = urllib.parse.urlsplit(url)
@@ -180,7 +180,8 @@ def _post_abortable(url: str, payload: dict, timeout: float, register) -> dict:
         u.hostname, u.port or (443 if https else 80), timeout=timeout)
     register(conn)
     try:
-        conn.request("POST", u.path + (f"?{u.query}" if u.query else ""), body=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+        conn.request("POST", u.path + (f"?{u.query}" if u.query else ""), body=json.dumps(payload).encode(),
+                     headers={"Content-Type": "application/json", **(headers or {})})
         r = conn.getresponse()
         body = r.read()
     except (TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
@@ -331,6 +332,9 @@ class VLLMClient:
             out["model"] = self.cfg.model
         return out
 
+    def _headers(self, req: Request) -> dict:
+        return {}
+
     def complete(self, req: Request) -> Completion:
         version = self.version
         rid = req.request_id
@@ -343,7 +347,8 @@ class VLLMClient:
                 self._conns[rid] = conn
 
         try:
-            out = _post_abortable(self.url + "/v1/completions", self._payload(req), self.timeout_s, register)
+            out = _post_abortable(self.url + "/v1/completions", self._payload(req), self.timeout_s, register,
+                                  self._headers(req))
         finally:
             with self._conns_lock:
                 self._conns.pop(rid, None)

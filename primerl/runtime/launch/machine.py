@@ -13,6 +13,7 @@ With ``deployment.kind = "nodes"`` on 127.x hosts it starts the nodes instead (`
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -143,8 +144,20 @@ def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:
     t0 = time.perf_counter()
     if not quiet:
         print(f"primerl rl: output_dir {out} | start step {start} | logs in {out / 'logs'}", flush=True)
+    from .servers import POOL_ENV, ProcessTable, pool_for_job
+
+    table = ProcessTable(out / "processes.json")
+    try:
+        pool = pool_for_job(cfg, cfg_path, out, table, base_env)  # inference.num_servers > 1: servers + router
+    except FileNotFoundError as e:  # no vllm-router
+        raise JobFailed(f"inference.num_servers = {cfg.inference.num_servers}: {e}") from None
+    orch_env = dict(base_env, PRIMERL_PEER_PID=str(os.getpid()))
+    if pool is not None:
+        pool.start()
+        orch_env[POOL_ENV] = json.dumps(pool.endpoints())
     orch = _spawn([py, "-m", "primerl.runtime.cli", "orchestrator", "--config", cfg_path], out / "logs" / "orchestrator.log",
-                  dict(base_env, PRIMERL_PEER_PID=str(os.getpid())))
+                  orch_env)
+    table.set("orchestrator", "orchestrator", orch.pid, None)
     trainer_cmd = [py, "-m", "primerl.runtime.cli", "trainer", "--config", cfg_path]
     if cfg.num_trainer_ranks > 1:
         trainer_cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.num_trainer_ranks}",
@@ -152,6 +165,7 @@ def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:
     trainer = _spawn(trainer_cmd, out / "logs" / "trainer.log",
                      dict(base_env, PRIMERL_PEER_PID=str(orch.pid)))
     (out / "pids").write_text(f"trainer {trainer.pid}\norchestrator {orch.pid}\n")
+    table.set("trainer", "trainer", trainer.pid, None)
     seen = start - 1
     try:
         while True:
@@ -164,12 +178,16 @@ def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:
             failure = first_failure({"trainer": trainer, "orchestrator": orch}, out / "logs")
             if failure:
                 raise JobFailed(failure)
+            if pool is not None and pool.failure:
+                raise JobFailed(pool.failure)
             if trainer.returncode == 0:
                 break
             time.sleep(poll_s)
     finally:
         _stop(trainer)
         _stop(orch)
+        if pool is not None:
+            pool.stop()
     rows = read_metrics(out / "metrics.jsonl")
     if not rows or rows[-1]["step"] != cfg.max_steps - 1:  # nothing may go missing silently
         raise JobFailed(f"the trainer exited normally but {out / 'metrics.jsonl'} ends at step "

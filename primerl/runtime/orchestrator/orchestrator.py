@@ -200,6 +200,8 @@ class Orchestrator(BatchSteps):
             "env/errors": c["env_errors"], "env/timeouts": c["env_timeouts"], "rewards/rejected": c["rewards_rejected"],
             "rewards/clipped": c["rewards_clipped"], **adv_metrics,
         }
+        if hasattr(self.client, "resampled"):  # inference.pd: requests resent after a failed KV hand-off
+            metrics["inference/pd_resampled"] = self.client.resampled
         dev = getattr(getattr(self.client, "engine", None), "device", None)
         if dev is not None and dev.type == "cuda":
             metrics["memory/engine_peak_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30

@@ -1,0 +1,199 @@
+"""Starting a P/D deployment for a job (``inference.pd``): prefill servers, decode servers and
+vllm-router in P/D mode in front of them; and the vLLM commands of the same deployment.
+
+Embedded engine (``inference.backend = "embedded"``): ``primerl inference --role prefill|decode``
+processes on ``pd.host``, ports ``pd.base_port`` upward (prefill first), each serving the job's
+resolved config (written to ``<output_dir>/pd/config.toml``); vLLM (``backend = "vllm"``): the
+same deployment as vLLM servers with ``--kv-transfer-config`` (NixlConnector, ``kv_role =
+kv_both``, its own side-channel port each). The router:
+``vllm-router --vllm-pd-disaggregation --prefill URL ... --decode URL ... --port pd.router_port``.
+Every process runs in its own process group tied to this one's life (``die_with_parent``) and is
+listed in ``<output_dir>/processes.json`` as ``{"role": "prefill" | "decode" | "router", "pid", "url"}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..lifetime import die_with_parent
+from .vllm_client import InferenceServerError
+
+log = logging.getLogger("primerl.inference")
+
+NIXL_SIDE_CHANNEL_BASE = 5600  # VLLM_NIXL_SIDE_CHANNEL_PORT of the i-th vLLM server: this + i
+
+
+def pd_servers(cfg) -> list[tuple[str, str, int]]:
+    """-> [(role, host, port)]: the prefill servers, then the decode servers."""
+    p = cfg.inference.pd
+    roles = ["prefill"] * p.prefill + ["decode"] * p.decode
+    return [(role, p.host, p.base_port + i) for i, role in enumerate(roles)]
+
+
+def router_command(cfg, prefill_urls: list[str], decode_urls: list[str]) -> list[str]:
+    p = cfg.inference.pd
+    exe = p.router or str(Path(sys.executable).parent / "vllm-router")
+    cmd = [exe, "--vllm-pd-disaggregation"]
+    for u in prefill_urls:
+        cmd += ["--prefill", u]
+    for u in decode_urls:
+        cmd += ["--decode", u]
+    return cmd + ["--host", p.host, "--port", str(p.router_port), "--policy", p.policy,
+                  "--prometheus-host", p.host, "--prometheus-port", str(p.router_metrics_port)]
+
+
+def embedded_command(config_path: str, role: str, host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "primerl.runtime.cli", "inference", "--config", str(config_path), "--role", role,
+            "--host", host, "--port", str(port)]
+
+
+def vllm_pd_commands(cfg, *, checkpoint: str | None = None,
+                     kv_buffer_device: str | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
+    """The vLLM servers of ``inference.pd``: [(role, argv, extra environment)], then the router's.
+
+    ``kv_buffer_device`` (default: ``cuda`` where a GPU is visible, else ``cpu``) goes into the
+    ``--kv-transfer-config``: vLLM's CPU build registers its KV cache with NIXL as host memory and
+    accepts only ``cpu`` there (it also needs the ``nixl`` package, published for CUDA only)."""
+    import torch
+
+    from .vllm_launch import vllm_env, vllm_serve_command, wants_routing
+
+    if kv_buffer_device is None:
+        kv_buffer_device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = []
+    servers = pd_servers(cfg)
+    for i, (role, host, port) in enumerate(servers):
+        v = dataclasses.replace(cfg.inference.vllm, host=host, port=port, disaggregation=role)
+        env = {**vllm_env(v), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_BASE + i),
+               "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
+        argv = vllm_serve_command(v, cfg.model, checkpoint=checkpoint, routing=wants_routing(cfg))
+        i_kv = argv.index("--kv-transfer-config") + 1
+        argv[i_kv] = json.dumps({**json.loads(argv[i_kv]), "kv_buffer_device": kv_buffer_device})
+        out.append((role, argv, env))
+    urls = {r: [f"http://{h}:{p}" for rr, h, p in servers if rr == r] for r in ("prefill", "decode")}
+    out.append(("router", router_command(cfg, urls["prefill"], urls["decode"]), {}))
+    return out
+
+
+def _healthy(url: str) -> bool:
+    """``GET /health`` answers 200 (the router's body is plain text, the servers' JSON)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def write_processes(output_dir: str | Path, entries: list[dict]) -> Path:
+    """Add ``entries`` to ``<output_dir>/processes.json`` (a list of {"role", "pid", "url"}; entries
+    already there from other launchers are kept)."""
+    path = Path(output_dir) / "processes.json"
+    old = []
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            old = []
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([*old, *entries], indent=1))
+    tmp.replace(path)
+    return path
+
+
+class PDDeployment:
+    """The job's P/D processes. ``start()`` returns once the router answers ``/health`` (or raises
+    naming the process that failed, with the end of its log); ``stop()`` ends them all."""
+
+    def __init__(self, cfg, commands: list[tuple[str, list[str], dict[str, str]]] | None = None):
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.commands = commands if commands is not None else self._commands()
+        self.procs: list[tuple[str, str, subprocess.Popen]] = []
+
+    def _commands(self):
+        from ..config import to_toml
+
+        if self.cfg.inference.backend == "vllm":
+            return vllm_pd_commands(self.cfg)
+        conf = self.out / "pd" / "config.toml"
+        conf.parent.mkdir(parents=True, exist_ok=True)
+        conf.write_text(to_toml(self.cfg))
+        servers = pd_servers(self.cfg)
+        cmds = [(role, embedded_command(str(conf), role, h, p), {}) for role, h, p in servers]
+        urls = {r: [f"http://{h}:{p}" for rr, h, p in servers if rr == r] for r in ("prefill", "decode")}
+        return cmds + [("router", router_command(self.cfg, urls["prefill"], urls["decode"]), {})]
+
+    @property
+    def router_url(self) -> str:
+        p = self.cfg.inference.pd
+        return f"http://{p.host}:{p.router_port}"
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [f"http://{h}:{p}" for _, h, p in pd_servers(self.cfg)]
+
+    def start(self) -> "PDDeployment":
+        logs = self.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        urls = self.server_urls + [self.router_url]
+        env0 = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(self.cfg.threads))}
+        try:
+            for i, ((role, argv, env), url) in enumerate(zip(self.commands, urls)):
+                if role == "router":  # the router waits for healthy workers itself; start it last
+                    for (r, u, p) in self.procs:
+                        self._wait(r, u, p)
+                with open(logs / f"{role}{i}.log", "ab") as f:
+                    proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**env0, **env},
+                                            start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
+                self.procs.append((role, url, proc))
+            self._wait(*self.procs[-1])
+        except BaseException:
+            self.stop()
+            raise
+        write_processes(self.out, [{"role": r, "pid": p.pid, "url": u} for r, u, p in self.procs])
+        log.info("P/D deployment up: router %s, prefill+decode %s", self.router_url, self.server_urls)
+        return self
+
+    def _wait(self, role: str, url: str, proc: subprocess.Popen) -> None:
+        timeout = self.cfg.inference.pd.launch_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                from ..job import _tail
+
+                i = [p for _, _, p in self.procs].index(proc)
+                raise InferenceServerError(f"the {role} process ({url}) exited with code {proc.returncode} before "
+                                           f"answering /health; end of its log:\n{_tail(self.out / 'logs' / f'{role}{i}.log')}")
+            if _healthy(url):
+                return
+            if time.monotonic() > deadline:
+                raise InferenceServerError(f"the {role} process ({url}) did not answer /health within {timeout} s "
+                                           "(inference.pd.launch_timeout_s)")
+            time.sleep(0.3)
+
+    def stop(self, grace: float = 10.0) -> None:
+        import signal
+
+        for _, _, p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for _, _, p in self.procs:
+            try:
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        self.procs = []

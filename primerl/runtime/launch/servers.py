@@ -1,0 +1,297 @@
+"""A pool of inference server processes behind vllm-router, kept alive for the job's life.
+
+The pieces, reusable for any role (``"inference"`` here; prefill / decode servers the same way):
+
+- :class:`ProcessTable`: ``<output_dir>/processes.json``, a JSON list of ``{"role", "pid", "url",
+  "restarts"}`` for every process the launcher started, rewritten atomically (tmp + ``os.replace``)
+  whenever one is (re)started.
+- :class:`ManagedProcess`: one child process (own session, log file, dies with the launcher) that
+  can be started, killed and restarted on the same command line (so the same port).
+- :func:`server_process` / :func:`router_process`: the command lines of ``primerl inference`` on a
+  port and of ``vllm-router`` (normal mode with a policy, or P/D mode with ``prefill`` / ``decode``
+  URLs). The router starts with NO workers: the pool client adds each one (``/add_worker``) only
+  once it holds the current weights (``inference.pool_client``).
+- :class:`ServerPool`: starts N servers of a role and, when asked, a router in front; a supervisor
+  thread restarts a server that exited or stopped answering ``/health`` within
+  ``health_timeout_s`` (killed first: a hung, e.g. SIGSTOPped, process), and the router when it
+  exits, each at most ``max_restarts`` times; past that ``failure`` names it and the launcher fails
+  the job. ``endpoints()`` is what the orchestrator's pool client needs (server URLs, router URL,
+  processes.json), passed to a child process as JSON in ``POOL_ENV``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..lifetime import die_with_parent
+
+log = logging.getLogger("primerl.launch")
+
+POOL_ENV = "PRIMERL_INFERENCE_POOL"  # JSON of ServerPool.endpoints() for the orchestrator process
+ROUTER_POLICIES = ("consistent_hash", "round_robin", "power_of_two", "cache_aware", "random")
+
+__all__ = ["POOL_ENV", "ROUTER_POLICIES", "ManagedProcess", "ProcessTable", "ServerPool", "free_port",
+           "router_executable", "router_process", "server_process"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def router_executable() -> Path:
+    """``vllm-router``'s launcher next to this interpreter (the ``router`` extra installs it)."""
+    return Path(sys.executable).parent / "vllm-router"
+
+
+class ProcessTable:
+    """``processes.json``: every process the launcher started, by name; rewritten atomically."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._rows: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def set(self, name: str, role: str, pid: int, url: str | None = None, restarts: int = 0) -> None:
+        with self._lock:
+            self._rows[name] = {"role": role, "pid": pid, "url": url, "restarts": restarts}
+            tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(list(self._rows.values()), indent=1))
+            os.replace(tmp, self.path)
+
+
+def read_processes(path: Path) -> list[dict]:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+
+
+class ManagedProcess:
+    """One child process: ``start`` (again after a death: same command line, same port), ``kill``."""
+
+    def __init__(self, name: str, role: str, args: list[str], log_path: Path, *, url: str | None = None,
+                 env: dict | None = None, table: ProcessTable | None = None):
+        self.name, self.role, self.args, self.log_path, self.url = name, role, args, Path(log_path), url
+        self.env = dict(os.environ if env is None else env)
+        self.table = table
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.started_at = 0.0
+
+    @property
+    def restarts(self) -> int:
+        return max(self.starts - 1, 0)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self) -> "ManagedProcess":
+        with open(self.log_path, "ab") as f:
+            self.proc = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
+        self.starts += 1
+        self.started_at = time.monotonic()
+        if self.table is not None:
+            self.table.set(self.name, self.role, self.proc.pid, self.url, self.restarts)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the process group (a stopped process is killed too) and reap it."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(grace)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            self.kill()
+
+
+def server_process(i: int, cfg_path: str, port: int, log_dir: Path, *, role: str = "inference",
+                   host: str = "127.0.0.1", env: dict | None = None, table: ProcessTable | None = None,
+                   extra_args: list[str] = ()) -> ManagedProcess:
+    """``primerl inference --config cfg_path --port port`` as server ``i`` of ``role``."""
+    args = [sys.executable, "-m", "primerl.runtime.cli", "inference", "--config", cfg_path, "--host", host,
+            "--port", str(port), *extra_args]
+    return ManagedProcess(f"{role}-{i}", role, args, Path(log_dir) / f"{role}-{i}.log", url=f"http://{host}:{port}",
+                          env=env, table=table)
+
+
+def router_process(port: int, log_dir: Path, *, policy: str = "consistent_hash", workers: list[str] = (),
+                   prefill: list[str] = (), decode: list[str] = (), request_timeout_s: float = 300.0,
+                   host: str = "127.0.0.1", env: dict | None = None, table: ProcessTable | None = None,
+                   extra_args: list[str] = ()) -> ManagedProcess:
+    """vllm-router on ``port``. Normal mode: ``workers`` (may be empty: added later with
+    ``/add_worker``) under ``policy``; P/D mode when ``prefill`` and ``decode`` are given
+    (``--vllm-pd-disaggregation``). Its own retries are off: the client retries and counts
+    re-dispatches (a dead worker's in-flight request comes back 5xx)."""
+    exe = router_executable()
+    if not exe.exists():
+        raise FileNotFoundError(f"vllm-router is not installed next to {sys.executable} (pip install 'primerl[router]'); "
+                                "needed for inference.num_servers > 1")
+    args = [str(exe), "--host", host, "--port", str(port), "--prometheus-port", str(free_port(host)),
+            "--request-timeout-secs", str(int(request_timeout_s)), "--disable-retries"]
+    if prefill or decode:
+        args += ["--vllm-pd-disaggregation"]
+        for u in prefill:
+            args += ["--prefill", u]
+        for u in decode:
+            args += ["--decode", u]
+        args += ["--prefill-policy", policy, "--decode-policy", policy]
+    else:
+        args += ["--policy", policy]
+        if workers:
+            args += ["--worker-urls", *workers]
+    return ManagedProcess("router", "router", args + list(extra_args), Path(log_dir) / "router.log",
+                          url=f"http://{host}:{port}", env=env, table=table)
+
+
+def _healthy(url: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError):
+        return False
+
+
+class ServerPool:
+    """N ``primerl inference`` servers of one ``role`` (and optionally a router), supervised.
+
+    ``with ServerPool(...) as pool:`` starts them (returns at once: servers load their model in
+    the background; the pool client waits for their health) and stops everything at exit.
+    ``urls``: the servers' URLs; ``router_url``: the router's (None without one); ``failure``: a
+    message once a process died more than ``max_restarts`` times (the job must stop)."""
+
+    def __init__(self, cfg_path: str, n: int, log_dir: Path, table: ProcessTable, *, role: str = "inference",
+                 router: bool = True, policy: str = "consistent_hash", external_urls: list[str] = (),
+                 max_restarts: int = 3, health_timeout_s: float = 10.0, health_interval_s: float = 1.0,
+                 startup_timeout_s: float = 600.0, request_timeout_s: float = 300.0, env: dict | None = None,
+                 host: str = "127.0.0.1"):
+        self.table, self.role = table, role
+        self.max_restarts, self.health_timeout_s, self.health_interval_s = max_restarts, health_timeout_s, health_interval_s
+        self.startup_timeout_s = startup_timeout_s
+        self.servers = [server_process(i, cfg_path, free_port(host), log_dir, role=role, host=host, env=env, table=table)
+                        for i in range(n)]
+        self.urls = [s.url for s in self.servers] + list(external_urls)
+        self.router = router_process(free_port(host), log_dir, policy=policy, request_timeout_s=request_timeout_s,
+                                     host=host, env=env, table=table) if router else None
+        self.router_url = self.router.url if self.router else None
+        self.failure: str | None = None
+        self._up: dict[str, bool] = {}  # server name -> answered /health since its last start
+        self._misses: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def endpoints(self, processes_json: Path | None = None) -> dict:
+        return {"servers": self.urls, "router": self.router_url,
+                "processes": str(processes_json or self.table.path)}
+
+    def start(self) -> "ServerPool":
+        for p in ([self.router] if self.router else []) + self.servers:
+            p.start()
+        self._thread = threading.Thread(target=self._supervise, name=f"{self.role}-pool", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.health_timeout_s + 5)
+        for p in self.servers + ([self.router] if self.router else []):
+            p.stop()
+
+    def __enter__(self) -> "ServerPool":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def restarts(self) -> int:
+        return sum(p.restarts for p in self.servers + ([self.router] if self.router else []))
+
+    # -- supervision
+    def _restart(self, p: ManagedProcess, why: str) -> None:
+        if p.restarts >= self.max_restarts:
+            self.failure = (f"the {p.name} process ({p.url}) {why} after {p.restarts} restart(s) "
+                            f"(inference.max_restarts = {self.max_restarts}); end of {p.log_path}:\n"
+                            + _tail(p.log_path))
+            return
+        log.warning("%s (%s) %s: restarting it (restart %d of at most %d)", p.name, p.url, why, p.restarts + 1,
+                    self.max_restarts)
+        p.kill()
+        p.start()
+        self._up[p.name], self._misses[p.name] = False, 0
+
+    def check_once(self) -> None:
+        """One supervision pass (the thread calls it every ``health_interval_s``)."""
+        for p in ([self.router] if self.router else []) + self.servers:
+            if self.failure or self._stop.is_set():
+                return
+            if not p.alive():
+                self._restart(p, f"exited with code {p.proc.returncode}")
+                continue
+            if p.role == "router":  # the router is restarted when it exits; its hangs are the client's timeouts
+                continue
+            if _healthy(p.url, self.health_timeout_s):
+                self._up[p.name], self._misses[p.name] = True, 0
+            elif self._up.get(p.name):
+                self._misses[p.name] = self._misses.get(p.name, 0) + 1
+                if self._misses[p.name] >= 2:  # two health timeouts in a row: hung (e.g. SIGSTOP)
+                    self._restart(p, f"did not answer /health within {self.health_timeout_s} s twice")
+            elif time.monotonic() - p.started_at > self.startup_timeout_s:
+                self._restart(p, f"did not answer /health within {self.startup_timeout_s} s of its start")
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(self.health_interval_s):
+            try:
+                self.check_once()
+            except Exception:  # noqa: BLE001 - keep supervising; a real failure shows as self.failure
+                log.exception("inference pool supervision pass failed")
+            if self.failure:
+                return
+
+
+def _tail(path: Path, n: int = 10) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def pool_for_job(cfg, cfg_path: str, out: Path, table: ProcessTable, env: dict | None = None) -> ServerPool | None:
+    """The job's server pool, not started: ``inference.num_servers`` > 1 ``primerl inference``
+    servers, or the external ``inference.vllm.urls``, behind a router; None for one in-process engine."""
+    i = cfg.inference
+    if i.num_servers <= 1 and not i.vllm.urls:
+        return None
+    n = i.num_servers if i.backend == "embedded" else 0
+    return ServerPool(cfg_path, n, Path(out) / "logs", table, policy=i.router_policy, external_urls=i.vllm.urls,
+                      max_restarts=i.max_restarts, health_timeout_s=i.health_timeout_s,
+                      request_timeout_s=i.timeout_s, env=env)
