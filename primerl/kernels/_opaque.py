@@ -11,6 +11,7 @@ custom op, and returns the input gradients (bitwise what autograd through the ea
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -19,6 +20,28 @@ import torch
 # autograd is excluded, and recompute_grads restores them to differentiate the eager code there.
 _EAGER_INCLUDE = torch._C._dispatch_tls_local_include_set()
 _EAGER_EXCLUDE = torch._C._dispatch_tls_local_exclude_set()
+
+
+# Ahead-of-time capture (primerl.kernels.aot) runs ops on storage-less meta tensors that report
+# cuda and records the Triton launches; a custom op would send those tensors to its fake kernel,
+# so the capture asks for the launcher modules themselves.
+_direct_launches = False
+
+
+@contextlib.contextmanager
+def direct_triton_launches():
+    """Within the block, ``backend="triton"`` calls the Triton launchers directly, not through
+    their ``primerl::*_triton`` custom ops (for :func:`primerl.kernels.aot.capture_launches`)."""
+    global _direct_launches
+    old, _direct_launches = _direct_launches, True
+    try:
+        yield
+    finally:
+        _direct_launches = old
+
+
+def launching_directly() -> bool:
+    return _direct_launches
 
 
 def tracing(*tensors: torch.Tensor) -> bool:

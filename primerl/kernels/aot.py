@@ -171,8 +171,10 @@ def capture_launches(target: Target):
     gemm_triton._arch_major = lambda: target.capability // 10
     # public ops resolve backend="triton" against a (here absent) CUDA device
     _backend._triton_status = lambda: _backend.BackendStatus(True, f"AOT capture for {target.arch}")
+    from ._opaque import direct_triton_launches
+
     try:
-        with _MetaAsCuda():
+        with _MetaAsCuda(), direct_triton_launches():
             yield launches
     finally:
         JITFunction.run, gemm_triton._num_sms, gemm_triton._arch_major, _backend._triton_status = saved

@@ -58,7 +58,12 @@ def _check_input(op: str, x: torch.Tensor, dtype: torch.dtype, min_dim: int, max
 
 def _impl(backend: str):
     if backend == "triton":
-        from . import triton_ops as impl  # the Triton launchers as custom ops (traceable)
+        from .._opaque import launching_directly
+
+        if launching_directly():
+            from . import triton as impl
+        else:
+            from . import triton_ops as impl  # the Triton launchers as custom ops (traceable)
     elif backend == "cuda":
         from . import cuda as impl
     else:

@@ -18,7 +18,12 @@ from . import cpu_experts, reference
 def backend_impl(backend: str):
     """The module implementing ``backend`` ("torch" -> the reference)."""
     if backend == "triton":
-        from . import triton_ops as impl  # the Triton launchers as custom ops (traceable)
+        from .._opaque import launching_directly
+
+        if launching_directly():
+            from . import triton as impl
+        else:
+            from . import triton_ops as impl  # the Triton launchers as custom ops (traceable)
     elif backend == "cuda":
         from . import cuda as impl
     else:
