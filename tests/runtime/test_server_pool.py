@@ -191,3 +191,14 @@ def test_processes_json_is_replaced_atomically(tmp_path):
 def test_pool_config_errors_name_the_key(over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(ROOT / "examples" / "reverse_text.toml", over)
+
+
+def test_each_pool_server_takes_its_own_gpu_from_inference_gpu_ids(tmp_path):
+    """Server i of a pool on GPUs gets gpu_ids[i % len]; the launcher hands each its index."""
+    from primerl.runtime.inference.server import server_device
+    from primerl.runtime.launch.servers import server_process
+
+    assert [str(server_device("cuda", [2, 3, 5], i)) for i in range(4)] == ["cuda:2", "cuda:3", "cuda:5", "cuda:2"]
+    assert str(server_device("cuda", [], 1)) == "cuda:0"
+    assert str(server_device("cpu", [0, 1], 1)) == "cpu"
+    assert [server_process(i, "c.toml", 1234, tmp_path).env["PRIMERL_SERVER_INDEX"] for i in range(3)] == ["0", "1", "2"]

@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import queue
 import select
 import socket
@@ -508,6 +509,18 @@ class BytesBody(TextBody):
         self.data, self.content_type = data, "application/octet-stream"
 
 
+def server_device(device_type: str, gpu_ids, index: int):
+    """Server ``index`` of a pool (``PRIMERL_SERVER_INDEX``, set by the launcher) on GPUs takes
+    ``inference.gpu_ids[index % len(gpu_ids)]`` (default GPU 0): list one GPU per server to give
+    each its own; on the CPU every server is a CPU process."""
+    import torch
+
+    if device_type != "cuda":
+        return torch.device("cpu")
+    ids = list(gpu_ids) or [0]
+    return torch.device("cuda", ids[index % len(ids)])
+
+
 def serve(cfg, host: str = "127.0.0.1", port: int = 8000, role: str = "both") -> None:
     """Blocking: the config's model in an embedded engine, served until interrupted."""
     import torch
@@ -522,8 +535,8 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000, role: str = "both") ->
     torch.set_num_threads(cfg.threads)
     env = load_environment(cfg.env.id, **cfg.env.args)
     i = cfg.inference
-    placement = resolve_placement(cfg)  # on GPUs: the first of inference.gpu_ids (default GPU 0)
-    device = torch.device("cuda", (i.gpu_ids or [0])[0]) if placement.device == "cuda" else torch.device("cpu")
+    placement = resolve_placement(cfg)
+    device = server_device(placement.device, i.gpu_ids, int(os.environ.get("PRIMERL_SERVER_INDEX", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     engine = InferenceEngine(build_model(cfg, env.vocab_size, device=device, dtype=placement.param_dtype),

@@ -139,6 +139,7 @@ def server_process(i: int, cfg_path: str, port: int, log_dir: Path, *, role: str
     """``primerl inference --config cfg_path --port port`` as server ``i`` of ``role``."""
     args = [sys.executable, "-m", "primerl.runtime.cli", "inference", "--config", cfg_path, "--host", host,
             "--port", str(port), *extra_args]
+    env = dict(os.environ if env is None else env, PRIMERL_SERVER_INDEX=str(i))  # its GPU: server.server_device
     return ManagedProcess(f"{role}-{i}", role, args, Path(log_dir) / f"{role}-{i}.log", url=f"http://{host}:{port}",
                           env=env, table=table)
 
