@@ -1,6 +1,6 @@
 """Graph breaks (torch._dynamo.explain) and host reads (primerl.kernels.testing.count_host_reads) per
 attention / sparse-attention op and for one training step of the job's model (examples/reverse_text.toml's
-model at a small packing), on CPU. Prints markdown tables for notes/RESULTS.
+model at a small packing), on CPU. Prints markdown tables for bench/RESULTS.md.
 
     PYTHONPATH=. python -m bench.compile_audit
 """

@@ -63,7 +63,7 @@ def make_pool_client(cfg: RLConfig, vocab_size: int, endpoints: dict):
     mc = model_config(cfg, vocab_size)
     i = cfg.inference
     # a step's requests in flight at once (up to 256 threads): 64 left the servers' batches a quarter
-    # full on the main example (2 servers: 1.82 s/step at 64, 1.25 s at 256, notes/h33p.md)
+    # full on the main example (2 servers: 1.82 s/step at 64, 1.25 s at 256, bench/RESULTS.md, issue 33)
     expect = False
     if i.backend == "vllm":
         from .inference.vllm_launch import wants_routing

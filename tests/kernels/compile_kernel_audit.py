@@ -4,7 +4,7 @@
 
 Prints a markdown table: graph breaks of the forward, host reads of eager forward + backward with
 debug value checks off, and whether fullgraph aot_eager (forward + backward) and FakeTensorMode
-run. Used for the before/after table of issue 36 (notes/h36k.md).
+run. Used for the before/after table of issue 36 (bench/RESULTS.md, 2026-12-05).
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ def test_saved_activations_per_block(family, fp8):
 
 
 def test_paper_configs():
-    """examples/plan_glm5_131k.toml and plan_glm45_air_64k.toml (notes/h34p.md's tables): the
+    """examples/plan_glm5_131k.toml and plan_glm45_air_64k.toml (bench/RESULTS.md's tables): the
     verdicts the tables state."""
     P = "--trainer.parallel."
     h200 = parse_bytes("141GB")

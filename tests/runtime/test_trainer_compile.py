@@ -119,7 +119,7 @@ def test_trainer_step_host_reads_are_the_runtimes_only():
     where = Counter(reads.where)
     by_bucket = Counter(_bucket(w) for w in reads.where)
     assert set(by_bucket) <= {"primerl/runtime"}, f"host reads below the runtime: {where}"
-    # one micro-batch of 8 samples (notes/h36a.md has the table): 25 AdamW step counters (CPU
+    # one micro-batch of 8 samples (bench/RESULTS.md, issue 36, has the table): 25 AdamW step counters (CPU
     # tensors, foreach AdamW), 10 loss counts on the packed batch before it moves to the device, 3 the
     # padded plan, 21 metrics to Python floats (loss, policy_loss's 13 metrics, LossMetrics' 6, ...),
     # grad norm 1, finite checks 2, ... 66 in all

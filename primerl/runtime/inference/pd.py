@@ -23,7 +23,7 @@ side as NIXL reads a prefill server's blocks. Chosen over torch.distributed beca
 ANY prefill with ANY decode per request: a process group needs a fixed world formed in advance,
 and a vanished member hangs or poisons the whole group, where an HTTP pull fails that one request
 with a clear error (connection refused / 404) and nothing else. The cost is a copy through the
-host (measured in notes/h35.md); NCCL/NIXL device-to-device transfer is the GPU follow-up.
+host (measured in bench/RESULTS.md, issue 35); NCCL/NIXL device-to-device transfer is the GPU follow-up.
 
 Failures of the hand-off (the prefill peer unreachable, a transfer id it does not know, a cache
 whose shape or dtype does not match the decode server's model) raise ``KVTransferError`` before the
