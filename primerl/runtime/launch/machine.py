@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from ..config import RLConfig, to_toml
-from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, log_tail
+from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, log_tail, stop_process_group
 from ..metrics import ascii_curve, progress_line, read_metrics, save_plot
 from ..output_dir import claim_output_dir
 from ..trainer.checkpoint import latest_checkpoint, remove_stale_tmp_dirs
@@ -82,18 +82,7 @@ def _spawn(args: list[str], log_path: Path, env: dict) -> subprocess.Popen:
                             preexec_fn=die_with_parent(os.getpid()))
 
 
-def _stop(p: subprocess.Popen | None, grace: float = 5.0) -> None:
-    if p is None or p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(grace)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+_stop = stop_process_group
 
 
 def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[dict]:

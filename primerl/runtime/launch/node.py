@@ -26,6 +26,7 @@ import time
 from datetime import timedelta
 
 from ..config import RLConfig
+from ..lifetime import stop_process_group
 from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, split_endpoint
 
 log = logging.getLogger("primerl")
@@ -131,20 +132,6 @@ def join_rendezvous(plan: NodePlan, node: Node, role: str, digest: str, *, deadl
     return store
 
 
-def _stop_group(p: subprocess.Popen, grace: float) -> None:
-    if p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(grace)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-
-
 def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, *, node_rank: int | None = None,
               rdzv: str | None = None) -> int:
     """Run this node's role to its end; return the exit code (a failure raises ``NodeError``)."""
@@ -172,11 +159,11 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     orch = plan.with_role("orchestrator")[0].host  # where orchestrator.batch_transport = "zmq" serves batches
     proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, PRIMERL_BATCH_HOST=orch))
     # SIGTERM from the scheduler (or the local launcher) reaches torchrun's whole group
-    signal.signal(signal.SIGTERM, lambda *_: (_stop_group(proc, cfg.deployment.grace_s), sys.exit(143)))
+    signal.signal(signal.SIGTERM, lambda *_: (stop_process_group(proc, cfg.deployment.grace_s), sys.exit(143)))
     try:
         join_rendezvous(plan, node, role, digest, deadline=deadline, alive=lambda: proc.poll() is None)
     except NodeError:
-        _stop_group(proc, 5.0)
+        stop_process_group(proc, 5.0)
         raise
     rc = proc.wait()
     if rc != 0:
