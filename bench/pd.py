@@ -47,9 +47,9 @@ def _get(url: str, path: str) -> dict:
         return json.loads(r.read())
 
 
-def _start(role: str, port: int, env: dict) -> subprocess.Popen:
+def _start(role: str, port: int, env: dict, device: str = "cpu") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", "inference", "--config",
-                             str(ROOT / "examples" / "reverse_text.toml"), "--device", "cpu", "--port", str(port),
+                             str(ROOT / "examples" / "reverse_text.toml"), "--device", device, "--port", str(port),
                              "--role", role, "--model.max_position_embeddings", "8192",
                              "--inference.max_batch_size", "64"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -158,7 +158,7 @@ def run(args) -> list[Row]:
     results = {}
     for name, roles in (("colocated", ("both", "both")), ("pd", ("prefill", "decode"))):
         ports = [base, base + 1]
-        procs = [_start(r, p, env) for r, p in zip(roles, ports)]
+        procs = [_start(r, p, env, "cuda" if args.device == "cuda" else "cpu") for r, p in zip(roles, ports)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         try:
             for u, p in zip(urls, procs):
