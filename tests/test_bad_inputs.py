@@ -74,7 +74,7 @@ def model():
 
 def test_token_ids_outside_the_vocabulary(model):
     pos, cu = torch.tensor([0, 1, 2]), torch.tensor([0, 3], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"input_ids must be in \[0, vocab_size=64\), got values in \[0, 64\]"):
+    with pytest.raises(ValueError, match=r"input_ids must be in \[0, vocab_size\): vocab_size=64, got values in \[0, 64\]"):
         model(torch.tensor([0, 5, 64]), pos, cu)
     with pytest.raises(ValueError, match=r"got values in \[-1, 5\]"):
         model(torch.tensor([-1, 5, 3]), pos, cu)
@@ -83,7 +83,7 @@ def test_token_ids_outside_the_vocabulary(model):
 def test_position_ids_that_contradict_cu_seqlens(model):
     ids, cu = torch.tensor([3, 4, 5, 6, 7, 8, 9]), torch.tensor([0, 3, 7], dtype=torch.int32)
     good = model(ids, torch.tensor([0, 1, 2, 0, 1, 2, 3]), cu, return_logits=True)
-    with pytest.raises(ValueError, match=r"position_ids contradict cu_seqlens \[0, 3, 7\]: .*index 3 has 3, expected 0"):
+    with pytest.raises(ValueError, match=r"position_ids contradict cu_seqlens: .*cu_seqlens \[0, 3, 7\]; index 3 has 3, expected 0"):
         model(ids, torch.arange(7), cu)
     with pytest.raises(ValueError, match="index 1 has 2, expected 1"):
         model(ids, torch.tensor([0, 2, 3, 0, 1, 2, 3]), cu)
