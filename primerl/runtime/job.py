@@ -49,6 +49,10 @@ def trainer_main(cfg: RLConfig) -> None:
     try:
         env = load_environment(cfg.env.id, **cfg.env.args)
         run_trainer(cfg, env.vocab_size, orchestrator_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))))
+        if torch.distributed.is_initialized():
+            # every rank done with its last collective before any tears the group down: a rank that
+            # destroyed it while another was still in its final save aborted once at exit (-6)
+            torch.distributed.barrier()
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -142,7 +142,8 @@ def test_kill_orchestrator_mid_broadcast_fails_the_trainer_naming_it(tmp_path):
     log = (out / "logs" / "trainer.log").read_text()
     assert rc not in (0, None), log[-3000:]
     assert "WeightSyncError" in log and "the orchestrator" in log, log[-3000:]
-    assert "broadcast of weights version" in log and "Connection closed by peer" in log, log[-3000:]
+    assert "broadcast of weights version" in log and ("Connection closed by peer" in log
+                                                       or "Connection reset by peer" in log), log[-3000:]
     assert took < 50, took
 
 
