@@ -340,7 +340,8 @@ class Trainer:
         local_bad = ~torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else zero.bool()
         # summed over ranks: [6 sums, loss tokens, tokens, ranks with a non-finite gradient, LossMetrics' sums]
         # (host numbers enter as scalar operands: a tensor built from a list would be a blocking copy)
-        counts = torch.stack([acc[0] * 0 + prep.n_loss, acc[0] * 0 + prep.n_tok, local_bad.to(torch.float64)])
+        z = acc.new_zeros(())
+        counts = torch.stack([z + prep.n_loss, z + prep.n_tok, local_bad.to(torch.float64)])
         stats = torch.cat([acc, counts, loss_metrics.sums()])
         if self.world_size > 1:
             if not self.fsdp:  # FSDP already reduce-scattered (summed) the gradients
