@@ -24,6 +24,13 @@ over ``mesh["cp"]``: a rank holds seq_len / cp tokens and computes hidden states
 log-probs and the loss on them. The loss divides by one global loss-token count per optimizer
 step (counted on the shards, all-reduced over every rank), so FSDP sums gradients and every
 layout optimises the same objective as one process.
+
+Host reads (GPU synchronisations): ``prepare_step`` plans a batch on the host from the payload's
+packed CPU tensors (loss counts, loss tokens per micro-batch, padded-attention plans) before the
+batch moves to the device; ``run_step``, the device work, accumulates every metric and guard flag
+on the device (AdamW is fused: step counts on the device, a non-finite update skipped through its
+``found_inf``) and reads the host once per optimizer step: the ``.tolist()`` of the step's packed
+metrics, grad norm and guard flags (tests/runtime/test_trainer_compile.py counts it).
 """
 
 from __future__ import annotations
