@@ -343,6 +343,10 @@ class Trainer:
                                               ("mismatch_kl", "entropy", "clip_frac_low", "clip_frac_high", "ess")]
             acc += torch.stack(row)
             ratio_max = torch.maximum(ratio_max, m.get("ratio_max", zero).to(torch.float64))
+        if self.world_size > 1 and not self.fsdp:  # FSDP already reduce-scattered (summed) the gradients
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
         local_bad = ~torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else zero.bool()
         # summed over ranks: [6 sums, loss tokens, tokens, ranks with a non-finite gradient, LossMetrics' sums]
@@ -351,10 +355,6 @@ class Trainer:
         counts = torch.stack([z + prep.n_loss, z + prep.n_tok, local_bad.to(torch.float64)])
         stats = torch.cat([acc, counts, loss_metrics.sums()])
         if self.world_size > 1:
-            if not self.fsdp:  # FSDP already reduce-scattered (summed) the gradients
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         bad = (stats[8] > 0) | ~torch.isfinite(stats[0])
         params = [p for p in self.model.parameters() if p.grad is not None]
