@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, describe_parallel, load_config, to_toml
+from .config import ConfigError, describe_parallel, to_toml
 from .placement import describe_placement
+from .validate import load_config
 
 SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command", "node", "plan")
 

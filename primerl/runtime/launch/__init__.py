@@ -13,9 +13,22 @@ The processes themselves: ``job.trainer_main`` / ``job.orchestrator_main`` (``pr
 ``primerl orchestrator``) and ``inference.server.serve`` (``primerl inference``).
 """
 
-from .deployment import (DEFAULT_RDZV_PORT, Node, NodePlan, check_rendezvous_port, config_hash, describe_nodes,
-                         node_plan, validate_deployment)
-from .node import NodeError, node_main, trainer_command
+from __future__ import annotations
 
-__all__ = ["DEFAULT_RDZV_PORT", "Node", "NodePlan", "NodeError", "check_rendezvous_port", "config_hash",
-           "describe_nodes", "node_main", "node_plan", "trainer_command", "validate_deployment"]
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+_EXPORTS = {**{name: "deployment" for name in (
+    "DEFAULT_RDZV_PORT", "Node", "NodePlan", "check_rendezvous_port", "config_hash", "describe_nodes", "node_plan",
+    "validate_deployment")}, **{name: "node" for name in ("NodeError", "node_main", "trainer_command")}}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .deployment import (DEFAULT_RDZV_PORT, Node, NodePlan, check_rendezvous_port, config_hash,  # noqa: F401
+                             describe_nodes, node_plan, validate_deployment)
+    from .node import NodeError, node_main, trainer_command  # noqa: F401
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -10,7 +10,7 @@ from ..metrics import read_metrics
 from ..orchestrator.clients import make_client
 from ..output_dir import claim_output_dir
 from ..trainer.vf_warmstart import job_warm_start
-from ..transport import make_transport
+from ..zmq_transport import make_transport
 from .machine import launched_vllm, prepare_output
 
 

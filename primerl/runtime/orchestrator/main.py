@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from ..config import RLConfig
-from ..launch.machine import start_step
+from ..launch.common import start_step
 from ..lifetime import peer_alive, setup_logging, watch_launcher
-from ..transport import make_transport
+from ..zmq_transport import make_transport
 from .clients import make_client
 
 log = logging.getLogger("primerl")

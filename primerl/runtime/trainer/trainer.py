@@ -49,8 +49,8 @@ from .guards import check_finite_parameters
 from .padded_attention import padded_forward
 from ..placement import resolve_placement
 from ..policy import build_model
+from ..zmq_transport import make_transport
 from .publish import publish_streamed
-from ..transport import make_transport
 
 log = logging.getLogger("primerl.trainer")
 
