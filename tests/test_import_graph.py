@@ -5,6 +5,7 @@ no import cycle among ``primerl.runtime``'s modules, and no import up a layer
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -102,12 +103,17 @@ def cycles(graph: dict[str, set[str]], within: str) -> list[list[str]]:
     return found
 
 
+@functools.lru_cache(maxsize=1)
+def primerl_graph() -> dict[str, set[str]]:
+    return import_graph(ROOT)
+
+
 def _describe(graph, comp) -> str:
     return "; ".join(f"{a} -> {b}" for a in comp for b in sorted(graph[a] & set(comp)))
 
 
 def test_runtime_has_no_import_cycle():
-    graph = import_graph(ROOT)
+    graph = primerl_graph()
     assert "primerl.runtime.config" in graph and "primerl.runtime.validate" in graph
     bad = [c for c in cycles(graph, "primerl.runtime") if tuple(c) not in ALLOWED_RUNTIME_CYCLES]
     assert not bad, "import cycles in primerl.runtime:\n" + "\n".join(_describe(graph, c) for c in bad)
@@ -115,7 +121,7 @@ def test_runtime_has_no_import_cycle():
 
 def test_config_imports_nothing_from_the_runtime():
     """``config`` is the schema and its parsing; placement, policy and launch import it, never the reverse."""
-    graph = import_graph(ROOT)
+    graph = primerl_graph()
     cfg = "primerl.runtime.config"
     inside = [m for m in graph if m == cfg or m.startswith(cfg + ".")]  # a module, or a package of them
     assert inside
@@ -125,7 +131,7 @@ def test_config_imports_nothing_from_the_runtime():
 
 
 def test_no_import_goes_up_a_layer():
-    graph = import_graph(ROOT)
+    graph = primerl_graph()
     bad = []
     for mod, targets in graph.items():
         layer = mod.split(".")[1] if mod.count(".") else None
