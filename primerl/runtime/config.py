@@ -1,9 +1,13 @@
 """Typed configuration of an RL job: dataclasses loaded from TOML plus ``--key.sub value`` overrides.
 
 Every section is a dataclass; unknown keys (in the file or on the command line) raise
-``ConfigError`` naming the full dotted key, and ``validate`` checks ranges before any work.
+``ConfigError`` naming the full dotted key, and ``validate`` checks ranges, names and the trainer
+layout before any work. This module imports nothing from the runtime (placement, policy, launch
+import it): the job's full check, which adds the node plan, the policy's random init, the job's
+combinations and the device placement, is ``primerl.runtime.validate`` (its ``load_config`` is
+what ``primerl rl`` and the tests call).
 
->>> cfg = load_config("examples/reverse_text.toml", ["--trainer.lr", "1e-3"])
+>>> cfg = load_config("examples/reverse_text.toml", ["--trainer.lr", "1e-3"], check=False)
 >>> print(to_toml(cfg))   # the resolved config, what ``primerl rl --dry-run`` prints
 """
 
@@ -420,6 +424,8 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, check: bool = True) -> RLConfig:
+    """The config of ``path`` with ``overrides``; ``check``: this module's ``validate`` (fields, names,
+    trainer layout). The job's full check is ``primerl.runtime.validate.load_config``."""
     data = {}
     if path is not None:
         p = Path(path)
@@ -497,7 +503,15 @@ def _validate_pd(i: InferenceConfig) -> None:
 
 
 def validate(cfg: RLConfig) -> None:
-    """Range and choice checks; raises ``ConfigError`` naming the key."""
+    """Range and choice checks, names and the trainer layout; raises ``ConfigError`` naming the key.
+    ``primerl.runtime.validate.validate`` adds the checks that need the runtime's modules."""
+    validate_fields(cfg)
+    validate_names(cfg)
+    validate_parallel(cfg)
+
+
+def validate_fields(cfg: RLConfig) -> None:
+    """Range and choice checks of every section; raises ``ConfigError`` naming the key."""
     validate_finite(cfg)
     o, i, t, m = cfg.orchestrator, cfg.inference, cfg.trainer, cfg.model
     _need(cfg.max_steps >= 1, "max_steps", "must be >= 1", cfg.max_steps)
@@ -604,17 +618,6 @@ def validate(cfg: RLConfig) -> None:
     _need(cfg.env.max_retries >= 0, "env.max_retries", "must be >= 0", cfg.env.max_retries)
     _need(cfg.env.max_concurrent_calls >= 1, "env.max_concurrent_calls", "must be >= 1", cfg.env.max_concurrent_calls)
     _need(cfg.env.max_abs_reward > 0, "env.max_abs_reward", "must be > 0", cfg.env.max_abs_reward)
-    from .launch.deployment import validate_deployment
-
-    validate_deployment(cfg)  # the node plan: ranks per node, hosts, rendezvous address
-    validate_names(cfg)
-    validate_parallel(cfg)
-    from .job_checks import validate_job
-
-    validate_job(cfg)  # combinations the job can only fail on after starting (issue 37)
-    from .placement import resolve_placement
-
-    resolve_placement(cfg)  # device, GPUs, precision and weight path: named errors before anything starts
 
 
 def trainer_ranks_per_node(cfg: RLConfig) -> int:
@@ -837,10 +840,8 @@ def validate_names(cfg: RLConfig) -> None:
         _need(Path(m.path).is_dir(), "model.path", "must be an existing directory (a Hugging Face checkpoint)", m.path)
         _need((Path(m.path) / "config.json").is_file(), "model.path", "has no config.json (not a Hugging Face "
               "checkpoint directory)", m.path)
-    else:  # a random init: its fields are checked by the model's own config (shapes, rope_theta, ...)
-        from .policy import model_config
-
-        model_config(cfg, 1)
+    # a random init's fields are checked by the model's own config (shapes, rope_theta, ...):
+    # primerl.runtime.validate builds it through policy.model_config
 
 
 def _toml_value(v: Any) -> str:

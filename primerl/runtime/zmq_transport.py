@@ -17,6 +17,7 @@ and replaces only the batch methods).
 from __future__ import annotations
 
 import io
+import os
 import struct
 import threading
 import time
@@ -27,7 +28,7 @@ import torch
 
 from .transport import FileTransport, ProducerDied, TransportTimeout
 
-__all__ = ["ZmqTransport"]
+__all__ = ["ZmqTransport", "make_transport"]
 
 _KEY = struct.Struct("!qq")  # (step, rank)
 
@@ -140,3 +141,13 @@ class ZmqTransport(FileTransport):
     def drop_batches_before(self, step: int) -> None:
         if self.side == "orchestrator":
             super().drop_batches_before(step)
+
+
+def make_transport(cfg, root: str | Path, side: str) -> FileTransport:
+    """The job's transport for ``side`` ("orchestrator" or "trainer"): files, or rollout batches
+    over ZeroMQ (``orchestrator.batch_transport = "zmq"``, ``zmq_transport.ZmqTransport``)."""
+    o = cfg.orchestrator
+    if o.batch_transport != "zmq":
+        return FileTransport(root)
+    host = o.zmq_host or os.environ.get("PRIMERL_BATCH_HOST", "127.0.0.1")  # set by `primerl node` from the plan
+    return ZmqTransport(root, side=side, host=host, port=o.zmq_port)

@@ -8,7 +8,7 @@ import torch
 from primerl.rl.packing import Sample, pack
 from primerl.runtime.trainer import _rl
 from primerl.runtime.trainer.checkpoint import save_checkpoint
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.trainer import NonFiniteLossError, Trainer, lr_lambda, shifted_logprobs
 from trainer_testing import assert_same_grads, grad_gap, record_grads
 

@@ -13,7 +13,8 @@ import torch
 
 from primerl.kernels import debug_checks
 from primerl.kernels.testing import count_host_reads, max_rel_err
-from primerl.runtime.config import ConfigError, load_config
+from primerl.runtime.config import ConfigError
+from primerl.runtime.validate import load_config
 from primerl.runtime.trainer import Trainer
 
 from test_trainer import _payload, _samples, V  # the trainer tests' samples and packing

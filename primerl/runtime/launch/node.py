@@ -144,10 +144,10 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     digest = config_hash(cfg)
     if role != "trainer":
         join_rendezvous(plan, node, role, digest, deadline=deadline)
-        from .. import job
-
         if role == "orchestrator":
-            job.orchestrator_main(cfg)
+            from ..orchestrator.main import orchestrator_main
+
+            orchestrator_main(cfg)
         else:
             from ..inference.server import serve
 

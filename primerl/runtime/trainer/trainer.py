@@ -57,8 +57,8 @@ from .guards import nonfinite_parameters, raise_nonfinite_parameters
 from .padded_attention import PaddedPlan, padded_forward
 from ..placement import resolve_placement
 from ..policy import build_model
+from ..zmq_transport import make_transport
 from .publish import publish_streamed
-from ..transport import make_transport
 
 log = logging.getLogger("primerl.trainer")
 
