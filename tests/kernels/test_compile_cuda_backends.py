@@ -1,0 +1,322 @@
+"""The CUDA-extension ops (csrc/: ``torch.ops.primerl.fp8_quant_*`` / ``moe_*``) and the GPU-library
+backends (DeepGEMM, cuBLAS ``F.scaled_mm``, flash-attn) under torch.compile and FakeTensorMode.
+
+This CPU build of torch makes fake CUDA tensors (``FakeTensorMode``, ``device="cuda"``) and traces
+ops on them, except where a kernel takes a CUDA device guard (autograd leaves abort the process;
+``copy_``, ``contiguous()`` of a strided tensor raise "not linked with support for cuda devices").
+So, on this CPU:
+
+- every csrc op's fake kernel: output shapes and dtypes on fake CUDA and on meta tensors equal the
+  torch reference's on CPU tensors;
+- the public ops with ``backend="cuda"`` / ``"deep_gemm"``, compiled (fullgraph; aot_eager and a
+  recording backend) on fake CUDA inputs: one graph node per kernel call, forward only (no autograd
+  on fake CUDA). Only the availability checks are patched (nothing runs but fake kernels);
+- the DeepGEMM custom ops' registration (opcheck) with a stand-in ``deep_gemm`` module that writes
+  d (marshalling only, not DeepGEMM);
+- cuBLAS: the probe is a compile-time constant, the call traces on meta tensors without a host read;
+- flash-attn: with a stand-in module, ``attention(max_seqlen=...)`` reads nothing on the host and
+  compiles fullgraph;
+- the extension's registration: csrc/*/..._binding.cpp compiled for the CPU (launchers stubbed) and
+  loaded beside the Python schemas: its CUDA kernels are the active ones, a schema mismatch is loud.
+
+The real kernels are checked by the ``gpu`` tests at the end (opcheck, compiled vs eager bitwise).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import primerl.kernels as K
+from primerl.kernels import _backend, _ext
+from primerl.kernels import fp8 as F8
+from primerl.kernels import gemm as G
+from primerl.kernels import moe as M
+from primerl.kernels.gemm import cublas as CB
+from primerl.kernels.gemm import deep_gemm as DG
+from primerl.kernels.gemm import fp8_gemm as FG
+from primerl.kernels.moe import reference as MR
+from primerl.kernels.testing import calc_diff, count_host_reads
+
+REPO = Path(__file__).resolve().parents[2]
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class _Graphs:
+    """A torch.compile backend that keeps each graph and runs it as traced."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm
+
+    def primerl_calls(self) -> dict[str, int]:
+        calls: dict[str, int] = {}
+        for gm in self.graphs:
+            for node in gm.graph.nodes:
+                name = str(node.target)
+                if node.op == "call_function" and "primerl." in name:
+                    op = name.split("primerl.")[1].split(".")[0]
+                    calls[op] = calls.get(op, 0) + 1
+        return calls
+
+
+def _sig(outs) -> list:
+    outs = [outs] if isinstance(outs, torch.Tensor) else outs
+    return [(tuple(t.shape), t.dtype) for t in outs]
+
+
+def _fake_like(mode, t: torch.Tensor, device="cuda") -> torch.Tensor:
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+
+# ------------------------------------------------------------------------------ csrc ops: schemas and fakes
+
+
+def test_csrc_ops_exist_without_the_extension():
+    """Every op csrc/ implements has its Python schema and a Meta (fake) kernel, and a CUDA kernel:
+    the extension's, or (not built, as here) one that raises naming the extension."""
+    assert set(_ext.CSRC_OPS) == {"fp8_quant_per_token_group", "fp8_quant_per_block", "fp8_quant_rowwise",
+                                  "fp8_quant_tensorwise", "moe_align", "moe_scatter_rows"}
+    for name, schema in _ext.CSRC_OPS.items():
+        op = getattr(torch.ops.primerl, name).default
+        assert str(op._schema) == f"primerl::{name}{schema}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"primerl::{name}", "Meta")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"primerl::{name}", "CUDA")
+    if not _ext.HAS_CUDA_EXT:
+        with pytest.raises(RuntimeError, match=r"fp8_quant_rowwise on CUDA tensors needs the CUDA extension primerl\._C"):
+            _ext._not_built("fp8_quant_rowwise")(torch.ones(2))
+
+
+def _fp8_cases():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    cases = []
+    for dtype in (E4M3, E5M2):
+        for x in (r(3, 256), r(2, 5, 128)):
+            cases.append(("fp8_quant_per_token_group", (x, 128, dtype, False, True),
+                          lambda x, dtype=dtype: F8.quant_per_token_group(x, 128, dtype=dtype, backend="torch")))
+            cases.append(("fp8_quant_rowwise", (x, dtype, False),
+                          lambda x, dtype=dtype: F8.quant_rowwise(x, dtype=dtype, backend="torch")))
+            cases.append(("fp8_quant_tensorwise", (x, dtype, False),
+                          lambda x, dtype=dtype: F8.quant_tensorwise(x, dtype=dtype, backend="torch")))
+        for w in (r(130, 131), r(2, 257, 128)):
+            cases.append(("fp8_quant_per_block", (w, 128, 128, dtype, True, True),
+                          lambda w, dtype=dtype: F8.quant_per_block(w, dtype=dtype, ue8m0=True, backend="torch")))
+    return cases
+
+
+def _moe_cases():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(7)]).to(torch.int32)
+    src = torch.randn(7, 16, generator=g)
+    row_map = torch.randperm(14, generator=g).view(7, 2).to(torch.int32)
+    scale = torch.rand(7, 2, generator=g)
+    return [
+        ("moe_align", (ids, 5, 1), lambda i: MR.align(i, 5, 1)),
+        ("moe_align", (ids, 5, 4), lambda i: MR.align(i, 5, 4)),
+        ("moe_scatter_rows", (src, row_map, None, 14), lambda s, rm: MR.scatter_rows(s, rm, None, 14)),
+        ("moe_scatter_rows", (src, row_map, scale, 20), lambda s, rm, sc: MR.scatter_rows(s, rm, sc, 20)),
+    ]
+
+
+FAKE_CASES = _fp8_cases() + _moe_cases()
+
+
+@pytest.mark.parametrize("name,args,ref", FAKE_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(FAKE_CASES)])
+def test_csrc_fake_kernels_give_the_reference_shapes(name, args, ref):
+    """The op on fake CUDA tensors and on meta tensors: the shapes and dtypes of the torch reference
+    on CPU tensors (which the CUDA kernels match bitwise in the gpu tests)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    want = _sig(ref(*tensors))
+    op = getattr(torch.ops.primerl, name)
+    mode = FakeTensorMode()
+    fake_args = [_fake_like(mode, a) if isinstance(a, torch.Tensor) else a for a in args]
+    with mode:
+        out = op(*fake_args)
+    out = [out] if isinstance(out, torch.Tensor) else out
+    assert _sig(out) == want and all(t.device.type == "cuda" for t in out)
+    assert _sig(op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])) == want
+
+
+def test_csrc_fake_kernels_check_shapes():
+    """The fake kernels refuse what the CUDA kernels refuse (so a traced program fails where eager would)."""
+    with pytest.raises(RuntimeError, match="K=100 must be divisible by group_size=128"):
+        torch.ops.primerl.fp8_quant_per_token_group(torch.empty(2, 100, device="meta"), 128, E4M3, False, True)
+    with pytest.raises(RuntimeError, match=r"w must be \[N, K\] or \[G, N, K\]"):
+        torch.ops.primerl.fp8_quant_per_block(torch.empty(4, device="meta"), 128, 128, E4M3, False, True)
+    with pytest.raises(RuntimeError, match="row_map must be int32"):
+        torch.ops.primerl.moe_scatter_rows(torch.empty(3, 8, device="meta"),
+                                           torch.empty(3, 2, dtype=torch.int64, device="meta"), None, 6)
+
+
+@pytest.fixture
+def cuda_backend_available(monkeypatch):
+    """Tells resolve_backend that primerl._C and a device are there: for tracing with fake CUDA
+    tensors only (nothing but fake kernels runs)."""
+    monkeypatch.setattr(_backend, "_cuda_status", lambda: _backend.BackendStatus(True, "traced with fake CUDA"))
+
+
+@pytest.mark.no_poison
+def test_public_cuda_backend_ops_compile_fullgraph_one_node_per_kernel(cuda_backend_available):
+    """fp8 quantizers, expert_counts, moe_align and permute with backend="cuda", compiled with
+    fullgraph (aot_eager, and a backend that keeps the graph) on fake CUDA inputs: the reference's
+    shapes, and each CUDA kernel call is one ``primerl::`` node."""
+    E = 8
+
+    def fn(x, w, ids):
+        return (*F8.quant_per_token_group(x, 128, backend="cuda"), *F8.quant_per_block(w, backend="cuda"),
+                *F8.quant_rowwise(x, backend="cuda"), *F8.quant_tensorwise(x, backend="cuda"),
+                M.expert_counts(ids, E, backend="cuda"), *M.moe_align(ids, E, 16, backend="cuda"),
+                *M.permute(x, ids, E, backend="cuda"))
+
+    def ref(x, w, ids):
+        return (*F8.quant_per_token_group(x, 128), *F8.quant_per_block(w), *F8.quant_rowwise(x),
+                *F8.quant_tensorwise(x), M.expert_counts(ids, E), *M.moe_align(ids, E, 16), *M.permute(x, ids, E))
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
+    w = torch.randn(3, 130, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(6)]).to(torch.int32)
+    want = _sig(ref(x, w, ids))
+    mode = FakeTensorMode()
+    fx, fw, fids = (_fake_like(mode, t) for t in (x, w, ids))
+    graphs = _Graphs()
+    with mode, K.debug_checks(False):
+        assert _sig(fn(fx, fw, fids)) == want
+        assert _sig(torch.compile(fn, backend=graphs, fullgraph=True)(fx, fw, fids)) == want
+        torch._dynamo.reset()
+        assert _sig(torch.compile(fn, backend="aot_eager", fullgraph=True)(fx, fw, fids)) == want
+    assert graphs.primerl_calls() == {"fp8_quant_per_token_group": 1, "fp8_quant_per_block": 1, "fp8_quant_rowwise": 1,
+                                      "fp8_quant_tensorwise": 1, "moe_align": 3, "moe_scatter_rows": 1}
+
+
+# ------------------------------------------------------------------------------ the extension's registration
+
+
+STUB_LAUNCHERS = r"""
+// The real csrc bindings with their launchers stubbed (never called): what the dispatcher sees
+// when the extension loads.
+#include "fp8/quant_binding.cpp"
+#include "moe/align_binding.cpp"
+namespace primerl { namespace fp8 {
+const char* error_string(int) { return "stub"; }
+int quant_rows(const void*, InDType, void*, OutDType, float*, int64_t, int64_t, bool, bool, CUstream_st*) { return 1; }
+int quant_blocks(const void*, InDType, void*, OutDType, float*, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                 bool, CUstream_st*) { return 1; }
+int64_t quant_tensorwise_workspace(int64_t) { return 1; }
+int quant_tensorwise(const void*, InDType, void*, OutDType, float*, float*, int64_t, bool, CUstream_st*) { return 1; }
+}}
+namespace primerl { namespace moe {
+int64_t align_workspace(int64_t, int32_t) { return 1; }
+cudaError_t align(const int32_t*, int64_t, int32_t, int32_t, int32_t*, int32_t*, int32_t*, int32_t*, int32_t*,
+                  int32_t*, cudaStream_t) { return cudaErrorUnknown; }
+cudaError_t scatter_rows(const void*, DType, const int32_t*, const float*, void*, int64_t, int32_t, int64_t,
+                         cudaStream_t) { return cudaErrorUnknown; }
+}}
+"""
+
+
+def _cuda_root() -> str | None:
+    import shutil
+
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and os.path.exists(os.path.join(root, "include", "cuda_runtime.h")):
+            return root
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        if os.path.exists(os.path.join(root, "include", "cuda_runtime.h")):
+            return root
+    return None
+
+
+@pytest.fixture(scope="module")
+def binding_library(tmp_path_factory):
+    """csrc's binding .cpp files + stub launchers, built as a CPU shared library (~10 s)."""
+    import shutil
+
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    cuda = _cuda_root()
+    if cuda is None or shutil.which("g++") is None or not os.path.exists(os.path.join(cuda, "lib64", "libcudart.so")):
+        pytest.skip("needs g++ and the CUDA toolkit's headers and libcudart (the bindings include cuda_runtime.h)")
+    tmp = tmp_path_factory.mktemp("bindings")
+    (tmp / "stub.cpp").write_text(STUB_LAUNCHERS)
+    lib, torch_lib = tmp / "libbindings.so", library_paths()[0]
+    cmd = ["g++", "-std=c++17", "-w", "-O0", "-shared", "-fPIC", f"-I{REPO / 'csrc'}",
+           *[f"-I{p}" for p in include_paths()], f"-I{cuda}/include", str(tmp / "stub.cpp"), "-o", str(lib),
+           f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-L{cuda}/lib64", "-lcudart",
+           f"-Wl,-rpath,{torch_lib}", f"-Wl,-rpath,{cuda}/lib64"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return lib
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_extension_registers_cuda_kernels_against_the_python_schemas(binding_library):
+    """Loaded as primerl._C: no schema is defined twice, the dispatcher accepts the C++ kernels'
+    inferred signatures against the Python schemas, the active CUDA kernel of every op is the
+    binding's (none overridden), and the fake kernels are there."""
+    res = _run_python(f"""
+        import sys, types, warnings, torch
+        warnings.simplefilter("error")  # an overridden kernel warns
+        torch.ops.load_library({str(binding_library)!r})
+        sys.modules["primerl._C"] = types.ModuleType("primerl._C")  # the extension module itself holds no ops
+        import primerl.kernels._ext as ext
+        assert ext.HAS_CUDA_EXT
+        for name in ext.CSRC_OPS:
+            dump = torch._C._dispatch_dump("primerl::" + name)
+            cuda = [line for line in dump.splitlines() if line.startswith("CUDA")]
+            assert len(cuda) == 1 and "_binding.cpp" in cuda[0], dump
+            assert "Meta: registered at" in dump and "_ext.py" in dump.split("Meta:")[1].splitlines()[0], dump
+        print("ok")
+    """)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_extension_schema_mismatch_is_loud_and_old_builds_are_accepted(binding_library):
+    """A C++ kernel whose signature disagrees with the Python schema fails the import (here: num_rows
+    declared float); an extension built from older sources, which defined the schemas itself, is
+    accepted (the schema is not defined again, the fake kernel is added)."""
+    res = _run_python(f"""
+        import torch
+        torch.ops.load_library({str(binding_library)!r})
+        torch.library.define("primerl::moe_scatter_rows", "(Tensor src, Tensor row_map, Tensor? scale, float num_rows) -> Tensor")
+    """)
+    assert res.returncode != 0 and "doesn't match the expected function schema" in res.stderr, res.stderr[-3000:]
+    res = _run_python("""
+        import torch
+        lib = torch.library.Library("primerl", "FRAGMENT")  # what an older primerl._C defined at load
+        lib.define("moe_align(Tensor topk_ids, int num_experts, int block) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+        import primerl.kernels  # noqa: F401
+        out = torch.ops.primerl.moe_align(torch.zeros(3, 2, dtype=torch.int32, device="meta"), 4, 2)
+        assert [tuple(t.shape) for t in out] == [(6,), (10,), (5,), (1,), (4,)], out
+        print("ok")
+    """)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
