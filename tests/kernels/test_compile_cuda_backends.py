@@ -320,3 +320,159 @@ def test_extension_schema_mismatch_is_loud_and_old_builds_are_accepted(binding_l
         print("ok")
     """)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------ DeepGEMM: one node per call
+
+
+class _StandInDeepGemm:
+    """Stands in for the deep_gemm module (primerl's marshalling only, not DeepGEMM): each entry point
+    writes d from its operands, a value eager and compiled runs must agree on bitwise, and records
+    the call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _write(self, name, a, b, d, c=None):
+        self.calls.append(name)
+        value = (a[0].float().sum() + b[0].float().sum() + a[1].float().sum()).expand(d.shape)
+        if c is None:
+            d.copy_(value)
+        else:  # D = A B + C
+            d.copy_(value + c)
+
+    def fp8_gemm_nt(self, a, b, d, c=None, recipe=None):
+        self._write("fp8_gemm_nt", a, b, d, c)
+
+    def m_grouped_fp8_gemm_nt_contiguous(self, a, b, d, layout, recipe=None, use_psum_layout=False):
+        self._write("m_grouped_fp8_gemm_nt_contiguous", a, b, d)
+
+    def m_grouped_fp8_gemm_nt_masked(self, a, b, d, masked_m, expected_m, recipe=None):
+        self._write("m_grouped_fp8_gemm_nt_masked", a, b, d)
+
+    def k_grouped_fp8_gemm_tn_contiguous(self, a, b, d, ks, ks_tensor, c=None, recipe=None):
+        assert isinstance(ks, list) and ks_tensor.tolist() == ks and (c is None or c is d)
+        self._write("k_grouped_fp8_gemm_tn_contiguous", a, b, d, c)
+
+
+@pytest.fixture
+def deep_gemm_traceable(monkeypatch):
+    """The deep_gemm backend as available on an SM90 / SM100 device (``arch.major``), with the
+    stand-in module: DeepGEMM itself is not here."""
+    arch = types.SimpleNamespace(major=9, module=_StandInDeepGemm())
+    monkeypatch.setattr(FG, "resolve_backend", lambda op, backend, *args, **kwargs: backend)
+    monkeypatch.setattr(DG, "device_capability", lambda device: (arch.major, 0))
+    monkeypatch.setitem(sys.modules, "deep_gemm", arch.module)
+    return arch
+
+
+def _deep_gemm_cases():
+    """(name, the public call taking the backend first, its operands on CPU, the op it must become, arch)."""
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    a = F8.quant_per_token_group(r(256, 512), 128, ue8m0=True)
+    b = F8.quant_per_block(r(384, 512), ue8m0=True)
+    b_rows = F8.quant_per_token_group(r(384, 512), 128, ue8m0=True)
+    bg = F8.quant_per_block(r(3, 384, 512), ue8m0=True)
+    counts = torch.tensor([100, 0, 40], dtype=torch.int32)
+    xp, m_idx, _ = G.pad_to_contiguous(r(140, 512), G.counts_to_offsets(counts))
+    ap = F8.quant_per_token_group(xp, 128, ue8m0=True)
+    psum = G.counts_to_psum(counts)
+    am = F8.quant_per_token_group(r(3, 64, 512), 128, ue8m0=True)
+    masked = torch.tensor([0, 5, 64], dtype=torch.int32)
+    offs = G.counts_to_offsets(torch.tensor([256, 0, 128], dtype=torch.int32))
+    ka = G.quant_per_group_colwise(r(400, 64), offs, ue8m0=True, backend="torch")
+    kb = G.quant_per_group_colwise(r(400, 32), offs, ue8m0=True, backend="torch")
+    c = torch.randn(3, 64, 32, generator=g)
+    return [
+        ("fp8_gemm_nt", lambda be, a0, a1, b0, b1: G.fp8_gemm_nt((a0, a1), (b0, b1), backend=be), (*a, *b),
+         "deep_gemm_fp8_gemm_nt", 9),
+        ("fp8_gemm_nt(1,1,128)", lambda be, a0, a1, b0, b1: G.fp8_gemm_nt((a0, a1), (b0, b1), recipe=(1, 1, 128),
+                                                                           backend=be), (*a, *b_rows),
+         "deep_gemm_fp8_gemm_nt", 10),
+        ("m_grouped_contiguous", lambda be, a0, a1, b0, b1, i: G.m_grouped_fp8_gemm_nt_contiguous(
+            (a0, a1), (b0, b1), i, backend=be), (*ap, *bg, m_idx), "deep_gemm_m_grouped_fp8_gemm_nt_contiguous", 9),
+        ("m_grouped_contiguous(psum)", lambda be, a0, a1, b0, b1, p: G.m_grouped_fp8_gemm_nt_contiguous(
+            (a0, a1), (b0, b1), p, use_psum_layout=True, backend=be), (*ap, *bg, psum),
+         "deep_gemm_m_grouped_fp8_gemm_nt_contiguous", 9),
+        ("m_grouped_masked", lambda be, a0, a1, b0, b1, m: G.m_grouped_fp8_gemm_nt_masked(
+            (a0, a1), (b0, b1), m, 32, backend=be), (*am, *bg, masked), "deep_gemm_m_grouped_fp8_gemm_nt_masked", 9),
+        ("k_grouped", lambda be, a0, a1, b0, b1, o: G.k_grouped_fp8_gemm_tn_contiguous(
+            (a0, a1), (b0, b1), o, backend=be), (*ka, *kb, offs), "deep_gemm_k_grouped_fp8_gemm_tn_contiguous", 10),
+        ("k_grouped(c)", lambda be, a0, a1, b0, b1, o, c: G.k_grouped_fp8_gemm_tn_contiguous(
+            (a0, a1), (b0, b1), o, c=c, backend=be), (*ka, *kb, offs, c),
+         "deep_gemm_k_grouped_fp8_gemm_tn_contiguous", 10),
+    ]
+
+
+DG_CASES = _deep_gemm_cases()
+
+
+# fake CUDA tensors cannot be indexed on this CPU build (select / slice take a CUDA device guard):
+# the psum and k-grouped front-ends index their offsets, so those trace with fake CUDA only on a GPU
+FAKE_CUDA_FAILS = ("m_grouped_contiguous(psum)", "k_grouped", "k_grouped(c)")
+
+
+@pytest.mark.no_poison
+@pytest.mark.parametrize("name,fn,inputs,op,arch", DG_CASES, ids=[c[0] for c in DG_CASES])
+def test_deep_gemm_backend_compiles_fullgraph_to_one_node(deep_gemm_traceable, name, fn, inputs, op, arch):
+    """The public FP8 GEMMs with backend="deep_gemm" (the stand-in module), compiled with fullgraph
+    on CPU tensors: bitwise the eager result, and exactly one ``primerl::deep_gemm_*`` node per call
+    (DeepGEMM's call with the scale layout, the k-grouped sizes' host read and the padding fix-ups
+    inside it: nothing outside it reads the host, else fullgraph would fail). FakeTensorMode, meta
+    tensors and (where this CPU build can) fake CUDA tensors give the torch backend's shapes."""
+    deep_gemm_traceable.major = arch
+    want = _sig(fn("torch", *inputs))
+    dg = lambda *t: fn("deep_gemm", *t)  # noqa: E731
+    with K.debug_checks(False):
+        eager = dg(*inputs)
+        assert _sig(eager) == want and deep_gemm_traceable.module.calls
+        graphs = _Graphs()
+        assert torch.equal(torch.compile(dg, backend=graphs, fullgraph=True)(*inputs), eager)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(dg, backend="aot_eager", fullgraph=True)(*inputs), eager)
+        assert graphs.primerl_calls() == {op: 1}
+        calls = len(deep_gemm_traceable.module.calls)
+        for device in ["cpu"] + ([] if name in FAKE_CUDA_FAILS else ["cuda"]):
+            mode = FakeTensorMode()
+            fake = [_fake_like(mode, t, device) for t in inputs]
+            with mode:
+                assert _sig(dg(*fake)) == want
+                if device == "cuda":
+                    torch._dynamo.reset()
+                    assert _sig(torch.compile(dg, backend="aot_eager", fullgraph=True)(*fake)) == want
+        assert _sig(dg(*[t.to("meta") for t in inputs])) == want
+        assert len(deep_gemm_traceable.module.calls) == calls  # fake and meta runs never reach DeepGEMM
+
+
+def test_deep_gemm_ops_opcheck(deep_gemm_traceable):
+    """torch.library.opcheck of the four primerl::deep_gemm_* ops (fake kernel, autograd registration,
+    aot dispatch incl. the mutation of d; the schema declares d, and only d, written) around the
+    stand-in module; with the real DeepGEMM: the gpu test."""
+    g = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    aq, asf = F8.quant_per_token_group(r(128, 256), 128, ue8m0=True)
+    bq, bsf = F8.quant_per_block(r(3, 256, 256), ue8m0=True)
+    bq2, bsf2 = F8.quant_per_block(r(256, 256), ue8m0=True)
+    m_idx = torch.arange(128, dtype=torch.int32) % 4 - 1
+    offs = G.counts_to_offsets(torch.tensor([128, 0], dtype=torch.int32))
+    (ka, kas), (kb, kbs) = (G.quant_per_group_colwise(r(128, n), offs, ue8m0=True, backend="torch") for n in (32, 16))
+    d = lambda *s: torch.zeros(*s)  # noqa: E731
+    samples = [  # one per op, SM90 (SM100 for the k-grouped op, which exists only there)
+        ("deep_gemm_fp8_gemm_nt", (aq, asf, bq2, bsf2, d(128, 256), d(128, 256) + 1, False, [1, 128, 128], 9)),
+        ("deep_gemm_m_grouped_fp8_gemm_nt_contiguous", (aq, asf, bq, bsf, m_idx, m_idx, d(128, 256), False,
+                                                        [1, 128, 128], 9)),
+        ("deep_gemm_m_grouped_fp8_gemm_nt_masked", (aq.view(1, 128, 256), asf.view(1, 128, 2), bq[:1], bsf[:1],
+                                                    torch.tensor([100], dtype=torch.int32), 64, d(1, 128, 256),
+                                                    [1, 128, 128], 9)),
+        ("deep_gemm_k_grouped_fp8_gemm_tn_contiguous", (ka, kas, kb, kbs, torch.tensor([128, 0]), d(2, 32, 16),
+                                                        d(2, 32, 16) + 2, False)),
+    ]
+    for op, args in samples:
+        deep_gemm_traceable.major = 10 if "k_grouped" in op else 9
+        overload = getattr(torch.ops.primerl, op).default
+        writes = [a.name for a in overload._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        assert writes == ["d"], (op, writes)
+        # test_schema compares the fp8 inputs before and after with arithmetic CPU fp8 lacks
+        torch.library.opcheck(overload, args, test_utils=("test_autograd_registration", "test_faketensor",
+                                                          "test_aot_dispatch_dynamic"))
