@@ -476,3 +476,118 @@ def test_deep_gemm_ops_opcheck(deep_gemm_traceable):
         # test_schema compares the fp8 inputs before and after with arithmetic CPU fp8 lacks
         torch.library.opcheck(overload, args, test_utils=("test_autograd_registration", "test_faketensor",
                                                           "test_aot_dispatch_dynamic"))
+
+
+# ------------------------------------------------------------------------------ cuBLAS (F.scaled_mm)
+
+
+@pytest.mark.no_poison
+def test_cublas_probe_is_a_compile_time_constant(monkeypatch):
+    """backend=None / "cublas" asks the once-per-device probe whether cuBLAS gets a case right. Its
+    GEMMs and host reads must not enter a traced graph: under torch.compile (fullgraph) the probe
+    runs eagerly, once, at trace time (its GEMM stood in for by one with a host read, as the real
+    one's calc_diff), and later compiles reuse it."""
+    runs = []
+
+    def probe_gemm(m, n, k, pad_k, device):
+        runs.append((m, n, k, pad_k))
+        return None if float(torch.ones(1).sum()) == 1.0 else "no"
+
+    monkeypatch.setattr(CB, "_try", probe_gemm)
+    monkeypatch.setattr(CB, "device_capability", lambda device: (9, 0))
+    CB.probe.cache_clear()
+
+    def fn(x):
+        why = CB.reason(x.shape[0], 256, 384, E4M3, E4M3, 128, torch.bfloat16, False, x.device)
+        return x * (2 if why is None else 3)
+
+    try:
+        mode = FakeTensorMode()
+        for m in (64, 80):
+            with mode:
+                x = torch.empty(m, 8, device="cuda")
+            torch._dynamo.reset()
+            with mode:
+                assert torch.compile(fn, backend="aot_eager", fullgraph=True)(x).shape == (m, 8)
+            assert len(runs) == 4  # base case, padded K, partial N, odd M: once per process
+    finally:
+        CB.probe.cache_clear()
+
+
+@pytest.mark.no_poison
+@pytest.mark.parametrize("k", [512, 384])
+def test_cublas_call_traces_without_host_reads(monkeypatch, k):
+    """The cuBLAS call (scale layouts + F.scaled_mm) on meta tensors: torch's shape rules pass, no
+    host read, and torch.compile traces it fullgraph to one _scaled_mm_v2 (K/128 = 3: the padded
+    B-scale layout the probe chose)."""
+    monkeypatch.setattr(CB, "device_support", lambda index: CB.Support(True, True, True, True, ""))
+    monkeypatch.setattr(CB, "_index", lambda device: 0)
+    meta = lambda *s, dtype=torch.float32: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
+    args = (meta(64, k, dtype=E4M3), meta(64, k // 128), meta(256, k, dtype=E4M3), meta(2, k // 128))
+
+    def fn(aq, asf, bq, bsf):
+        return CB.fp8_gemm_nt((aq, asf), (bq, bsf), None)
+
+    with count_host_reads() as reads:
+        out = fn(*args)
+    assert reads.total == 0 and out.shape == (64, 256) and out.dtype == torch.bfloat16
+    graphs = _Graphs()
+    assert torch.compile(fn, backend=graphs, fullgraph=True)(*args).shape == (64, 256)
+    targets = [str(n.target) for gm in graphs.graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("scaled_mm" in t for t in targets) == 1, targets
+
+
+# ------------------------------------------------------------------------------ flash-attn
+
+
+def _stand_in_flash_attn(calls):
+    from primerl.kernels.attention import reference as AR
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
+                               return_attn_probs=False):
+        calls.append((max_q, max_k))
+        pos = AR.default_positions(cu_q, cu_k, q.shape[0], k.shape[0])
+        out, lse = AR.attention_dense(q, k, v, cu_q, cu_k, causal, softmax_scale, *pos)
+        return out, lse, None
+
+    module = types.ModuleType("flash_attn")  # a module: dynamo traces the import
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    return module
+
+
+@pytest.mark.no_poison
+def test_flash_attn_backend_with_max_seqlen_reads_nothing_on_the_host(monkeypatch):
+    """attention(backend="flash_attn", max_seqlen=...) around a stand-in flash_attn module (plain torch,
+    so this checks primerl's side only): no host read, and it compiles fullgraph, forward and
+    backward, bitwise eager; flash-attn gets the caller's max_seqlen. Without max_seqlen the offsets
+    are read on the host (once per tensor, cached), which a fullgraph trace refuses: pass it."""
+    from primerl.kernels import attention as A
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn", _stand_in_flash_attn(calls))
+    monkeypatch.setattr(A, "resolve_backend", lambda op, backend, *args, **kwargs: backend)
+    cu = torch.tensor([0, 3, 8, 11], dtype=torch.int32)
+
+    def inputs():
+        return [torch.randn(11, h, 16, generator=torch.Generator().manual_seed(h)).requires_grad_() for h in (4, 2, 2)]
+
+    def fn(q, k, v):
+        return A.attention(q, k, v, cu_seqlens=cu, max_seqlen=5, backend="flash_attn")
+
+    def run(f):
+        q, k, v = inputs()
+        out = f(q, k, v)
+        (out * torch.linspace(0.5, 1.5, out.numel()).view(out.shape)).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    with K.debug_checks(False):
+        with count_host_reads() as reads:
+            want = run(fn)
+        assert reads.total == 0, reads.where
+        got = run(torch.compile(fn, backend="aot_eager", fullgraph=True))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert calls and all(c == (5, 5) for c in calls)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="data-dependent|Data-dependent|tolist|item"):
+            torch.compile(lambda q, k, v: A.attention(q, k, v, cu_seqlens=cu, backend="flash_attn"),
+                          backend="aot_eager", fullgraph=True)(*inputs())
