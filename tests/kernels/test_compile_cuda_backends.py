@@ -478,6 +478,37 @@ def test_deep_gemm_ops_opcheck(deep_gemm_traceable):
                                                           "test_aot_dispatch_dynamic"))
 
 
+@pytest.mark.no_poison
+def test_external_backend_resolution_is_a_compile_time_constant(monkeypatch):
+    """Choosing deep_gemm / flash_attn (named, or by backend=None on CUDA, which tries DeepGEMM
+    first) probes the package with an import dynamo will not trace: backend_status is evaluated at
+    trace time, so a fullgraph compile on (fake) CUDA tensors picks them as eager does."""
+    import importlib
+
+    imported = []
+
+    def external_status(module, hint):  # the real probe, with stand-in modules and device
+        imported.append(importlib.import_module(module).__name__)
+        return _backend.BackendStatus(True, "stand-in")
+
+    for name in ("deep_gemm", "flash_attn"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(_backend, "_external_status", external_status)
+
+    def fn(x):
+        named = _backend.resolve_backend("op", "deep_gemm", x.device, supported=("torch", "deep_gemm"))
+        auto = _backend.resolve_backend("op", None, x.device, supported=("torch", "triton", "deep_gemm"),
+                                        preference=("deep_gemm", "triton", "torch"))
+        fa = _backend.resolve_backend("op", "flash_attn", x.device, supported=("torch", "flash_attn"))
+        return torch.cat([x, x]) if (named, auto, fa) == ("deep_gemm", "deep_gemm", "flash_attn") else x
+
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(4, device="cuda")
+        out = torch.compile(fn, backend=_Graphs(), fullgraph=True)(x)
+    assert out.shape == (8,) and set(imported) == {"deep_gemm", "flash_attn"}
+
+
 # ------------------------------------------------------------------------------ cuBLAS (F.scaled_mm)
 
 
@@ -591,3 +622,133 @@ def test_flash_attn_backend_with_max_seqlen_reads_nothing_on_the_host(monkeypatc
         with pytest.raises(Exception, match="data-dependent|Data-dependent|tolist|item"):
             torch.compile(lambda q, k, v: A.attention(q, k, v, cu_seqlens=cu, backend="flash_attn"),
                           backend="aot_eager", fullgraph=True)(*inputs())
+
+
+# ------------------------------------------------------------------------------ gpu: the real kernels
+
+
+def _bitwise(got, want, what: str) -> None:
+    got = [got] if isinstance(got, torch.Tensor) else list(got)
+    want = [want] if isinstance(want, torch.Tensor) else list(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{what}[{i}]"
+        assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
+                           w.view(torch.uint8) if w.element_size() == 1 else w), f"{what}[{i}]: not bitwise eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.no_poison
+@pytest.mark.skipif(not _ext.HAS_CUDA_EXT, reason="primerl._C not built (PRIMERL_BUILD_CUDA=1 python setup.py build_ext --inplace)")
+def test_gpu_csrc_ops_opcheck_and_compiled_bitwise():
+    """The extension's kernels: opcheck of every csrc op (schema, fake kernel vs the kernel's outputs,
+    aot dispatch), and the public backend="cuda" ops compiled (fullgraph, aot_eager and inductor)
+    bitwise their eager results."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(37, 512, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(2, 300, 260, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, device="cuda", generator=g)[:2] for _ in range(37)]).to(torch.int32)
+    row_map = torch.randperm(74, device="cuda", generator=g).view(37, 2).to(torch.int32)
+    for name, args in [
+        ("fp8_quant_per_token_group", (x, 128, E4M3, False, True)),
+        ("fp8_quant_per_token_group", (x, 64, E5M2, True, False)),
+        ("fp8_quant_per_block", (w, 128, 128, E4M3, True, True)),
+        ("fp8_quant_rowwise", (x, E4M3, False)),
+        ("fp8_quant_tensorwise", (x, E5M2, False)),
+        ("moe_align", (ids, 8, 16)),
+        ("moe_scatter_rows", (x, row_map, None, 80)),
+        ("moe_scatter_rows", (x, row_map, torch.rand(37, 2, device="cuda", generator=g), 74)),
+    ]:
+        torch.library.opcheck(getattr(torch.ops.primerl, name).default, args)
+
+    def fn(x, w, ids):
+        return (*F8.quant_per_token_group(x, 128, backend="cuda"), *F8.quant_per_block(w, backend="cuda"),
+                *F8.quant_rowwise(x, backend="cuda"), *F8.quant_tensorwise(x, backend="cuda"),
+                M.expert_counts(ids, 8, backend="cuda"), *M.moe_align(ids, 8, 16, backend="cuda"),
+                *M.permute(x, ids, 8, backend="cuda"))
+
+    with K.debug_checks(False):
+        want = fn(x, w, ids)
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            _bitwise(torch.compile(fn, backend=backend, fullgraph=True)(x, w, ids), want, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.no_poison
+def test_gpu_deep_gemm_opcheck_and_compiled_bitwise():
+    """The real DeepGEMM (SM90 / SM100, built by the user): opcheck of primerl::deep_gemm_fp8_gemm_nt
+    and the m-grouped contiguous op, and fp8_gemm_nt(backend="deep_gemm") compiled fullgraph bitwise
+    its eager result."""
+    pytest.importorskip("deep_gemm", reason="DeepGEMM is not installed (built from source by the user)")
+    major = torch.cuda.get_device_capability()[0]
+    if major not in (9, 10):
+        pytest.skip("DeepGEMM runs on SM90 and SM100")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    a = F8.quant_per_token_group(r(256, 512), 128, ue8m0=True)
+    b = F8.quant_per_block(r(384, 512), ue8m0=True)
+    bg = F8.quant_per_block(r(2, 384, 512), ue8m0=True)
+    m_idx = (torch.arange(256, device="cuda", dtype=torch.int32) // 128).contiguous()
+    d = torch.zeros(256, 384, dtype=torch.bfloat16, device="cuda")
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # as on CPU: fp8 inputs
+    torch.library.opcheck(torch.ops.primerl.deep_gemm_fp8_gemm_nt.default,
+                          (*a, *b, d, None, False, [1, 128, 128], major), test_utils=utils)
+    torch.library.opcheck(torch.ops.primerl.deep_gemm_m_grouped_fp8_gemm_nt_contiguous.default,
+                          (*a, *bg, m_idx, m_idx, d.clone(), False, [1, 128, 128], major), test_utils=utils)
+
+    def fn(a0, a1, b0, b1):
+        return G.fp8_gemm_nt((a0, a1), (b0, b1), backend="deep_gemm")
+
+    want = fn(*a, *b)
+    assert calc_diff(want, G.fp8_gemm_nt(a, b, backend="torch")) < 1e-5
+    _bitwise(torch.compile(fn, backend="aot_eager", fullgraph=True)(*a, *b), want, "deep_gemm compiled")
+
+
+@pytest.mark.gpu
+@pytest.mark.no_poison
+def test_gpu_cublas_compiled_bitwise():
+    """fp8_gemm_nt through cuBLAS (SM90), named and chosen by backend=None, compiled fullgraph with
+    the probe a trace-time constant: bitwise the eager result."""
+    if torch.cuda.get_device_capability()[0] != 9 or CB.api_reason() is not None:
+        pytest.skip("cuBLAS blockwise FP8 runs on SM90 with torch's F.scaled_mm")
+    g = torch.Generator(device="cuda").manual_seed(8)
+    a = F8.quant_per_token_group(torch.randn(256, 384, device="cuda", generator=g).to(torch.bfloat16), 128)
+    b = F8.quant_per_block((torch.randn(512, 384, device="cuda", generator=g) * 0.05).to(torch.bfloat16))
+    if CB.reason(256, 512, 384, E4M3, E4M3, 128, torch.bfloat16, False, a[0].device) is not None:
+        pytest.skip("this cuBLAS does not take the case")
+    for backend in ("cublas", None):
+        def fn(a0, a1, b0, b1, backend=backend):
+            return G.fp8_gemm_nt((a0, a1), (b0, b1), backend=backend)
+
+        want = fn(*a, *b)
+        torch._dynamo.reset()
+        _bitwise(torch.compile(fn, backend="aot_eager", fullgraph=True)(*a, *b), want, f"cublas ({backend})")
+
+
+@pytest.mark.gpu
+@pytest.mark.no_poison
+def test_gpu_flash_attn_compiled():
+    """The real flash-attn (its own custom ops, flash_attn::_flash_attn_varlen_forward / _backward):
+    attention(backend="flash_attn", max_seqlen=...) compiled fullgraph, forward bitwise eager,
+    gradients within calc_diff 1e-5 of eager (flash-attn's dq accumulates with atomics)."""
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    from primerl.kernels import attention as A
+
+    cu = torch.tensor([0, 100, 356, 400], dtype=torch.int32, device="cuda")
+
+    def run(f):
+        q, k, v = [torch.randn(400, h, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(h))
+                   .to(torch.bfloat16).requires_grad_() for h in (8, 2, 2)]
+        out = f(q, k, v)
+        out.float().square().sum().backward()
+        return out.detach(), [q.grad, k.grad, v.grad]
+
+    def fn(q, k, v):
+        return A.attention(q, k, v, cu_seqlens=cu, max_seqlen=256, backend="flash_attn")
+
+    with K.debug_checks(False):
+        out, grads = run(fn)
+        got_out, got_grads = run(torch.compile(fn, backend="aot_eager", fullgraph=True))
+    _bitwise(got_out, out, "flash_attn out")
+    for gg, gw in zip(got_grads, grads):
+        assert calc_diff(gg.float(), gw.float()) < 1e-5
