@@ -241,7 +241,8 @@ def _check_k_grouped_shapes(op: str, aq, bq, num_groups: int, d: torch.Tensor) -
         raise ValueError(f"{op}: the deep_gemm backend writes a contiguous float32 d (the output type every DeepGEMM "
                          f"version's K-grouped kernel takes), got {d.dtype} with strides {d.stride()}")
     if num_groups > K_GROUPED_MAX_GROUPS:
-        raise ValueError(f"{op}: DeepGEMM's K-grouped GEMM takes at most {K_GROUPED_MAX_GROUPS} groups, got {num_groups}")
+        raise ValueError(f"{op}: DeepGEMM's K-grouped GEMM takes at most {K_GROUPED_MAX_GROUPS} groups, "
+                         f"got {num_groups}")
     for name, q in (("a", aq), ("b", bq)):
         if q.shape[1] % 16:
             raise ValueError(f"{op}: {name}[0] has {q.shape[1]} columns; DeepGEMM's TMA loads need 16-byte rows "

@@ -374,8 +374,9 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
     ``backend="deep_gemm"`` (only when named: ``None`` never picks it) calls DeepGEMM's op of this
     name with ``ks`` (a host list, read inside the one custom op of the call: one sync when offsets
     / ks live on the GPU) and the compact scale rows. It runs on SM100 only and needs ``ue8m0=True``
-    scales, e4m3 operands, every ``ks[g]`` a multiple of 128 and of :func:`get_mk_alignment_for_contiguous_layout`, N and K multiples of 16,
-    at most 128 groups and a float32 output; anything else is refused before DeepGEMM is called."""
+    scales, e4m3 operands, every ``ks[g]`` a multiple of 128 and of
+    :func:`get_mk_alignment_for_contiguous_layout`, N and K multiples of 16, at most 128 groups and a
+    float32 output; anything else is refused before DeepGEMM is called."""
     op = "k_grouped_fp8_gemm_tn_contiguous"
     pairs = []
     for name, pair in (("a", a), ("b", b)):
