@@ -482,7 +482,8 @@ def test_deep_gemm_ops_opcheck(deep_gemm_traceable):
 def test_external_backend_resolution_is_a_compile_time_constant(monkeypatch):
     """Choosing deep_gemm / flash_attn (named, or by backend=None on CUDA, which tries DeepGEMM
     first) probes the package with an import dynamo will not trace: backend_status is evaluated at
-    trace time, so a fullgraph compile on (fake) CUDA tensors picks them as eager does."""
+    trace time, so a fullgraph compile on (fake) CUDA tensors picks them as eager does. The same for
+    the device's compute capability (DeepGEMM's and cuBLAS's architecture checks)."""
     import importlib
 
     imported = []
@@ -491,16 +492,22 @@ def test_external_backend_resolution_is_a_compile_time_constant(monkeypatch):
         imported.append(importlib.import_module(module).__name__)
         return _backend.BackendStatus(True, "stand-in")
 
+    def capability(device=None):  # the CUDA query, on a fake device: not traceable (an import)
+        importlib.import_module("math")
+        return (9, 0)
+
     for name in ("deep_gemm", "flash_attn"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setattr(_backend, "_external_status", external_status)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
 
     def fn(x):
         named = _backend.resolve_backend("op", "deep_gemm", x.device, supported=("torch", "deep_gemm"))
         auto = _backend.resolve_backend("op", None, x.device, supported=("torch", "triton", "deep_gemm"),
                                         preference=("deep_gemm", "triton", "torch"))
         fa = _backend.resolve_backend("op", "flash_attn", x.device, supported=("torch", "flash_attn"))
-        return torch.cat([x, x]) if (named, auto, fa) == ("deep_gemm", "deep_gemm", "flash_attn") else x
+        arch = DG._check_arch_recipe("op", x.device, (1, 128, 128))  # DeepGEMM's and cuBLAS's capability query
+        return torch.cat([x, x]) if (named, auto, fa, arch) == ("deep_gemm", "deep_gemm", "flash_attn", 9) else x
 
     mode = FakeTensorMode()
     with mode:
