@@ -211,8 +211,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout: torch.Tensor, d: torc
     d = _alloc(d, shape, out_dtype, dev)
     if be == "deep_gemm":
         layout = psum if use_psum_layout else m_indices
-        _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, layout, d, use_psum_layout, recipe)
-        return d.masked_fill_((m_indices < 0)[:, None], 0)  # DeepGEMM leaves padding rows untouched
+        return _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, layout, d, use_psum_layout, recipe, m_indices)
     return _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, d, gran)
 
 
@@ -373,10 +372,11 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
     the Triton kernel's own layout, read without a re-layout pass.
 
     ``backend="deep_gemm"`` (only when named: ``None`` never picks it) calls DeepGEMM's op of this
-    name with ``ks`` (a host list; one sync when offsets / ks live on the GPU) and the compact scale
-    rows. It runs on SM100 only and needs ``ue8m0=True`` scales, e4m3 operands, every ``ks[g]`` a
-    multiple of 128 and of :func:`get_mk_alignment_for_contiguous_layout`, N and K multiples of 16,
-    at most 128 groups and a float32 output; anything else is refused before DeepGEMM is called."""
+    name with ``ks`` (a host list, read inside the one custom op of the call: one sync when offsets
+    / ks live on the GPU) and the compact scale rows. It runs on SM100 only and needs ``ue8m0=True``
+    scales, e4m3 operands, every ``ks[g]`` a multiple of 128 and of
+    :func:`get_mk_alignment_for_contiguous_layout`, N and K multiples of 16, at most 128 groups and a
+    float32 output; anything else is refused before DeepGEMM is called."""
     op = "k_grouped_fp8_gemm_tn_contiguous"
     pairs = []
     for name, pair in (("a", a), ("b", b)):
@@ -426,9 +426,8 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
         pairs = [(reference.group_blocks_to_rows(q, offsets, num_rows), sf) for q, sf in pairs]
     if be == "torch":
         return _into(d, reference.k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, c))
-    if be == "deep_gemm":
-        ks_list = offsets_to_counts(offsets).tolist()
+    if be == "deep_gemm":  # the group sizes go to the op as a tensor: DeepGEMM's host list is read inside it
         pairs = [(q.contiguous(), sf) for q, sf in pairs]
-        return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], ks_list,
+        return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets_to_counts(offsets),
                                                           _alloc(d, shape, out_dtype, dev), c)
     return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, d, c)
