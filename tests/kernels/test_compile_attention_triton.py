@@ -198,3 +198,28 @@ _SAMPLES = _opcheck_samples() if backend_status("triton").available else []
 @pytest.mark.parametrize("op,args", _SAMPLES, ids=[f"{s[0]}-{i}" for i, s in enumerate(_SAMPLES)])
 def test_opcheck(op, args):
     torch.library.opcheck(getattr(torch.ops.primerl, op).default, args)
+
+
+def test_new_packings_do_not_recompile():
+    """6 packings (other cu_seqlens, token and sequence counts) through dynamic=True with the Triton
+    ops: at most 2 graphs, each result equal to eager."""
+    frames = []
+
+    def counting_backend(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    def fn(q, k, v, cu, qi, ki, w, qs, kv):
+        o, lse = attention(q, k, v, cu_seqlens=cu, return_lse=True, backend="triton")
+        idx = indexer_topk(qi, ki, w, cu_seqlens=cu, topk=4, backend="triton")
+        return o.sum() + lse.sum() + sparse_attention(qs, kv, kv[..., :16], idx, backend="triton").sum()
+
+    compiled = torch.compile(fn, backend=counting_backend, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(8)
+    for lens in [(5, 8), (3, 3, 4), (12,), (2, 9, 1, 6), (7, 7), (4, 1, 1, 10, 3)]:
+        T = sum(lens)
+        r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+        args = (r(T, 4, 16), r(T, 2, 16), r(T, 2, 16), _cu(lens), r(T, 4, 16), r(T, 16), r(T, 4), r(T, 4, 24),
+                r(T, 1, 24))
+        assert_bitwise_equal(compiled(*args), fn(*args), f"packing {lens}")
+    assert len(frames) <= 2, f"{len(frames)} graphs compiled over 6 packings"

@@ -22,7 +22,8 @@ Backends (``backend=``):
 
 - ``"torch"``: the float32 reference (``reference.py``), the default on CPU.
 - ``"triton"``: flash-attention-2 style forward and a recomputing backward in Triton (``triton.py``);
-  every form (positions, any head_dim, float32); on CPU under TRITON_INTERPRET=1.
+  every form (positions, any head_dim, float32); on CPU under TRITON_INTERPRET=1. The launchers run
+  as ``primerl::`` custom ops (``triton_ops.py``): traceable by torch.compile and FakeTensor.
 - ``"cudnn"``: cuDNN's fused attention, what SDPA runs on Hopper, per run of equal-length
   sequences (``cudnn.py``). CUDA, bf16/fp16, head_dim % 8 == 0 up to 128, default positions,
   causal only on square blocks (Lq == Lk per sequence).
@@ -336,7 +337,8 @@ def attention(
     ``max_seqlen`` (``max_seqlen_k``): the longest query (key) sequence, as flash-attn takes it.
     Only the GPU kernels need it (grid sizes); given, the Triton and varlen_flash backends run
     without reading ``cu_seqlens`` on the host (cuDNN, and ``backend=None`` on CUDA which may pick
-    it, read the offsets once per tensor). The torch backend (CPU default) never reads the host:
+    it, read the offsets once per tensor). Without it the Triton backend's custom op reads the
+    offsets inside itself (once per tensor; opaque to torch.compile, so no graph break). The torch backend (CPU default) never reads the host:
     it is traceable by ``torch.compile(fullgraph=True)``, FakeTensor and meta tensors, with
     symbolic token counts (a new packing does not recompile).
     """

@@ -10,7 +10,8 @@ selection and softmax attention restricted to the selected keys.
 >>> out, lse = sparse_attention(q, kv, kv[..., :32], idx, return_lse=True)   # [12, 16, 32], [16, 12]
 
 Semantics in :mod:`.reference`. Backends: ``"torch"`` (the reference; differentiable through
-autograd), ``"triton"`` (the kernels in :mod:`.triton`; CUDA, or CPU under TRITON_INTERPRET=1).
+autograd), ``"triton"`` (the kernels in :mod:`.triton`, run as ``primerl::`` custom ops from
+:mod:`.triton_ops`, traceable by torch.compile and FakeTensor; CUDA, or CPU under TRITON_INTERPRET=1).
 ``backend=None`` picks Triton on CUDA and the reference on CPU. The indexer is not
 differentiable (an index is a discrete choice; see ``primerl/models/mla.py`` for the training
 choice).
