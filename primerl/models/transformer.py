@@ -140,7 +140,8 @@ class MoETransformer(nn.Module):
             if not (isinstance(max_seqlen, int) and max_seqlen >= 0):
                 raise ValueError(f"max_seqlen must be a non-negative int (the longest sequence), got {max_seqlen!r}")
             if torch.is_tensor(cu_seqlens):
-                check_values(cu_seqlens.diff().max() == max_seqlen, "max_seqlen must equal the longest sequence of cu_seqlens",
+                check_values(cu_seqlens.diff().max() == max_seqlen,
+                             "max_seqlen must equal the longest sequence of cu_seqlens",
                              lambda: f"max_seqlen={max_seqlen}, cu_seqlens {cu_seqlens.tolist()}")
         h = self.embed(input_ids)
         j = 0

@@ -101,12 +101,18 @@ def test_triton_forms_match_the_reference():
         assert max_rel_err(a, e) < 1e-5, f"grad {name}"
 
 
-def test_shapes_under_fake_tensor_mode():
+@pytest.mark.parametrize("mode", ("fake", "meta"))
+def test_shapes_under_fake_tensor_mode_and_meta(mode):
     d = _inputs(seed=3)
     want_out, want_grad = _run(_forms, d)
-    mode = FakeTensorMode()
-    fake = {a: (mode.from_tensor(t.detach()).requires_grad_(t.requires_grad)) for a, t in d.items()}
-    with mode:
+    fake_mode = FakeTensorMode()
+    if mode == "fake":
+        ctx = fake_mode
+        fake = {a: fake_mode.from_tensor(t.detach()).requires_grad_(t.requires_grad) for a, t in d.items()}
+    else:
+        ctx = torch.device("meta")
+        fake = {a: t.detach().to("meta").requires_grad_(t.requires_grad) for a, t in d.items()}
+    with ctx:
         got_out, got_grad = _run(_forms, fake)
     for g, w in zip((*got_out, *got_grad), (*want_out, *want_grad)):
         assert g.shape == w.shape and g.dtype == w.dtype, f"{g.shape}/{g.dtype} vs {w.shape}/{w.dtype}"

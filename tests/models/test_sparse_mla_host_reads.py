@@ -70,3 +70,19 @@ def test_wrong_max_seqlen_is_caught(model):
         model(ids, pos, cu, max_seqlen=18)
     with pytest.raises(ValueError, match="max_seqlen must be a non-negative int"):
         model(ids, pos, cu, max_seqlen=17.0)
+
+
+@pytest.mark.no_poison  # dynamo would trace into the tests' poisoned torch.empty (see tests/kernels)
+def test_forward_compiles_fullgraph_with_max_seqlen(model):
+    """The longest sequence no longer needs a host read, so the sparse model's forward is one graph."""
+    ids, pos, cu = _batch(model.config.vocab_size, (5, 1, 17, 3, 9), seed=7)
+
+    def fn(ids, pos, cu):
+        return model(ids, pos, cu, return_logits=True, max_seqlen=17)
+
+    torch._dynamo.reset()
+    with debug_checks(False), torch.no_grad():
+        got = torch.compile(fn, backend="aot_eager", fullgraph=True)(ids, pos, cu)
+        want = fn(ids, pos, cu)
+    torch._dynamo.reset()
+    assert_bitwise_equal(got, want, "compiled logits")

@@ -49,7 +49,8 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    cu_seqlens_k: torch.Tensor, q_positions: Optional[torch.Tensor], k_positions: Optional[torch.Tensor],
                    causal: bool, softmax_scale: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q, max_seqlen_k)
+    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
+                 max_seqlen_k)
     return T.forward(q, k, v, spec, out_dtype)
 
 
@@ -65,7 +66,8 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    cu_seqlens_k: torch.Tensor, q_positions: Optional[torch.Tensor], k_positions: Optional[torch.Tensor],
                    causal: bool, softmax_scale: float, max_seqlen_q: Optional[int],
                    max_seqlen_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q, max_seqlen_k)
+    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
+                 max_seqlen_k)
     return T.backward(dout, q, k, v, out, lse, dlse, spec)
 
 
@@ -80,7 +82,8 @@ def _mla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
              cu_seqlens_k: torch.Tensor, q_positions: Optional[torch.Tensor], k_positions: Optional[torch.Tensor],
              causal: bool, softmax_scale: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q, max_seqlen_k)
+    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
+                 max_seqlen_k)
     return M.forward(q, k, v, spec, out_dtype)
 
 
@@ -96,7 +99,8 @@ def _mla_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              q_positions: Optional[torch.Tensor], k_positions: Optional[torch.Tensor], causal: bool,
              softmax_scale: float, max_seqlen_q: Optional[int],
              max_seqlen_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q, max_seqlen_k)
+    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
+                 max_seqlen_k)
     return M.backward(dout, q, k, v, out, lse, dlse, spec)
 
 
