@@ -80,7 +80,7 @@ def _indexer_scores_kernel(
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
-INDEXER_CHUNK_ELEMENTS = 1 << 28  # query rows per indexer chunk: the score buffer is chunk x max_seqlen float32
+INDEXER_CHUNK_ELEMENTS = 1 << 28  # one chunk's score buffer (chunk rows x max_seqlen float32) at most
 
 
 def _longest(cu: torch.Tensor) -> int:
