@@ -339,8 +339,8 @@ def attention(
     without reading ``cu_seqlens`` on the host (cuDNN, and ``backend=None`` on CUDA which may pick
     it, read the offsets once per tensor). Without it the Triton backend's custom op reads the
     offsets inside itself (once per tensor; opaque to torch.compile, so no graph break). The torch
-    backend (CPU default) never reads the host: it is traceable by ``torch.compile(fullgraph=True)``, FakeTensor and meta tensors, with
-    symbolic token counts (a new packing does not recompile).
+    backend (CPU default) never reads the host: it is traceable by ``torch.compile(fullgraph=True)``,
+    FakeTensor and meta tensors, with symbolic token counts (a new packing does not recompile).
     """
     spec = _make_spec("attention", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions,
                       max_seqlen, max_seqlen_k)
