@@ -200,3 +200,21 @@ def _job_samples(n, seed):
         replay = s.replay_ids.expand(-1, 2, -1).contiguous()
         out.append(replace(s, replay_ids=replay))
     return out
+
+
+@pytest.mark.parametrize("attention", ["padded", "kernel"])
+def test_sparse_attention_trainer_step_reads_nothing_in_the_model(attention):
+    """GLM-5's sparse MLA (examples/reverse_text_glm5.toml) picks its dense or sparse form by the
+    batch's longest sequence: the trainer hands it over from the host-side plan (``max_seqlen``,
+    or the PaddedPlan's), so the model reads nothing on the host (it read once per forward)."""
+    t = Trainer(load_config("examples/reverse_text_glm5.toml", ["--trainer.attention", attention]), V)
+    assert t.model.config.is_sparse and t.padded == (attention == "padded")
+    t.train_step(_payload(_job_samples(12, seed=3), 24))
+    prepared = t.prepare_step(_payload(_job_samples(12, seed=4), 24))
+    longest = [m[4] for p in prepared for m in p.micro_batches]
+    assert all((n is None) if attention == "padded" else n > t.model.config.index_topk for n in longest), longest
+    with debug_checks(False), count_host_reads(tolist=True) as reads:
+        t.run_step(prepared)
+    where = Counter(reads.where)
+    assert not [w for w in where if "primerl/models" in w], where
+    assert sum(n for w, n in where.items() if "primerl/runtime" in w) == 1, where

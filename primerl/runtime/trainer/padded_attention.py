@@ -96,4 +96,7 @@ def padded_forward(model, input_ids, position_ids, cu_seqlens, *, replay_ids=Non
         if not isinstance(a.context_attention, _PaddedOrInner):
             a.context_attention = _PaddedOrInner(a.context_attention)
     plan = cu_seqlens if isinstance(cu_seqlens, PaddedPlan) else PaddedPlan(cu_seqlens)
-    return model(input_ids, position_ids, plan, replay_ids=replay_ids)
+    # a sparse-attention model picks its dense or sparse form by the longest sequence: the plan has it
+    sparse = getattr(getattr(model, "config", None), "is_sparse", False)
+    extra = {"max_seqlen": plan.max_len} if sparse else {}
+    return model(input_ids, position_ids, plan, replay_ids=replay_ids, **extra)

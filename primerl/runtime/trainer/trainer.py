@@ -70,9 +70,9 @@ class NonFiniteLossError(RuntimeError):
 @dataclass
 class PreparedStep:
     """One optimizer step planned on the host (``Trainer.prepare_step``): per micro-batch (batch,
-    targets, PaddedPlan or None, loss tokens); the loss counts summed over ranks (Python floats,
-    ``_rl.loss_counts``); ``total``: the global loss-token count (>= 1); this rank's loss tokens
-    and tokens."""
+    targets, PaddedPlan or None, loss tokens, longest sequence or None); the loss counts summed
+    over ranks (Python floats, ``_rl.loss_counts``); ``total``: the global loss-token count (>= 1);
+    this rank's loss tokens and tokens."""
 
     micro_batches: list[tuple]
     counts: list[float]
@@ -113,17 +113,22 @@ def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int | None = None, 
 
 
 def next_token_logprobs(model, mb, targets, *, replay: bool, plan=None, padded: bool = False,
-                        chunk_size: int | None = None, padded_plan: PaddedPlan | None = None):
+                        chunk_size: int | None = None, padded_plan: PaddedPlan | None = None,
+                        max_seqlen: int | None = None):
     """Fused log-probs of ``targets`` and entropies from each hidden state of ``mb`` (a
     ``next_token_batch``, sharded by ``plan`` under context parallelism), both [t] float32.
     ``padded_plan``: the ``PaddedPlan`` of ``mb.cu_seqlens`` built beforehand (else built here,
-    which reads ``cu_seqlens`` on the host)."""
+    which reads ``cu_seqlens`` on the host); ``max_seqlen``: the longest sequence of ``mb`` (passed to
+    the model, whose sparse-attention form reads it on the device otherwise)."""
     replay_ids = mb.replay_ids if replay else None
     if padded:
         hidden = padded_forward(model, mb.input_ids, mb.position_ids,
                                 mb.cu_seqlens if padded_plan is None else padded_plan, replay_ids=replay_ids)
     else:
-        hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens if plan is None else plan, replay_ids=replay_ids)
+        sparse = getattr(getattr(model, "config", None), "is_sparse", False)  # only it uses the value
+        extra = {"max_seqlen": max_seqlen} if sparse and max_seqlen is not None and plan is None else {}
+        hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens if plan is None else plan, replay_ids=replay_ids,
+                       **extra)
     temperature = 1.0 if mb.temperatures is None else mb.temperatures
     return fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
 
@@ -300,13 +305,17 @@ class Trainer:
         counts = counts.tolist()
         loss_tokens = [int(mb.loss_mask.sum()) for mb, _ in mbs]
         plans = [PaddedPlan(mb.cu_seqlens) if self.padded else None for mb, _ in mbs]
+        # the longest sequence, for a sparse-attention model's dense/sparse choice (else it reads
+        # cu_seqlens on the device once per forward); not under context parallelism or padding
+        longest = [int(mb.cu_seqlens.diff().max()) if mb.context_plan is None and not self.padded
+                   and mb.cu_seqlens.numel() > 1 else None for mb, _ in mbs]
         n_tok = 0
         if self.cp_rank == 0:  # the ranks of a cp group hold parts of the same tokens
             n_tok = sum(0 if mb.is_padding else (mb.num_real_tokens or mb.num_tokens) for mb, _ in mbs)
         if self.device.type != "cpu":  # planned on the host above (no syncs); the model reads them here
             mbs = [(mb.to(self.device, non_blocking=True), tg.to(self.device, non_blocking=True)) for mb, tg in mbs]
             plans = [p if p is None else p.to(self.device, non_blocking=True) for p in plans]
-        return PreparedStep([(mb, tg, plan, k) for (mb, tg), plan, k in zip(mbs, plans, loss_tokens)],
+        return PreparedStep([(mb, tg, plan, k, n) for (mb, tg), plan, k, n in zip(mbs, plans, loss_tokens, longest)],
                             counts, max(int(counts[0]), 1), sum(loss_tokens), n_tok)
 
     def _optimizer_step(self, prep: PreparedStep) -> dict:
@@ -328,11 +337,12 @@ class Trainer:
         ratio_max = torch.zeros((), dtype=torch.float64, device=dev)
         loss_metrics = _rl.LossMetrics(t.loss, self.world_size, device=dev)
         zero = torch.zeros((), device=dev)
-        for mb, targets, plan, k in prep.micro_batches:
+        for mb, targets, plan, k, longest in prep.micro_batches:
             lp, ent = next_token_logprobs(self.model, mb, targets, replay=replay, plan=mb.context_plan,
-                                          padded=self.padded, padded_plan=plan)
+                                          padded=self.padded, padded_plan=plan, max_seqlen=longest)
             ref_lp = _rl.reference_logprobs(self.ref_model, lambda ref: next_token_logprobs(
-                ref, mb, targets, replay=False, plan=mb.context_plan, padded=self.padded, padded_plan=plan)[0])
+                ref, mb, targets, replay=False, plan=mb.context_plan, padded=self.padded, padded_plan=plan,
+                max_seqlen=longest)[0])
             loss, m = _rl.policy_loss(lp, mb, t.loss, prep.counts, entropy=ent, ref_logprobs=ref_lp)
             coef = self.entropy_coef()
             if coef:
