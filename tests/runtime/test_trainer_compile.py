@@ -163,7 +163,7 @@ def test_trainer_step_metrics_match_per_micro_batch_host_floats(over):
     loss_sum = kl = ent_sum = cl = ch = ess = ratio_max = n_loss = 0.0
     lm = {"zero_adv_frac": 0.0, "correction_drop_frac": 0.0, "policy_kl": 0.0, "pg_loss": 0.0}
     n_pg = 0.0
-    for mb, targets, _, _ in prep.micro_batches:
+    for mb, targets, _, _, _ in prep.micro_batches:
         lp, ent = next_token_logprobs(ref.model, mb, targets, replay=tl.router_replay, padded=ref.padded)
         loss, m = _rl.policy_loss(lp, mb, tl.loss, prep.counts, entropy=ent)
         total = max(int(prep.counts[0]), 1)
