@@ -92,9 +92,15 @@ class _KGroupedGemmTN(torch.autograd.Function):
         return grad_a, grad_b, None, None, None
 
 
+def _distinct(a, b):
+    """b, or a view of it when it is a itself (e.g. a Gram matrix a @ a.T): dynamo cannot trace an
+    autograd.Function given one tensor twice; the view's gradient still reaches a."""
+    return b.view_as(b) if b is a else b
+
+
 def gemm_nt(a, b, out_dtype, impl):
     """a [M, K], b [N, K] -> [M, N]; differentiable in a and b."""
-    return _GroupedGemmNT.apply(a, b, torch.empty(0, dtype=torch.int32, device=a.device), "dense", out_dtype, impl)
+    return _GroupedGemmNT.apply(a, _distinct(a, b), torch.empty(0, dtype=torch.int32, device=a.device), "dense", out_dtype, impl)
 
 
 def grouped_gemm_nt(a, b, index, kind, out_dtype, impl):
@@ -104,4 +110,4 @@ def grouped_gemm_nt(a, b, index, kind, out_dtype, impl):
 
 def k_grouped_gemm_tn(a, b, offsets, out_dtype, impl):
     """a [T, N], b [T, K], offsets [G] -> [G, N, K]; differentiable in a and b."""
-    return _KGroupedGemmTN.apply(a, b, offsets, out_dtype, impl)
+    return _KGroupedGemmTN.apply(a, _distinct(a, b), offsets, out_dtype, impl)
