@@ -21,6 +21,11 @@ import primerl.kernels  # noqa: E402,F401  (applies the interpreter corrections)
 
 HAS_CUDA = torch.cuda.is_available()
 
+# `with torch.device(...)` looks factory functions up in a set it builds (and caches) on first use:
+# built while a test's poisoned torch.empty is installed, it would hold the wrapper, and every later
+# `with torch.device("meta")` would leave nn.Linear's weights on the CPU. Build it now, unpoisoned.
+torch.utils._device._device_constructors()
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
