@@ -118,9 +118,9 @@ def make_client(cfg: RLConfig, vocab_size: int, pool: dict | None = None):
     log.info("embedded engine on %s in %s; weights by %s", device, placement.param_dtype, placement.weight_update)
     receiver = None
     if placement.weight_update == "broadcast":
-        from .inference.weight_sync import EngineWeightReceiver
+        from .inference.weight_sync import EngineWeightReceiver, engine_broadcast_host
 
-        receiver = EngineWeightReceiver("127.0.0.1", i.broadcast_port, backend=placement.broadcast_backend,
+        receiver = EngineWeightReceiver(engine_broadcast_host(), i.broadcast_port, backend=placement.broadcast_backend,
                                         device=device, timeout_s=cfg.orchestrator.weights_timeout_s).start()
     return EmbeddedClient(engine, timeout_s=i.timeout_s, receiver=receiver)
 
@@ -168,7 +168,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
         log.info("batch %d written: reward %.3f off_policy<=%d version %d %.0f tok/s", step, m["reward/mean"],
                  m["off_policy/max"], m["policy_version"], m["inference/tokens_per_s"])
 
-    receiver = getattr(client, "receiver", None)
+    receiver = transport.weight_source = getattr(client, "receiver", None)  # broadcast: versions from the receiver
     try:
         orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                             trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
@@ -236,6 +236,7 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
     th.start()
     transport = make_transport(cfg, out / "transport", "orchestrator")
     client = parts["client"] = make_client(cfg, env.vocab_size)
+    transport.weight_source = getattr(client, "receiver", None)
     orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                         trainer_alive=lambda: not done.is_set() or not errors, top_k=model_config(cfg, env.vocab_size).top_k)
     try:
