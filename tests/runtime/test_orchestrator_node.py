@@ -192,3 +192,13 @@ def test_dry_run_names_the_key_in_one_line(tmp_path):
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "inference.weight_update: 'filesystem' needs output_dir shared" in lines[0], res.stderr
+
+
+def test_filesystem_weights_are_refused_for_inference_nodes():
+    base = ["--device", "cpu", "--deployment.kind", "nodes", "--deployment.inference_nodes", "1",
+            "--deployment.hosts", "127.0.0.1,127.0.0.2", "--inference.backend", "vllm"]
+    with pytest.raises(ConfigError, match=r"^inference.vllm.weight_update: 'filesystem' has the inference nodes' "
+                                          r"servers load the trainer's files"):
+        load_config(None, base)
+    cfg = load_config(None, [*base, "--inference.vllm.weight_update", "broadcast"])
+    assert cfg.deployment.inference_nodes == 1

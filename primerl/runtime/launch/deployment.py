@@ -138,6 +138,10 @@ def validate_deployment(cfg: RLConfig) -> None:
     _need(d.inference_nodes == 0 or cfg.inference.backend == "vllm", "deployment.inference_nodes",
           "inference nodes run vLLM servers (inference.backend = 'vllm'); the embedded engine lives in the "
           "orchestrator", d.inference_nodes)
+    _need(d.inference_nodes == 0 or cfg.inference.vllm.weight_update == "broadcast", "inference.vllm.weight_update",
+          "'filesystem' has the inference nodes' servers load the trainer's files from output_dir, which the nodes do "
+          "not share: use 'broadcast' (trainer rank 0 to the servers' workers, inference.vllm.broadcast_host = its node)",
+          cfg.inference.vllm.weight_update)
     if d.kind == "nodes":
         n = _num_nodes(cfg)
         _need(len(d.hosts) == n, "deployment.hosts",
