@@ -202,3 +202,42 @@ def test_filesystem_weights_are_refused_for_inference_nodes():
         load_config(None, base)
     cfg = load_config(None, [*base, "--inference.vllm.weight_update", "broadcast"])
     assert cfg.deployment.inference_nodes == 1
+
+
+@pytest.mark.parametrize("http", ["stdlib", "aiohttp"])
+def test_primerl_inference_takes_weights_by_broadcast_with_no_file(http):
+    """An inference node's ``primerl inference`` server answers trainer rank 0's broadcast RPCs as
+    vLLM's worker extension does (``init_broadcast``, ``update_weights_from_broadcast``): two
+    versions arrive over gloo in the Hugging Face layout and the engine holds them exactly."""
+    import torch
+
+    from primerl.models.config import MoETransformerConfig
+    from primerl.models.transformer import MoETransformer
+    from primerl.runtime.inference.engine import InferenceEngine
+    from primerl.runtime.inference.hf_weights import hf_weights
+    from primerl.runtime.inference.server import EngineServer, http_frontends
+    from primerl.runtime.inference.vllm_client import _http
+    from primerl.runtime.inference.weight_sync import BroadcastWeightSender
+
+    if http not in http_frontends():
+        pytest.skip(f"{http} front end not installed")
+
+    def model(seed):
+        m = MoETransformer(MoETransformerConfig.tiny(vocab_size=11, max_position_embeddings=64))
+        m.init_weights(seed=seed)
+        return m
+
+    srv = EngineServer(InferenceEngine(model(0), max_batch_size=2), http=http).start()
+    sender = BroadcastWeightSender("127.0.0.1", _free_port(), 1, timeout_s=60, rpc_url=srv.url, backend="gloo",
+                                   peer="the inference server")
+    try:
+        for version, seed in ((3, 1), (4, 2)):
+            new = model(seed)
+            sender.send(version, hf_weights(new))  # the server's answer must report the version (checked inside)
+            got = srv.engine.model.state_dict()
+            for name, t in new.state_dict().items():
+                assert torch.equal(got[name], t), name
+            assert _http(srv.url + "/collective_rpc", {"method": "weights_version"}, 10)["results"] == [{"version": version}]
+    finally:
+        sender.close()
+        srv.stop()
