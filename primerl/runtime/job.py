@@ -23,6 +23,7 @@ from .metrics import read_metrics
 from .output_dir import claim_output_dir
 from .placement import resolve_placement
 from .transport import make_transport
+from .inference.weight_sync import network_weight_source
 
 log = logging.getLogger("primerl")
 
@@ -168,7 +169,8 @@ def orchestrator_main(cfg: RLConfig) -> None:
         log.info("batch %d written: reward %.3f off_policy<=%d version %d %.0f tok/s", step, m["reward/mean"],
                  m["off_policy/max"], m["policy_version"], m["inference/tokens_per_s"])
 
-    receiver = transport.weight_source = getattr(client, "receiver", None)  # broadcast: versions from the receiver
+    receiver = getattr(client, "receiver", None)
+    transport.weight_source = network_weight_source(cfg, client)  # broadcast: versions not from files
     try:
         orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                             trainer_alive=_pid_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
@@ -178,6 +180,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
 
             orch.monitor = OrchestratorMonitor(cfg.orchestrator.metrics_host, cfg.orchestrator.metrics_port).start()
         orch.run(on_batch=on_batch)
+        transport.wait_taken(cfg.trainer.batch_timeout_s)  # zmq: no batch left in a socket at exit
         if receiver is not None:  # until the trainer's end-of-updates message (weight_sync.EngineWeightReceiver.close)
             receiver.close()
     except BaseException:

@@ -101,6 +101,9 @@ class FileTransport:
         wait_for(path.exists, timeout=timeout, what=f"rollout batch of step {step} (rank {rank}) at {path}", alive=alive)
         return torch.load(path, weights_only=False)
 
+    def wait_taken(self, timeout: float) -> None:
+        """Batches written are on disk: nothing to wait for (``ZmqTransport`` waits for receipts)."""
+
     def drop_batches_before(self, step: int) -> None:
         for d in self.rollouts.glob("step_*"):
             if int(d.name[5:]) < step:

@@ -8,7 +8,8 @@ pair gives the pull-based flow wanted here: the orchestrator binds one ROUTER so
 ``(step, rank)``; the orchestrator answers with that rank's micro-batches only, once, as soon as
 they exist. Nothing is sent before a rank asks, and the orchestrator holds at most
 ``max_async_level + 1`` steps of batches (it waits for weights before sampling further), so a
-slow trainer cannot flood memory.
+slow trainer cannot flood memory. A rank confirms each batch it received; the orchestrator's
+process leaves only once every batch is confirmed (:meth:`ZmqTransport.wait_taken`).
 
 A trainer rank watches its connection (a ZeroMQ socket monitor): once the orchestrator's end has
 closed (its process exited or was killed; the kernel closes its sockets) and no reconnect
@@ -62,6 +63,7 @@ class ZmqTransport(FileTransport):
         if side == "orchestrator":
             self._ready: dict[tuple[int, int], bytes] = {}
             self._waiting: dict[tuple[int, int], bytes] = {}  # (step, rank) -> the asking rank's identity
+            self._unacked: set[tuple[int, int]] = set()  # put, not yet confirmed received by its rank
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.bind(f"tcp://*:{port}")
@@ -84,6 +86,7 @@ class ZmqTransport(FileTransport):
         data = _dumps(payload)
         with self._lock:
             self._ready[(step, rank)] = data
+            self._unacked.add((step, rank))
             self._wake.send(b"")
         return f"{self.endpoint} (step {step}, rank {rank})"
 
@@ -100,9 +103,12 @@ class ZmqTransport(FileTransport):
                     self._wake_rx.recv()
             if self._router in events:
                 while self._router.poll(0):
-                    ident, _, key = self._router.recv_multipart()
+                    ident, _, key, *ack = self._router.recv_multipart()
                     with self._lock:
-                        self._waiting[_KEY.unpack(key)] = ident
+                        if ack:  # the rank has the batch (see get_batch)
+                            self._unacked.discard(_KEY.unpack(key))
+                        else:
+                            self._waiting[_KEY.unpack(key)] = ident
             with self._lock:
                 for k in [k for k in self._waiting if k in self._ready]:
                     self._router.send_multipart([self._waiting.pop(k), b"", _KEY.pack(*k), self._ready.pop(k)],
@@ -114,6 +120,21 @@ class ZmqTransport(FileTransport):
             with self._lock:
                 for k in [k for k in self._ready if k[0] >= step]:
                     del self._ready[k]
+                self._unacked = {k for k in self._unacked if k[0] < step}
+
+    def wait_taken(self, timeout: float) -> None:
+        """The orchestrator's end: wait until every batch put has reached its rank (each rank
+        confirms receipt), so that exiting cannot drop a batch still in a socket's queue."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                left = sorted(self._unacked)
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise TransportTimeout(f"timed out after {timeout:.0f} s waiting for the trainer ranks to take the "
+                                       f"rollout batches (step, rank) {left} from {self.endpoint}")
+            time.sleep(0.02)
 
     def close(self) -> None:
         if self.side == "orchestrator":
@@ -154,6 +175,7 @@ class ZmqTransport(FileTransport):
         _, key, data = self._dealer.recv_multipart()
         if _KEY.unpack(key) != (step, rank):
             raise RuntimeError(f"asked {self.endpoint} for (step, rank) ({step}, {rank}), got {_KEY.unpack(key)}")
+        self._dealer.send_multipart([b"", key, b"ack"])  # the orchestrator may leave once every batch is acked
         return torch.load(io.BytesIO(data), weights_only=False)
 
     def _peer_lost(self) -> bool:

@@ -57,9 +57,9 @@ def _cfg(*over):
         "--inference.broadcast_port", str(_free_port()), *over])
 
 
-def _start(tmp_path, cfg) -> dict[str, subprocess.Popen]:
+def _start(tmp_path, cfg, nodes=((0, "trainer"), (1, "orchestrator"))) -> dict[str, subprocess.Popen]:
     procs = {}
-    for i, role in ((0, "trainer"), (1, "orchestrator")):
+    for i, role in nodes:
         wd = tmp_path / f"host{i}"
         wd.mkdir()
         (wd / "cfg.toml").write_text(to_toml(cfg))  # each host its own copy of the config
@@ -241,3 +241,39 @@ def test_primerl_inference_takes_weights_by_broadcast_with_no_file(http):
     finally:
         sender.close()
         srv.stop()
+
+
+@pytest.mark.dist
+def test_three_nodes_trainer_inference_server_orchestrator_share_no_file(tmp_path):
+    """Trainer on 127.0.0.1, a ``primerl inference`` server on 127.0.0.2 (the vLLM protocol),
+    the orchestrator on 127.0.0.3: weights go by gloo broadcast from trainer rank 0 to the server
+    (``inference.vllm.weight_update = "broadcast"``), the orchestrator learns versions from the
+    server (``weights_version``), batches go over ZeroMQ; every node in its own directory."""
+    vport = _free_port()
+    cfg = load_config(ROOT / "examples" / "reverse_text.toml", [
+        "--output_dir", "out", "--max_steps", "6", "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
+        "--log.plot", "false", "--orchestrator.weights_timeout_s", "60", "--trainer.batch_timeout_s", "60",
+        "--device", "cpu", "--deployment.kind", "nodes", "--deployment.trainer_nodes", "1",
+        "--deployment.inference_nodes", "1", "--deployment.orchestrator", "own",
+        "--deployment.hosts", "127.0.0.1,127.0.0.2,127.0.0.3", "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}",
+        "--deployment.rdzv_timeout_s", "60", "--orchestrator.batch_transport", "zmq",
+        "--orchestrator.zmq_port", str(_free_port()), "--inference.backend", "vllm",
+        "--inference.vllm.url", f"http://127.0.0.2:{vport}", "--inference.vllm.port", str(vport),
+        "--inference.vllm.weight_update", "broadcast", "--inference.vllm.broadcast_host", "127.0.0.1",
+        "--inference.vllm.broadcast_port", str(_free_port()), "--inference.vllm.broadcast_timeout_s", "60"])
+    procs = _start(tmp_path, cfg, ((1, "inference"), (0, "trainer"), (2, "orchestrator")))
+    try:
+        rcs = {role: _wait(procs, role, 150) for role in ("trainer", "orchestrator")}
+        server_up = procs["inference"].poll() is None  # it serves until the scheduler stops it
+    finally:
+        _stop(procs)
+    logs = {i: (tmp_path / f"host{i}" / "node.log").read_text(errors="replace") for i in range(3)}
+    assert rcs == {"trainer": 0, "orchestrator": 0}, {k: v[-3000:] for k, v in logs.items()}
+    assert server_up, logs[1][-3000:]
+    rows = read_metrics(tmp_path / "host0" / "out" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(6))
+    assert "weights version 6 broadcast to 1 receiver(s)" in logs[0]
+    assert max(r["policy_version"] for r in rows) >= 1  # sampled with weights that came by broadcast
+    for i in (1, 2):  # neither the server's nor the orchestrator's node holds a weights file or marker
+        assert not [f for f in _files(tmp_path / f"host{i}") if "weights" in f or f.endswith("STABLE")], i
+    assert not _files(tmp_path / "host0" / "out" / "transport" / "rollouts")

@@ -305,6 +305,56 @@ class EngineWeightReceiver:
             return weights
 
 
+class ServerWeightVersions:
+    """The orchestrator's source of weight versions (``FileTransport.weight_source``) when trainer
+    rank 0 broadcasts to inference servers (``inference.vllm.weight_update = "broadcast"``) on
+    other nodes: the version every server's workers hold (``weights_version``), asked over HTTP,
+    instead of the marker the trainer writes in its own ``output_dir``."""
+
+    def __init__(self, client, poll_s: float = 0.2):
+        self.client, self.poll_s = client, poll_s
+
+    def versions(self) -> list[int]:
+        from .vllm_client import InferenceServerError
+
+        try:
+            got = self.client.server_versions()
+        except InferenceServerError:  # not up yet (the orchestrator may start first); a dead one times the wait out
+            return []
+        return [min(got)] if got and all(v is not None and v >= 0 for v in got) else []
+
+    def wait_version(self, min_version: int, *, timeout: float, alive=None) -> int:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            held = self.versions()
+            if held and held[0] >= min_version:
+                return held[0]
+            if alive is not None and not alive():
+                raise WeightSyncError(f"weights version >= {min_version} on {self.client.url}: "
+                                      f"{_where(TRAINER_NODE_ENV, 'the trainer')} is no longer running")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"weights version >= {min_version}: the inference server at {self.client.url} "
+                                      f"holds {held or 'none'} after {timeout:.0f} s (the trainer's broadcast from "
+                                      f"{_where(TRAINER_NODE_ENV, 'the trainer')} did not arrive)")
+            time.sleep(self.poll_s)
+
+
+def network_weight_source(cfg: RLConfig, client):
+    """What tells the orchestrator that a weights version exists, when not the markers in
+    ``output_dir``: the embedded engine's broadcast receiver (always), or the servers' own
+    versions for a vLLM-protocol server taking broadcasts on a multi-node plan. None: markers."""
+    receiver = getattr(client, "receiver", None)
+    if receiver is not None:
+        return receiver
+    v = cfg.inference.vllm
+    if (cfg.deployment.kind != "local" and cfg.inference.backend == "vllm" and v.weight_update == "broadcast"
+            and v.broadcast_rpc and hasattr(client, "server_versions")):
+        return ServerWeightVersions(client)
+    return None
+
+
 class WeightPublisher:
     """Trainer rank 0: ``publish(version, state_dict)`` per the config (see the module docstring)."""
 

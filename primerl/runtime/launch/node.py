@@ -162,6 +162,12 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
 
         if role == "orchestrator":
             os.environ.update(peer_env(plan, role))
+            if plan.with_role("inference"):  # their servers come up beside this process: wait (bounded)
+                from ..inference.vllm_client import VLLMClient
+
+                log.info("waiting for the inference server at %s", cfg.inference.vllm.url)
+                VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s).wait_healthy(
+                    cfg.inference.vllm.launch_timeout_s)
             job.orchestrator_main(cfg)
         else:
             from ..inference.server import serve
