@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _job_cfg(out: Path, level: int, steps: int, device: str = "cpu"):
-    from primerl.runtime.config import load_config
+    from primerl.runtime.validate import load_config
 
     return load_config(ROOT / "examples" / "reverse_text.toml", ["--device", device,
         "--output_dir", str(out), "--max_steps", str(steps), "--orchestrator.max_async_level", str(level),
@@ -55,7 +55,7 @@ def _step_times(level: int, steps: int, device: str = "cpu") -> tuple[float, dic
 def _mismatch_kl(replay: bool, n_prompts: int) -> float:
     from primerl.rl.envs import ReverseText
     from primerl.rl.packing import Sample, pack
-    from primerl.runtime.config import load_config
+    from primerl.runtime.validate import load_config
     from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
     from primerl.runtime.policy import build_model
     from primerl.runtime.trainer import shifted_logprobs
@@ -92,7 +92,7 @@ def decode_rate(dtype: torch.dtype, *, requests: int = 256, prompt_len: int = 6,
     """Generated tokens per second of the embedded engine alone (after a warm-up generation that
     compiles the kernels), and the tokens counted."""
     from primerl.rl.envs import ReverseText
-    from primerl.runtime.config import load_config
+    from primerl.runtime.validate import load_config
     from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
     from primerl.runtime.policy import build_model
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from primerl.rl.packing import Sample, pack
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.trainer import Trainer
 
 V = 12

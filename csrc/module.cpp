@@ -1,5 +1,7 @@
-// The Python module primerl._C. Ops register themselves into the `primerl` torch library with
-// TORCH_LIBRARY_FRAGMENT in their own *_binding.cpp files and are called as torch.ops.primerl.<op>.
+// The Python module primerl._C. Each *_binding.cpp registers the CUDA kernels of its ops with
+// TORCH_LIBRARY_IMPL(primerl, CUDA, m); the ops' schemas and fake kernels are defined in Python
+// (primerl/kernels/_ext.py, which loads this module), so they exist without it. Called as
+// torch.ops.primerl.<op> once primerl.kernels is imported.
 #include <torch/extension.h>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

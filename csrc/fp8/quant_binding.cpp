@@ -120,13 +120,8 @@ std::tuple<at::Tensor, at::Tensor> quant_tensorwise_op(const at::Tensor& x, at::
 }  // namespace fp8
 }  // namespace primerl
 
-TORCH_LIBRARY_FRAGMENT(primerl, m) {
-  m.def("fp8_quant_per_token_group(Tensor x, int group_size, ScalarType dtype, bool ue8m0, bool reciprocal) -> (Tensor, Tensor)");
-  m.def("fp8_quant_per_block(Tensor w, int block_n, int block_k, ScalarType dtype, bool ue8m0, bool reciprocal) -> (Tensor, Tensor)");
-  m.def("fp8_quant_rowwise(Tensor x, ScalarType dtype, bool reciprocal) -> (Tensor, Tensor)");
-  m.def("fp8_quant_tensorwise(Tensor x, ScalarType dtype, bool reciprocal) -> (Tensor, Tensor)");
-}
-
+// The schemas (and the fake kernels torch.compile / FakeTensorMode use) are defined in Python, in
+// primerl/kernels/_ext.py, so that they exist without this extension; here only the CUDA kernels.
 TORCH_LIBRARY_IMPL(primerl, CUDA, m) {
   m.impl("fp8_quant_per_token_group", &primerl::fp8::quant_per_token_group_op);
   m.impl("fp8_quant_per_block", &primerl::fp8::quant_per_block_op);

@@ -80,11 +80,7 @@ at::Tensor scatter_rows_op(const at::Tensor& src, const at::Tensor& row_map, con
 }  // namespace moe
 }  // namespace primerl
 
-TORCH_LIBRARY_FRAGMENT(primerl, m) {
-  m.def("moe_align(Tensor topk_ids, int num_experts, int block) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("moe_scatter_rows(Tensor src, Tensor row_map, Tensor? scale, int num_rows) -> Tensor");
-}
-
+// Schemas and fake kernels: primerl/kernels/_ext.py (see csrc/fp8/quant_binding.cpp).
 TORCH_LIBRARY_IMPL(primerl, CUDA, m) {
   m.impl("moe_align", &primerl::moe::align_op);
   m.impl("moe_scatter_rows", &primerl::moe::scatter_rows_op);

@@ -86,6 +86,10 @@ TORCH_KERNEL_BACKENDS = {
 }
 
 
+# A compile-time constant: torch.compile calls it at trace time instead of tracing it (probing an
+# external backend imports its module, which dynamo refuses to trace: backend="deep_gemm" /
+# "flash_attn", and backend=None on CUDA, which tries DeepGEMM first, would break a fullgraph trace).
+@torch.compiler.assume_constant_result
 def backend_status(name: str) -> BackendStatus:
     if name == "torch":
         return BackendStatus(True, f"plain PyTorch {torch.__version__} (the reference)")

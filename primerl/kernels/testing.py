@@ -68,18 +68,66 @@ HOST_READ_OPS = (
 )
 
 
+def _device_to_host(name, args, kwargs) -> bool:
+    if name == "copy_":  # copy_(dst, src)
+        dst, src = args[0], args[1]
+        return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst.device.type == "cpu"
+    src, device = args[0], kwargs.get("device")
+    return src.device.type != "cpu" and device is not None and torch.device(device).type == "cpu"
+
+
 class count_host_reads(torch.utils._python_dispatch.TorchDispatchMode):
     """Count data-dependent host reads (``aten._local_scalar_dense``, ``nonzero``, ``bincount``,
     ...) while active; ``.counts`` maps op name to calls, ``.total`` sums them.
 
-    Python-level reads (``.item()``, ``.tolist()``, ``bool(t)``) all reach
-    ``aten._local_scalar_dense``. ``repeat_interleave`` counts only without ``output_size``.
+    Python-level reads ``.item()`` and ``bool(t)`` reach ``aten._local_scalar_dense``; a copy from
+    a non-CPU device to the CPU counts as ``device_to_host``. ``Tensor.tolist()`` reads a CPU
+    tensor's memory without any dispatch, so a mode cannot see it: with ``tolist=True`` the method
+    is wrapped while the mode is active and each call counts as ``tolist`` (off by default: the
+    kernels' CPU-only float32 grouped-GEMM branches read their offsets with it, which the GPU
+    path never does). ``repeat_interleave`` counts only without ``output_size``.
     """
 
-    def __init__(self):
+    def __init__(self, tolist: bool = False):
         super().__init__()
         self.counts: dict[str, int] = {}
         self.where: list[str] = []
+        self.tolist = tolist
+        self._in_tolist = False
+
+    def _hit(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+        import traceback
+
+        frames = [f for f in traceback.extract_stack()[:-2] if "primerl" in f.filename]
+        self.where.append(f"{name} at " + (f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"))
+
+    def __enter__(self):
+        if not self.tolist:
+            return super().__enter__()
+        self._own_tolist = "tolist" in torch.Tensor.__dict__
+        self._tolist = torch.Tensor.tolist
+        real, hit = self._tolist, self._hit
+
+        def tolist(t, *args, **kwargs):
+            hit("tolist")
+            self._in_tolist = True  # its device-to-host copy (a GPU tensor) is this same read
+            try:
+                return real(t, *args, **kwargs)
+            finally:
+                self._in_tolist = False
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if not self.tolist:
+            return super().__exit__(*exc)
+        if self._own_tolist:
+            torch.Tensor.tolist = self._tolist
+        else:
+            del torch.Tensor.tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -89,11 +137,9 @@ class count_host_reads(torch.utils._python_dispatch.TorchDispatchMode):
         if name == "repeat_interleave" and kwargs.get("output_size") is not None:
             hit = False
         if hit:
-            self.counts[name] = self.counts.get(name, 0) + 1
-            import traceback
-
-            frames = [f for f in traceback.extract_stack()[:-1] if "primerl" in f.filename]
-            self.where.append(f"{name} at " + (f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"))
+            self._hit(name)
+        elif name in ("_to_copy", "copy_") and not self._in_tolist and _device_to_host(name, args, kwargs):
+            self._hit("device_to_host")
         return func(*args, **kwargs)
 
     @property

@@ -148,7 +148,8 @@ class IndexerState:
         # layer id -> [T, K] int32 (training: rows of the batch; engine decode: rows of the
         # flattened latent cache)
         self.indices: dict[int, torch.Tensor] = {}
-        self.longest = None  # the batch's longest sequence (read once per forward: a host sync on GPU)
+        # the batch's longest sequence: the model's max_seqlen, else read once per forward (a host sync on GPU)
+        self.longest = None
 
 
 def _is_context_plan(plan) -> bool:
@@ -195,15 +196,16 @@ class Indexer(nn.Module):
         return q, k, w
 
     @torch.no_grad()
-    def select(self, x, q_latent, cos, sin, cu_seqlens) -> torch.Tensor:
-        """Indices into this batch's tokens (``cu_seqlens`` a tensor) or, under context parallelism
-        (a ``ContextShardPlan``), into every rank's tokens gathered in the plan's padded order."""
+    def select(self, x, q_latent, cos, sin, cu_seqlens, max_seqlen: int | None = None) -> torch.Tensor:
+        """Indices into this batch's tokens (``cu_seqlens`` a tensor; ``max_seqlen`` its longest
+        sequence, for the Triton indexer's grids) or, under context parallelism (a
+        ``ContextShardPlan``), into every rank's tokens gathered in the plan's padded order."""
         from primerl.kernels.sparse_attention import indexer_topk
 
         q, k, w = self.project(x, q_latent, cos, sin)
         kw = dict(topk=self.topk, softmax_scale=self.head_dim ** -0.5, backend=_backend(self.config, ("torch", "triton")))
         if torch.is_tensor(cu_seqlens):
-            return indexer_topk(q, k.to(q.dtype), w, cu_seqlens=cu_seqlens, **kw)
+            return indexer_topk(q, k.to(q.dtype), w, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kw)
         from primerl.parallel.context import gather_shards, padded_key_positions
 
         plan = cu_seqlens
@@ -274,7 +276,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
-    def _dense(self, q_nope, q_rope, c, k_rope, cu_seqlens):
+    def _dense(self, q_nope, q_rope, c, k_rope, cu_seqlens, max_seqlen: int | None = None):
         T, H = q_nope.shape[:2]
         k_nope, v = self.kv_b_proj(c).view(T, H, self.nope_dim + self.v_head_dim).split(
             [self.nope_dim, self.v_head_dim], dim=-1)
@@ -290,7 +292,7 @@ class MLAttention(nn.Module):
         from primerl.kernels.attention.mla import mla_attention
 
         return mla_attention(q, k, v, cu_seqlens=cu_seqlens.to(torch.int32), causal=True,
-                             softmax_scale=self.softmax_scale, backend=backend)
+                             softmax_scale=self.softmax_scale, backend=backend, max_seqlen=max_seqlen)
 
     def _sparse(self, q_nope, q_rope, kv, indices, head_parallel: bool = False):
         """kv ``[Tk, R + Dr]`` the latent keys (its first R columns are the values), indices ``[T, K]`` rows of kv.
@@ -324,7 +326,7 @@ class MLAttention(nn.Module):
                                          f"selection (the model's IndexerState)")
                     indices = state.indices[self.index_source]
                 else:
-                    indices = self.indexer.select(x, q_latent, cos, sin, cu_seqlens)
+                    indices = self.indexer.select(x, q_latent, cos, sin, cu_seqlens, max_seqlen=longest)
                     if state is not None:
                         state.indices[self.layer_id] = indices
                 kv = torch.cat((c, k_rope), dim=-1)
@@ -340,7 +342,7 @@ class MLAttention(nn.Module):
                 else:
                     o = self._sparse(q_nope, q_rope, kv, indices)
         if o is None:
-            o = self._dense(q_nope, q_rope, c, k_rope, cu_seqlens)
+            o = self._dense(q_nope, q_rope, c, k_rope, cu_seqlens, None if state is None else state.longest)
         return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.v_head_dim))
 
     # ----------------------------------------------------------------------------------------------

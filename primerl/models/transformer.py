@@ -118,7 +118,8 @@ class MoETransformer(nn.Module):
 
     # ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens, *,
-                replay_ids: torch.Tensor | None = None, return_logits: bool = False) -> torch.Tensor:
+                replay_ids: torch.Tensor | None = None, return_logits: bool = False,
+                max_seqlen: int | None = None) -> torch.Tensor:
         """Run the packed batch.
 
         Args:
@@ -129,8 +130,19 @@ class MoETransformer(nn.Module):
                 token tensors already sharded by it.
             replay_ids: optional ``[T, L, k]`` expert ids (any integer dtype) to replay instead of routing.
             return_logits: return ``[T, V]`` logits instead of the final hidden states ``[T, D]``.
+            max_seqlen: the longest sequence of ``cu_seqlens`` (flash-attn style), from where the batch
+                is built. A sparse-attention model (glm_moe_dsa) picks its dense or sparse form by it:
+                given, the forward reads nothing on the host; else it reads ``cu_seqlens`` once per
+                forward (a GPU sync). Checked on the device (no host read outside debug mode).
         """
         self._validate(input_ids, position_ids, cu_seqlens, replay_ids)
+        if max_seqlen is not None:
+            if not (isinstance(max_seqlen, int) and max_seqlen >= 0):
+                raise ValueError(f"max_seqlen must be a non-negative int (the longest sequence), got {max_seqlen!r}")
+            if torch.is_tensor(cu_seqlens):
+                check_values(cu_seqlens.diff().max() == max_seqlen,
+                             "max_seqlen must equal the longest sequence of cu_seqlens",
+                             lambda: f"max_seqlen={max_seqlen}, cu_seqlens {cu_seqlens.tolist()}")
         h = self.embed(input_ids)
         j = 0
         state = None
@@ -138,6 +150,7 @@ class MoETransformer(nn.Module):
             from .mla import IndexerState
 
             state = IndexerState()
+            state.longest = max_seqlen
         for layer in self.layers:
             extra = {} if state is None else {"attn_state": state}
             if layer.is_moe:

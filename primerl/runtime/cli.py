@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, describe_parallel, load_config, to_toml
+from .config import ConfigError, describe_parallel, to_toml
 from .placement import describe_placement
+from .validate import load_config
 
 SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command", "node", "plan")
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_placement(cfg), end="")
         print(plan, end="")
         return _dry_run_nodes(cfg)
-    from . import job
+    from .launch.machine import JobFailed, run_rl
     from .output_dir import OutputDirError, OutputDirUnusable
 
     if args.command == "node":
@@ -102,17 +103,17 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             submit(cfg)
-        except (job.JobFailed, ConfigError) as e:
+        except (JobFailed, ConfigError) as e:
             print(f"primerl rl: FAILED: {e}", file=sys.stderr)
             return 1
         return 0
     if args.command == "rl":
         try:
-            job.run_rl(cfg)
+            run_rl(cfg)
         except OutputDirUnusable as e:
             print(f"primerl: config error: {e}", file=sys.stderr)
             return 2
-        except (job.JobFailed, OutputDirError) as e:
+        except (JobFailed, OutputDirError) as e:
             print(f"primerl rl: FAILED: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
@@ -120,9 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         return 0
     if args.command == "trainer":
-        job.trainer_main(cfg)
+        from .trainer.main import trainer_main
+
+        trainer_main(cfg)
     elif args.command == "orchestrator":
-        job.orchestrator_main(cfg)
+        from .orchestrator.main import orchestrator_main
+
+        orchestrator_main(cfg)
     elif args.command == "inference":
         from .inference.server import serve
 

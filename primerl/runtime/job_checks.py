@@ -1,4 +1,4 @@
-"""Checks of the combinations that ``primerl rl`` can only run one way, made by ``config.validate``
+"""Checks of the combinations that ``primerl rl`` can only run one way, made by ``validate.validate``
 so that ``--dry-run`` refuses them with one line naming the key before any process starts or
 anything is written (each of them used to fail only after both processes had started).
 

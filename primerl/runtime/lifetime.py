@@ -26,7 +26,7 @@ _PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("primerl")
 
-__all__ = ["LAUNCHER_PID_ENV", "die_with_parent", "watch_launcher", "pid_alive"]
+__all__ = ["LAUNCHER_PID_ENV", "die_with_parent", "watch_launcher", "pid_alive", "peer_alive"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -37,6 +37,11 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def peer_alive(pid: int | None):
+    """A liveness check of the peer process ``pid`` (``PRIMERL_PEER_PID``), or None when unknown."""
+    return (lambda: pid_alive(pid)) if pid else None
 
 
 def die_with_parent(parent_pid: int):

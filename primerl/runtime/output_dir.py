@@ -44,7 +44,7 @@ class OutputDirNotEmpty(OutputDirError):
 
 class OutputDirUnusable(OutputDirError):
     """output_dir cannot be created or written (a file in the way, no permission, a kernel
-    filesystem): a config error (``primerl rl`` exits 2), found when ``config.validate``'s look at
+    filesystem): a config error (``primerl rl`` exits 2), found when ``validate.validate``'s look at
     the path could not tell."""
 
 

@@ -19,7 +19,7 @@ same device type. ``trainer.mixed_precision = "auto"`` is bf16 on CUDA (float32 
 and optimizer state, bf16 compute, float32 gradient reduction; FSDP2's ``MixedPrecisionPolicy``,
 a one-rank mesh for a single process) and off on the CPU; the engine then samples in bf16 too.
 
-Every inconsistency is a ``ConfigError`` naming the key, raised by ``config.validate`` before any
+Every inconsistency is a ``ConfigError`` naming the key, raised by ``validate.validate`` before any
 process starts; ``primerl rl --dry-run`` prints :func:`describe_placement`.
 """
 

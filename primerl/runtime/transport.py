@@ -58,6 +58,30 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+TMP_PREFIX = ".tmp_step_"  # a checkpoint being written: <root>/.tmp_step_<step>.<writer pid>
+
+
+def remove_stale_tmp_dirs(root: str | Path) -> list[Path]:
+    """Delete the temp directories of checkpoint writes that can no longer finish: those of a
+    process that is gone, or of this process (called at start, and after a failed save). Returns
+    what was removed. A failed save (ENOSPC, a crash) would otherwise leave them forever, filling
+    the disk and making the next save fail too. Any checkpoint writer names its temp directory
+    ``TMP_PREFIX + <anything>.<pid>`` so this finds it."""
+    from .lifetime import pid_alive
+
+    removed = []
+    for d in Path(root).glob(TMP_PREFIX + "*"):
+        pid = d.name.rpartition(".")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
+            continue  # another live writer's save in progress
+        if d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+        else:
+            d.unlink(missing_ok=True)
+        removed.append(d)
+    return removed
+
+
 def wait_for(predicate: Callable[[], Any], *, timeout: float, what: str,
              alive: Callable[[], bool] | None = None, poll: float = 0.005, max_poll: float = 0.1) -> Any:
     """Poll ``predicate`` until it returns something truthy; raise on timeout or a dead producer."""
@@ -144,8 +168,6 @@ class FileTransport:
                 shutil.rmtree(final)
             os.replace(tmp, final)
         except BaseException:
-            from .trainer.checkpoint import remove_stale_tmp_dirs  # (checkpoint imports this module)
-
             remove_stale_tmp_dirs(self.weights)
             raise
         atomic_write_bytes(final / STABLE, str(version).encode())
@@ -189,15 +211,3 @@ class FileTransport:
         for d in self.weights.glob("step_*"):
             if int(d.name[5:]) > version:
                 shutil.rmtree(d, ignore_errors=True)
-
-
-def make_transport(cfg, root: str | Path, side: str) -> FileTransport:
-    """The job's transport for ``side`` ("orchestrator" or "trainer"): files, or rollout batches
-    over ZeroMQ (``orchestrator.batch_transport = "zmq"``, ``zmq_transport.ZmqTransport``)."""
-    o = cfg.orchestrator
-    if o.batch_transport != "zmq":
-        return FileTransport(root)
-    from .zmq_transport import ZmqTransport
-
-    host = o.zmq_host or os.environ.get("PRIMERL_BATCH_HOST", "127.0.0.1")  # set by `primerl node` from the plan
-    return ZmqTransport(root, side=side, host=host, port=o.zmq_port)

@@ -25,6 +25,7 @@ and replaces only the batch methods); with the embedded engine's broadcast
 from __future__ import annotations
 
 import io
+import os
 import struct
 import threading
 import time
@@ -35,7 +36,7 @@ import torch
 
 from .transport import ORCHESTRATOR_NODE_ENV, FileTransport, ProducerDied, TransportTimeout
 
-__all__ = ["ZmqTransport"]
+__all__ = ["ZmqTransport", "make_transport"]
 
 _KEY = struct.Struct("!qq")  # (step, rank)
 LOST_AFTER_S = 3.0  # disconnected this long without a reconnect: the orchestrator is gone (a blip reconnects)
@@ -194,3 +195,13 @@ class ZmqTransport(FileTransport):
     def drop_batches_before(self, step: int) -> None:
         if self.side == "orchestrator":
             super().drop_batches_before(step)
+
+
+def make_transport(cfg, root: str | Path, side: str) -> FileTransport:
+    """The job's transport for ``side`` ("orchestrator" or "trainer"): files, or rollout batches
+    over ZeroMQ (``orchestrator.batch_transport = "zmq"``, ``zmq_transport.ZmqTransport``)."""
+    o = cfg.orchestrator
+    if o.batch_transport != "zmq":
+        return FileTransport(root)
+    host = o.zmq_host or os.environ.get("PRIMERL_BATCH_HOST", "127.0.0.1")  # set by `primerl node` from the plan
+    return ZmqTransport(root, side=side, host=host, port=o.zmq_port)

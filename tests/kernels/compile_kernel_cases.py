@@ -174,6 +174,74 @@ def _gemm_cases():
          colwise, False),
         ("gemm.k_grouped_fp8_gemm_tn_contiguous", kgrouped_fp8_gemm, kgrouped_fp8, False),
         ("gemm.k_grouped_fp8_gemm_tn_contiguous(blocks)", kgrouped_fp8_blocks, kgrouped_fp8, False),
+    ] + _gemm_triton_cases(dense, grouped, grouped_bf16, kgrouped, fp8_dense, fp8_grouped, fp8_masked, colwise,
+                           kgrouped_fp8)
+
+
+def _gemm_triton_cases(dense, grouped, grouped_bf16, kgrouped, fp8_dense, fp8_grouped, fp8_masked, colwise,
+                       kgrouped_fp8):
+    """The GEMM Triton launchers (custom ops primerl::*_triton of primerl/kernels/gemm/triton_ops.py),
+    where Triton runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (the tests' default)."""
+    if not PK.backend_status("triton").available:
+        return []
+    tr = "triton"
+
+    def grouped_aligned(seed):
+        # the Triton m_indices layout: 128-row blocks of one group each, ascending, group 1 empty
+        g = _g(seed)
+        mi = torch.cat([torch.zeros(100), torch.full((28,), -1), torch.full((50,), 2), torch.full((78,), -1)])
+        return _randn(g, 256, 32, grad=True), _randn(g, 3, 24, 32, grad=True), mi.to(torch.int32)
+
+    def fp8_accumulate(seed):
+        g = _g(seed)
+        return _randn(g, 5, K), _randn(g, 130, K), _randn(g, 5, 130)
+
+    def fp8_dense_into(x, w, d):
+        # DeepGEMM's in-place convention: D = A @ B.T + C with C = D, written into d
+        return G.fp8_gemm_nt(F8.quant_per_token_group(x, 128), F8.quant_per_block(w), d, c=d, backend=tr)
+
+    def fp8_masked_gemm(x, w, mm):
+        y = G.m_grouped_fp8_gemm_nt_masked(F8.quant_per_token_group(x, 128), F8.quant_per_block(w), mm, 4,
+                                           backend=tr)
+        return torch.where(torch.arange(4, device=y.device)[None, :, None] < mm[:, None, None], y, 0)
+
+    def colwise_triton(layout):
+        return lambda x, o: G.quant_per_group_colwise(x, o, layout=layout, backend=tr)
+
+    def kgrouped_fp8_gemm(layout):
+        def f(a, b, offs):
+            qa = G.quant_per_group_colwise(a, offs, layout=layout, backend=tr)
+            qb = G.quant_per_group_colwise(b, offs, layout=layout, backend=tr)
+            return G.k_grouped_fp8_gemm_tn_contiguous(qa, qb, offs, backend=tr)
+        return f
+
+    def q(x):
+        return F8.quant_per_token_group(x, 128)
+
+    return [
+        ("gemm.gemm_nt[triton]", lambda a, b: G.gemm_nt(a, b, backend=tr), dense, True),
+        ("gemm.grouped_gemm_nt(offsets)[triton]", lambda a, b, o: G.grouped_gemm_nt(a, b, o, backend=tr), grouped,
+         True),
+        ("gemm.grouped_gemm_nt(offsets,bf16)[triton]", lambda a, b, o: G.grouped_gemm_nt(a, b, o, backend=tr),
+         grouped_bf16, True),
+        ("gemm.grouped_gemm_nt(m_indices)[triton]",
+         lambda a, b, mi: G.grouped_gemm_nt(a, b, mi, layout="m_indices", backend=tr), grouped_aligned, True),
+        ("gemm.k_grouped_gemm_tn[triton]", lambda a, b, o: G.k_grouped_gemm_tn(a, b, o, backend=tr), kgrouped, True),
+        ("gemm.fp8_gemm_nt[triton]", lambda x, w: G.fp8_gemm_nt(q(x), F8.quant_per_block(w), backend=tr), fp8_dense,
+         False),
+        ("gemm.fp8_gemm_nt(d,c=d)[triton]", fp8_dense_into, fp8_accumulate, False),
+        ("gemm.m_grouped_fp8_gemm_nt_contiguous[triton]",
+         lambda x, w, o: G.m_grouped_fp8_gemm_nt_contiguous(q(x), F8.quant_per_block(w),
+                                                            G.offsets_to_m_indices(o, x.shape[0]), backend=tr),
+         fp8_grouped, False),
+        ("gemm.m_grouped_fp8_gemm_nt_offsets[triton]",
+         lambda x, w, o: G.m_grouped_fp8_gemm_nt_offsets(q(x), F8.quant_per_block(w), o, backend=tr), fp8_grouped,
+         False),
+        ("gemm.m_grouped_fp8_gemm_nt_masked[triton]", fp8_masked_gemm, fp8_masked, False),
+        ("gemm.quant_per_group_colwise[triton]", colwise_triton("rows"), colwise, False),
+        ("gemm.quant_per_group_colwise(blocks)[triton]", colwise_triton("blocks"), colwise, False),
+        ("gemm.k_grouped_fp8_gemm_tn_contiguous[triton]", kgrouped_fp8_gemm("rows"), kgrouped_fp8, False),
+        ("gemm.k_grouped_fp8_gemm_tn_contiguous(blocks)[triton]", kgrouped_fp8_gemm("blocks"), kgrouped_fp8, False),
     ]
 
 

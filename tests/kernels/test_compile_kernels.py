@@ -203,6 +203,14 @@ def test_value_checks_still_fire_compiled():
 
 
 def _opcheck_samples():
+    # the op modules register their ops on import (the public ops import them lazily): import them
+    # here, so that the opcheck tests also run alone
+    import primerl.kernels.gemm._opaque_ops  # noqa: F401
+
+    if K.backend_status("triton").available:
+        import primerl.kernels.fp8.triton_ops  # noqa: F401
+        import primerl.kernels.gemm.triton_ops  # noqa: F401
+        import primerl.kernels.moe.triton_ops  # noqa: F401
     g = torch.Generator().manual_seed(0)
     offs = torch.tensor([3, 3, 7], dtype=torch.int32)
     a = torch.randn(8, 16, generator=g, requires_grad=True)
@@ -252,11 +260,68 @@ def _opcheck_triton_samples(g):
                                         "divide")),
         ("fp8_quant_rowwise_triton", (torch.randn(3, 64, generator=g), torch.float8_e4m3fn, "divide")),
         ("fp8_quant_tensorwise_triton", (torch.randn(3, 64, generator=g), torch.float8_e4m3fn, "divide")),
+    ] + _opcheck_gemm_triton_samples(g)
+
+
+def _opcheck_gemm_triton_samples(g):
+    """primerl/kernels/gemm/triton_ops.py: tiny shapes, ragged and empty groups, strided operands."""
+    from primerl.kernels import fp8 as F8
+    from primerl.kernels import gemm as G
+
+    f32, e4m3 = torch.float32, torch.float8_e4m3fn
+    offs = torch.tensor([3, 3, 9], dtype=torch.int32)  # an empty group, 2 tail rows of 11
+    mi = torch.cat([torch.full((60,), 1), torch.full((68,), -1)]).to(torch.int32)
+    kmi = torch.tensor([0, 0, -1, 0, 0, 0, 2, 2, 2, -1, -1, 2, 2], dtype=torch.int32)
+    a = F8.quant_per_token_group(torch.randn(9, 128, generator=g), 128)
+    b1 = F8.quant_per_block(torch.randn(130, 128, generator=g))
+    b_rows = F8.quant_per_token_group(torch.randn(130, 128, generator=g), 128)  # recipe (1, 1, 128)
+    b3 = F8.quant_per_block(torch.randn(3, 130, 128, generator=g))
+    am = F8.quant_per_token_group(torch.randn(3, 4, 128, generator=g), 128)
+    koffs = torch.tensor([5, 5, 12], dtype=torch.int32)
+    ka = G.quant_per_group_colwise(torch.randn(13, 16, generator=g), koffs)
+    kb = G.quant_per_group_colwise(torch.randn(13, 24, generator=g), koffs, layout="blocks")
+    kb_rows = G.quant_per_group_colwise(torch.randn(13, 24, generator=g), koffs)
+    return [
+        ("gemm_nt_triton", (torch.randn(6, 32, generator=g), torch.randn(24, 32, generator=g), f32)),
+        ("gemm_nt_triton", (torch.randn(6, 32, generator=g), torch.randn(32, 24, generator=g).t(), torch.bfloat16)),
+        ("grouped_gemm_nt_offsets_triton", (torch.randn(11, 32, generator=g), torch.randn(3, 24, 32, generator=g),
+                                            offs, f32)),
+        ("grouped_gemm_nt_m_indices_triton", (torch.randn(128, 32, generator=g), torch.randn(2, 24, 32, generator=g),
+                                              mi, f32)),
+        ("k_grouped_gemm_tn_triton", (torch.randn(13, 8, generator=g), torch.randn(13, 12, generator=g), koffs, None,
+                                      f32)),
+        ("k_grouped_gemm_tn_triton", (torch.randn(13, 8, generator=g), torch.randn(13, 12, generator=g), koffs, kmi,
+                                      f32)),
+        ("fp8_gemm_nt_triton", (*a, *b1, torch.randn(9, 130, generator=g).bfloat16(), None, 128)),
+        ("fp8_gemm_nt_triton", (*a, *b_rows, torch.randn(9, 130, generator=g), torch.randn(9, 130, generator=g), 1)),
+        ("m_grouped_fp8_gemm_nt_contiguous_triton", (*a, *b3, G.offsets_to_m_indices(offs[:3] - 2, 9),
+                                                     torch.randn(9, 130, generator=g), 128)),
+        ("m_grouped_fp8_gemm_nt_offsets_triton", (*a, *b3, offs - 2, torch.bfloat16)),
+        ("m_grouped_fp8_gemm_nt_masked_triton", (*am, *b3, torch.tensor([4, 0, 2], dtype=torch.int32), 4,
+                                                 torch.randn(3, 4, 130, generator=g), 128)),
+        ("k_grouped_fp8_gemm_tn_triton", (*ka, *kb_rows, koffs, torch.randn(3, 16, 24, generator=g), None)),
+        ("k_grouped_fp8_gemm_tn_triton", (*G.quant_per_group_colwise(torch.randn(13, 16, generator=g), koffs,
+                                                                     layout="blocks"), *kb, koffs,
+                                          torch.randn(3, 16, 24, generator=g), torch.randn(3, 16, 24, generator=g))),
+        ("quant_per_group_colwise_triton", (torch.randn(13, 16, generator=g), koffs, e4m3, False, "reciprocal",
+                                            "rows")),
+        ("quant_per_group_colwise_triton", (torch.randn(13, 16, generator=g).bfloat16(), koffs, torch.float8_e5m2, True,
+                                            "divide", "blocks")),
     ]
 
 
 @pytest.mark.parametrize("op,args", _opcheck_samples(), ids=[f"{s[0]}-{i}" for i, s in enumerate(_opcheck_samples())])
-def test_opcheck(op, args):
+def test_opcheck(op, args, monkeypatch):
+    # opcheck's schema check compares each input before and after the op with torch.allclose, which
+    # has no CPU kernel for fp8 (the FP8 GEMMs' operands): compare those bitwise instead
+    allclose = torch.allclose
+
+    def fp8_aware_allclose(a, b, *rest, **kw):
+        if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype == a.dtype:
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return allclose(a, b, *rest, **kw)
+
+    monkeypatch.setattr(torch, "allclose", fp8_aware_allclose)
     torch.library.opcheck(getattr(torch.ops.primerl, op).default, args)
 
 

@@ -186,11 +186,36 @@ def test_k_grouped_gemm_tn(backend, counts):
     a[total:] = NAN
     b[total:] = NAN
     offs = _offsets(counts)
-    out = G.k_grouped_gemm_tn(a, b, offs, backend=backend)
+    a_in, b_in = a.detach().requires_grad_(), b.detach().requires_grad_()
+    out = G.k_grouped_gemm_tn(a_in, b_in, offs, backend=backend)
     ref = torch.stack([a[s - c:s].double().t() @ b[s - c:s].double() for s, c in zip(offs.tolist(), counts)])
     assert out.shape == (len(counts), n, k) and out.dtype == torch.float32
     assert not out.isnan().any()
-    assert calc_diff(out, ref) < 1e-6
+    assert calc_diff(out.detach(), ref) < 1e-6
+
+    # the gradients: da = b @ grad[g].T, db = a @ grad[g] over each group's rows; rows past the last group zero
+    grad = _randn(*out.shape, seed=3)
+    out.backward(grad)
+    ref_a = torch.cat([b[s - c:s].double() @ grad[g].double().t() for g, (s, c) in enumerate(zip(offs.tolist(), counts))])
+    ref_b = torch.cat([a[s - c:s].double() @ grad[g].double() for g, (s, c) in enumerate(zip(offs.tolist(), counts))])
+    for got, want in ((a_in.grad, ref_a), (b_in.grad, ref_b)):
+        assert got.shape == (total + 4, want.shape[1]) and not got.isnan().any()
+        assert bool((got[total:] == 0).all())
+        assert calc_diff(got[:total], want) < 1e-5  # bf16 gradients
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gemm_nt_backward_strided_operands(backend):
+    """Transposed views in: the weight gradient reads a's rows (the K-grouped kernel takes unit column
+    strides only, so the launcher copies such operands first)."""
+    a_t, b_t = _randn(32, 6, seed=0), _randn(32, 24, seed=1)
+    a, b = a_t.t().requires_grad_(), b_t.t().requires_grad_()
+    out = G.gemm_nt(a, b, backend=backend)
+    grad = _randn(6, 24, seed=2)
+    out.backward(grad)
+    assert calc_diff(out.detach(), a.detach().double() @ b.detach().double().t()) < 1e-5
+    assert calc_diff(a.grad, grad.double() @ b.detach().double()) < 1e-5
+    assert calc_diff(b.grad, grad.double().t() @ a.detach().double()) < 1e-5
 
 
 # ------------------------------------------------------------------------------ FP8 GEMMs

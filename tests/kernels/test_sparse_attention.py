@@ -67,13 +67,13 @@ def test_indexer_topk_triton_matches_reference(lens, topk, dim):
 
 def test_indexer_topk_chunked(monkeypatch):
     """Several query chunks (the launcher's memory bound) give the same selection as one."""
-    import primerl.kernels.sparse_attention as sa
+    import primerl.kernels.sparse_attention.triton as st
 
     lens = (9, 30, 14)
     q, k, w = _indexer_inputs(lens, 3, 16, seed=5)
     cu = _cu(lens)
     whole = indexer_topk(q, k, w, cu_seqlens=cu, topk=6, backend="triton")
-    monkeypatch.setattr(sa, "INDEXER_CHUNK_ELEMENTS", 7 * 30)  # 7 rows per chunk
+    monkeypatch.setattr(st, "INDEXER_CHUNK_ELEMENTS", 7 * 30)  # 7 rows per chunk
     assert torch.equal(indexer_topk(q, k, w, cu_seqlens=cu, topk=6, backend="triton"), whole)
 
 

@@ -36,7 +36,7 @@ def _fresh_dynamo():
 
 
 def job_model_config() -> MoETransformerConfig:
-    from primerl.runtime.config import load_config
+    from primerl.runtime.validate import load_config
     from primerl.runtime.policy import model_config
 
     return model_config(load_config("examples/reverse_text.toml", []), V)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from primerl.rl.packing import Sample, pack
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.cpu_memory import track_peak_cpu_bytes  # noqa: E402

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from primerl.runtime.cli import main
-from primerl.runtime.config import ConfigError, RLConfig, from_dict, load_config, parse_overrides, to_toml
+from primerl.runtime.config import ConfigError, RLConfig, from_dict, parse_overrides, to_toml
+from primerl.runtime.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "reverse_text.toml"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from primerl.runtime.config import ConfigError, cp_degrees, describe_parallel, load_config, parallel_dims
+from primerl.runtime.config import ConfigError, cp_degrees, describe_parallel, parallel_dims
+from primerl.runtime.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "reverse_text_4rank.toml"  # 4 ranks, 8 query / 4 KV heads

@@ -173,7 +173,7 @@ def _case_publish(rank, world, tmp):
     single-process publish of the same weights writes."""
     import torch.distributed as dist
 
-    from primerl.runtime.config import load_config
+    from primerl.runtime.validate import load_config
     from primerl.runtime.inference.hf_weights import hf_weights
     from primerl.runtime.trainer.publish import publish_streamed
     from primerl.runtime.transport import FileTransport

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.inference.engine import EngineError, InferenceEngine, Request, SamplingParams
 from primerl.runtime.job import run_threads
 from primerl.runtime.policy import build_model

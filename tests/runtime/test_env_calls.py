@@ -9,7 +9,7 @@ import torch
 from test_orchestrator import FakeClient, _run
 
 from primerl.rl.envs import ReverseText
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.orchestrator.env_calls import EnvCallError, EnvCalls, EnvCallTimeout, RewardRejected, check_reward
 from primerl.runtime.orchestrator import EnvError, Orchestrator
 from primerl.runtime.transport import FileTransport

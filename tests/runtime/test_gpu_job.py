@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from primerl.kernels.fp8 import dequant
 from primerl.models.config import MoETransformerConfig
 from primerl.models.transformer import MoETransformer
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
 from primerl.runtime.inference.hf_weights import hf_weights, primerl_weights, publish_hf
 from primerl.runtime.inference.server import EngineServer

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from primerl.runtime.config import load_config, to_toml
+from primerl.runtime.config import to_toml
+from primerl.runtime.validate import load_config
 from primerl.runtime.job import run_rl, run_threads
 from primerl.runtime.metrics import read_metrics
 

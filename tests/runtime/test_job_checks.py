@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from primerl.runtime import cli
-from primerl.runtime.config import ConfigError, load_config
+from primerl.runtime.config import ConfigError
+from primerl.runtime.validate import load_config
 from primerl.runtime.output_dir import OutputDirLock, OutputDirNotEmpty, OutputDirUnusable, claim_output_dir
 
 ROOT = Path(__file__).resolve().parents[2]

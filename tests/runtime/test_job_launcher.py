@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.job import JobFailed, prepare_output, run_rl
 from primerl.runtime.lifetime import pid_alive
 from primerl.runtime.metrics import read_metrics

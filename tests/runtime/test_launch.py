@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from primerl.runtime import cli
-from primerl.runtime.config import ConfigError, load_config, to_toml
+from primerl.runtime.config import ConfigError, to_toml
+from primerl.runtime.validate import load_config
 from primerl.runtime.launch import config_hash, describe_nodes, node_plan
 from primerl.runtime.launch.node import NodeError, join_rendezvous, resolve_node, trainer_command
 from primerl.runtime.launch.slurm import render_sbatch

@@ -88,7 +88,7 @@ def test_rooms_hold_their_processes():
 def test_public_import_paths_keep_working():
     from primerl.runtime import vllm_worker as old
     from primerl.runtime.cli import main
-    from primerl.runtime.config import load_config
+    from primerl.runtime.validate import load_config
     from primerl.runtime.inference import InferenceEngine, VLLMClient
     from primerl.runtime.inference import vllm_worker as new
     from primerl.runtime.inference.engine import InferenceEngine as engine_cls
@@ -110,7 +110,7 @@ def test_public_import_paths_keep_working():
 
 
 def test_vllm_is_told_the_new_worker_extension_path():
-    from primerl.runtime.config import load_config
+    from primerl.runtime.validate import load_config
     from primerl.runtime.inference.vllm_client import WORKER_EXTENSION
     from primerl.runtime.inference.vllm_launch import vllm_serve_command
     from primerl.runtime.inference.vllm_worker import WeightUpdateExtension

@@ -13,7 +13,8 @@ from test_trainer import V, _cfg, _payload, _samples as _trainer_samples
 
 from primerl.rl.losses import DEFAULT_HPARAMS
 from primerl.rl.packing import pack
-from primerl.runtime.config import ConfigError, LossConfig, load_config
+from primerl.runtime.config import ConfigError, LossConfig
+from primerl.runtime.validate import load_config
 from primerl.runtime.job import run_threads
 from primerl.runtime.trainer import Trainer
 from trainer_testing import assert_same_grads, grad_gap, record_grads

@@ -12,7 +12,7 @@ from test_trainer import V, _cfg, _payload, _samples
 
 from primerl.rl.envs import Environment, ReverseText, has_token_weights
 from primerl.rl.packing import pack
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.orchestrator.env_calls import check_token_weights
 from primerl.runtime.job import run_threads
 from primerl.runtime.trainer import Trainer

@@ -26,7 +26,8 @@ import torch
 
 from primerl.models.config import MoETransformerConfig
 from primerl.models.transformer import MoETransformer
-from primerl.runtime.config import ConfigError, load_config
+from primerl.runtime.config import ConfigError
+from primerl.runtime.validate import load_config
 from primerl.runtime.memory_plan import (GiB, TrainerLayout, inference_plan, max_seq_len, param_counts,
                                          parse_bytes, plan_for_config, trainer_plan)
 

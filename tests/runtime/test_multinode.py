@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.launch import node_plan, trainer_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from primerl.rl.envs import ReverseText
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.inference.engine import Completion
 from primerl.runtime.orchestrator import EnvError, Orchestrator
 from primerl.runtime.transport import FileTransport, ProducerDied

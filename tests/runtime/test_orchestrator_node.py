@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from primerl.runtime.config import ConfigError, load_config, to_toml
+from primerl.runtime.config import ConfigError, to_toml
+from primerl.runtime.validate import load_config
 from primerl.runtime.metrics import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

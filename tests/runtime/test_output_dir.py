@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from primerl.runtime.cli import main
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.job import first_failure, run_threads
 from primerl.runtime.output_dir import LOCK_NAME, OutputDirBusy, OutputDirNotEmpty, claim_output_dir
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from primerl.runtime.config import ConfigError, load_config, parallel_dims
+from primerl.runtime.config import ConfigError, parallel_dims
+from primerl.runtime.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

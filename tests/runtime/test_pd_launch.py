@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from primerl.runtime.config import ConfigError, load_config
+from primerl.runtime.config import ConfigError
+from primerl.runtime.validate import load_config
 from primerl.runtime.inference.pd_launch import PDDeployment, pd_servers, vllm_pd_commands
 
 ROOT = Path(__file__).resolve().parents[2]

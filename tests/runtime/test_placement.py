@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from primerl.runtime import cli
-from primerl.runtime.config import ConfigError, load_config
+from primerl.runtime.config import ConfigError
+from primerl.runtime.validate import load_config
 from primerl.runtime.placement import describe_placement, resolve_placement
 
 ROOT = Path(__file__).resolve().parents[2]

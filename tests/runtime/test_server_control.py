@@ -10,7 +10,7 @@ import torch
 
 from primerl.models.config import MoETransformerConfig
 from primerl.models.transformer import MoETransformer
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
 from primerl.runtime.inference.server import EngineServer, http_frontends
 from primerl.runtime.inference.vllm_client import VLLMClient

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from primerl.runtime.config import ConfigError, load_config
+from primerl.runtime.config import ConfigError
+from primerl.runtime.validate import load_config
 from primerl.runtime.launch.servers import ProcessTable, router_executable
 from primerl.runtime.metrics import read_metrics
 

@@ -8,7 +8,7 @@ import torch
 from primerl.rl.packing import Sample, pack
 from primerl.runtime.trainer import _rl
 from primerl.runtime.trainer.checkpoint import save_checkpoint
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.trainer import NonFiniteLossError, Trainer, lr_lambda, shifted_logprobs
 from trainer_testing import assert_same_grads, grad_gap, record_grads
 
@@ -110,8 +110,11 @@ def test_nan_loss_is_skipped_counted_then_fatal(monkeypatch):
     m = t.train_step(_payload(_samples(2), 64))
     assert m["nan_skipped"] == 1 and math.isnan(m["grad_norm"])
     assert all(torch.equal(before[n], p) for n, p in t.model.named_parameters())
+    assert all(float(st["step"]) == 0 for st in t.optimizer.state.values())  # fused AdamW's found_inf: no step
     m = t.train_step(_payload(_samples(2), 64))  # recovers
     assert m["nan_skipped"] == 1 and math.isfinite(m["grad_norm"]) and t.nan_streak == 0
+    state = [v for st in t.optimizer.state.values() for v in st.values()]
+    assert state and all(bool(torch.isfinite(v).all()) for v in state)  # the skipped NaN gradients left no trace
 
     monkeypatch.setattr(_rl, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     t.train_step(_payload(_samples(2), 64))

@@ -11,7 +11,7 @@ import torch
 
 from primerl.models.checkpoint import CheckpointError
 from primerl.runtime.trainer import checkpoint as ckpt
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.job import prepare_output
 from primerl.runtime.transport import FileTransport
 

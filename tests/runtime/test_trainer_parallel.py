@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from primerl.rl.packing import Sample, pack
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))

@@ -15,7 +15,8 @@ import torch
 from primerl.kernels.fp8 import dequant
 from primerl.models.config import MoETransformerConfig
 from primerl.models.transformer import MoETransformer
-from primerl.runtime.config import ConfigError, load_config
+from primerl.runtime.config import ConfigError
+from primerl.runtime.validate import load_config
 from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
 from primerl.runtime.inference.server import EngineServer
 from primerl.runtime.transport import FileTransport

@@ -12,7 +12,7 @@ import torch
 
 from primerl.models.config import MoETransformerConfig
 from primerl.models.transformer import MoETransformer
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.inference.hf_weights import hf_weights
 from primerl.runtime.transport import FileTransport
 from primerl.runtime.inference.vllm_client import InferenceServerError, VLLMClient, decode_routed_experts

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from primerl.rl.packing import Sample, pack
-from primerl.runtime.config import ConfigError, load_config
+from primerl.runtime.config import ConfigError
+from primerl.runtime.validate import load_config
 from primerl.runtime.inference.hf_weights import hf_weights
 from primerl.runtime.policy import build_model
 from primerl.runtime.trainer import run_trainer

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.job import run_threads
 from primerl.runtime.transport import ProducerDied, TransportTimeout
 from primerl.runtime.zmq_transport import ZmqTransport

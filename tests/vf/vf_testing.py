@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from primerl.runtime.config import load_config
+from primerl.runtime.validate import load_config
 from primerl.runtime.inference.server import EngineServer
 from primerl.runtime.transport import FileTransport
 from primerl.runtime.orchestrator.vf_orchestrator import VerifiersOrchestrator

@@ -22,7 +22,8 @@ Backends (``backend=``):
 
 - ``"torch"``: the float32 reference (``reference.py``), the default on CPU.
 - ``"triton"``: flash-attention-2 style forward and a recomputing backward in Triton (``triton.py``);
-  every form (positions, any head_dim, float32); on CPU under TRITON_INTERPRET=1.
+  every form (positions, any head_dim, float32); on CPU under TRITON_INTERPRET=1. The launchers run
+  as ``primerl::`` custom ops (``triton_ops.py``): traceable by torch.compile and FakeTensor.
 - ``"cudnn"``: cuDNN's fused attention, what SDPA runs on Hopper, per run of equal-length
   sequences (``cudnn.py``). CUDA, bf16/fp16, head_dim % 8 == 0 up to 128, default positions,
   causal only on square blocks (Lq == Lk per sequence).
@@ -210,8 +211,16 @@ def _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_p
 
 
 def _impl(backend: str):
-    if backend == "triton":
-        from . import triton as impl
+    if backend in ("triton", "mla_triton"):
+        from .._opaque import launching_directly
+
+        if launching_directly():  # AOT capture: the raw launchers (primerl.kernels.aot)
+            from . import mla_triton, triton
+
+            return triton if backend == "triton" else mla_triton
+        from . import triton_ops  # the launchers as custom ops (traceable)
+
+        return triton_ops if backend == "triton" else triton_ops.MLA
     elif backend == "flash_attn":
         from . import flash_attn_backend as impl
     elif backend == "sdpa":
@@ -220,8 +229,6 @@ def _impl(backend: str):
         from . import varlen_flash as impl
     elif backend == "cudnn":
         from . import cudnn as impl
-    elif backend == "mla_triton":  # q/k and v of different widths (mla_attention's Triton path)
-        from . import mla_triton as impl
     else:
         from . import _torch_impl as impl
     return impl
@@ -267,9 +274,17 @@ def _resolve(op, backend, q: torch.Tensor, spec: AttentionSpec, dlse: bool = Fal
     be = resolve_backend(op, backend, q.device, supported=_SUPPORTED, preference=("triton", "torch"))
     if be == "flash_attn" and spec.q_positions is not None:
         raise ValueError(f"{op}: backend 'flash_attn' does not take q_positions/k_positions; use 'triton' or 'torch'")
-    if be in ("triton", "flash_attn"):  # grid sizes / the kernel's max_seqlen
+    if be == "flash_attn" or (be == "triton" and _launching_directly()):  # the kernel's max_seqlen / grid sizes
         spec = _host_spec(spec, need_offsets=False)
+    # backend "triton" otherwise: the custom op reads the offsets itself when a max_seqlen is missing
+    # (triton_ops.py), so nothing data-dependent is computed here
     return be, spec
+
+
+def _launching_directly() -> bool:
+    from .._opaque import launching_directly
+
+    return launching_directly()
 
 
 def _tracing(q: torch.Tensor) -> bool:
@@ -322,9 +337,10 @@ def attention(
     ``max_seqlen`` (``max_seqlen_k``): the longest query (key) sequence, as flash-attn takes it.
     Only the GPU kernels need it (grid sizes); given, the Triton and varlen_flash backends run
     without reading ``cu_seqlens`` on the host (cuDNN, and ``backend=None`` on CUDA which may pick
-    it, read the offsets once per tensor). The torch backend (CPU default) never reads the host:
-    it is traceable by ``torch.compile(fullgraph=True)``, FakeTensor and meta tensors, with
-    symbolic token counts (a new packing does not recompile).
+    it, read the offsets once per tensor). Without it the Triton backend's custom op reads the
+    offsets inside itself (once per tensor; opaque to torch.compile, so no graph break). The torch
+    backend (CPU default) never reads the host: it is traceable by ``torch.compile(fullgraph=True)``,
+    FakeTensor and meta tensors, with symbolic token counts (a new packing does not recompile).
     """
     spec = _make_spec("attention", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions,
                       max_seqlen, max_seqlen_k)
@@ -401,9 +417,7 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b, *, backend: str | None = None)
     _check_merge("merge_attn_states", out_a, lse_a, out_b, lse_b)
     be = resolve_backend("merge_attn_states", backend, out_a.device, supported=("torch", "triton"), preference=("triton", "torch"))
     if be == "triton":
-        from . import triton as impl
-
-        return impl.merge_attn_states(out_a, lse_a, out_b, lse_b, inplace=False)
+        return _impl("triton").merge_attn_states(out_a, lse_a, out_b, lse_b, inplace=False)
     return reference.merge_attn_states(out_a, lse_a, out_b, lse_b)
 
 
@@ -414,9 +428,7 @@ def merge_attn_states_(out, lse, out_b, lse_b, *, backend: str | None = None) ->
     be = resolve_backend("merge_attn_states_", backend, out.device, supported=("torch", "triton"), preference=("triton", "torch"))
     with torch.no_grad():
         if be == "triton":
-            from . import triton as impl
-
-            return impl.merge_attn_states(out, lse, out_b, lse_b, inplace=True)
+            return _impl("triton").merge_attn_states(out, lse, out_b, lse_b, inplace=True)
         new_out, new_lse = reference.merge_attn_states(out, lse, out_b, lse_b)
         out.copy_(new_out)
         lse.copy_(new_lse)

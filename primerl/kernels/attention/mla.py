@@ -53,7 +53,8 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqle
             raise ValueError(f"mla_attention: v must share q's dtype and device, got {v.dtype} on {v.device}")
         # validated as the square op validates (k stands in for v: same tokens and heads, checked above)
         spec = _make_spec("mla_attention", q, k, k, cu_seqlens, kwargs.get("cu_seqlens_k"), causal, scale,
-                          kwargs.get("q_positions"), kwargs.get("k_positions"))
+                          kwargs.get("q_positions"), kwargs.get("k_positions"), kwargs.get("max_seqlen"),
+                          kwargs.get("max_seqlen_k"))
         _, spec = _resolve("mla_attention", backend, q, spec)
         out, lse = _AttentionFn.apply(q, k, v, spec, "mla_triton")
         return (out, lse) if return_lse else out

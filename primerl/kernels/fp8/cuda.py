@@ -1,18 +1,17 @@
 """CUDA FP8 quantization: thin calls into ``torch.ops.primerl.fp8_quant_*`` (csrc/fp8/quant.cu).
 
-The ops are registered when :mod:`primerl.kernels._ext` loads the extension ``primerl._C``; the
+The ops' schemas and fake kernels are defined in :mod:`primerl.kernels._ext`, their CUDA kernels by
+the extension ``primerl._C``: each call is one opaque node under torch.compile / FakeTensorMode,
+with or without the extension (without it a call on CUDA tensors raises an error naming it). The
 public functions in :mod:`primerl.kernels.fp8` validate inputs and only route here when that
-extension and a CUDA device are available.
+extension and a CUDA device are available (or when told to, to trace).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._ext import HAS_CUDA_EXT
-
-if not HAS_CUDA_EXT:  # resolve_backend never routes here then; fail loudly for direct imports
-    raise ImportError("primerl.kernels.fp8.cuda needs the CUDA extension primerl._C, which is not built")
+from .. import _ext  # noqa: F401  (defines torch.ops.primerl.fp8_quant_*)
 
 
 def quant_per_token_group(x: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool,

@@ -113,6 +113,7 @@ from ._checks import (  # noqa: E402
     _check_m_indices_content,
     _check_same_device,
     _check_tensor,
+    _impl,
 )
 from .fp8_gemm import (  # noqa: E402
     fp8_gemm_nt,
@@ -139,9 +140,9 @@ def gemm_nt(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None =
     dev = _check_same_device(op, a=a, b=b)
     be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=_CUBLAS_FIRST)
     if be == "triton":
-        from . import triton as impl
+        from . import _triton_autograd
 
-        return impl.gemm_nt_autograd(a, b, out_dtype)
+        return _triton_autograd.gemm_nt(a, b, out_dtype, _impl(be))
     return reference.gemm_nt(a, b, out_dtype)
 
 
@@ -186,14 +187,14 @@ def grouped_gemm_nt(a: torch.Tensor, b: torch.Tensor, offsets_or_m_indices: torc
     dev = _check_same_device(op, a=a, b=b, index=index)
     be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=_CUBLAS_FIRST)
     if be == "triton":
-        from . import triton as impl
+        from . import _triton_autograd
 
         if kind == "m_indices":
             if a.shape[0] % BLOCK:
                 raise ValueError(f"{op}: the triton backend takes m_indices only in the aligned contiguous layout "
                                  f"(M a multiple of {BLOCK}, see pad_to_contiguous), got M={a.shape[0]}")
             _check_m_indices_content(op, index, b.shape[0], ascending=True)
-        return impl.grouped_gemm_nt_autograd(a, b, index, kind, out_dtype)
+        return _triton_autograd.grouped_gemm_nt(a, b, index, kind, out_dtype, _impl(be))
     if kind == "offsets":
         return reference.grouped_gemm_nt_offsets(a, b, index, out_dtype)
     return reference.grouped_gemm_nt_m_indices(a, b, index, out_dtype)
@@ -202,7 +203,7 @@ def grouped_gemm_nt(a: torch.Tensor, b: torch.Tensor, offsets_or_m_indices: torc
 def k_grouped_gemm_tn(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
                       out_dtype: torch.dtype = torch.float32, backend: str | None = None) -> torch.Tensor:
     """bf16 twin of :func:`k_grouped_fp8_gemm_tn_contiguous`: a ``[T, N]``, b ``[T, K]`` ->
-    ``D[G, N, K]``, ``D[g] = a_g.T @ b_g`` (float32 accumulation)."""
+    ``D[G, N, K]``, ``D[g] = a_g.T @ b_g`` (float32 accumulation); differentiable in a and b."""
     op = "k_grouped_gemm_tn"
     _check_tensor(op, "a", a, 2, _FLOAT_DTYPES)
     _check_tensor(op, "b", b, 2, (a.dtype,))
@@ -215,7 +216,7 @@ def k_grouped_gemm_tn(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *
     dev = _check_same_device(op, a=a, b=b, offsets=offsets)
     be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
     if be == "triton":
-        from . import triton as impl
+        from . import _triton_autograd
 
-        return impl.k_grouped_gemm_tn(a.contiguous(), b.contiguous(), offsets, out_dtype)
+        return _triton_autograd.k_grouped_gemm_tn(a, b, offsets, out_dtype, _impl(be))
     return reference.k_grouped_gemm_tn(a, b, offsets, out_dtype)

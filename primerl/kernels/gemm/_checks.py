@@ -92,7 +92,12 @@ def _check_m_indices_content(op: str, m_indices: torch.Tensor, num_groups: int, 
 
 def _impl(backend: str):
     if backend == "triton":
-        from . import triton as impl
+        from .._opaque import launching_directly
+
+        if launching_directly():
+            from . import triton as impl
+        else:
+            from . import triton_ops as impl  # the Triton launchers as custom ops (traceable)
     elif backend == "deep_gemm":
         from . import deep_gemm as impl
     else:

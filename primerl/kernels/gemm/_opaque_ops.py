@@ -9,10 +9,14 @@ Legend: M rows, N output features, K reduction, G groups, T rows of a K-grouped 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .._opaque import recompute_grads
 from . import reference as R
+
+Tensor = torch.Tensor
 
 
 def _per_group_case(a: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -20,103 +24,64 @@ def _per_group_case(a: torch.Tensor, out_dtype: torch.dtype) -> bool:
     return a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64) and out_dtype == a.dtype
 
 
-# ------------------------------------------------------------------------------ m-grouped NT
+# ------------------------------------------------------------------------------ m-grouped NT, k-grouped TN
 
 
-@torch.library.custom_op("primerl::grouped_gemm_nt_offsets", mutates_args=())
-def _grouped_fwd(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K], b [G, N, K], offsets [G] int32 -> [M, N] out_dtype (rows past offsets[-1] zero)."""
-    with torch.no_grad():
-        return R.grouped_gemm_nt_offsets_eager(a, b, offsets, out_dtype)
+def _grouped_op(name: str, eager: Callable, out_shape: Callable, explicit_backward: Callable | None = None):
+    """Registers ``primerl::<name>(a, b, offsets, out_dtype)`` running ``eager`` (shape from
+    ``out_shape(a, b, offsets)``) and its backward op ``primerl::<name>_bwd(grad, a, b, offsets,
+    need_a, need_b) -> (da, db)``: ``explicit_backward``'s result where it gives one, else autograd
+    through ``eager``; a gradient not needed comes back empty. Returns the forward op."""
+
+    @torch.library.custom_op(f"primerl::{name}", mutates_args=())
+    def forward(a: Tensor, b: Tensor, offsets: Tensor, out_dtype: torch.dtype) -> Tensor:
+        with torch.no_grad():
+            return eager(a, b, offsets, out_dtype)
+
+    @forward.register_fake
+    def _(a, b, offsets, out_dtype):
+        return a.new_empty(out_shape(a, b, offsets), dtype=out_dtype)
+
+    @torch.library.custom_op(f"primerl::{name}_bwd", mutates_args=())
+    def backward_op(grad: Tensor, a: Tensor, b: Tensor, offsets: Tensor, need_a: bool,
+                    need_b: bool) -> tuple[Tensor, Tensor]:
+        grads = None if explicit_backward is None else explicit_backward(grad, a, b, offsets, need_a, need_b)
+        if grads is None:
+            grads = recompute_grads(lambda x, y: eager(x, y, offsets, grad.dtype), (a, b), (need_a, need_b), grad)
+        return tuple(grads)
+
+    @backward_op.register_fake
+    def _(grad, a, b, offsets, need_a, need_b):
+        return (torch.empty_like(a) if need_a else a.new_empty(0)), (torch.empty_like(b) if need_b else b.new_empty(0))
+
+    def setup_context(ctx, inputs, output):
+        a, b, offsets, out_dtype = inputs
+        ctx.save_for_backward(a, b, offsets)
+
+    def backward(ctx, grad):
+        a, b, offsets = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        da, db = backward_op(grad, a, b, offsets, need_a, need_b)
+        return (da if need_a else None), (db if need_b else None), None, None
+
+    forward.register_autograd(backward, setup_context=setup_context)
+    return forward
 
 
-@_grouped_fwd.register_fake
-def _(a, b, offsets, out_dtype):
-    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+def _grouped_per_group_backward(grad, a, b, offsets, need_a, need_b):
+    """The CPU float32/64 path of grouped_gemm_nt_offsets_eager has its own backward (None elsewhere)."""
+    if not _per_group_case(a, grad.dtype):
+        return None
+    da, db = R.per_group_backward(grad.contiguous(), a, b, offsets.tolist(), need_a, need_b)
+    return (a.new_empty(0) if da is None else da), (b.new_empty(0) if db is None else db)
 
 
-@torch.library.custom_op("primerl::grouped_gemm_nt_offsets_bwd", mutates_args=())
-def _grouped_bwd(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                 need_a: bool, need_b: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da [M, K], db [G, N, K]); one that is not needed comes back empty."""
-    if _per_group_case(a, grad.dtype):
-        da, db = R.per_group_backward(grad.contiguous(), a, b, offsets.tolist(), need_a, need_b)
-        return (a.new_empty(0) if da is None else da), (b.new_empty(0) if db is None else db)
-    da, db = recompute_grads(lambda x, w: R.grouped_gemm_nt_offsets_eager(x, w, offsets, grad.dtype), (a, b),
-                             (need_a, need_b), grad)
-    return da, db
-
-
-@_grouped_bwd.register_fake
-def _(grad, a, b, offsets, need_a, need_b):
-    return (torch.empty_like(a) if need_a else a.new_empty(0)), (torch.empty_like(b) if need_b else b.new_empty(0))
-
-
-def _grouped_setup(ctx, inputs, output):
-    a, b, offsets, out_dtype = inputs
-    ctx.save_for_backward(a, b, offsets)
-
-
-def _grouped_backward(ctx, grad):
-    a, b, offsets = ctx.saved_tensors
-    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    da, db = torch.ops.primerl.grouped_gemm_nt_offsets_bwd(grad, a, b, offsets, need_a, need_b)
-    return (da if need_a else None), (db if need_b else None), None, None
-
-
-_grouped_fwd.register_autograd(_grouped_backward, setup_context=_grouped_setup)
-
-
-def grouped_gemm_nt_offsets(a, b, offsets, out_dtype):
-    return _grouped_fwd(a, b, offsets, out_dtype)
-
-
-# ------------------------------------------------------------------------------ k-grouped TN
-
-
-@torch.library.custom_op("primerl::k_grouped_gemm_tn", mutates_args=())
-def _kgrouped_fwd(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a [T, N], b [T, K], offsets [G] -> [G, N, K] out_dtype."""
-    with torch.no_grad():
-        return R.k_grouped_gemm_tn_eager(a, b, offsets, out_dtype)
-
-
-@_kgrouped_fwd.register_fake
-def _(a, b, offsets, out_dtype):
-    return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
-
-
-@torch.library.custom_op("primerl::k_grouped_gemm_tn_bwd", mutates_args=())
-def _kgrouped_bwd(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                  need_a: bool, need_b: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da [T, N], db [T, K]) by autograd through the eager code; one not needed comes back empty."""
-    da, db = recompute_grads(lambda x, y: R.k_grouped_gemm_tn_eager(x, y, offsets, grad.dtype), (a, b),
-                             (need_a, need_b), grad)
-    return da, db
-
-
-@_kgrouped_bwd.register_fake
-def _(grad, a, b, offsets, need_a, need_b):
-    return (torch.empty_like(a) if need_a else a.new_empty(0)), (torch.empty_like(b) if need_b else b.new_empty(0))
-
-
-def _kgrouped_setup(ctx, inputs, output):
-    a, b, offsets, out_dtype = inputs
-    ctx.save_for_backward(a, b, offsets)
-
-
-def _kgrouped_backward(ctx, grad):
-    a, b, offsets = ctx.saved_tensors
-    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    da, db = torch.ops.primerl.k_grouped_gemm_tn_bwd(grad, a, b, offsets, need_a, need_b)
-    return (da if need_a else None), (db if need_b else None), None, None
-
-
-_kgrouped_fwd.register_autograd(_kgrouped_backward, setup_context=_kgrouped_setup)
-
-
-def k_grouped_gemm_tn(a, b, offsets, out_dtype):
-    return _kgrouped_fwd(a, b, offsets, out_dtype)
+# a [M, K], b [G, N, K], offsets [G] int32 -> [M, N] out_dtype (rows past offsets[-1] zero)
+grouped_gemm_nt_offsets = _grouped_op("grouped_gemm_nt_offsets", R.grouped_gemm_nt_offsets_eager,
+                                      lambda a, b, offsets: (a.shape[0], b.shape[1]), _grouped_per_group_backward)
+# a [T, N], b [T, K], offsets [G] -> [G, N, K] out_dtype
+k_grouped_gemm_tn = _grouped_op("k_grouped_gemm_tn", R.k_grouped_gemm_tn_eager,
+                                lambda a, b, offsets: (offsets.shape[0], a.shape[1], b.shape[1]))
 
 
 # ------------------------------------------------------------------------------ torch._grouped_mm

@@ -18,6 +18,10 @@ Which of these a given torch + cuBLAS accepts is measured once per device by :fu
 small GEMMs compared with the dequantized reference); ``backend=None`` picks this path only where
 the probe passed for the case at hand, and an explicit ``backend="cublas"`` raises
 :class:`BackendUnavailableError` with the reason elsewhere.
+
+Under torch.compile the probe is not traced (its GEMMs and host reads would break a fullgraph
+trace): :func:`device_support` is a compile-time constant, run eagerly once per process. The call
+itself (:func:`fp8_gemm_nt`) is ``F.scaled_mm`` on strided views of the scales: no host read.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import BLOCK
+from .offsets import device_capability
 
 SUPPORTED_ARCH = 9
 PROBE_TOLERANCE = 1e-5  # calc_diff against the dequantized float32 product (the gpu tests' bound)
@@ -109,11 +114,15 @@ def reason(m: int, n: int, k: int, a_dtype, b_dtype, gran: int, out_dtype, has_c
     why = api_reason()
     if why is not None:
         return why
-    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    cap = device_capability(device) if device.type == "cuda" else None
     why = static_reason(m, n, k, a_dtype, b_dtype, gran, out_dtype, has_c, cap)
     if why is not None:
         return why
-    return support_reason(probe(device.index if device.index is not None else torch.cuda.current_device()), m, n, k)
+    return support_reason(device_support(_index(device)), m, n, k)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def support_reason(s: Support, m: int, n: int, k: int) -> str | None:
@@ -177,12 +186,19 @@ def probe(device_index: int) -> Support:
     return Support(True, pad_k, why_n is None, why_m is None, "; ".join(notes))
 
 
+@torch.compiler.assume_constant_result
+def device_support(device_index: int) -> Support:
+    """:func:`probe` of ``cuda:device_index``; torch.compile calls it at trace time and keeps the result
+    as a constant instead of tracing the probe's GEMMs."""
+    return probe(device_index)
+
+
 def fp8_gemm_nt(a, b, d: torch.Tensor | None) -> torch.Tensor:
     """(aq [M, K], asf [M, K/128]) x (bq [N, K], bsf [ceil(N/128), K/128]) -> bf16 [M, N] (into
     ``d`` when given). The caller has checked :func:`reason`."""
     (aq, asf), (bq, bsf) = a, b
     pad_k = True
     if (aq.shape[1] // BLOCK) % 4:
-        pad_k = bool(probe(aq.device.index if aq.device.index is not None else torch.cuda.current_device()).pad_k)
+        pad_k = bool(device_support(_index(aq.device)).pad_k)
     out = _run(aq, asf, bq, bsf, pad_k)
     return out if d is None else d.copy_(out)

@@ -211,8 +211,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout: torch.Tensor, d: torc
     d = _alloc(d, shape, out_dtype, dev)
     if be == "deep_gemm":
         layout = psum if use_psum_layout else m_indices
-        _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, layout, d, use_psum_layout, recipe)
-        return d.masked_fill_((m_indices < 0)[:, None], 0)  # DeepGEMM leaves padding rows untouched
+        return _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, layout, d, use_psum_layout, recipe, m_indices)
     return _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, d, gran)
 
 
@@ -307,11 +306,13 @@ def _reject_sizes_as_offsets(op: str, offsets: torch.Tensor, num_rows: int) -> N
         last, total = offsets[-1], offsets.sum()
         aligned = (offsets % get_mk_alignment_for_contiguous_layout() == 0).all()
         looks_like_sizes = (last < num_rows) & (total == num_rows) & aligned
+        # the row count only in the detail: formatted into the static message, a symbolic size would
+        # specialise a compiled graph on it (a recompile per packing)
         check_values(~looks_like_sizes,
-                     f"{op}: offsets end before row {num_rows} but sum to exactly {num_rows}: they look like "
+                     f"{op}: offsets end before the last row but sum to exactly the row count: they look like "
                      "per-group sizes. offsets are cumulative END rows; pass per-group sizes as ks= (DeepGEMM's "
                      "convention). For cumulative offsets with a tail, pass ks=offsets_to_counts(offsets).tolist()",
-                     lambda: f"got offsets {offsets.tolist()}")
+                     lambda: f"{num_rows} rows, got offsets {offsets.tolist()}")
 
 
 def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor | None = None, *, ks=None,
@@ -373,10 +374,11 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
     the Triton kernel's own layout, read without a re-layout pass.
 
     ``backend="deep_gemm"`` (only when named: ``None`` never picks it) calls DeepGEMM's op of this
-    name with ``ks`` (a host list; one sync when offsets / ks live on the GPU) and the compact scale
-    rows. It runs on SM100 only and needs ``ue8m0=True`` scales, e4m3 operands, every ``ks[g]`` a
-    multiple of 128 and of :func:`get_mk_alignment_for_contiguous_layout`, N and K multiples of 16,
-    at most 128 groups and a float32 output; anything else is refused before DeepGEMM is called."""
+    name with ``ks`` (a host list, read inside the one custom op of the call: one sync when offsets
+    / ks live on the GPU) and the compact scale rows. It runs on SM100 only and needs ``ue8m0=True``
+    scales, e4m3 operands, every ``ks[g]`` a multiple of 128 and of
+    :func:`get_mk_alignment_for_contiguous_layout`, N and K multiples of 16, at most 128 groups and a
+    float32 output; anything else is refused before DeepGEMM is called."""
     op = "k_grouped_fp8_gemm_tn_contiguous"
     pairs = []
     for name, pair in (("a", a), ("b", b)):
@@ -407,14 +409,21 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
     bound = max_group_blocks(num_rows, offsets.numel())
     compact = ((offsets_to_counts(offsets) + BLOCK - 1) // BLOCK).sum()  # on the device: no host read
     for name, q, sf in (("a", aq, asf), ("b", bq, bsf)):
-        want = (f"{op}: {name} scales must be ({bound}, {q.shape[1]}) (quant_per_group_colwise's static layout) or "
-                f"(sum(ceil(ks / 128)), {q.shape[1]}) (compact rows for these groups), got {tuple(sf.shape)}")
         if sf.shape[1] != q.shape[1] or (not blocks and sf.shape[0] > bound):
-            raise ValueError(want)
+            raise ValueError(f"{op}: {name} scales must be ({bound}, {q.shape[1]}) (quant_per_group_colwise's static "
+                             f"layout) or (sum(ceil(ks / 128)), {q.shape[1]}) (compact rows for these groups), got "
+                             f"{tuple(sf.shape)}")
+        # sizes only in the detail: a symbolic size in the device assertion's static message would
+        # fail to trace with dynamic shapes
+        need = (f"{op}: {name} scales must have quant_per_group_colwise's static rows max_group_blocks(T, G) or the "
+                "compact sum(ceil(ks / 128)) rows for these groups")
+        detail = (lambda name=name, q=q, sf=sf: f"{name} scales must be ({bound}, {q.shape[1]}) (static) or "
+                  f"({int(compact)}, {q.shape[1]}) (compact), got {tuple(sf.shape)}: the groups need {int(compact)} "
+                  "scale rows")
         if blocks:
-            check_values(compact <= sf.shape[0], want, lambda: f"the groups need {int(compact)} scale rows")
+            check_values(compact <= sf.shape[0], need, detail)
         elif sf.shape[0] != bound:
-            check_values(compact == sf.shape[0], want, lambda: f"the groups need {int(compact)} scale rows")
+            check_values(compact == sf.shape[0], need, detail)
     dev = _check_same_device(op, aq=aq, bq=bq, offsets=offsets)
     out_dtype = torch.float32 if (out_dtype is None and d is None) else out_dtype
     shape = (offsets.numel(), aq.shape[1], bq.shape[1])
@@ -426,9 +435,8 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
         pairs = [(reference.group_blocks_to_rows(q, offsets, num_rows), sf) for q, sf in pairs]
     if be == "torch":
         return _into(d, reference.k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, c))
-    if be == "deep_gemm":
-        ks_list = offsets_to_counts(offsets).tolist()
+    if be == "deep_gemm":  # the group sizes go to the op as a tensor: DeepGEMM's host list is read inside it
         pairs = [(q.contiguous(), sf) for q, sf in pairs]
-        return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], ks_list,
+        return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets_to_counts(offsets),
                                                           _alloc(d, shape, out_dtype, dev), c)
     return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, d, c)

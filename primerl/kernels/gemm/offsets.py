@@ -57,8 +57,10 @@ def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = 
     return block_m
 
 
+@torch.compiler.assume_constant_result
 def device_capability(device) -> tuple[int, int]:
-    """The CUDA compute capability of ``device``: the one place primerl asks (tests mock it)."""
+    """The CUDA compute capability of ``device``: the one place primerl asks (tests mock it). A
+    compile-time constant: torch.compile calls it at trace time rather than tracing the query."""
     return torch.cuda.get_device_capability(device)
 
 

@@ -1,7 +1,9 @@
 """Triton GEMMs: the mode and tile choice for every op, the pointer-load M-grouped NT kernel
 (16/32-bit; FP8 m_indices layouts whose tiles mix groups) and K-grouped TN kernel (16/32-bit weight
-gradients), the colwise group quantizer, and the bf16 autograd. The FP8 TMA kernels (dense,
-offsets, aligned m_indices, masked, k-grouped) live in :mod:`.triton_fp8`. All persistent.
+gradients), the colwise group quantizer. The FP8 TMA kernels (dense, offsets, aligned m_indices,
+masked, k-grouped) live in :mod:`.triton_fp8`; the autograd of the 16/32-bit GEMMs in
+:mod:`._triton_autograd`; every entry point here as a custom op in :mod:`.triton_ops`. All
+persistent.
 
 Scheduling. The M-grouped kernels walk a flat list of (M-tile, N-tile) pairs with a stride of
 the number of programs (one program per SM on a GPU). How an M-tile maps to rows depends on the
@@ -479,67 +481,27 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets, out_dtype, d=None, c=None):
     return _fp8.k_grouped(a[0], a[1], b[0], b[1], offsets, out_dtype, out=d, c=c)
 
 
-def k_grouped_gemm_tn(a, b, offsets, out_dtype):
-    return _k_grouped(a, b, offsets, out_dtype)
+# ------------------------------------------------------------------------------ 16/32-bit entry points
+# (differentiated in :mod:`._triton_autograd`)
 
 
-# ------------------------------------------------------------------------------ bf16 autograd
+def gemm_nt(a, b, out_dtype):
+    """a [M, K], b [N, K] (any strides) -> [M, N] out_dtype."""
+    out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+    return _launch_m_grouped(a, None, b.unsqueeze(0), None, out, MODE_DENSE, None, rows_per_group=a.shape[0])
 
 
-def _m_indices_segments(m_indices: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """Aligned contiguous layout (groups in ascending order) -> padded segment end offsets[G].
-    An all-padding block is owned by the group before it (its rows are masked anyway)."""
-    block_group = m_indices.view(-1, BLOCK).amax(dim=1)
-    owner = torch.cummax(block_group, 0).values.clamp_min(0).long()
-    blocks = torch.bincount(owner, minlength=num_groups)[:num_groups]
-    return (torch.cumsum(blocks, 0) * BLOCK).to(torch.int32)
+def grouped_gemm_nt_offsets(a, b, offsets, out_dtype):
+    """a [M, K], b [G, N, K] (any strides), offsets [G] -> [M, N] (rows past offsets[-1] zero)."""
+    return _grouped_offsets(a, None, b, None, offsets, out_dtype)
 
 
-class _GroupedGemmNT(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, index, kind, out_dtype):
-        ctx.save_for_backward(a, b, index)
-        ctx.kind = kind
-        if kind == "offsets":
-            return _grouped_offsets(a, None, b, None, index, out_dtype)
-        if kind == "m_indices":
-            return _grouped_m_indices(a, None, b, None, index, out_dtype)
-        return _launch_m_grouped(a, None, b.unsqueeze(0), None,
-                                 torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device),
-                                 MODE_DENSE, None, rows_per_group=a.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b, index = ctx.saved_tensors
-        grad = grad.contiguous().to(a.dtype)
-        grad_a = grad_b = None
-        if ctx.kind == "dense":
-            if ctx.needs_input_grad[0]:
-                grad_a = _launch_m_grouped(grad, None, b.t().unsqueeze(0), None, torch.empty_like(a),
-                                           MODE_DENSE, None, rows_per_group=a.shape[0])
-            if ctx.needs_input_grad[1]:
-                ones = torch.full((1,), a.shape[0], dtype=torch.int32, device=a.device)
-                grad_b = _k_grouped(grad, a, ones, torch.float32)[0].to(b.dtype)
-            return grad_a, grad_b, None, None, None
-        b_t = b.transpose(1, 2)
-        if ctx.needs_input_grad[0]:
-            if ctx.kind == "offsets":
-                grad_a = _grouped_offsets(grad, None, b_t, None, index, a.dtype)
-            else:
-                grad_a = _grouped_m_indices(grad, None, b_t, None, index, a.dtype)
-        if ctx.needs_input_grad[1]:
-            if ctx.kind == "offsets":
-                grad_b = _k_grouped(grad, a, index, torch.float32)
-            else:
-                segments = _m_indices_segments(index, b.shape[0])
-                grad_b = _k_grouped(grad, a, segments, torch.float32, m_indices=index)
-            grad_b = grad_b.to(b.dtype)
-        return grad_a, grad_b, None, None, None
+def grouped_gemm_nt_m_indices(a, b, m_indices, out_dtype):
+    """a [M, K], b [G, N, K] (any strides), m_indices [M] (aligned contiguous layout) -> [M, N]."""
+    return _grouped_m_indices(a, None, b, None, m_indices, out_dtype)
 
 
-def gemm_nt_autograd(a, b, out_dtype):
-    return _GroupedGemmNT.apply(a, b, torch.empty(0, dtype=torch.int32, device=a.device), "dense", out_dtype)
-
-
-def grouped_gemm_nt_autograd(a, b, index, kind, out_dtype):
-    return _GroupedGemmNT.apply(a, b, index, kind, out_dtype)
+def k_grouped_gemm_tn(a, b, offsets, out_dtype, m_indices=None):
+    """a [T, N], b [T, K] (any strides: the kernel reads rows with unit column stride, so others are
+    copied) -> [G, N, K]; with m_indices [T], rows whose index is -1 are skipped."""
+    return _k_grouped(a.contiguous(), b.contiguous(), offsets, out_dtype, m_indices)

@@ -4,16 +4,16 @@ Only ``align`` (behind moe_align / permute / expert_counts) and ``scatter_rows``
 exist in CUDA. ``permute(..., backend="cuda")``'s backward is a combine, which runs the torch
 reference; the public ops built around combine or SwiGLU (unpermute_combine, fused_experts)
 accept ``backend="triton"`` or ``"torch"`` only.
+
+Schemas and fake kernels of the ops: :mod:`primerl.kernels._ext` (each call is one opaque node
+under torch.compile / FakeTensorMode, with or without the extension).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._ext import HAS_CUDA_EXT
-
-if not HAS_CUDA_EXT:  # resolve_backend never routes here then; fail loudly for direct imports
-    raise ImportError("primerl.kernels.moe.cuda needs the CUDA extension primerl._C, which is not built")
+from .. import _ext  # noqa: F401  (defines torch.ops.primerl.moe_*)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block: int):

@@ -10,7 +10,8 @@ selection and softmax attention restricted to the selected keys.
 >>> out, lse = sparse_attention(q, kv, kv[..., :32], idx, return_lse=True)   # [12, 16, 32], [16, 12]
 
 Semantics in :mod:`.reference`. Backends: ``"torch"`` (the reference; differentiable through
-autograd), ``"triton"`` (the kernels in :mod:`.triton`; CUDA, or CPU under TRITON_INTERPRET=1).
+autograd), ``"triton"`` (the kernels in :mod:`.triton`, run as ``primerl::`` custom ops from
+:mod:`.triton_ops`, traceable by torch.compile and FakeTensor; CUDA, or CPU under TRITON_INTERPRET=1).
 ``backend=None`` picks Triton on CUDA and the reference on CPU. The indexer is not
 differentiable (an index is a discrete choice; see ``primerl/models/mla.py`` for the training
 choice).
@@ -31,8 +32,6 @@ __all__ = ["indexer_topk", "sparse_attention"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SUPPORTED = ("torch", "triton")
-# Query rows per Triton indexer chunk: the score buffer is chunk x max_seqlen float32.
-INDEXER_CHUNK_ELEMENTS = 1 << 28
 
 
 def _check_float(op, name, t, ndim):
@@ -55,15 +54,22 @@ def _check_cu(op, cu, total, device):
     return cu.to(torch.int32).contiguous()
 
 
-def _longest(cu: torch.Tensor) -> int:
-    """The longest sequence (a host read: the Triton grids only)."""
-    return int((cu[1:] - cu[:-1]).max())
+def _triton_impl():
+    """The Triton launchers as custom ops (traceable), or the raw launchers under AOT capture."""
+    from .._opaque import launching_directly
+
+    if launching_directly():
+        from . import triton as impl
+    else:
+        from . import triton_ops as impl
+    return impl
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                  topk: int, softmax_scale: float | None = None, backend: str | None = None,
                  cu_seqlens_k: torch.Tensor | None = None, q_positions: torch.Tensor | None = None,
-                 k_positions: torch.Tensor | None = None) -> torch.Tensor:
+                 k_positions: torch.Tensor | None = None, max_seqlen: int | None = None,
+                 max_seqlen_k: int | None = None) -> torch.Tensor:
     """The ``topk`` best causal keys per query by ``sum_h weights[t, h] * relu(scale * q[t, h] . k[s])``.
 
     q ``[T, Hi, Di]``, k ``[T, Di]`` (one key head shared by the indexer heads), weights ``[T, Hi]``
@@ -73,6 +79,11 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_
     Non-square form (context parallelism: a rank's queries against every rank's keys): pass
     ``cu_seqlens_k`` for k ``[Tk, Di]`` and both ``q_positions [T]`` / ``k_positions [Tk]``; query i
     of sequence b sees key j of sequence b iff ``0 <= k_positions[j] <= q_positions[i]``.
+
+    ``max_seqlen`` (``max_seqlen_k``): the longest query (key) sequence, flash-attn style. Only the
+    Triton backend needs it (grids and chunking); given, it runs without a host read, else its
+    custom op reads ``cu_seqlens`` once inside (opaque to torch.compile, no graph break). The torch
+    backend never reads the host.
     """
     op = "indexer_topk"
     _check_float(op, "q", q, 3)
@@ -87,6 +98,9 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_
     if not (q.device == k.device == weights.device):
         raise ValueError(f"{op}: q, k, weights must be on one device, got {q.device}, {k.device}, {weights.device}")
     topk = check_int(op, "topk", topk, min_value=1)
+    for name, m in (("max_seqlen", max_seqlen), ("max_seqlen_k", max_seqlen_k)):
+        if m is not None and not (isinstance(m, int) and m >= 0):
+            raise ValueError(f"{op}: {name} must be a non-negative int (the longest sequence), got {m!r}")
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=q.device)
     cu = _check_cu(op, cu_seqlens, T, q.device)
@@ -109,42 +123,28 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_
     with torch.no_grad():
         if be == "torch":
             return reference.indexer_topk(q, k, weights, cu, topk, scale, cu_k, q_pos, k_pos)
-        from . import triton as impl
-
-        max_q = _longest(cu)
-        max_len = max_q if cu_k is None else _longest(cu_k)
-        out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
-        key_starts = (cu if cu_k is None else cu_k)[:-1].long()
-        starts = torch.repeat_interleave(key_starts, cu.diff().long(), output_size=T)
-        chunk = max(1, INDEXER_CHUNK_ELEMENTS // max(max_len, 1))
-        for lo in range(0, T, chunk):
-            hi = min(T, lo + chunk)
-            scores = impl.indexer_scores_chunk(q, k, weights, cu, max_len, lo, hi, scale, cu_k, q_pos, k_pos, max_q)
-            out[lo:hi] = reference.topk_from_scores(scores, topk, starts[lo:hi])
-        return out
+        return _triton_impl().indexer_topk(q, k, weights, cu, topk, scale, cu_k, q_pos, k_pos, max_seqlen,
+                                           max_seqlen_k)
 
 
 class _SparseAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, scale):
-        from . import triton as impl
-
-        out, lse = impl.sparse_forward(q, k, v, indices, scale, q.dtype)
+        out, lse = _triton_impl().sparse_forward(q, k, v, indices, scale, q.dtype)
         ctx.save_for_backward(q, k, v, indices, out, lse)
         ctx.scale = scale
-        # v a view of k's first columns (the absorbed MLA form): one fused dK/dV accumulation
+        # v a view of k's first columns (the absorbed MLA form): one fused dK/dV accumulation (the
+        # backward checks the storage: a data pointer, which torch.compile cannot see here)
         ctx.fuse_kv = v._base is not None and (v._base is k or v._base is k._base)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from . import triton as impl
-
         q, k, v, indices, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = impl.sparse_backward(dout.contiguous(), q, k, v, indices, out, lse, dlse, ctx.scale,
+        dq, dk, dv = _triton_impl().sparse_backward(dout.contiguous(), q, k, v, indices, out, lse, dlse, ctx.scale,
                                           fuse_kv=ctx.fuse_kv)
         # dv None: v is a view of k's first columns and dk already holds its gradient there
         return dq.to(q.dtype), dk.to(k.dtype), (None if dv is None else dv.to(v.dtype)), None, None

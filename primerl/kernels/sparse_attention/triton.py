@@ -80,6 +80,40 @@ def _indexer_scores_kernel(
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
+INDEXER_CHUNK_ELEMENTS = 1 << 28  # one chunk's score buffer (chunk rows x max_seqlen float32) at most
+
+
+def _longest(cu: torch.Tensor) -> int:
+    """The longest sequence (a host read of the offsets)."""
+    return int((cu[1:] - cu[:-1]).max())
+
+
+def indexer_topk(q, k, weights, cu_seqlens, topk: int, softmax_scale: float, cu_seqlens_k=None, q_pos=None,
+                 k_pos=None, max_seqlen: int | None = None, max_seqlen_k: int | None = None) -> torch.Tensor:
+    """q ``[T, Hi, Di]``, k ``[Tk, Di]``, weights ``[T, Hi]`` -> int32 ``[T, topk]`` (the reference's
+    selection), in chunks of query rows: scores by the Triton kernel, top-k by the reference's stable
+    sort. ``max_seqlen`` / ``max_seqlen_k``: the longest query / key sequence (None: read from the
+    offsets on the host)."""
+    from .reference import topk_from_scores
+
+    T = q.shape[0]
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    max_q = _longest(cu_seqlens) if max_seqlen is None else max_seqlen
+    if cu_seqlens_k is None:
+        max_len = max_q
+    else:
+        max_len = _longest(cu_k) if max_seqlen_k is None else max_seqlen_k
+    out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+    starts = torch.repeat_interleave(cu_k[:-1].long(), cu_seqlens.diff().long(), output_size=T)
+    chunk = max(1, INDEXER_CHUNK_ELEMENTS // max(max_len, 1))
+    for lo in range(0, T, chunk):
+        hi = min(T, lo + chunk)
+        scores = indexer_scores_chunk(q, k, weights, cu_seqlens, max_len, lo, hi, softmax_scale, cu_seqlens_k,
+                                      q_pos, k_pos, max_q)
+        out[lo:hi] = topk_from_scores(scores, topk, starts[lo:hi])
+    return out
+
+
 def _indexer_blocks(device) -> tuple[int, int]:
     return (32, 32) if device.type != "cuda" else (64, 64)
 

@@ -48,7 +48,7 @@ def _resolve(env_id: str):
 
 def resolve_environment(env_id: str, args: dict | None = None):
     """The factory ``env_id`` names, with ``args`` checked against its signature, without building
-    the environment (``primerl.runtime.config.validate`` calls it). ValueError names the problem."""
+    the environment (``primerl.runtime.config.validate_names`` calls it). ValueError names the problem."""
     factory = _resolve(env_id)
     args = args or {}
     try:

@@ -169,7 +169,7 @@ class PDDeployment:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                from ..job import _tail
+                from ..lifetime import log_tail as _tail
 
                 i = [p for _, _, p in self.procs].index(proc)
                 raise InferenceServerError(f"the {role} process ({url}) exited with code {proc.returncode} before "

@@ -9,7 +9,7 @@ the nodes itself, in the order of their addresses (``--node-rank`` is ignored wi
 is the order of the plan when hosts are listed in address order.
 
 Every impossible plan is a ``ConfigError`` naming the key (``validate_deployment``, called by
-``config.validate``); :func:`check_rendezvous_port` adds the one check that needs this machine
+``validate.validate``); :func:`check_rendezvous_port` adds the one check that needs this machine
 (the rendezvous port in use here), run by ``primerl rl`` before anything starts.
 """
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ..config import RLConfig
+from .common import JobFailed, prepare_output
 from .deployment import Node, is_loopback, node_plan
 
 __all__ = ["node_commands", "run_nodes", "is_local_nodes"]
@@ -46,15 +47,14 @@ def _tail(path: Path, n: int = 15) -> str:
 
 def run_nodes(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[dict]:
     """Run every node of the plan as local processes until the trainer nodes finish."""
-    from . import machine
-    from ..lifetime import LAUNCHER_PID_ENV
+    from ..lifetime import LAUNCHER_PID_ENV, stop_process_group
     from ..metrics import ascii_curve, progress_line, read_metrics
 
     out = Path(cfg.output_dir).resolve()
-    start = machine.prepare_output(cfg)  # writes the resolved config.toml that the nodes read
+    start = prepare_output(cfg)  # writes the resolved config.toml that the nodes read
     if not is_local_nodes(cfg):
         cmds = "\n".join(" ".join(argv) for _, _, argv in node_commands(cfg, str(out / "config.toml")))
-        raise machine.JobFailed("deployment.hosts are not all 127.x addresses, so this machine cannot start them; run "
+        raise JobFailed("deployment.hosts are not all 127.x addresses, so this machine cannot start them; run "
                             f"on each host (the config at {out / 'config.toml'} copied there):\n{cmds}")
     cfg_path = str(out / "config.toml")
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())})
@@ -96,17 +96,17 @@ def run_nodes(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> lis
                 failed.sort(key=lambda f: (f[3].returncode > 0, f[2] != "trainer",
                                            "ProducerDied" in _tail(out / "logs" / f"{f[0]}.log")))
                 name, n, role, p = failed[0]
-                raise machine.JobFailed(f"node {n.index} ({n.host}) {role} exited with code {p.returncode}; end of "
+                raise JobFailed(f"node {n.index} ({n.host}) {role} exited with code {p.returncode}; end of "
                                     f"{out / 'logs' / (name + '.log')}:\n{_tail(out / 'logs' / (name + '.log'))}")
             if all(p.returncode == 0 for p in trainers):
                 break
             time.sleep(poll_s)
     finally:
         for _, _, p in procs.values():
-            machine._stop(p, cfg.deployment.grace_s)
+            stop_process_group(p, cfg.deployment.grace_s)
     rows = read_metrics(out / "metrics.jsonl")
     if not rows or rows[-1]["step"] != cfg.max_steps - 1:
-        raise machine.JobFailed(f"the trainer nodes exited normally but {out / 'metrics.jsonl'} ends at step "
+        raise JobFailed(f"the trainer nodes exited normally but {out / 'metrics.jsonl'} ends at step "
                             f"{rows[-1]['step'] if rows else None}, not {cfg.max_steps - 1}")
     if not quiet:
         print(f"done: {len(rows)} steps in {time.perf_counter() - t0:.1f} s; reward curve:\n{ascii_curve(rows)}",

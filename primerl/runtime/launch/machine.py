@@ -15,33 +15,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from ..config import RLConfig, to_toml
+from ..config import RLConfig
 from ..lifetime import LAUNCHER_PID_ENV, die_with_parent, log_tail, stop_process_group
 from ..metrics import ascii_curve, progress_line, read_metrics, save_plot
 from ..output_dir import claim_output_dir
-from ..trainer.checkpoint import latest_checkpoint, remove_stale_tmp_dirs
 from ..trainer.vf_warmstart import job_warm_start
-from ..transport import FileTransport
+from .common import JobFailed, prepare_output, start_step  # noqa: F401 (re-exported)
 
 __all__ = ["JobFailed", "first_failure", "launched_vllm", "prepare_output", "run_rl", "start_step"]
-
-
-def start_step(cfg: RLConfig) -> int:
-    if not cfg.checkpoint.resume:
-        return 0
-    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
-    return found[0] if found else 0
-
-
-class JobFailed(RuntimeError):
-    pass
 
 
 _tail = log_tail
@@ -56,24 +43,6 @@ def first_failure(procs: dict[str, subprocess.Popen], log_dir: Path) -> str | No
     failed.sort(key=lambda f: "ProducerDied" in _tail(f[2]))
     name, rc, log_path = failed[0]
     return f"the {name} exited with code {rc}; end of {log_path}:\n" + _tail(log_path)
-
-
-def prepare_output(cfg: RLConfig) -> int:
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for d in ("checkpoints", "transport/weights"):  # temp dirs of saves that failed or were killed
-        remove_stale_tmp_dirs(out / d)
-    step = start_step(cfg)
-    if not cfg.checkpoint.resume:
-        for name in ("transport", "checkpoints"):
-            shutil.rmtree(out / name, ignore_errors=True)
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-    transport = FileTransport(out / "transport")
-    transport.drop_batches_from(step)
-    transport.drop_weights_after(step)
-    (out / "config.toml").write_text(to_toml(cfg))
-    (out / "logs").mkdir(exist_ok=True)
-    return step
 
 
 def _spawn(args: list[str], log_path: Path, env: dict) -> subprocess.Popen:

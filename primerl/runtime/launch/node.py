@@ -158,9 +158,9 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     digest = config_hash(cfg)
     if role != "trainer":
         join_rendezvous(plan, node, role, digest, deadline=deadline)
-        from .. import job
-
         if role == "orchestrator":
+            from ..orchestrator.main import orchestrator_main
+
             os.environ.update(peer_env(plan, role))
             if plan.with_role("inference"):  # their servers come up beside this process: wait (bounded)
                 from ..inference.vllm_client import VLLMClient
@@ -168,7 +168,7 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
                 log.info("waiting for the inference server at %s", cfg.inference.vllm.url)
                 VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s).wait_healthy(
                     cfg.inference.vllm.launch_timeout_s)
-            job.orchestrator_main(cfg)
+            orchestrator_main(cfg)
         else:
             from ..inference.server import serve
 

@@ -1,6 +1,8 @@
 """The orchestrator process: rollouts against the inference engine, advantages, packing, hand-over.
 
 Modules (imported lazily):
+  main          orchestrator_main: the process's entry point (``primerl orchestrator``)
+  clients       make_client: the inference client (embedded engine, vLLM, server pool, P/D deployment)
   orchestrator  Orchestrator: async level, off-policy accounting, batches to the transport; EmbeddedClient
   rollout       episodes in flight (multi-turn transcripts, log-probs, routing record)
   batching      finished groups -> advantages (``orchestrator.advantage``) -> per-rank micro-batches

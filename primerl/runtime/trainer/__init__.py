@@ -1,6 +1,7 @@
 """The trainer process: loss, AdamW, schedule, NaN handling, checkpoints, weight publication.
 
 Modules (imported lazily: ``primerl.runtime.trainer.checkpoint`` does not load the training loop):
+  main            trainer_main: the process's entry point (``primerl trainer``; one per rank)
   trainer         Trainer / run_trainer: the step, log-probs of packed micro-batches, LR schedule
   _rl             the loss settings (``trainer.loss``) on ``primerl.rl.losses``: reference model, counts, metrics
   checkpoint      atomic full-state checkpoint save / load / latest

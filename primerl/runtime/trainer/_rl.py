@@ -2,8 +2,10 @@
 
 The trainer routes every loss setting of ``trainer.loss`` through this module: ``reference_model``
 once at start (a frozen copy of the initial policy when ``ref_kl_coef > 0``), then per optimizer
-step ``loss_counts`` (all-reduced by the trainer), per micro-batch ``reference_logprobs`` and
-``policy_loss``, and ``LossMetrics`` for the metrics of the extra terms.
+step ``loss_counts`` (on the host, from the packed CPU batch, while the step is prepared; all-reduced
+by the trainer), per micro-batch ``reference_logprobs`` and ``policy_loss``, and ``LossMetrics`` for
+the metrics of the extra terms. Nothing here reads a device value on the host during the step's
+device work: metrics stay 0-d tensors and are read once per optimizer step by the trainer.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
 
 def reference_model(loss_cfg, policy: torch.nn.Module) -> torch.nn.Module | None:
@@ -41,7 +42,8 @@ def _pg_mask(mb, loss_cfg) -> torch.Tensor:
 
 
 def loss_counts(mbs, loss_cfg) -> torch.Tensor:
-    """float64 [3] over this rank's micro-batches: loss tokens, sequences with policy-gradient
+    """float64 [3] (CPU) over this rank's micro-batches, which must still be the packed CPU tensors
+    (host-side planning: these reads are not device synchronisations): loss tokens, sequences with policy-gradient
     tokens, policy-gradient tokens (loss tokens less the zero-advantage ones when
     ``drop_zero_advantage`` and less those of weight 0; with per-token ``loss_weights``, the sum
     of their weights). The trainer sums it over ranks and passes it to ``policy_loss``."""
@@ -58,11 +60,15 @@ def loss_counts(mbs, loss_cfg) -> torch.Tensor:
 
 def policy_loss(logprobs, mb, loss_cfg, counts, *, entropy=None, ref_logprobs=None):
     """The configured ``primerl.rl.losses.policy_loss`` on one micro-batch, normalised by the global
-    ``counts`` (``loss_counts`` summed over micro-batches and ranks) so that summing over every
-    micro-batch and rank gives the batch-level loss. -> (loss, float metrics)."""
+    ``counts`` (``loss_counts`` summed over micro-batches and ranks, as Python floats: read once
+    on the host when the step is prepared) so that summing over every micro-batch and rank gives
+    the batch-level loss. -> (loss, metrics as detached 0-d tensors; no host read)."""
     from primerl.rl.losses import policy_loss as _policy_loss
 
     hp = dict(loss_cfg.hparams)
+    if isinstance(counts, torch.Tensor):
+        raise TypeError("policy_loss: counts must be Python numbers (loss_counts(...).tolist() on the host), "
+                        "not a tensor: reading it here would be a host read per micro-batch")
     n_tok, n_seq, n_pg = (max(float(c), 1.0) for c in counts[:3])
     agg = loss_cfg.aggregation
     kw: dict = {}
@@ -90,48 +96,61 @@ def policy_loss(logprobs, mb, loss_cfg, counts, *, entropy=None, ref_logprobs=No
                                  drop_zero_advantage=loss_cfg.drop_zero_advantage,
                                  loss_weights=mb.loss_weights,
                                  global_term_tokens=terms or None, **kw, **hp)
-    return loss, {k: float(v) for k, v in metrics.items()}
+    return loss, metrics
 
 
 class LossMetrics:
     """Means over a step's micro-batches (and ranks) of the metrics of the policy-loss options, each
     weighted by the tokens it is a mean over (policy_kl and a custom method's metrics: the
     policy-gradient tokens; the rest: the loss tokens), and the terms' values (pg_loss,
-    ref_kl_loss: already normalised by the global counts) summed. ``add`` per micro-batch, ``result`` once per
-    step (collective when distributed: every rank calls it). Keys are fixed by the config so every
-    rank reduces the same tensor; a custom method's own metrics are logged only with one rank."""
+    ref_kl_loss: already normalised by the global counts) summed. ``add`` per micro-batch (on the
+    device, no host read), then once per step: ``sums()`` (the trainer all-reduces it with its own
+    statistics and reads everything in one host read) and ``result(values)`` on the values read.
+    Keys are fixed by the config so every rank reduces the same tensor; a custom method's own
+    metrics (``custom()``, not reduced) are logged only with one rank."""
 
-    def __init__(self, loss_cfg, world_size: int = 1):
+    def __init__(self, loss_cfg, world_size: int = 1, device: torch.device | str = "cpu"):
         self.keys = ["zero_adv_frac", "correction_drop_frac", "policy_kl", "pg_loss"]
         if loss_cfg.ref_kl_coef > 0:
             self.keys += ["ref_kl", "ref_kl_loss", "ref_kl_drop_frac"]
         if loss_cfg.sft_coef > 0:
             self.keys += ["sft_nll"]
         self.world_size = world_size
-        self.sums = torch.zeros(len(self.keys) + 2, dtype=torch.float64)  # + loss tokens, pg tokens
-        self.custom: dict[str, float] = {}
+        self._sums = torch.zeros(len(self.keys) + 2, dtype=torch.float64, device=device)  # + loss tokens, pg tokens
+        self._custom: dict[str, torch.Tensor] = {}
 
-    def add(self, metrics: dict[str, float], num_tokens: int) -> None:
-        pg = metrics.get("pg_tokens", 0.0)
-        for i, key in enumerate(self.keys):
-            self.sums[i] += metrics.get(key, 0.0) * self._weight(key, num_tokens, pg)
-        self.sums[-2] += num_tokens
-        self.sums[-1] += pg
+    def add(self, metrics: dict[str, torch.Tensor], num_tokens: int) -> None:
+        """``metrics``: ``policy_loss``'s 0-d tensors of one micro-batch; ``num_tokens``: its loss
+        tokens (a host int from the batch's preparation)."""
+        zero = self._sums.new_zeros(())
+        pg = torch.as_tensor(metrics.get("pg_tokens", zero)).to(self._sums)
+        row = [torch.as_tensor(metrics.get(key, zero)).to(self._sums) * self._weight(key, num_tokens, pg)
+               for key in self.keys]
+        self._sums += torch.stack([*row, zero + num_tokens, pg])
         for key, v in metrics.items():
             if key.startswith("custom/"):
-                self.custom[key] = self.custom.get(key, 0.0) + v * pg
+                v = torch.as_tensor(v).to(self._sums) * pg
+                self._custom[key] = self._custom[key] + v if key in self._custom else v
 
     @staticmethod
-    def _weight(key: str, loss_tokens: float, pg_tokens: float) -> float:
+    def _weight(key: str, loss_tokens, pg_tokens):
         return 1.0 if key in ("pg_loss", "ref_kl_loss") else pg_tokens if key == "policy_kl" else loss_tokens
 
-    def result(self) -> dict[str, float]:
-        sums = self.sums.clone()
-        if self.world_size > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    def sums(self) -> torch.Tensor:
+        """float64 [len(keys) + 2] on the device: the weighted sums, loss tokens, pg tokens (summed
+        over ranks by the caller)."""
+        return self._sums
+
+    def custom(self) -> tuple[list[str], torch.Tensor]:
+        """A custom method's metric names and their pg-token-weighted sums (this rank only)."""
+        keys = list(self._custom)
+        return keys, torch.stack([self._custom[k] for k in keys]) if keys else self._sums.new_zeros(0)
+
+    def result(self, sums: list[float], custom: list[float] = ()) -> dict[str, float]:
+        """The step's metrics from the values of ``sums()`` (all-reduced) and ``custom()`` read on the host."""
         n, n_pg = max(float(sums[-2]), 1.0), float(sums[-1])
         n_pg = n_pg if n_pg > 0 else 1.0
         out = {f"loss/{k}": float(sums[i]) / self._weight(k, n, n_pg) for i, k in enumerate(self.keys)}
         if self.world_size == 1:
-            out.update({f"loss/{k}": v / n_pg for k, v in self.custom.items()})
+            out.update({f"loss/{k}": v / n_pg for k, v in zip(self._custom, custom)})
         return out

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..transport import atomic_torch_save, atomic_write_bytes
+from ..transport import TMP_PREFIX, atomic_torch_save, atomic_write_bytes, remove_stale_tmp_dirs  # noqa: F401 (re-exported)
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -27,30 +27,6 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
             except ValueError:
                 continue
     return sorted(out)
-
-
-TMP_PREFIX = ".tmp_step_"  # a checkpoint being written: <root>/.tmp_step_<step>.<writer pid>
-
-
-def remove_stale_tmp_dirs(root: str | Path) -> list[Path]:
-    """Delete the temp directories of checkpoint writes that can no longer finish: those of a
-    process that is gone, or of this process (called at start, and after a failed save). Returns
-    what was removed. A failed save (ENOSPC, a crash) would otherwise leave them forever, filling
-    the disk and making the next save fail too. Any checkpoint writer names its temp directory
-    ``TMP_PREFIX + <anything>.<pid>`` so this finds it."""
-    from ..lifetime import pid_alive
-
-    removed = []
-    for d in Path(root).glob(TMP_PREFIX + "*"):
-        pid = d.name.rpartition(".")[2]
-        if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
-            continue  # another live writer's save in progress
-        if d.is_dir():
-            shutil.rmtree(d, ignore_errors=True)
-        else:
-            d.unlink(missing_ok=True)
-        removed.append(d)
-    return removed
 
 
 def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:

@@ -16,7 +16,11 @@ import torch.nn.functional as F
 
 
 class PaddedPlan:
-    """Stands in for ``cu_seqlens`` so the model routes attention to :func:`padded_attention`."""
+    """Stands in for ``cu_seqlens`` so the model routes attention to :func:`padded_attention`.
+
+    Building one reads ``cu_seqlens`` on the host (the longest sequence, the token count): the
+    trainer builds it from the packed CPU batch while it prepares a step, then moves it with
+    :meth:`to`, so the step's device work holds no host read for it."""
 
     def __init__(self, cu_seqlens: torch.Tensor):
         cu = cu_seqlens.long()
@@ -30,6 +34,14 @@ class PaddedPlan:
         # [B, Lmax] real keys: the padded width travels as a tensor size, which a model compiled with
         # dynamic shapes (trainer.compile) sees as symbolic, so another Lmax does not recompile
         self.keep = torch.arange(self.max_len)[None, :] < self.lengths[:, None]
+
+    def to(self, device, non_blocking: bool = False) -> "PaddedPlan":
+        """This plan with its index tensors on ``device`` (sizes stay host values)."""
+        out = object.__new__(PaddedPlan)
+        mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        out.cu_seqlens, out.lengths, out.max_len = mv(self.cu_seqlens), mv(self.lengths), self.max_len
+        out.index, out.keep = (mv(self.index[0]), mv(self.index[1])), mv(self.keep)
+        return out
 
     def shard(self, *args, **kwargs):  # the model checks for a plan object by this attribute
         raise NotImplementedError("PaddedPlan is not a context-parallel plan")
@@ -76,10 +88,15 @@ class _PaddedOrInner:
 
 def padded_forward(model, input_ids, position_ids, cu_seqlens, *, replay_ids=None):
     """``model(...)`` with every attention layer on the padded SDPA path (hidden states ``[T, D]``).
+    ``cu_seqlens``: a tensor, or a :class:`PaddedPlan` built from it beforehand (no host read here).
     Backward-safe under activation checkpointing (see :class:`_PaddedOrInner`); calls with a
     ``cu_seqlens`` tensor or another plan are unaffected."""
     for layer in model.layers:
         a = layer.attention
         if not isinstance(a.context_attention, _PaddedOrInner):
             a.context_attention = _PaddedOrInner(a.context_attention)
-    return model(input_ids, position_ids, PaddedPlan(cu_seqlens), replay_ids=replay_ids)
+    plan = cu_seqlens if isinstance(cu_seqlens, PaddedPlan) else PaddedPlan(cu_seqlens)
+    # a sparse-attention model picks its dense or sparse form by the longest sequence: the plan has it
+    sparse = getattr(getattr(model, "config", None), "is_sparse", False)
+    extra = {"max_seqlen": plan.max_len} if sparse else {}
+    return model(input_ids, position_ids, plan, replay_ids=replay_ids, **extra)

@@ -24,6 +24,13 @@ over ``mesh["cp"]``: a rank holds seq_len / cp tokens and computes hidden states
 log-probs and the loss on them. The loss divides by one global loss-token count per optimizer
 step (counted on the shards, all-reduced over every rank), so FSDP sums gradients and every
 layout optimises the same objective as one process.
+
+Host reads (GPU synchronisations): ``prepare_step`` plans a batch on the host from the payload's
+packed CPU tensors (loss counts, loss tokens per micro-batch, padded-attention plans) before the
+batch moves to the device; ``run_step``, the device work, accumulates every metric and guard flag
+on the device (AdamW is fused: step counts on the device, a non-finite update skipped through its
+``found_inf``) and reads the host once per optimizer step: the ``.tolist()`` of the step's packed
+metrics, grad norm and guard flags (tests/runtime/test_trainer_compile.py counts it).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,18 +53,32 @@ from . import full_state
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .dcp_checkpoint import is_dcp_checkpoint, load_dcp_checkpoint, save_dcp_checkpoint
 from ..config import RLConfig, cp_degrees, parallel_dims
-from .guards import check_finite_parameters
-from .padded_attention import padded_forward
+from .guards import nonfinite_parameters, raise_nonfinite_parameters
+from .padded_attention import PaddedPlan, padded_forward
 from ..placement import resolve_placement
 from ..policy import build_model
+from ..zmq_transport import make_transport
 from .publish import publish_streamed
-from ..transport import make_transport
 
 log = logging.getLogger("primerl.trainer")
 
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+@dataclass
+class PreparedStep:
+    """One optimizer step planned on the host (``Trainer.prepare_step``): per micro-batch (batch,
+    targets, PaddedPlan or None, loss tokens, longest sequence or None); the loss counts summed
+    over ranks (Python floats, ``_rl.loss_counts``); ``total``: the global loss-token count (>= 1);
+    this rank's loss tokens and tokens."""
+
+    micro_batches: list[tuple]
+    counts: list[float]
+    total: int
+    n_loss: int
+    n_tok: int
 
 
 def lr_lambda(cfg: RLConfig) -> Callable[[int], float]:
@@ -91,14 +113,22 @@ def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int | None = None, 
 
 
 def next_token_logprobs(model, mb, targets, *, replay: bool, plan=None, padded: bool = False,
-                        chunk_size: int | None = None):
+                        chunk_size: int | None = None, padded_plan: PaddedPlan | None = None,
+                        max_seqlen: int | None = None):
     """Fused log-probs of ``targets`` and entropies from each hidden state of ``mb`` (a
-    ``next_token_batch``, sharded by ``plan`` under context parallelism), both [t] float32."""
+    ``next_token_batch``, sharded by ``plan`` under context parallelism), both [t] float32.
+    ``padded_plan``: the ``PaddedPlan`` of ``mb.cu_seqlens`` built beforehand (else built here,
+    which reads ``cu_seqlens`` on the host); ``max_seqlen``: the longest sequence of ``mb`` (passed to
+    the model, whose sparse-attention form reads it on the device otherwise)."""
     replay_ids = mb.replay_ids if replay else None
     if padded:
-        hidden = padded_forward(model, mb.input_ids, mb.position_ids, mb.cu_seqlens, replay_ids=replay_ids)
+        hidden = padded_forward(model, mb.input_ids, mb.position_ids,
+                                mb.cu_seqlens if padded_plan is None else padded_plan, replay_ids=replay_ids)
     else:
-        hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens if plan is None else plan, replay_ids=replay_ids)
+        sparse = getattr(getattr(model, "config", None), "is_sparse", False)  # only it uses the value
+        extra = {"max_seqlen": max_seqlen} if sparse and max_seqlen is not None and plan is None else {}
+        hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens if plan is None else plan, replay_ids=replay_ids,
+                       **extra)
     temperature = 1.0 if mb.temperatures is None else mb.temperatures
     return fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
 
@@ -148,8 +178,10 @@ class Trainer:
         self.cp_group = self.mesh["cp"].get_group() if self.dims.cp > 1 else None
         self.cp_rank = self.mesh["cp"].get_local_rank() if self.dims.cp > 1 else 0
         self.ep_group = self.mesh["ep"].get_group() if self.dims.ep > 1 else None
+        # fused: step counts live on the device (the default AdamW reads one per parameter on the host
+        # every step) and ``found_inf`` skips a non-finite update without a host read
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                           weight_decay=t.weight_decay)
+                                           weight_decay=t.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.padded = self.dims.cp == 1 and (
             t.attention == "padded" or (t.attention == "auto" and self.model.embed.weight.device.type == "cpu"))
@@ -232,11 +264,24 @@ class Trainer:
     # ---------------------------------------------------------------- one step
     def train_step(self, payload: dict) -> dict:
         """One rollout batch: ``trainer.mini_batches`` optimizer steps over slices of its micro-batches.
-        ``mismatch_kl/mean`` is measured on the first slice, before any update of this batch."""
+        ``mismatch_kl/mean`` is measured on the first slice, before any update of this batch.
+        ``prepare_step`` (host-side planning on the payload's CPU tensors) then ``run_step`` (the
+        device work: one host read per optimizer step, for its metrics and guards)."""
+        return self.run_step(self.prepare_step(payload))
+
+    def prepare_step(self, payload: dict) -> list[PreparedStep]:
+        """Plan each optimizer step of ``payload`` on the host, before any device work: the shifted
+        (and cp-sharded) micro-batches, the loss counts used for normalisation (all-reduced over
+        ranks), each micro-batch's loss tokens and the padded-attention plan, all read from the
+        packed CPU tensors; then the micro-batches move to the trainer's device."""
         mbs = payload["micro_batches"]
         n = min(self.cfg.trainer.mini_batches, len(mbs))
         bounds = [round(i * len(mbs) / n) for i in range(n + 1)]
-        rows = [self._optimizer_step(mbs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        return [self._prepare(mbs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def run_step(self, prepared: list[PreparedStep]) -> dict:
+        """The device work of ``prepare_step``'s optimizer steps, then the scheduler; -> the metrics."""
+        rows = [self._optimizer_step(p) for p in prepared]
         self.scheduler.step()
         self.step += 1
         out = dict(rows[0])
@@ -247,70 +292,105 @@ class Trainer:
         out["nan_skipped"] = self.nan_skipped
         return out
 
-    def _optimizer_step(self, mbs: list[dict]) -> dict:
+    def _prepare(self, mbs: list) -> PreparedStep:
         t = self.cfg.trainer
-        replay = t.router_replay
         if self.fsdp:  # every rank must run the same forwards/backwards: padding becomes a 2-token dummy
             mbs = [_dummy_like(mb) if mb.is_padding or mb.num_tokens == 0 else mb for mb in mbs]
         else:  # grads are all-reduced after the loop, so a padding micro-batch can be skipped
             mbs = [mb for mb in mbs if not mb.is_padding and mb.num_tokens > 0]
         mbs = [self._local_batch(mb) for mb in mbs]  # (shifted and cp-sharded micro-batch, targets)
         counts = _rl.loss_counts([mb for mb, _ in mbs], t.loss)  # [loss tokens, loss sequences, ...]
-        if self.device.type != "cpu":  # counted on the host above (no syncs); the model reads them here
-            mbs = [(mb.to(self.device, non_blocking=True), tg.to(self.device, non_blocking=True)) for mb, tg in mbs]
         if self.world_size > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        total = max(int(counts[0]), 1)
+        counts = counts.tolist()
+        loss_tokens = [int(mb.loss_mask.sum()) for mb, _ in mbs]
+        plans = [PaddedPlan(mb.cu_seqlens) if self.padded else None for mb, _ in mbs]
+        # the longest sequence, for a sparse-attention model's dense/sparse choice (else it reads
+        # cu_seqlens on the device once per forward); not under context parallelism or padding
+        longest = [int(mb.cu_seqlens.diff().max()) if mb.context_plan is None and not self.padded
+                   and mb.cu_seqlens.numel() > 1 else None for mb, _ in mbs]
+        n_tok = 0
+        if self.cp_rank == 0:  # the ranks of a cp group hold parts of the same tokens
+            n_tok = sum(0 if mb.is_padding else (mb.num_real_tokens or mb.num_tokens) for mb, _ in mbs)
+        if self.device.type != "cpu":  # planned on the host above (no syncs); the model reads them here
+            mbs = [(mb.to(self.device, non_blocking=True), tg.to(self.device, non_blocking=True)) for mb, tg in mbs]
+            plans = [p if p is None else p.to(self.device, non_blocking=True) for p in plans]
+        return PreparedStep([(mb, tg, plan, k, n) for (mb, tg), plan, k, n in zip(mbs, plans, loss_tokens, longest)],
+                            counts, max(int(counts[0]), 1), sum(loss_tokens), n_tok)
+
+    def _optimizer_step(self, prep: PreparedStep) -> dict:
+        """Forward, loss and backward of each micro-batch, accumulating every metric on the device;
+        gradient clipping, the non-finite guards and AdamW (fused: its ``found_inf`` skips a
+        non-finite update on the device) with no host read; then ONE host read of the step's
+        metrics, grad norm and guard flags, and the host's decisions on them."""
+        t = self.cfg.trainer
+        replay = t.router_replay
+        dev = self.device
         self.optimizer.zero_grad(set_to_none=False)
         if self.world_size > 1 and not self.fsdp:  # a rank with only padding still joins every all-reduce
             for p in self.model.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        loss_sum = kl_num = ent_num = 0.0
-        n_tok = n_loss = 0
-        extra: dict[str, float] = {}
-        loss_metrics = _rl.LossMetrics(t.loss, self.world_size)
-        for mb, targets in mbs:
+        # [loss, mismatch_kl, entropy, clip_frac_low, clip_frac_high, ess] sums (the means weighted by
+        # each micro-batch's loss tokens), float64 on the device
+        acc = torch.zeros(6, dtype=torch.float64, device=dev)
+        ratio_max = torch.zeros((), dtype=torch.float64, device=dev)
+        loss_metrics = _rl.LossMetrics(t.loss, self.world_size, device=dev)
+        zero = torch.zeros((), device=dev)
+        for mb, targets, plan, k, longest in prep.micro_batches:
             lp, ent = next_token_logprobs(self.model, mb, targets, replay=replay, plan=mb.context_plan,
-                                          padded=self.padded)
+                                          padded=self.padded, padded_plan=plan, max_seqlen=longest)
             ref_lp = _rl.reference_logprobs(self.ref_model, lambda ref: next_token_logprobs(
-                ref, mb, targets, replay=False, plan=mb.context_plan, padded=self.padded)[0])
-            loss, m = _rl.policy_loss(lp, mb, t.loss, counts, entropy=ent, ref_logprobs=ref_lp)
+                ref, mb, targets, replay=False, plan=mb.context_plan, padded=self.padded, padded_plan=plan,
+                max_seqlen=longest)[0])
+            loss, m = _rl.policy_loss(lp, mb, t.loss, prep.counts, entropy=ent, ref_logprobs=ref_lp)
             coef = self.entropy_coef()
             if coef:
-                loss = loss - coef * (ent * mb.loss_mask).sum() / total
+                loss = loss - coef * (ent * mb.loss_mask).sum() / prep.total
             loss.backward()
-            k = int(mb.loss_mask.sum())
             loss_metrics.add(m, k)
-            loss_sum += float(loss.detach())
-            kl_num += m["mismatch_kl"] * k
-            ent_num += m.get("entropy", 0.0) * k
-            for key in ("clip_frac_low", "clip_frac_high", "ess"):
-                extra[key] = extra.get(key, 0.0) + m.get(key, 0.0) * k
-            extra["ratio_max"] = max(extra.get("ratio_max", 0.0), m.get("ratio_max", 0.0))
-            n_loss += k
-            if self.cp_rank == 0:  # the ranks of a cp group hold parts of the same tokens
-                n_tok += 0 if mb.is_padding else (mb.num_real_tokens or mb.num_tokens)
-        stats = torch.tensor([loss_sum, kl_num, ent_num, float(n_loss), float(n_tok),
-                              *(extra.get(k, 0.0) for k in ("clip_frac_low", "clip_frac_high", "ess"))], dtype=torch.float64)
-        if self.world_size > 1:
-            if not self.fsdp:  # FSDP already reduce-scattered (summed) the gradients
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-        loss_all, kl_all, ent_all, n_loss_all, n_tok_all, cl, ch, ess = stats.tolist()
-        denom = max(n_loss_all, 1)
+            row = [loss.detach().double()] + [m.get(key, zero).double() * k for key in
+                                              ("mismatch_kl", "entropy", "clip_frac_low", "clip_frac_high", "ess")]
+            acc += torch.stack(row)
+            ratio_max = torch.maximum(ratio_max, m.get("ratio_max", zero).to(torch.float64))
+        if self.world_size > 1 and not self.fsdp:  # FSDP already reduce-scattered (summed) the gradients
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        finite = math.isfinite(loss_all) and (not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()))
+        local_bad = ~torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else zero.bool()
+        # summed over ranks: [6 sums, loss tokens, tokens, ranks with a non-finite gradient, LossMetrics' sums]
+        # (host numbers enter as scalar operands: a tensor built from a list would be a blocking copy)
+        z = acc.new_zeros(())
+        counts = torch.stack([z + prep.n_loss, z + prep.n_tok, local_bad.to(torch.float64)])
+        stats = torch.cat([acc, counts, loss_metrics.sums()])
         if self.world_size > 1:
-            flag = torch.tensor([0.0 if finite else 1.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            finite = flag.item() == 0.0
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        bad = (stats[8] > 0) | ~torch.isfinite(stats[0])
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        gn = _grad_norm_tensor(params, self.fsdp, self.dims.dp_replicate, dev)
+        if t.max_grad_norm > 0:  # scale by max / (norm + 1e-6) only where norm > max (a factor 1 is exact)
+            clip = torch.where(gn > t.max_grad_norm, t.max_grad_norm / (gn + 1e-6), torch.ones_like(gn))
+            for p in params:
+                p.grad.mul_(clip.to(p.grad.dtype))
+        # fused AdamW skips every parameter's update (and its step count) when found_inf is 1.0
+        self.optimizer.found_inf = bad.to(torch.float32)
+        self.optimizer.step()
+        params_bad = nonfinite_parameters(self.model, distributed=self.world_size > 1)
+        _, custom = loss_metrics.custom()
+        # the step's one host read: every metric, the grad norm and both guards' flags
+        packed = torch.cat([stats, gn.reshape(1).to(torch.float64), ratio_max.reshape(1),
+                            params_bad.to(torch.float64).reshape(1), custom])
+        values = packed.tolist()
+        loss_all, kl_all, ent_all, cl, ch, ess, n_loss_all, n_tok_all, _ = values[:9]
+        n_lm = len(loss_metrics.keys) + 2
+        lm_sums, (gn_v, ratio_v, params_bad_v), custom_v = values[9:9 + n_lm], values[9 + n_lm:12 + n_lm], values[12 + n_lm:]
+        finite = values[8] == 0 and math.isfinite(loss_all)
+        denom = max(n_loss_all, 1)
         metrics = {"loss": loss_all, "mismatch_kl/mean": kl_all / denom, "entropy/mean": ent_all / denom,
                    "clip_frac_low": cl / denom, "clip_frac_high": ch / denom, "ess": ess / denom,
-                   "ratio_max": extra.get("ratio_max", 0.0), "tokens": int(n_tok_all), "loss_tokens": int(n_loss_all),
-                   "lr": self.scheduler.get_last_lr()[0], **loss_metrics.result()}
+                   "ratio_max": ratio_v, "tokens": int(n_tok_all), "loss_tokens": int(n_loss_all),
+                   "lr": self.scheduler.get_last_lr()[0], **loss_metrics.result(lm_sums, custom_v)}
         if not finite:
             self.nan_streak += 1
             self.nan_skipped += 1
@@ -325,14 +405,9 @@ class Trainer:
             metrics["grad_norm"] = float("nan")
             return metrics
         self.nan_streak = 0
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        gn = self._grad_norm(params)
-        if t.max_grad_norm > 0 and gn > t.max_grad_norm:
-            for p in params:
-                p.grad.mul_(t.max_grad_norm / (gn + 1e-6))
-        metrics["grad_norm"] = gn
-        self.optimizer.step()
-        check_finite_parameters(self.model, self.step, distributed=self.world_size > 1)
+        metrics["grad_norm"] = gn_v
+        if params_bad_v:
+            raise_nonfinite_parameters(self.model, self.step)
         return metrics
 
 
@@ -355,17 +430,22 @@ def open_single_rank_group(backend: str) -> bool:
 
 
 def _grad_norm_of(params, fsdp: bool, dp_replicate: int = 1) -> float:
-    # FSDP2 shards every parameter (on two meshes: dense and experts, which DTensor cannot mix in
-    # one op), so the global norm is the square root of the all-reduced sum of local squares;
-    # every shard (an expert-parallel slice too) exists once per dp_replicate replica.
+    return float(_grad_norm_tensor(params, fsdp, dp_replicate))
+
+
+def _grad_norm_tensor(params, fsdp: bool, dp_replicate: int = 1, device=None) -> torch.Tensor:
+    """The global gradient norm as a float64 0-d tensor on the gradients' device (no host read).
+    FSDP2 shards every parameter (on two meshes: dense and experts, which DTensor cannot mix in
+    one op), so the global norm is the square root of the all-reduced sum of local squares;
+    every shard (an expert-parallel slice too) exists once per dp_replicate replica."""
     grads = [_local(p.grad) for p in params]
-    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else (device or "cpu"))
     for g in grads:
         sq += g.double().pow(2).sum()
     if fsdp:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM)
         sq /= dp_replicate
-    return float(sq.sqrt())
+    return sq.sqrt()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -211,7 +211,7 @@ def _model_path(config: str, overrides: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..config import load_config
+    from ..validate import load_config
 
     p = argparse.ArgumentParser(prog="python -m primerl.runtime.trainer.vf_warmstart", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,0 +1,106 @@
+"""The inference client the orchestrator samples through, made from ``[inference]``: the embedded
+engine (in this process), one vLLM server, a pool of servers behind vllm-router, or a P/D
+deployment (prefill and decode servers, started here)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..config import RLConfig
+from ..placement import resolve_placement
+
+log = logging.getLogger("primerl")
+
+
+def make_pool_client(cfg: RLConfig, vocab_size: int, endpoints: dict):
+    """The client of a server pool (``inference.num_servers`` > 1 or ``inference.vllm.urls``):
+    ``endpoints`` is ``launch.servers.ServerPool.endpoints()`` (servers, router, processes.json)."""
+    from ..inference.pool_client import PoolClient
+    from ..policy import model_config
+
+    mc = model_config(cfg, vocab_size)
+    i = cfg.inference
+    # a step's requests in flight at once (up to 256 threads): 64 left the servers' batches a quarter
+    # full on the main example (2 servers: 1.82 s/step at 64, 1.25 s at 256, bench/RESULTS.md, issue 33)
+    expect = False
+    if i.backend == "vllm":
+        from ..inference.vllm_launch import wants_routing
+
+        expect = wants_routing(cfg)
+    client = PoolClient(i.vllm, endpoints["servers"], endpoints["router"], timeout_s=i.timeout_s,
+                        output_dir=cfg.output_dir, processes_json=endpoints.get("processes"),
+                        health_timeout_s=i.health_timeout_s, num_layers=len(mc.moe_layer_ids), top_k=mc.top_k,
+                        expect_routing=expect, concurrency=min(256, max(64, cfg.orchestrator.batch_size * cfg.orchestrator.group_size)))
+    client.wait_healthy(cfg.inference.vllm.launch_timeout_s)
+    return client
+
+
+def make_client(cfg: RLConfig, vocab_size: int, pool: dict | None = None):
+    from .orchestrator import EmbeddedClient
+
+    if cfg.inference.pd.enabled:
+        return make_pd_client(cfg, vocab_size)
+    if pool is None and os.environ.get("PRIMERL_INFERENCE_POOL"):  # launch.servers.POOL_ENV, set by the launcher
+        import json
+
+        pool = json.loads(os.environ["PRIMERL_INFERENCE_POOL"])
+    if pool is not None:
+        return make_pool_client(cfg, vocab_size, pool)
+    if cfg.inference.num_servers > 1 or cfg.inference.vllm.urls:
+        raise RuntimeError("inference.num_servers > 1 / inference.vllm.urls: the server pool is started by "
+                           "`primerl rl` (launch.servers.ServerPool); this process was started without it")
+    if cfg.inference.backend == "vllm":
+        from ..policy import model_config
+        from ..inference.vllm_client import VLLMClient
+        from ..inference.vllm_launch import wants_routing
+
+        mc = model_config(cfg, vocab_size)  # to check routed experts [N, L, k]
+        return VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s, output_dir=cfg.output_dir,
+                          num_layers=len(mc.moe_layer_ids), top_k=mc.top_k, expect_routing=wants_routing(cfg))
+    from ..inference.engine import InferenceEngine
+    from ..policy import build_model
+
+    i = cfg.inference
+    placement = resolve_placement(cfg)
+    device = placement.engine_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build_model(cfg, vocab_size, device=device, dtype=placement.param_dtype)
+    engine = InferenceEngine(model, max_batch_size=i.max_batch_size, kv_cache=i.kv_cache,
+                             capture_routing=i.capture_routing, fp8_experts=i.fp8_experts,
+                             router_noise=i.router_noise, noise_seed=cfg.seed, kv_cache_gb=i.kv_cache_gb)
+    log.info("embedded engine on %s in %s; weights by %s", device, placement.param_dtype, placement.weight_update)
+    receiver = None
+    if placement.weight_update == "broadcast":
+        from ..inference.weight_sync import EngineWeightReceiver, engine_broadcast_host
+
+        receiver = EngineWeightReceiver(engine_broadcast_host(), i.broadcast_port, backend=placement.broadcast_backend,
+                                        device=device, timeout_s=cfg.orchestrator.weights_timeout_s).start()
+    return EmbeddedClient(engine, timeout_s=i.timeout_s, receiver=receiver)
+
+
+def make_pd_client(cfg: RLConfig, vocab_size: int):
+    """``inference.pd``: start the prefill and decode servers and vllm-router in P/D mode
+    (``inference.pd_launch``), and the client that samples through the router; the deployment
+    stops with this process (``client.deployment.stop()`` at exit)."""
+    import atexit
+    import dataclasses
+
+    from ..inference.pd_client import PDClient
+    from ..inference.pd_launch import PDDeployment
+    from ..inference.vllm_launch import wants_routing
+    from ..policy import model_config
+
+    dep = PDDeployment(cfg).start()
+    atexit.register(dep.stop)
+    mc = model_config(cfg, vocab_size)
+    routing = wants_routing(cfg) if cfg.inference.backend == "vllm" else cfg.inference.capture_routing
+    v = dataclasses.replace(cfg.inference.vllm, url=dep.router_url)
+    client = PDClient(v, dep.server_urls, resamples=cfg.inference.pd.resamples, timeout_s=cfg.inference.timeout_s,
+                      output_dir=cfg.output_dir, num_layers=len(mc.moe_layer_ids), top_k=mc.top_k,
+                      expect_routing=routing)
+    client.deployment = dep
+    return client

@@ -1,0 +1,67 @@
+"""The orchestrator process's entry point (``primerl orchestrator``): the environment, the inference
+client (``clients.make_client``: the embedded engine lives in this process), the batch transport,
+then ``Orchestrator.run``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ..config import RLConfig
+from ..inference.weight_sync import network_weight_source
+from ..launch.common import start_step
+from ..lifetime import peer_alive, setup_logging, watch_launcher
+from ..zmq_transport import make_transport
+from .clients import make_client
+
+log = logging.getLogger("primerl")
+
+
+def orchestrator_main(cfg: RLConfig) -> None:
+    from primerl.rl.envs import load_environment
+
+    from ..policy import model_config
+    from .vf_orchestrator import build_orchestrator  # the built-in Orchestrator, or the verifiers path
+
+    setup_logging("orchestrator")
+    watch_launcher()
+    torch.set_num_threads(cfg.threads)
+    env = load_environment(cfg.env.id, **cfg.env.args)
+    start = start_step(cfg)
+    transport = make_transport(cfg, Path(cfg.output_dir) / "transport", "orchestrator")
+    transport.drop_batches_from(start)
+    client = make_client(cfg, env.vocab_size)
+
+    def on_batch(step, m):
+        log.info("batch %d written: reward %.3f off_policy<=%d version %d %.0f tok/s", step, m["reward/mean"],
+                 m["off_policy/max"], m["policy_version"], m["inference/tokens_per_s"])
+
+    receiver = getattr(client, "receiver", None)
+    transport.weight_source = network_weight_source(cfg, client)  # broadcast: versions not from files
+    try:
+        orch = build_orchestrator(cfg, env, client, transport, start_step=start,
+                            trainer_alive=peer_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
+                            top_k=model_config(cfg, env.vocab_size).top_k)
+        if cfg.orchestrator.metrics_port:
+            from .monitor import OrchestratorMonitor
+
+            orch.monitor = OrchestratorMonitor(cfg.orchestrator.metrics_host, cfg.orchestrator.metrics_port).start()
+        orch.run(on_batch=on_batch)
+        transport.wait_taken(cfg.trainer.batch_timeout_s)  # zmq: no batch left in a socket at exit
+        if receiver is not None:  # until the trainer's end-of-updates message (weight_sync.EngineWeightReceiver.close)
+            receiver.close()
+    except BaseException:
+        _exit_past_receiver(receiver)
+        raise
+
+
+def _exit_past_receiver(receiver) -> None:
+    """A failed orchestrator whose weight receiver still waits in a collective: exit at once with
+    the traceback logged (rc 1); a normal exit would abort (-6) on the receiver's live thread."""
+    if receiver is not None and receiver.alive:
+        log.exception("the orchestrator failed (its weight receiver is still in the trainer's group)")
+        logging.shutdown()
+        os._exit(1)

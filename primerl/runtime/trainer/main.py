@@ -1,0 +1,38 @@
+"""The trainer process's entry point (``primerl trainer``; one per rank, under torchrun when several):
+logging, the launcher watchdog, the process group, then ``trainer.run_trainer``."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import RLConfig
+from ..lifetime import peer_alive, setup_logging, watch_launcher
+from ..placement import resolve_placement
+
+
+def trainer_main(cfg: RLConfig) -> None:
+    from primerl.rl.envs import load_environment
+
+    from .trainer import run_trainer
+
+    setup_logging("trainer")
+    watch_launcher()
+    torch.set_num_threads(cfg.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    placement = resolve_placement(cfg)
+    if placement.device == "cuda":  # before the process group: NCCL binds this rank to its GPU
+        torch.cuda.set_device(placement.trainer_device(int(os.environ.get("LOCAL_RANK", "0"))))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(placement.dist_backend)
+    try:
+        env = load_environment(cfg.env.id, **cfg.env.args)
+        run_trainer(cfg, env.vocab_size, orchestrator_alive=peer_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))))
+        if torch.distributed.is_initialized():
+            # every rank done with its last collective before any tears the group down: a rank that
+            # destroyed it while another was still in its final save aborted once at exit (-6)
+            torch.distributed.barrier()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
