@@ -278,3 +278,25 @@ def test_three_nodes_trainer_inference_server_orchestrator_share_no_file(tmp_pat
     for i in (1, 2):  # neither the server's nor the orchestrator's node holds a weights file or marker
         assert not [f for f in _files(tmp_path / f"host{i}") if "weights" in f or f.endswith("STABLE")], i
     assert not _files(tmp_path / "host0" / "out" / "transport" / "rollouts")
+
+
+def test_the_orchestrator_waits_until_every_batch_is_acknowledged(tmp_path):
+    """``wait_taken``: a batch put but not yet received by its rank keeps the orchestrator (it
+    would be lost in the socket at exit); each rank's receipt releases it."""
+    from primerl.runtime.transport import TransportTimeout
+    from primerl.runtime.zmq_transport import ZmqTransport
+
+    port = _free_port()
+    orch = ZmqTransport(tmp_path / "o", side="orchestrator", port=port)
+    ranks = [ZmqTransport(tmp_path / f"t{r}", side="trainer", port=port) for r in range(2)]
+    try:
+        for r in range(2):
+            orch.put_batch(0, r, {"rank": r})
+        assert ranks[0].get_batch(0, 0, timeout=30) == {"rank": 0}
+        with pytest.raises(TransportTimeout, match=r"take the rollout batches \(step, rank\) \[\(0, 1\)\]"):
+            orch.wait_taken(0.5)
+        assert ranks[1].get_batch(0, 1, timeout=30) == {"rank": 1}
+        orch.wait_taken(10)
+    finally:
+        for t in (orch, *ranks):
+            t.close()
