@@ -126,8 +126,9 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
     mixed = mp == "bf16" or (mp == "auto" and device == "cuda" and cfg.model.dtype == "float32" and fsdp_ok)
     if not embedded:
         update = "vllm"
-    elif i.weight_update == "auto":
-        update = "broadcast" if device == "cuda" and engine_gpu not in trainer_gpus else "filesystem"
+    elif i.weight_update == "auto":  # an orchestrator on a node of its own shares no directory with the trainer
+        own = cfg.deployment.orchestrator == "own"
+        update = "broadcast" if own or (device == "cuda" and engine_gpu not in trainer_gpus) else "filesystem"
     else:
         update = i.weight_update
     if update == "broadcast" and device == "cuda" and engine_gpu in trainer_gpus:
@@ -156,7 +157,8 @@ def describe_placement(cfg: RLConfig, num_gpus: int | None = None) -> str:
         where = "the CPU" if p.engine_gpu is None else f"cuda:{p.engine_gpu}"
         kv = f"KV cache <= {cfg.inference.kv_cache_gb:g} GB" if cfg.inference.kv_cache_gb else "KV cache uncapped"
         share = " (shared with the trainer, which takes the memory the engine leaves)" if p.shared else ""
-        via = (f"{p.broadcast_backend} broadcast from trainer rank 0 (127.0.0.1:{cfg.inference.broadcast_port})"
+        at = "the orchestrator's node" if cfg.deployment.kind != "local" else "127.0.0.1"
+        via = (f"{p.broadcast_backend} broadcast from trainer rank 0 (group at {at}:{cfg.inference.broadcast_port})"
                if p.weight_update == "broadcast" else "files in output_dir/transport")
         lines.append(f"# inference: embedded engine on {where}{share}, {kv}, "
                      f"{str(p.param_dtype).removeprefix('torch.')}; weights by {via}")

@@ -4,7 +4,8 @@ Endpoints: ``GET /health``; ``GET /v1/models`` (the served model with ``max_mode
 ``POST /inference/v1/generate`` (vLLM's token-in / token-out route, what verifiers' train client
 calls: ``generate_api``); ``POST /v1/completions`` (token ids in, token ids + log-probs + routed
 experts out, as primerl's vLLM client reads them); ``POST /collective_rpc`` with
-``update_weights_from_path`` (the filesystem weight update) or ``weights_version``; ``POST
+``update_weights_from_path`` (the filesystem weight update), ``init_broadcast`` +
+``update_weights_from_broadcast`` (trainer rank 0's broadcast, ``weight_broadcast``) or ``weights_version``; ``POST
 /reset_prefix_cache`` (a no-op: no prefix cache). One engine thread runs continuous batching over
 every in-flight HTTP request.
 
@@ -132,6 +133,7 @@ class EngineServer:
         self._stop = threading.Event()
         self._engine_error: BaseException | None = None
         self._paused = False
+        self._broadcast = None  # weight_broadcast.BroadcastReceiver once trainer rank 0 asked (init_broadcast)
         self.stats = ServerStats()
         self._sessions: collections.OrderedDict[str, SessionRecord] = collections.OrderedDict()
         if http == "stdlib":
@@ -366,6 +368,31 @@ class EngineServer:
 
         return Pending(self._start_call(load), lambda _: {"results": [{"version": version}]})
 
+    def start_broadcast_call(self, method: str, args: list) -> Pending:
+        """``init_broadcast(host, port, rank_offset, world_size[, timeout_s])`` then
+        ``update_weights_from_broadcast()``, as vLLM's worker extension (``vllm_worker``) answers
+        them: trainer rank 0 sends the weights over a torch.distributed group (gloo, NCCL on a GPU),
+        no file. The join and each receive run on a thread of their own (never the HTTP loop's or
+        the engine's); the load runs on the engine thread between steps."""
+        from .weight_broadcast import BroadcastReceiver
+
+        if method == "init_broadcast":
+            if not 4 <= len(args) <= 5:
+                raise ValueError(f"init_broadcast takes (host, port, rank_offset, world_size[, timeout_s]), got {args!r}")
+            self._broadcast = BroadcastReceiver(self.engine.device, *args)
+            return Pending(self._broadcast.join(), lambda _: {"results": [None]})
+        if self._broadcast is None:
+            raise ValueError("update_weights_from_broadcast before init_broadcast")
+
+        def load(version, weights):
+            from .hf_weights import primerl_weights
+
+            sd = dict(weights)
+            own = sd if "model.embed_tokens.weight" not in sd else primerl_weights(self.engine.model, sd)
+            self._call_in_engine(lambda: self.engine.load_weights(own, version), self.request_timeout)
+
+        return Pending(self._broadcast.receive(load), lambda version: {"results": [{"version": version}]})
+
     def update_weights_from_path(self, path: str) -> dict:
         p = self.start_update_weights(path)
         return p.finish(p.future.result(self.request_timeout))["results"][0]
@@ -408,6 +435,8 @@ class EngineServer:
         if path == "/collective_rpc":
             if body.get("method") == "weights_version":  # as vLLM's worker extension: one answer per worker
                 return 200, {"results": [{"version": self.engine.policy_version}]}
+            if body.get("method") in ("init_broadcast", "update_weights_from_broadcast"):
+                return self.start_broadcast_call(body["method"], body.get("args", []))
             if body.get("method") != "update_weights_from_path":
                 raise ValueError(f"collective_rpc: unknown method {body.get('method')!r}")
             return self.start_update_weights(*body.get("args", []))

@@ -155,10 +155,11 @@ def _prepack_cpu_experts(model) -> None:
 
 
 def new_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float = 300.0,
-              backend: str | None = None):
+              backend: str | None = None, store_rank: int = 0):
     """A process group outside vLLM's own (its own TCPStore rendezvous; rank 0 = the trainer).
     Joining and every collective give up after ``timeout_s`` (a dead peer raises, never hangs).
-    ``backend``: "nccl" or "gloo" (default: NCCL when CUDA is available)."""
+    ``backend``: "nccl" or "gloo" (default: NCCL when CUDA is available). ``store_rank``: the rank
+    that hosts the TCPStore at ``host:port`` (the others connect there)."""
     from datetime import timedelta
 
     import torch
@@ -167,7 +168,7 @@ def new_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: fl
     if backend not in (None, "nccl", "gloo"):
         raise ValueError(f"new_group: backend must be 'nccl', 'gloo' or None, got {backend!r}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == store_rank), timeout=timeout)
     if backend == "nccl" or (backend is None and torch.cuda.is_available()):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -21,18 +21,31 @@ the send raise, never hang.
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..config import RLConfig, VLLMConfig
-from ..transport import FileTransport
+from ..transport import ENGINE_HOST_ENV, ORCHESTRATOR_NODE_ENV, TRAINER_NODE_ENV, FileTransport
 
 log = logging.getLogger("primerl.weight_sync")
 
 
 class WeightSyncError(RuntimeError):
     pass
+
+
+
+def engine_broadcast_host() -> str:
+    """Where the embedded engine's weight group meets (``inference.broadcast_port``): the node of
+    the orchestrator, whose receiver hosts the group's store. That node is one known address in the
+    plan, where trainer rank 0 may sit on any trainer node (c10d numbers the nodes by address)."""
+    return os.environ.get(ENGINE_HOST_ENV, "127.0.0.1")
+
+
+def _where(env: str, default: str) -> str:
+    return os.environ.get(env) or default
 
 
 class BroadcastWeightSender:
@@ -43,12 +56,14 @@ class BroadcastWeightSender:
     this side broadcasts; without it the receivers call ``receive_update`` in a loop themselves."""
 
     def __init__(self, host: str, port: int, num_receivers: int, *, timeout_s: float = 300.0,
-                 rpc_url: str | None = None, backend: str | None = None, peer: str = "a receiver"):
+                 rpc_url: str | None = None, backend: str | None = None, peer: str = "a receiver",
+                 store_rank: int = 0):
         if num_receivers < 1:
             raise ValueError(f"num_receivers must be >= 1, got {num_receivers}")
         self.host, self.port, self.num_receivers, self.backend = host, port, num_receivers, backend
         self.timeout_s, self.rpc_url = timeout_s, rpc_url.rstrip("/") if rpc_url else None
         self.group, self.peer = None, peer  # peer: who receives, for the errors
+        self.store_rank = store_rank  # who hosts the group's store at host:port (0: this side)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-rpc") if self.rpc_url else None
 
     @classmethod
@@ -107,7 +122,7 @@ class BroadcastWeightSender:
         fut = self._rpc("init_broadcast", self.host, self.port, 1, self.num_receivers + 1, self.timeout_s)
         try:
             self.group = new_group(self.host, self.port, 0, self.num_receivers + 1, timeout_s=self.timeout_s,
-                                   backend=self.backend)
+                                   backend=self.backend, store_rank=self.store_rank)
         except Exception as e:  # noqa: BLE001 (the store raises a bare RuntimeError/DistNetworkError on timeout)
             raise WeightSyncError(f"weight broadcast group at {self.host}:{self.port}: {self.num_receivers} "
                                   f"receiver(s) ({self.peer}) did not join within {self.timeout_s} s ({e})") from e
@@ -161,7 +176,10 @@ def _shutdown(group) -> None:
 class EngineWeightReceiver:
     """The embedded engine's end of the trainer's weight broadcast (rank 1 of a two-rank group,
     trainer rank 0 is rank 0): a daemon thread receives every version into fresh tensors on
-    ``device`` and keeps them until :meth:`take` hands one over.
+    ``device`` and keeps them until :meth:`take` hands one over. It hosts the group's store at
+    ``host:port`` (this process's node), and is the orchestrator's source of "a new version
+    exists" (:meth:`versions`, :meth:`wait_version`; ``FileTransport.weight_source``): nothing of
+    the weights goes through ``output_dir``, so the orchestrator may run on a node of its own.
 
     On a GPU the thread runs on a CUDA stream of its own: a broadcast it waits for must not hold
     up the engine's kernels on the default stream (the trainer only sends the next version after
@@ -190,7 +208,7 @@ class EngineWeightReceiver:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
                 torch.cuda.set_stream(torch.cuda.Stream(self.device))  # this thread's current stream
-            group = new_group(self.host, self.port, 1, 2, timeout_s=self.timeout_s, backend=self.backend)
+            group = new_group(self.host, self.port, 1, 2, timeout_s=self.timeout_s, backend=self.backend, store_rank=1)
             while True:
                 version, weights = receive_update(group, self.device)
                 if version == END_OF_UPDATES:
@@ -242,6 +260,36 @@ class EngineWeightReceiver:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def versions(self) -> list[int]:
+        """The versions received and not yet taken (or dropped), oldest first."""
+        with self._cv:
+            return sorted(self._got)
+
+    def wait_version(self, min_version: int, *, timeout: float, alive=None) -> int:
+        """Wait until a version >= ``min_version`` has arrived; return the newest received.
+        Raises :class:`WeightSyncError` (naming the trainer's node) when the receiver failed (the
+        trainer died: its connection closed), the trainer ended its updates, ``alive()`` turned
+        False, or nothing came within ``timeout``."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        arrived = lambda: self.last_version is not None and self.last_version >= min_version  # noqa: E731
+        with self._cv:
+            while not (arrived() or self._error is not None or self._ended):
+                left = deadline - time.monotonic()
+                if left <= 0 or (alive is not None and not alive()):
+                    break
+                self._cv.wait(min(left, 0.5))
+            if arrived():
+                return self.last_version
+            trainer = _where(TRAINER_NODE_ENV, "the trainer")
+            why = (f"the receiver failed: {self._error!r}" if self._error is not None else
+                   f"{trainer} ended its updates" if self._ended else
+                   f"{trainer} is no longer running" if alive is not None and not alive() else
+                   f"nothing arrived within {timeout:.0f} s")
+            raise WeightSyncError(f"weights version >= {min_version} by broadcast from {trainer} (rank 0) to "
+                                  f"{self.host}:{self.port}: {why} (last version received: {self.last_version})")
+
     def take(self, version: int, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """The tensors of ``version`` (dropping any older version still held); waits for them."""
         timeout = self.timeout_s if timeout is None else timeout
@@ -255,6 +303,56 @@ class EngineWeightReceiver:
             for v in [v for v in self._got if v < version]:
                 del self._got[v]
             return weights
+
+
+class ServerWeightVersions:
+    """The orchestrator's source of weight versions (``FileTransport.weight_source``) when trainer
+    rank 0 broadcasts to inference servers (``inference.vllm.weight_update = "broadcast"``) on
+    other nodes: the version every server's workers hold (``weights_version``), asked over HTTP,
+    instead of the marker the trainer writes in its own ``output_dir``."""
+
+    def __init__(self, client, poll_s: float = 0.2):
+        self.client, self.poll_s = client, poll_s
+
+    def versions(self) -> list[int]:
+        from .vllm_client import InferenceServerError
+
+        try:
+            got = self.client.server_versions()
+        except InferenceServerError:  # not up yet (the orchestrator may start first); a dead one times the wait out
+            return []
+        return [min(got)] if got and all(v is not None and v >= 0 for v in got) else []
+
+    def wait_version(self, min_version: int, *, timeout: float, alive=None) -> int:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            held = self.versions()
+            if held and held[0] >= min_version:
+                return held[0]
+            if alive is not None and not alive():
+                raise WeightSyncError(f"weights version >= {min_version} on {self.client.url}: "
+                                      f"{_where(TRAINER_NODE_ENV, 'the trainer')} is no longer running")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"weights version >= {min_version}: the inference server at {self.client.url} "
+                                      f"holds {held or 'none'} after {timeout:.0f} s (the trainer's broadcast from "
+                                      f"{_where(TRAINER_NODE_ENV, 'the trainer')} did not arrive)")
+            time.sleep(self.poll_s)
+
+
+def network_weight_source(cfg: RLConfig, client):
+    """What tells the orchestrator that a weights version exists, when not the markers in
+    ``output_dir``: the embedded engine's broadcast receiver (always), or the servers' own
+    versions for a vLLM-protocol server taking broadcasts on a multi-node plan. None: markers."""
+    receiver = getattr(client, "receiver", None)
+    if receiver is not None:
+        return receiver
+    v = cfg.inference.vllm
+    if (cfg.deployment.kind != "local" and cfg.inference.backend == "vllm" and v.weight_update == "broadcast"
+            and v.broadcast_rpc and hasattr(client, "server_versions")):
+        return ServerWeightVersions(client)
+    return None
 
 
 class WeightPublisher:
@@ -271,10 +369,11 @@ class WeightPublisher:
         self.engine_sender = None  # the embedded engine's broadcast (inference.weight_update)
         self.engine_dtype = placement.param_dtype
         if not self.hf and placement.weight_update == "broadcast":
-            self.engine_sender = BroadcastWeightSender("127.0.0.1", i.broadcast_port, 1,
+            who = _where(ORCHESTRATOR_NODE_ENV, "the orchestrator")
+            self.engine_sender = BroadcastWeightSender(engine_broadcast_host(), i.broadcast_port, 1,
                                                        timeout_s=cfg.orchestrator.weights_timeout_s,
-                                                       backend=placement.broadcast_backend,
-                                                       peer="the orchestrator (embedded engine's receiver)")
+                                                       backend=placement.broadcast_backend, store_rank=1,
+                                                       peer=f"{who} (embedded engine's receiver)")
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         from .hf_weights import hf_weights, publish_hf

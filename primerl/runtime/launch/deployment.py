@@ -131,9 +131,17 @@ def validate_deployment(cfg: RLConfig) -> None:
         _need(per_node + engine <= d.gpus_per_node, "deployment.ranks_per_node",
               f"{per_node} trainer ranks per node{' plus the engine' if engine else ''} need "
               f"{per_node + engine} GPUs; deployment.gpus_per_node = {d.gpus_per_node}", per_node)
+    _need(d.orchestrator != "own" or cfg.inference.backend != "embedded" or cfg.inference.weight_update != "filesystem",
+          "inference.weight_update", "'filesystem' needs output_dir shared by the trainer and the orchestrator, which "
+          "runs on a node of its own (deployment.orchestrator = 'own'): use 'broadcast' or 'auto'",
+          cfg.inference.weight_update)
     _need(d.inference_nodes == 0 or cfg.inference.backend == "vllm", "deployment.inference_nodes",
           "inference nodes run vLLM servers (inference.backend = 'vllm'); the embedded engine lives in the "
           "orchestrator", d.inference_nodes)
+    _need(d.inference_nodes == 0 or cfg.inference.vllm.weight_update == "broadcast", "inference.vllm.weight_update",
+          "'filesystem' has the inference nodes' servers load the trainer's files from output_dir, which the nodes do "
+          "not share: use 'broadcast' (trainer rank 0 to the servers' workers, inference.vllm.broadcast_host = its node)",
+          cfg.inference.vllm.weight_update)
     if d.kind == "nodes":
         n = _num_nodes(cfg)
         _need(len(d.hosts) == n, "deployment.hosts",

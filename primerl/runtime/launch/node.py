@@ -31,7 +31,7 @@ from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, split_end
 
 log = logging.getLogger("primerl")
 
-__all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "join_rendezvous", "node_main"]
+__all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "join_rendezvous", "peer_env", "node_main"]
 
 
 class NodeError(RuntimeError):
@@ -132,6 +132,20 @@ def join_rendezvous(plan: NodePlan, node: Node, role: str, digest: str, *, deadl
     return store
 
 
+def peer_env(plan: NodePlan, role: str) -> dict[str, str]:
+    """What a trainer or orchestrator process learns of its peers from the plan: where the
+    orchestrator serves rollout batches (``orchestrator.batch_transport = "zmq"``) and hosts the
+    embedded engine's weight broadcast group, and who the peer is, for the errors."""
+    from ..transport import ENGINE_HOST_ENV, ORCHESTRATOR_NODE_ENV, TRAINER_NODE_ENV
+
+    orch = plan.with_role("orchestrator")[0]
+    if role == "orchestrator":
+        nodes = ", ".join(f"{n.index} ({n.host})" for n in plan.trainer_nodes)
+        return {ENGINE_HOST_ENV: orch.host, TRAINER_NODE_ENV: f"the trainer on node{'s' * (len(plan.trainer_nodes) > 1)} {nodes}"}
+    return {"PRIMERL_BATCH_HOST": orch.host, ENGINE_HOST_ENV: orch.host,
+            ORCHESTRATOR_NODE_ENV: f"the orchestrator on node {orch.index} ({orch.host})"}
+
+
 def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, *, node_rank: int | None = None,
               rdzv: str | None = None) -> int:
     """Run this node's role to its end; return the exit code (a failure raises ``NodeError``)."""
@@ -147,6 +161,13 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
         if role == "orchestrator":
             from ..orchestrator.main import orchestrator_main
 
+            os.environ.update(peer_env(plan, role))
+            if plan.with_role("inference"):  # their servers come up beside this process: wait (bounded)
+                from ..inference.vllm_client import VLLMClient
+
+                log.info("waiting for the inference server at %s", cfg.inference.vllm.url)
+                VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s).wait_healthy(
+                    cfg.inference.vllm.launch_timeout_s)
             orchestrator_main(cfg)
         else:
             from ..inference.server import serve
@@ -156,8 +177,7 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     entry = ["-m", "primerl.runtime.cli", "trainer", "--config", config_path, *overrides]
     cmd = trainer_command(plan, node, entry, run_id=os.environ.get("SLURM_JOB_ID", "primerl"))
     log.info("trainer node %d: %s", node.trainer_node, " ".join(cmd))
-    orch = plan.with_role("orchestrator")[0].host  # where orchestrator.batch_transport = "zmq" serves batches
-    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, PRIMERL_BATCH_HOST=orch))
+    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, **peer_env(plan, role)))
     # SIGTERM from the scheduler (or the local launcher) reaches torchrun's whole group
     signal.signal(signal.SIGTERM, lambda *_: (stop_process_group(proc, cfg.deployment.grace_s), sys.exit(143)))
     try:

@@ -55,6 +55,7 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
     th.start()
     transport = make_transport(cfg, out / "transport", "orchestrator")
     client = parts["client"] = make_client(cfg, env.vocab_size)
+    transport.weight_source = getattr(client, "receiver", None)
     orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                         trainer_alive=lambda: not done.is_set() or not errors, top_k=model_config(cfg, env.vocab_size).top_k)
     try:

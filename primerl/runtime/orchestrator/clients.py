@@ -75,9 +75,9 @@ def make_client(cfg: RLConfig, vocab_size: int, pool: dict | None = None):
     log.info("embedded engine on %s in %s; weights by %s", device, placement.param_dtype, placement.weight_update)
     receiver = None
     if placement.weight_update == "broadcast":
-        from ..inference.weight_sync import EngineWeightReceiver
+        from ..inference.weight_sync import EngineWeightReceiver, engine_broadcast_host
 
-        receiver = EngineWeightReceiver("127.0.0.1", i.broadcast_port, backend=placement.broadcast_backend,
+        receiver = EngineWeightReceiver(engine_broadcast_host(), i.broadcast_port, backend=placement.broadcast_backend,
                                         device=device, timeout_s=cfg.orchestrator.weights_timeout_s).start()
     return EmbeddedClient(engine, timeout_s=i.timeout_s, receiver=receiver)
 

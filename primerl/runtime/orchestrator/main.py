@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..config import RLConfig
+from ..inference.weight_sync import network_weight_source
 from ..launch.common import start_step
 from ..lifetime import peer_alive, setup_logging, watch_launcher
 from ..zmq_transport import make_transport
@@ -39,6 +40,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
                  m["off_policy/max"], m["policy_version"], m["inference/tokens_per_s"])
 
     receiver = getattr(client, "receiver", None)
+    transport.weight_source = network_weight_source(cfg, client)  # broadcast: versions not from files
     try:
         orch = build_orchestrator(cfg, env, client, transport, start_step=start,
                             trainer_alive=peer_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))),
@@ -48,6 +50,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
 
             orch.monitor = OrchestratorMonitor(cfg.orchestrator.metrics_host, cfg.orchestrator.metrics_port).start()
         orch.run(on_batch=on_batch)
+        transport.wait_taken(cfg.trainer.batch_timeout_s)  # zmq: no batch left in a socket at exit
         if receiver is not None:  # until the trainer's end-of-updates message (weight_sync.EngineWeightReceiver.close)
             receiver.close()
     except BaseException:
