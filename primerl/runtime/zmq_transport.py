@@ -197,11 +197,21 @@ class ZmqTransport(FileTransport):
             super().drop_batches_before(step)
 
 
+def batch_transport(cfg) -> str:
+    """How rollout batches travel: ``orchestrator.batch_transport``, with "auto" resolved to "zmq"
+    when the deployment spans nodes (``deployment.kind`` nodes or slurm: no filesystem need be
+    shared) and to "filesystem" on one machine (the single-machine default, as fast as before)."""
+    t = cfg.orchestrator.batch_transport
+    if t == "auto":
+        return "filesystem" if cfg.deployment.kind == "local" else "zmq"
+    return t
+
+
 def make_transport(cfg, root: str | Path, side: str) -> FileTransport:
     """The job's transport for ``side`` ("orchestrator" or "trainer"): files, or rollout batches
-    over ZeroMQ (``orchestrator.batch_transport = "zmq"``, ``zmq_transport.ZmqTransport``)."""
+    over ZeroMQ (:func:`batch_transport` "zmq", ``zmq_transport.ZmqTransport``)."""
     o = cfg.orchestrator
-    if o.batch_transport != "zmq":
+    if batch_transport(cfg) != "zmq":
         return FileTransport(root)
     host = o.zmq_host or os.environ.get("PRIMERL_BATCH_HOST", "127.0.0.1")  # set by `primerl node` from the plan
     return ZmqTransport(root, side=side, host=host, port=o.zmq_port)

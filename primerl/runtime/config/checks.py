@@ -64,7 +64,8 @@ def validate_fields(cfg: RLConfig) -> None:
           "must be grpo, drgrpo, rloo, rloo_std or max_rl", o.advantage)
     _need(o.seq_len >= 8, "orchestrator.seq_len", "must be >= 8", o.seq_len)
     _need(o.weights_timeout_s > 0, "orchestrator.weights_timeout_s", "must be > 0", o.weights_timeout_s)
-    _need(o.batch_transport in ("filesystem", "zmq"), "orchestrator.batch_transport", "must be filesystem or zmq",
+    _need(o.batch_transport in ("auto", "filesystem", "zmq"), "orchestrator.batch_transport",
+          "must be auto, filesystem or zmq",
           o.batch_transport)
     _need(0 < o.zmq_port < 65536, "orchestrator.zmq_port", "must be a TCP port", o.zmq_port)
     _need(0 <= o.metrics_port <= 65535, "orchestrator.metrics_port", "must be a TCP port (0: off)", o.metrics_port)

@@ -135,9 +135,10 @@ class OrchestratorConfig:
     advantage: str = "drgrpo"  # grpo, drgrpo, rloo, rloo_std (/ std of the step's rewards) or max_rl
     seq_len: int = 2048  # tokens per packed micro-batch
     weights_timeout_s: float = 300.0
-    # rollout batches to the trainer ranks: "filesystem" (files under output_dir/transport) or "zmq"
-    # (TCP, ZeroMQ ROUTER/DEALER: no filesystem shared between orchestrator and trainer nodes)
-    batch_transport: str = "filesystem"
+    # rollout batches to the trainer ranks: "filesystem" (files under output_dir/transport), "zmq"
+    # (TCP, ZeroMQ ROUTER/DEALER: no filesystem shared between orchestrator and trainer nodes) or
+    # "auto": zmq when the deployment spans nodes (kind nodes / slurm), filesystem on one machine
+    batch_transport: str = "auto"
     zmq_host: str = ""  # where trainer ranks reach the orchestrator; "": its node in the plan (127.0.0.1 locally)
     zmq_port: int = 29620
     metrics_port: int = 0  # > 0: serve GET /metrics (Prometheus) and /health on this port; 0: off

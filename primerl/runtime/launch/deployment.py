@@ -210,6 +210,13 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
         if "orchestrator" in n.roles:
             parts.append("orchestrator" + (" + embedded engine" if cfg.inference.backend == "embedded" else ""))
         lines.append(f"# node {n.index} {n.host}: " + "; ".join(parts))
+    if plan.kind != "local":
+        from ..zmq_transport import batch_transport
+
+        via = batch_transport(cfg)
+        lines.append(f"# rollout batches: {via}" + (f" (each trainer rank pulls its micro-batches from the orchestrator "
+                                                     f"on port {cfg.orchestrator.zmq_port})" if via == "zmq" else
+                                                     " (output_dir must be shared by the orchestrator's and trainer nodes)"))
     return "\n".join(lines) + "\n"
 
 
