@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl: config error: {e}", file=sys.stderr)
         return 2
     if args.command == "rl":
-        from .launch import check_rendezvous_port
+        from .launch.deployment import check_rendezvous_port
 
         try:
             check_rendezvous_port(cfg)
@@ -143,7 +143,7 @@ def _dry_run_nodes(cfg) -> int:
     """The node plan; with SLURM the sbatch script, with nodes the command of each node."""
     from pathlib import Path
 
-    from .launch import describe_nodes
+    from .launch.deployment import describe_nodes
 
     print(describe_nodes(cfg), end="")
     cfg_path = str(Path(cfg.output_dir).resolve() / "config.toml")

@@ -70,18 +70,24 @@ def test_every_relative_import_in_the_runtime_resolves():
     assert not bad, "\n".join(bad)
 
 
+ROOMS = {"trainer", "inference", "orchestrator", "launch"}
+
+
 def test_rooms_hold_their_processes():
     top = {p.stem for p in RUNTIME.glob("*.py")}
-    assert {"config", "job", "cli", "placement", "policy", "transport", "metrics", "output_dir",
-            "lifetime"} <= top
-    assert top - {"__init__", "config", "job", "cli", "placement", "policy", "transport", "metrics", "output_dir",
+    packages = {p.name for p in RUNTIME.iterdir() if (p / "__init__.py").is_file()}
+    assert {"job", "cli", "placement", "policy", "transport", "metrics", "output_dir", "lifetime", "validate"} <= top
+    assert packages == ROOMS | {"config"}, "a new runtime package: a room for a process, or the config"
+    assert top - {"__init__", "job", "cli", "placement", "policy", "transport", "metrics", "output_dir", "validate",
                   "lifetime", "vllm_worker", "_lazy", "memory_plan", "job_checks", "zmq_transport"} == set(), \
         "a new top-level runtime module: give it a room"
-    for room, members in {"trainer": {"trainer", "_rl", "checkpoint", "dcp_checkpoint", "full_state", "publish",
-                                      "guards", "padded_attention"},
+    for room, members in {"trainer": {"main", "trainer", "_rl", "checkpoint", "dcp_checkpoint", "full_state",
+                                      "publish", "guards", "padded_attention"},
                           "inference": {"engine", "server", "vllm_client", "vllm_launch", "vllm_worker",
                                         "weight_sync", "hf_weights"},
-                          "orchestrator": {"orchestrator", "rollout", "batching", "env_calls"}}.items():
+                          "orchestrator": {"main", "clients", "orchestrator", "rollout", "batching", "env_calls"},
+                          "launch": {"machine", "node", "local", "slurm", "deployment", "servers", "threads"},
+                          "config": {"schema", "parse", "checks", "parallel"}}.items():
         assert members <= {p.stem for p in (RUNTIME / room).glob("*.py")}, room
 
 
