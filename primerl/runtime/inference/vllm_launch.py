@@ -80,13 +80,22 @@ def vllm_env(v: VLLMConfig) -> dict[str, str]:
     return env
 
 
-def serve_command_line(cfg) -> str:
-    """The shell line (environment included) that starts the server the job config describes."""
+def serve_command_line(cfg, *, host: str | None = None) -> str:
+    """The shell line (environment included) that starts the server the job config describes.
+    ``host``: as an inference node at that address runs it (``primerl node``, ``launch_for_job``):
+    listening there, serving :func:`served_checkpoint`."""
+    import dataclasses
     import shlex
 
     v = cfg.inference.vllm
     env = " ".join(f"{k}={val}" for k, val in vllm_env(v).items())
-    return f"{env} {shlex.join(vllm_serve_command(v, cfg.model, routing=wants_routing(cfg)))}"
+    if host is None:
+        return f"{env} {shlex.join(vllm_serve_command(v, cfg.model, routing=wants_routing(cfg)))}"
+    cmd = vllm_serve_command(dataclasses.replace(v, host=host), cfg.model, checkpoint=served_checkpoint(cfg),
+                             routing=wants_routing(cfg))
+    if not (v.model or cfg.model.path) and "--skip-tokenizer-init" not in cmd:
+        cmd.append("--skip-tokenizer-init")  # the seeded init, written at start, has no tokenizer files
+    return f"{env} {shlex.join(cmd)}"
 
 
 class VLLMLauncher:
@@ -199,13 +208,32 @@ def _port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def launch_for_job(cfg, vocab_size: int) -> VLLMLauncher:
-    """``inference.vllm.launch = true``: serve the job's initial policy with vLLM (``model.path``, or
-    the seeded random init written to ``<output_dir>/vllm_init`` in the Hugging Face layout) and
-    return the started launcher. The client URL is ``inference.vllm.url``, which must point at
-    ``host:port``. Raises before starting anything when the config cannot work here."""
+def served_checkpoint(cfg) -> str:
+    """What a launched server serves: ``inference.vllm.model``, ``model.path``, or the seeded init
+    that :func:`launch_for_job` writes to ``<output_dir>/vllm_init``."""
+    return cfg.inference.vllm.model or cfg.model.path or str(Path(cfg.output_dir).resolve() / "vllm_init")
+
+
+def launch_for_job(cfg, vocab_size: int, *, host: str | None = None) -> VLLMLauncher:
+    """:func:`job_launcher`, started (until /health answers)."""
+    launcher = job_launcher(cfg, vocab_size, host=host)
+    log.info("starting vLLM: %s", " ".join(launcher.cmd))
+    return launcher.start()
+
+
+def job_launcher(cfg, vocab_size: int, *, host: str | None = None) -> VLLMLauncher:
+    """``inference.vllm.launch = true``: the launcher that serves the job's initial policy with vLLM
+    (``model.path``, or the seeded random init written here to ``<output_dir>/vllm_init`` in the
+    Hugging Face layout), not started yet. The client URL is ``inference.vllm.url``, which must point at
+    ``host:port``. Raises before starting anything when the config cannot work here.
+    ``host``: an inference node's address from the plan (``primerl node``), listened on instead of
+    ``inference.vllm.host``; the clients on other nodes reach it by ``inference.vllm.url``."""
+    import dataclasses
+
     v = cfg.inference.vllm
-    if v.url.rstrip("/") != f"http://{v.host}:{v.port}":
+    if host is not None:
+        v = dataclasses.replace(v, host=host)
+    elif v.url.rstrip("/") != f"http://{v.host}:{v.port}":
         raise InferenceServerError(f"inference.vllm.url = {v.url!r} but the launched server listens on "
                                    f"http://{v.host}:{v.port} (inference.vllm.host/port)")
     routing = wants_routing(cfg)
@@ -213,13 +241,10 @@ def launch_for_job(cfg, vocab_size: int) -> VLLMLauncher:
         raise InferenceServerError("inference.capture_routing with inference.vllm.enable_return_routed_experts: "
                                    "vLLM captures routed experts only on a GPU (its Model Runner V2); on CPU set "
                                    "inference.capture_routing = false")
-    checkpoint = v.model or cfg.model.path
-    if not checkpoint:
+    checkpoint = served_checkpoint(cfg)
+    if not (v.model or cfg.model.path):
         from ..policy import build_model
 
-        checkpoint = str(Path(cfg.output_dir).resolve() / "vllm_init")
         build_model(cfg, vocab_size).save_pretrained(checkpoint)
-    launcher = VLLMLauncher(v, cfg.model, log_path=Path(cfg.output_dir) / "logs" / "vllm.log",
-                            checkpoint=checkpoint, routing=routing)
-    log.info("starting vLLM: %s", " ".join(launcher.cmd))
-    return launcher.start()
+    return VLLMLauncher(v, cfg.model, log_path=Path(cfg.output_dir) / "logs" / "vllm.log", checkpoint=checkpoint,
+                        routing=routing)

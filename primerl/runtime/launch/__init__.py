@@ -16,14 +16,16 @@ orchestrator + embedded engine (one process)
 inference servers (embedded engine over HTTP)
     ``inference.server:serve`` (``primerl inference``). Started by ``servers.ServerPool`` when
     ``inference.num_servers > 1`` (this machine, free ports) and by ``node.node_main`` on role
-    ``inference`` (the ``inference_nodes``).
+    ``inference`` (the ``inference_nodes``) when ``inference.vllm.launch = false``.
 router
     ``vllm-router`` (an external binary), started by ``servers.ServerPool`` (``router_process``) on
     this machine, in front of the pool.
 vLLM server
     ``vllm serve`` (``primerl vllm-command`` prints the command), started by
     ``machine.launched_vllm`` when ``inference.vllm.launch`` (``inference.vllm_launch``), on
-    ``inference.vllm.host:port``; or external servers (``inference.vllm.urls``).
+    ``inference.vllm.host:port``; by ``node.run_vllm_node`` on role ``inference`` with
+    ``inference.vllm.launch = true`` (on the node's address, ``inference.vllm.port``; the
+    ``--dry-run`` plan line prints its command); or external servers (``inference.vllm.urls``).
 P/D: prefill and decode servers, router in P/D mode
     ``primerl inference --role prefill|decode`` (or vLLM with ``--kv-transfer-config``) and
     ``vllm-router --vllm-pd-disaggregation``, started inside the orchestrator process by

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..config import ConfigError, RLConfig, trainer_ranks_per_node
 
 __all__ = ["Node", "NodePlan", "node_plan", "validate_deployment", "describe_nodes", "check_rendezvous_port",
-           "split_endpoint", "is_loopback", "config_hash", "DEFAULT_RDZV_PORT", "KINDS", "ROLES"]
+           "split_endpoint", "is_loopback", "config_hash", "inference_server", "DEFAULT_RDZV_PORT", "KINDS", "ROLES"]
 
 KINDS = ("local", "nodes", "slurm")
 ROLES = ("trainer", "inference", "orchestrator")
@@ -206,7 +206,7 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
             where = ", ".join(f"cuda:{g}" for g in n.gpus) if n.gpus else "CPU"
             parts.append(f"trainer ranks {n.ranks[0]}-{n.ranks[-1]} ({where})")
         if "inference" in n.roles:
-            parts.append(f"inference server (vLLM, GPUs {list(n.gpus) or 'none'})")
+            parts.append(f"inference server (GPUs {list(n.gpus) or 'none'}): {inference_server(cfg, n.host)}")
         if "orchestrator" in n.roles:
             parts.append("orchestrator" + (" + embedded engine" if cfg.inference.backend == "embedded" else ""))
         lines.append(f"# node {n.index} {n.host}: " + "; ".join(parts))
@@ -218,6 +218,17 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
                                                      f"on port {cfg.orchestrator.zmq_port})" if via == "zmq" else
                                                      " (output_dir must be shared by the orchestrator's and trainer nodes)"))
     return "\n".join(lines) + "\n"
+
+
+def inference_server(cfg: RLConfig, host: str) -> str:
+    """What ``primerl node --role inference`` runs on ``host``: vLLM's server (``inference.vllm.launch``,
+    its command line) or primerl's own server speaking vLLM's protocol."""
+    port = cfg.inference.vllm.port
+    if cfg.inference.vllm.launch:
+        from ..inference.vllm_launch import serve_command_line
+
+        return f"vLLM (inference.vllm.launch) on {host}:{port}: {serve_command_line(cfg, host=host)}"
+    return f"primerl inference on {host}:{port} (vLLM's protocol; inference.vllm.launch = true runs vLLM itself)"
 
 
 def check_rendezvous_port(cfg: RLConfig) -> None:

@@ -31,7 +31,8 @@ from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, split_end
 
 log = logging.getLogger("primerl")
 
-__all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "join_rendezvous", "peer_env", "node_main"]
+__all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "join_rendezvous", "peer_env", "run_vllm_node",
+           "node_main"]
 
 
 class NodeError(RuntimeError):
@@ -146,6 +147,49 @@ def peer_env(plan: NodePlan, role: str) -> dict[str, str]:
             ORCHESTRATOR_NODE_ENV: f"the orchestrator on node {orch.index} ({orch.host})"}
 
 
+def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5) -> int:
+    """An inference node with ``inference.vllm.launch = true``: vLLM's server on the node's address
+    and ``inference.vllm.port`` (``vllm_launch.launch_for_job``: ``inference.vllm.model`` /
+    ``model.path``, or the seeded init in this node's ``output_dir``), its log in
+    ``<output_dir>/logs/vllm.log``. Serves until the scheduler's SIGTERM, which stops the server's
+    whole process group (``deployment.grace_s``, then SIGKILL) and exits 143; a server that exits by
+    itself, or never answers /health, fails the node naming it."""
+    from primerl.rl.envs import load_environment
+
+    from ..inference.vllm_client import InferenceServerError
+    from ..inference.vllm_launch import job_launcher
+
+    v = cfg.inference.vllm
+    where = f"node {node.index} ({node.host}) inference"
+    if cfg.deployment.inference_nodes == 1 and v.url.rstrip("/") != f"http://{node.host}:{v.port}":
+        log.warning("inference.vllm.url = %r but this node's vLLM listens on http://%s:%d: the orchestrator must "
+                    "reach it there", v.url, node.host, v.port)
+    try:
+        server = job_launcher(cfg, load_environment(cfg.env.id, **cfg.env.args).vocab_size, host=node.host)
+    except InferenceServerError as e:
+        raise NodeError(f"{where}: {e}") from None
+
+    def stop(*_):
+        log.info("%s: SIGTERM, stopping vLLM (grace %g s)", where, cfg.deployment.grace_s)
+        server.stop(cfg.deployment.grace_s)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, stop)  # also while vLLM loads: it must not outlive this node
+    log.info("%s: starting vLLM: %s (log: %s)", where, " ".join(server.cmd), server.log_path)
+    try:
+        server.start()
+    except InferenceServerError as e:
+        raise NodeError(f"{where}: {e}") from None
+    log.info("%s: vLLM is serving (pid %d)", where, server.proc.pid)
+    while (rc := server.proc.poll()) is None:
+        time.sleep(poll_s)
+    from ..lifetime import log_tail
+
+    server.stop(5.0)  # what is left of its group (engine core, workers)
+    raise NodeError(f"{where}: the vLLM server exited with code {rc} while the job ran; end of {server.log_path}:\n"
+                    f"{log_tail(server.log_path)}")
+
+
 def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, *, node_rank: int | None = None,
               rdzv: str | None = None) -> int:
     """Run this node's role to its end; return the exit code (a failure raises ``NodeError``)."""
@@ -169,6 +213,8 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
                 VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s).wait_healthy(
                     cfg.inference.vllm.launch_timeout_s)
             orchestrator_main(cfg)
+        elif cfg.inference.vllm.launch:
+            return run_vllm_node(cfg, node)
         else:
             from ..inference.server import serve
 

@@ -52,7 +52,15 @@ def render_sbatch(cfg: RLConfig, config_path: str, *, python: str = sys.executab
         rdzv=rdzv, trainer_nodes=[n.index for n in plan.trainer_nodes],
         inference_nodes=[n.index for n in plan.with_role("inference")],
         orchestrator_node=plan.with_role("orchestrator")[0].index, plan=plan, cfg=cfg,
-        trainer_commands=_trainer_commands(plan, rdzv, python))
+        trainer_commands=_trainer_commands(plan, rdzv, python), inference_commands=_inference_commands(cfg, plan))
+
+
+def _inference_commands(cfg: RLConfig, plan) -> list[str]:
+    """Which server `primerl node --role inference` runs on each inference node (a comment in the script)."""
+    from .deployment import inference_server
+
+    return [f"node {n.index} (inference) runs: " + inference_server(cfg, f"${{NODES[{n.index}]}}")
+            for n in plan.with_role("inference")]
 
 
 def _trainer_commands(plan, rdzv: str, python: str) -> list[str]:
