@@ -44,70 +44,44 @@ def _fake_backward(q, k, v):
     return tuple(t.new_empty(t.shape, dtype=torch.float32) for t in (q, k, v))
 
 
-@torch.library.custom_op("primerl::attention_fwd_triton", mutates_args=())
-def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                   cu_seqlens_k: torch.Tensor, q_positions: Optional[torch.Tensor], k_positions: Optional[torch.Tensor],
-                   causal: bool, softmax_scale: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
-                 max_seqlen_k)
-    return T.forward(q, k, v, spec, out_dtype)
+def _register_pair(name: str, kernels):
+    """The forward and backward ops ``primerl::<name>_fwd_triton`` / ``_bwd_triton`` over the
+    launchers of ``kernels`` (:mod:`.triton` or :mod:`.mla_triton`: the same interface)."""
+
+    @torch.library.custom_op(f"primerl::{name}_fwd_triton", mutates_args=())
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, q_positions: Optional[torch.Tensor], k_positions: Optional[torch.Tensor],
+            causal: bool, softmax_scale: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
+                     max_seqlen_k)
+        return kernels.forward(q, k, v, spec, out_dtype)
+
+    @fwd.register_fake
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
+          max_seqlen_k, out_dtype):
+        return _fake_forward(q, k, v, out_dtype)
+
+    @torch.library.custom_op(f"primerl::{name}_bwd_triton", mutates_args=())
+    def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, q_positions: Optional[torch.Tensor], k_positions: Optional[torch.Tensor],
+            causal: bool, softmax_scale: float, max_seqlen_q: Optional[int],
+            max_seqlen_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
+                     max_seqlen_k)
+        return kernels.backward(dout, q, k, v, out, lse, dlse, spec)
+
+    @bwd.register_fake
+    def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal,
+          softmax_scale, max_seqlen_q, max_seqlen_k):
+        return _fake_backward(q, k, v)
+
+    return fwd, bwd
 
 
-@_attention_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
-      max_seqlen_k, out_dtype):
-    return _fake_forward(q, k, v, out_dtype)
-
-
-@torch.library.custom_op("primerl::attention_bwd_triton", mutates_args=())
-def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
-                   cu_seqlens_k: torch.Tensor, q_positions: Optional[torch.Tensor], k_positions: Optional[torch.Tensor],
-                   causal: bool, softmax_scale: float, max_seqlen_q: Optional[int],
-                   max_seqlen_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
-                 max_seqlen_k)
-    return T.backward(dout, q, k, v, out, lse, dlse, spec)
-
-
-@_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale,
-      max_seqlen_q, max_seqlen_k):
-    return _fake_backward(q, k, v)
-
-
-@torch.library.custom_op("primerl::mla_attention_fwd_triton", mutates_args=())
-def _mla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-             cu_seqlens_k: torch.Tensor, q_positions: Optional[torch.Tensor], k_positions: Optional[torch.Tensor],
-             causal: bool, softmax_scale: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-             out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
-                 max_seqlen_k)
-    return M.forward(q, k, v, spec, out_dtype)
-
-
-@_mla_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
-      max_seqlen_k, out_dtype):
-    return _fake_forward(q, k, v, out_dtype)
-
-
-@torch.library.custom_op("primerl::mla_attention_bwd_triton", mutates_args=())
-def _mla_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-             q_positions: Optional[torch.Tensor], k_positions: Optional[torch.Tensor], causal: bool,
-             softmax_scale: float, max_seqlen_q: Optional[int],
-             max_seqlen_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = _spec(cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale, max_seqlen_q,
-                 max_seqlen_k)
-    return M.backward(dout, q, k, v, out, lse, dlse, spec)
-
-
-@_mla_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale,
-      max_seqlen_q, max_seqlen_k):
-    return _fake_backward(q, k, v)
+_attention_fwd, _attention_bwd = _register_pair("attention", T)
+_mla_fwd, _mla_bwd = _register_pair("mla_attention", M)
 
 
 @torch.library.custom_op("primerl::merge_attn_states_triton", mutates_args=())
