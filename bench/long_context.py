@@ -74,23 +74,10 @@ class _CommCounter:
 
 
 def _step(model, T: int, group):
-    from primerl.kernels.logprobs import fused_logprobs
-    from primerl.parallel.context import ContextShardPlan
+    """Forward, fused log-probs and backward of one T-token sequence (cp-sharded when ``group``)."""
+    from .trainer import _cp_step
 
-    g = torch.Generator().manual_seed(T)
-    ids = torch.randint(0, VOCAB, (T,), generator=g)
-    pos = torch.arange(T)
-    cu = torch.tensor([0, T], dtype=torch.int32)
-    targets = torch.roll(ids, -1)
-    if group is None:
-        hidden = model(ids, pos, cu)
-    else:
-        plan = ContextShardPlan(cu, group)
-        hidden = model(plan.shard(ids), plan.shard(pos), plan)
-        targets = plan.shard(targets)
-    lp, _ = fused_logprobs(hidden, model.lm_head.weight, targets)
-    (-lp.sum() / T).backward()
-    model.zero_grad(set_to_none=True)
+    _cp_step(model, T, group)
 
 
 def _worker(rank: int, world: int, name: str, T: int, repeats: int, out: str) -> None:

@@ -62,7 +62,7 @@ def _cp_step(model, T: int, plan_group):
     from primerl.parallel.context import ContextShardPlan
 
     g = torch.Generator().manual_seed(T)
-    ids = torch.randint(0, VOCAB, (T,), generator=g)
+    ids = torch.randint(0, model.lm_head.weight.shape[0], (T,), generator=g)  # one sequence of T tokens
     pos = torch.arange(T)
     cu = torch.tensor([0, T], dtype=torch.int32)
     targets = torch.roll(ids, -1)
