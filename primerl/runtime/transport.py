@@ -128,6 +128,9 @@ class FileTransport:
     def wait_taken(self, timeout: float) -> None:
         """Batches written are on disk: nothing to wait for (``ZmqTransport`` waits for receipts)."""
 
+    def close(self) -> None:
+        """Files hold no connection (``ZmqTransport`` closes its sockets)."""
+
     def drop_batches_before(self, step: int) -> None:
         for d in self.rollouts.glob("step_*"):
             if int(d.name[5:]) < step:

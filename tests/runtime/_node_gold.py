@@ -26,4 +26,7 @@ hosts = [None] * world
 dist.all_gather_object(hosts, os.environ.get("PRIMERL_TEST_NODE", "?"))
 if rank == 0:
     torch.save({"rows": rows, "weights": weights, "hosts": hosts}, out)
+# every rank past its last collective before any tears the group down (as trainer_main does): a rank
+# whose peers closed their gloo connections mid-teardown aborted at exit (-6) once in CI
+dist.barrier()
 dist.destroy_process_group()

@@ -167,9 +167,11 @@ def test_a_killed_trainer_node_stops_the_job_naming_it_and_resume_continues(tmp_
 
     proc = rl()
     deadline = time.monotonic() + 300
-    while not (out / "checkpoints" / "step_000002").exists():
+    # the step-2 checkpoint is written before step 1's metrics row: wait for both
+    while not ((out / "checkpoints" / "step_000002").exists() and (out / "metrics.jsonl").exists()
+               and len(read_metrics(out / "metrics.jsonl")) >= 2):
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no step-2 checkpoint in 300 s"
+        assert time.monotonic() < deadline, "no step-2 checkpoint and 2 metrics rows in 300 s"
         time.sleep(0.05)
     pids = dict(line.split() for line in (out / "pids").read_text().splitlines())
     for pid in _descendants(int(pids["node1-trainer"])):

@@ -61,12 +61,12 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
     try:
         orch.run()
     except BaseException:
-        getattr(transport, "close", lambda: None)()  # the ZeroMQ batch server's port
+        transport.close()  # the ZeroMQ batch server's port
         if errors:
             raise errors[0]
         raise
     th.join(timeout=cfg.trainer.batch_timeout_s + 60)
-    getattr(transport, "close", lambda: None)()
+    transport.close()
     if errors:
         raise errors[0]
     receiver = getattr(client, "receiver", None)

@@ -53,6 +53,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
         transport.wait_taken(cfg.trainer.batch_timeout_s)  # zmq: no batch left in a socket at exit
         if receiver is not None:  # until the trainer's end-of-updates message (weight_sync.EngineWeightReceiver.close)
             receiver.close()
+        transport.close()  # ZeroMQ: the batch server's thread and sockets
     except BaseException:
         _exit_past_receiver(receiver)
         raise

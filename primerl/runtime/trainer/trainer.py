@@ -537,5 +537,6 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             logger.close()
         if publisher is not None:
             publisher.close()
+        transport.close()  # ZeroMQ: its sockets, before the interpreter tears the context down
         trainer.close()
     return trainer
