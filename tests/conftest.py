@@ -88,3 +88,11 @@ def poison_empty(request, monkeypatch):
 def seed():
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A clean torch.compile state before and after the test (graph counts and caches are per test)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -24,14 +24,7 @@ BACKENDS = ("aot_eager", "inductor")
 # torch.compile cannot trace the tests' NaN-poisoning wrapper of torch.empty (a Python function
 # around the C builtin), and the meta device context does not reach through it: compiled results are
 # compared with eager instead.
-pytestmark = pytest.mark.no_poison
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.no_poison, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def _cu(lens):

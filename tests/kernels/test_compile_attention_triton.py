@@ -20,16 +20,10 @@ from primerl.kernels.sparse_attention import indexer_topk, sparse_attention
 from primerl.kernels.testing import assert_bitwise_equal, count_host_reads
 
 pytestmark = [pytest.mark.no_poison,  # compiled code cannot trace the tests' poisoned torch.empty
+              pytest.mark.usefixtures("fresh_dynamo"),
               pytest.mark.skipif(not backend_status("triton").available, reason="Triton unavailable")]
 
 LENS = (5, 0, 11)  # an empty sequence; 11 rows: one partial interpreter block
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _cu(lens):

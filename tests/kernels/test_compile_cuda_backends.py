@@ -50,12 +50,7 @@ from primerl.kernels.testing import calc_diff, count_host_reads
 REPO = Path(__file__).resolve().parents[2]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # a clean torch.compile state per test (tests/conftest.py)
 
 
 class _Graphs:

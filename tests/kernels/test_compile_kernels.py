@@ -28,6 +28,8 @@ from compile_kernel_cases import all_cases, float_outputs, outputs  # noqa: E402
 CASES = all_cases()
 IDS = [c[0] for c in CASES]
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # a clean torch.compile state per test (tests/conftest.py)
+
 
 def _forward_backward(fn, inputs):
     """Outputs and the gradients of a fixed weighted sum of the float outputs w.r.t. every input
@@ -59,13 +61,6 @@ def _compare(name: str, got: list, want: list, tol: float | None) -> None:
             f"{name}[{i}]: not bitwise equal to eager ({w.dtype})"
         diff = calc_diff(g.float(), w.float())
         assert diff < tol, f"{name}[{i}]: calc_diff {diff:.2e} >= {tol:.0e}"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 # The compiled tests run without the conftest's poisoned torch.empty: dynamo would trace into the
