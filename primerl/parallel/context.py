@@ -358,6 +358,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         zeros_dkv = None
+        dkv_in = dkv_reqs = None  # the dK/dV accumulator in flight (set at step 0, read from step 1)
         for step in range(W):
             src = (rank - step) % W
             if step < W - 1:

@@ -247,7 +247,7 @@ def _gemm_triton_cases(dense, grouped, grouped_bf16, kgrouped, fp8_dense, fp8_gr
 
 # ------------------------------------------------------------------------------ moe
 
-T, D, I, E, TOPK = 7, 16, 8, 4, 2
+T, D, INTER, E, TOPK = 7, 16, 8, 4, 2
 
 
 def _moe_cases():
@@ -272,8 +272,8 @@ def _moe_cases():
 
     def experts(seed, dtype=torch.float32):
         g = _g(seed)
-        return (_randn(g, T, D, dtype=dtype, grad=True), (_randn(g, E, 2 * I, D) * 0.3).to(dtype).requires_grad_(),
-                (_randn(g, E, D, I) * 0.3).to(dtype).requires_grad_(), _ids(g, T, TOPK, E),
+        return (_randn(g, T, D, dtype=dtype, grad=True), (_randn(g, E, 2 * INTER, D) * 0.3).to(dtype).requires_grad_(),
+                (_randn(g, E, D, INTER) * 0.3).to(dtype).requires_grad_(), _ids(g, T, TOPK, E),
                 torch.rand(T, TOPK, generator=g).requires_grad_())
 
     def experts_fp8(seed):

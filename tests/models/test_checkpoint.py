@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from primerl.models import CheckpointError, MoETransformer, MoETransformerConfig, UnsupportedCheckpointError

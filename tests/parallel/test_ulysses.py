@@ -11,12 +11,11 @@ import torch
 import torch.distributed as dist
 
 from _parallel_dist import spawn
-from primerl.kernels.attention import attention
 from primerl.kernels.sparse_attention import sparse_attention
 from primerl.parallel.context import LAYOUTS, ContextShardPlan
 from primerl.parallel.ulysses import (UlyssesAttention, head_to_seq, replicate_kv_heads, seq_to_head,
                                       ulysses_attention, ulysses_groups)
-from test_context import _cu, _err, _qkv, _ring_case
+from test_context import _cu, _err, _ring_case
 
 WORLD = 4
 # (name, lens, Hq, Hkv, D, causal, dtype)
