@@ -61,7 +61,9 @@ def _sparse_case(plan, ctx, seed):
     g = torch.Generator().manual_seed(seed)
     lens = plan._lens
     T, H, Dk, Dv, K = sum(lens), 4, 12, 8, 3
-    q, kv, go = torch.randn(T, H, Dk, generator=g), torch.randn(T, 1, Dk, generator=g), torch.randn(T, H, Dv, generator=g)
+    q = torch.randn(T, H, Dk, generator=g)
+    kv = torch.randn(T, 1, Dk, generator=g)
+    go = torch.randn(T, H, Dv, generator=g)
     # random causal top-k rows (into the batch, -1 = none): each query picks among its visible keys
     idx = torch.full((T, K), -1, dtype=torch.int32)
     cu = _cu(lens).tolist()
