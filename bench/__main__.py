@@ -19,7 +19,8 @@ _NOT_OPS = {"harness", "cpu_memory", "targets", "__main__"}
 
 def available_ops() -> list[str]:
     here = Path(__file__).parent
-    return sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.name not in _NOT_OPS and not m.name.startswith("_"))
+    return sorted(m.name for m in pkgutil.iter_modules([str(here)])
+                  if m.name not in _NOT_OPS and not m.name.startswith("_"))
 
 
 class _Stopped(BaseException):

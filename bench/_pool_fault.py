@@ -30,9 +30,10 @@ def main(argv: list[str]) -> None:
     kill_at = int(argv[1]) if len(argv) > 1 else 30
     stop = int(argv[2]) if len(argv) > 2 else 150
     job = subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config",
-                            str(ROOT / "examples" / "reverse_text.toml"), "--output_dir", str(out), "--overwrite", "true",
-                            "--inference.num_servers", "3", "--log.plot", "false"], cwd=ROOT,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            str(ROOT / "examples" / "reverse_text.toml"), "--output_dir", str(out),
+                            "--overwrite", "true", "--inference.num_servers", "3", "--log.plot", "false"], cwd=ROOT,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not any(r["step"] >= kill_at for r in read_metrics(out / "metrics.jsonl")):
             time.sleep(0.1)
@@ -60,8 +61,8 @@ def main(argv: list[str]) -> None:
         job.wait()
     rows = read_metrics(out / "metrics.jsonl")
     print(f"killed {victim['url']} (pid {victim['pid']}) after step {step_kill} with {h['requests_running']} running + "
-          f"{h['requests_waiting']} waiting; out of the router after {t_out:.1f} s, back with the current weights after "
-          f"{t_back:.1f} s; re-dispatched {sum(r['inference/redispatched'] for r in rows)} requests; restarts "
+          f"{h['requests_waiting']} waiting; out of the router after {t_out:.1f} s, back with the current weights "
+          f"after {t_back:.1f} s; re-dispatched {sum(r['inference/redispatched'] for r in rows)} requests; restarts "
           f"{rows[-1]['inference/restarts']}; servers_healthy min {min(r['inference/servers_healthy'] for r in rows)}")
     for a in range(0, stop, 25):
         w = [r["reward/mean"] for r in rows if a <= r["step"] < a + 25]

@@ -90,20 +90,23 @@ def _cpu_rows(args) -> list[Row]:
         gen = torch.Generator().manual_seed(0)
         T = sum(lens)
         q, k, v, g = (torch.randn(T, h, d, generator=gen) for h in (hq, hkv, hkv, hq))
-        base = time_fn(lambda: _fwd_bwd(lambda a, b, c: attention(a, b, c, cu_seqlens=_cu(lens), backend="torch"), q, k, v, g),
-                       warmup=1, repeats=repeats)
-        fused = time_fn(lambda: _fwd_bwd(lambda a, b, c: attention(a, b, c, cu_seqlens=_cu(lens), backend="sdpa"), q, k, v, g),
-                        warmup=1, repeats=repeats)
+        def fwd_bwd(backend):
+            return _fwd_bwd(lambda a, b, c: attention(a, b, c, cu_seqlens=_cu(lens), backend=backend), q, k, v, g)
+
+        base = time_fn(lambda: fwd_bwd("torch"), warmup=1, repeats=repeats)
+        fused = time_fn(lambda: fwd_bwd("sdpa"), warmup=1, repeats=repeats)
         torch.set_num_threads(threads)
         flops = 3.5 * _causal_flops(lens, hq, d)  # fwd + bwd (2.5x fwd)
         rows.append(Row("attention fwd+bwd", shape, "float32", "torch, 1 process", base, tflops=flops / base / 1e12))
         rows.append(Row("attention fwd+bwd", shape, "float32", "sdpa, 1 process", fused, tflops=flops / fused / 1e12,
                         ratio=base / fused, baseline="torch, 1 process"))
         for layout in LAYOUTS:
-            pairs = [ContextShardPlan(_cu(lens), layout=layout, world_size=WORLD, rank=r).attention_pairs(r) for r in range(WORLD)]
+            pairs = [ContextShardPlan(_cu(lens), layout=layout, world_size=WORLD, rank=r).attention_pairs(r)
+                     for r in range(WORLD)]
             with tempfile.TemporaryDirectory() as tmp:
                 out_file = os.path.join(tmp, "t.json")
-                mp.spawn(_ring_worker, args=(WORLD, os.path.join(tmp, "store"), out_file, lens, hq, hkv, d, layout, repeats),
+                mp.spawn(_ring_worker,
+                         args=(WORLD, os.path.join(tmp, "store"), out_file, lens, hq, hkv, d, layout, repeats),
                          nprocs=WORLD, join=True)
                 with open(out_file) as f:
                     t = json.load(f)
@@ -135,7 +138,10 @@ def _cuda_square_rows(args) -> list[Row]:
     from primerl.kernels.attention import attention
 
     rows = []
-    configs = [(4, 1024, 16, 4, 128)] if args.quick else [(8, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (16, 2048, 64, 8, 128)]
+    if args.quick:
+        configs = [(4, 1024, 16, 4, 128)]
+    else:
+        configs = [(8, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (16, 2048, 64, 8, 128)]
     for B, L, hq, hkv, d in configs:
         shape = f"{B}x{L} H={hq}/{hkv} D={d} causal"
         q, k, v = (torch.randn(B * L, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
@@ -146,7 +152,8 @@ def _cuda_square_rows(args) -> list[Row]:
         impls = {"sdpa": (lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True),
                           (qb, kb, vb), g.view(B, L, hq, d).transpose(1, 2))}
         for be in _CUDA_BACKENDS + (("flash_attn",) if _has_flash_attn() else ()):
-            impls[f"primerl {be}"] = (lambda a, b, c, be=be: attention(a, b, c, cu_seqlens=cu, backend=be), (q, k, v), g)
+            impls[f"primerl {be}"] = (lambda a, b, c, be=be: attention(a, b, c, cu_seqlens=cu, backend=be),
+                                      (q, k, v), g)
         times = {}
         for name, (fn, inputs, grad) in impls.items():
             try:
@@ -181,7 +188,8 @@ def _cuda_ragged_rows(args) -> list[Row]:
     times, rows = {}, []
     for be in ("varlen_flash", None, "cudnn", "triton"):
         try:
-            times[be] = _time_fwd_and_fwd_bwd(lambda a, b, c, be=be: attention(a, b, c, cu_seqlens=cu, backend=be), (q, k, v), g)
+            times[be] = _time_fwd_and_fwd_bwd(lambda a, b, c, be=be: attention(a, b, c, cu_seqlens=cu, backend=be),
+                                              (q, k, v), g)
         except Exception as exc:  # noqa: BLE001
             rows.append(_error_row("attention fwd", shape, f"primerl {be}", exc))
     base = times.get("varlen_flash")
@@ -217,7 +225,8 @@ def _cuda_ring_step_rows(args) -> list[Row]:
     k_pos = torch.arange(lk, device="cuda", dtype=torch.int32)
     step_flops = sum(4 * hq * d * (p + 1) for p in range(lk - lq, lk))
     square_flops = _causal_flops([lk], hq, d)
-    qs, gs = torch.randn(lk, hq, d, device="cuda", dtype=torch.bfloat16), torch.randn(lk, hq, d, device="cuda", dtype=torch.bfloat16)
+    qs = torch.randn(lk, hq, d, device="cuda", dtype=torch.bfloat16)
+    gs = torch.randn(lk, hq, d, device="cuda", dtype=torch.bfloat16)
     cu_s = _cu([lk], "cuda")
     rows = []
     cases = [("triton, positions", "triton", dict(q_positions=q_pos, k_positions=k_pos)),
@@ -230,8 +239,8 @@ def _cuda_ring_step_rows(args) -> list[Row]:
             step = _time_fwd_and_fwd_bwd(lambda a, b, c, be=be, pos=pos: attention(
                 a, b, c, cu_seqlens=cu_q, cu_seqlens_k=cu_k, backend=be, **pos), (q, k, v), g)
             if be not in squares:
-                squares[be] = _time_fwd_and_fwd_bwd(lambda a, b, c, be=be: attention(a, b, c, cu_seqlens=cu_s, backend=be),
-                                                    (qs, k, v), gs)
+                squares[be] = _time_fwd_and_fwd_bwd(
+                    lambda a, b, c, be=be: attention(a, b, c, cu_seqlens=cu_s, backend=be), (qs, k, v), gs)
         except Exception as exc:  # noqa: BLE001
             rows.append(_error_row("ring step fwd", shape, name, exc))
             continue
@@ -277,14 +286,16 @@ def _cuda_zigzag_step_rows(args) -> list[Row]:
                 out, lse = fwd()
                 out = out.to(q.dtype)
                 tf = time_fn(fwd, device="cuda")
-                tb = time_fn(lambda kw=kw, out=out, lse=lse: (fwd(kw), attention_backward(dout, q, k, v, out, lse, **kw)),
+                tb = time_fn(lambda kw=kw, out=out, lse=lse: (fwd(kw),
+                                                                  attention_backward(dout, q, k, v, out, lse, **kw)),
                              device="cuda")
                 times[name] = (tf, tb)
             except Exception as exc:  # noqa: BLE001
                 rows.append(_error_row("ring step fwd", shape, name, exc))
         base = times.get("triton, positions")
         for name, (tf, tb) in times.items():
-            for op, tm, mult, bt in (("ring step fwd", tf, 1.0, base and base[0]), ("ring step fwd+bwd", tb, 3.5, base and base[1])):
+            for op, tm, mult, bt in (("ring step fwd", tf, 1.0, base and base[0]),
+                                     ("ring step fwd+bwd", tb, 3.5, base and base[1])):
                 rows.append(Row(op, shape, "bfloat16", name, tm, tflops=mult * 4 * hq * d * pairs / tm / 1e12,
                                 ratio=bt / tm if bt else None, baseline="triton, positions" if bt else ""))
     return rows
@@ -297,7 +308,8 @@ def _cuda_rows(args) -> list[Row]:
     rows, start = [], time.perf_counter()
     for section in (_cuda_square_rows, _cuda_ragged_rows, _cuda_ring_step_rows, _cuda_zigzag_step_rows):
         if time.perf_counter() - start > CUDA_BUDGET_S:
-            rows.append(_error_row(section.__name__, "-", "-", TimeoutError(f"skipped: {CUDA_BUDGET_S} s budget spent")))
+            skipped = TimeoutError(f"skipped: {CUDA_BUDGET_S} s budget spent")
+            rows.append(_error_row(section.__name__, "-", "-", skipped))
             continue
         try:
             rows += section(args)

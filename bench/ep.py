@@ -89,6 +89,7 @@ def run(args) -> list[Row]:
                 extra = {"bytes": res["bytes"]}
                 if name == "fp8":
                     extra["payload_vs_bf16"] = f"{res['bytes'] / bf16['bytes']:.3f}"
-                rows.append(Row("ep_dispatch", shape, name, "gloo", res["dispatch"], gbps=res["bytes"] / res["dispatch"] / 1e9,
-                                ratio=bf16["raw"] / res["dispatch"], baseline="raw all_to_all bf16", extra=extra))
+                rows.append(Row("ep_dispatch", shape, name, "gloo", res["dispatch"],
+                                gbps=res["bytes"] / res["dispatch"] / 1e9, ratio=bf16["raw"] / res["dispatch"],
+                                baseline="raw all_to_all bf16", extra=extra))
     return rows

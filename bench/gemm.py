@@ -52,7 +52,10 @@ GROUPED_NK = (4096, 7168)
 
 def _row(op, shape, backend, seconds, flops, base_s=None, base_name="", dtype=None):
     if dtype is None:
-        dtype = "bf16" if op.startswith("bf16") else ("fp8e4m3->fp32" if op.startswith("k_grouped") else "fp8e4m3->bf16")
+        if op.startswith("bf16"):
+            dtype = "bf16"
+        else:
+            dtype = "fp8e4m3->fp32" if op.startswith("k_grouped") else "fp8e4m3->bf16"
     return Row(op=op, shape=shape, dtype=dtype, backend=backend, median_s=seconds,
                tflops=flops / seconds / 1e12, ratio=None if base_s is None else base_s / seconds, baseline=base_name)
 
@@ -167,7 +170,8 @@ def _run_cuda() -> list[Row]:
     for groups, rows_g, n, k in K_GROUPED_CUDA:
         cases.shape("k_grouped", f"{groups}x{rows_g} N{n} K{k}", _k_grouped_case, groups, rows_g, n, k)
     for groups, rows_g, n, k in CONTIGUOUS_CUDA:
-        cases.shape("m_grouped_contiguous", f"{groups}x{rows_g} N{n} K{k}", _contiguous_case, fp8_be, groups, rows_g, n, k)
+        cases.shape("m_grouped_contiguous", f"{groups}x{rows_g} N{n} K{k}", _contiguous_case, fp8_be,
+                    groups, rows_g, n, k)
     for groups, rows_g, n, k in MASKED_CUDA:
         cases.shape("m_grouped_masked", f"{groups}x{rows_g} N{n} K{k}", _masked_case, fp8_be, groups, rows_g, n, k)
     for m, n, k in DENSE_CUDA:

@@ -117,7 +117,10 @@ def peak_memory(fn: Callable[[], object], device: str = "cpu") -> int:
 
 
 def header() -> str:
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    if torch.cuda.is_available():
+        dev = torch.cuda.get_device_name()
+    else:
+        dev = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     try:
         import triton
 

@@ -141,8 +141,8 @@ def _analytic(name: str, T: int) -> float:
         # forward q, k, v, out; backward dout, dq, dk, dv: each (U-1)/U of the rank's [t, heads, D]
         total += 2 * (U - 1) / U * t * (2 * H + 2 * hkv) * D * f
     if R > 1:
-        tr = T // R  # tokens per ring rank (its Ulysses group's shards), heads per rank
-        hq, hk = H // U, max(Hkv, U) // U
+        tr = T // R  # tokens per ring rank (its Ulysses group's shards); KV heads per rank
+        hk = max(Hkv, U) // U
         kv = 2 * tr * hk * D * f
         total += (R - 1) * kv * 2 + R * kv  # K/V forward and backward, dK/dV (float32) R hops
     return total

@@ -114,9 +114,11 @@ def _cuda_rows(args) -> list[Row]:
         sel = float((idx >= 0).sum())
         impls = {"sdpa dense causal (256/256)": (lambda a, b, c: _sdpa(a, b, c, 1, T), (qd, kd, vd),
                                                  qd.clone() if with_bwd else None, dev),
-                 "triton sparse": (lambda a, b: sparse_attention(a, b, b[..., :512], idx, backend="triton"), (qa, kv), ga, dev)}
-        _timed(rows, "dsa attention", f"T={T} K={K} H=64 absorbed 576/512", "bfloat16", impls,
-               {"sdpa dense causal (256/256)": 2 * 64 * 512 * T * (T + 1) / 2, "triton sparse": 2 * 64 * (576 + 512) * sel},
+                 "triton sparse": (lambda a, b: sparse_attention(a, b, b[..., :512], idx, backend="triton"),
+                                   (qa, kv), ga, dev)}
+        flops = {"sdpa dense causal (256/256)": 2 * 64 * 512 * T * (T + 1) / 2,
+                 "triton sparse": 2 * 64 * (576 + 512) * sel}
+        _timed(rows, "dsa attention", f"T={T} K={K} H=64 absorbed 576/512", "bfloat16", impls, flops,
                "sdpa dense causal (256/256)", bwd_once=True)
     # the indexer
     for T in ([2048] if args.quick else [4096]):
@@ -124,7 +126,8 @@ def _cuda_rows(args) -> list[Row]:
         ki = torch.randn(T, 128, device=dev, dtype=bf16)
         w = torch.randn(T, 32, device=dev)
         cu1 = _cu([T], dev)
-        impls = {"triton": (lambda a, b, c: indexer_topk(a, b, c, cu_seqlens=cu1, topk=K, backend="triton"), (qi, ki, w), None, dev)}
+        impls = {"triton": (lambda a, b, c: indexer_topk(a, b, c, cu_seqlens=cu1, topk=K, backend="triton"),
+                            (qi, ki, w), None, dev)}
         if T <= 4096:
             impls["torch reference"] = (lambda a, b, c: indexer_topk(a, b, c, cu_seqlens=cu1, topk=K, backend="torch"),
                                         (qi, ki, w), None, dev)
@@ -144,8 +147,10 @@ def _cpu_rows(args) -> list[Row]:
         q, k, v = (torch.randn(T, H, D) for _ in range(3))
         cu = _cu([T], "cpu")
         _timed(rows, "dsa attention", f"T={T} K={K} H={H} D={D}", "float32",
-               {"torch dense causal": (lambda a, b, c: attention(a, b, c, cu_seqlens=cu, backend="torch"), (q, k, v), q.clone(), "cpu"),
-                "torch sparse": (lambda a, b, c: sparse_attention(a, b, c, idx, backend="torch"), (q, k, v), q.clone(), "cpu")},
+               {"torch dense causal": (lambda a, b, c: attention(a, b, c, cu_seqlens=cu, backend="torch"),
+                                       (q, k, v), q.clone(), "cpu"),
+                "torch sparse": (lambda a, b, c: sparse_attention(a, b, c, idx, backend="torch"),
+                                 (q, k, v), q.clone(), "cpu")},
                {"torch dense causal": 4 * H * D * T * (T + 1) / 2, "torch sparse": 4 * H * D * float((idx >= 0).sum())},
                "torch dense causal")
     return rows

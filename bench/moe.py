@@ -37,7 +37,8 @@ def _hf_block(d, i, e, k, impl, dtype, device):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    cfg = Qwen3MoeConfig(hidden_size=d, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k, norm_topk_prob=True)
+    cfg = Qwen3MoeConfig(hidden_size=d, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k,
+                         norm_topk_prob=True)
     cfg._experts_implementation = impl
     return Qwen3MoeSparseMoeBlock(cfg).to(device=device, dtype=dtype)
 

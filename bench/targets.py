@@ -179,8 +179,9 @@ TARGETS: list[Target] = [
     RowTarget("24", "fused_logprobs peak extra memory / Liger's (entropy off and on)", "logprobs",
               Sel("logprobs fwd+bwd", ("primerl", "primerl+entropy")), LOGPROBS, value_ratio("peak_extra_bytes"), "<=",
               1.25, base=Sel("logprobs fwd+bwd", ("liger",)), pick="worst"),
-    RowTarget("24", "attention fwd, backend=None vs SDPA, 3 shapes", "attention", Sel("attention fwd", ("primerl None",)),
-              ATTENTION, speedup, ">=", 0.9, base=Sel("attention fwd", ("sdpa",))),
+    RowTarget("24", "attention fwd, backend=None vs SDPA, 3 shapes", "attention",
+              Sel("attention fwd", ("primerl None",)), ATTENTION, speedup, ">=", 0.9,
+              base=Sel("attention fwd", ("sdpa",))),
     RowTarget("24", "attention fwd+bwd, backend=None vs SDPA, 3 shapes", "attention",
               Sel("attention fwd+bwd", ("primerl None",)), ATTENTION, speedup, ">=", 0.9,
               base=Sel("attention fwd+bwd", ("sdpa",))),
@@ -381,7 +382,10 @@ def _evaluate_tests(t: TestTarget, run: RunData) -> Result:
             outcomes.append((NOT_RUN, "skipped", msg[:120]))
         else:
             outcomes.append((PASS, "passed", ""))
-    status = MISS if any(o[0] == MISS for o in outcomes) else NOT_RUN if any(o[0] == NOT_RUN for o in outcomes) else PASS
+    if any(o[0] == MISS for o in outcomes):
+        status = MISS
+    else:
+        status = NOT_RUN if any(o[0] == NOT_RUN for o in outcomes) else PASS
     return Result(status, " ".join(o[1] for o in outcomes), "passed", "; ".join(o[2] for o in outcomes if o[2]))
 
 

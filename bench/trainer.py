@@ -142,7 +142,8 @@ def _cp_rows(T: int, repeats: int, tmp: str) -> list[Row]:
     for world in (1, 2, 4):
         _spawn(_cp_worker, world, lengths, repeats, tmp)
         ranks = [json.loads(Path(tmp, f"cp{world}_rank{r}.json").read_text()) for r in range(world)]
-        stats[world] = {L: {"peak": max(r[str(L)]["peak"] for r in ranks), "time": max(r[str(L)]["time"] for r in ranks)}
+        stats[world] = {L: {"peak": max(r[str(L)]["peak"] for r in ranks),
+                            "time": max(r[str(L)]["time"] for r in ranks)}
                         for L in lengths}
     base = stats[1][T]
     cap = base["peak"]
@@ -151,7 +152,8 @@ def _cp_rows(T: int, repeats: int, tmp: str) -> list[Row]:
         s = stats[world][T]
         fits = _longest_fit(lengths, [stats[world][L]["peak"] for L in lengths], cap) / T
         rows.append(Row(
-            op=f"cp={world} fwd+bwd", shape=f"T={T} one seq", dtype="float32", backend="sdpa+ring" if world > 1 else "sdpa",
+            op=f"cp={world} fwd+bwd", shape=f"T={T} one seq", dtype="float32",
+            backend="sdpa+ring" if world > 1 else "sdpa",
             median_s=s["time"], ratio=base["time"] / s["time"], baseline="cp=1 time",
             extra={"tok/s": f"{T / s['time']:.0f}", "peak/rank MB": f"{s['peak'] / 2**20:.1f}",
                    "mem vs cp=1": f"{s['peak'] / cap:.3f}", "x 1/cp": f"{s['peak'] / cap * world:.2f}",
@@ -230,7 +232,8 @@ def _publish_rows(quick: bool, tmp: str) -> list[Row]:
                         dtype="float32", backend="gloo", median_s=r["time"],
                         ratio=None if base is None else base["peak"] / r["peak"],
                         baseline="" if base is None else "full_state_dict peak / this peak",
-                        extra={"peak MB": f"{r['peak'] / 2**20:.1f}", "peak/model": f"{r['peak'] / 2**20 / model_mb:.2f}"}))
+                        extra={"peak MB": f"{r['peak'] / 2**20:.1f}",
+                               "peak/model": f"{r['peak'] / 2**20 / model_mb:.2f}"}))
     return rows
 
 

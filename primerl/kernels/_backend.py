@@ -74,7 +74,8 @@ def _external_status(module: str, pip_hint: str) -> BackendStatus:
 
 
 EXTERNAL_BACKENDS = {
-    "deep_gemm": "build DeepGEMM from source (the PyPI deep-gemm is a placeholder); SM90 (Hopper) and SM100 (Blackwell)",
+    "deep_gemm": ("build DeepGEMM from source (the PyPI deep-gemm is a placeholder); "
+                  "SM90 (Hopper) and SM100 (Blackwell)"),
     "flash_attn": "pip install flash-attn (builds against CUDA)",
 }
 

@@ -78,7 +78,6 @@ def apply() -> bool:
     if _APPLIED:
         return True
     try:
-        import triton.language as tl
         from triton.runtime import interpreter as interp
     except ImportError:
         return False

@@ -109,7 +109,9 @@ def _fp8_linear_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 
 @_fp8_linear_bwd.register_fake
 def _(grad, x, weight, recipe, backend, need_dx, need_dw):
-    return (torch.empty_like(x) if need_dx else x.new_empty(0)), (torch.empty_like(weight) if need_dw else weight.new_empty(0))
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
+    return dx, dw
 
 
 def _linear_setup(ctx, inputs, output):
@@ -202,7 +204,9 @@ def _fp8_grouped_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 
 @_fp8_grouped_bwd.register_fake
 def _(grad, x, weight, offsets, recipe, backend, need_dx, need_dw):
-    return (torch.empty_like(x) if need_dx else x.new_empty(0)), (torch.empty_like(weight) if need_dw else weight.new_empty(0))
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dw = torch.empty_like(weight) if need_dw else weight.new_empty(0)
+    return dx, dw
 
 
 def _grouped_setup(ctx, inputs, output):

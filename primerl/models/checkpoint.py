@@ -270,7 +270,8 @@ def load_pretrained(cls, path, *, dtype: torch.dtype | None = None, device="cpu"
         if missing:
             parts.append(f"missing tensors ({len(missing)}): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         if unexpected:
-            parts.append(f"unexpected tensors ({len(unexpected)}): {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+            more = " ..." if len(unexpected) > 8 else ""
+            parts.append(f"unexpected tensors ({len(unexpected)}): {unexpected[:8]}{more}")
         raise CheckpointError(f"checkpoint {path} does not match its {config.family} config: " + "; ".join(parts))
     model._expert_format = expert_format
     model._skipped_checkpoint_tensors = skipped

@@ -123,7 +123,8 @@ class MoETransformerConfig:
         need(self.rope_theta > 1.0, f"rope_theta must be > 1 (the rotary base), got {self.rope_theta}")
         need(self.attn_backend is None or isinstance(self.attn_backend, str),
              f"attn_backend must be None or a backend name such as 'sdpa', got {self.attn_backend!r}")
-        need(self.score_func in ("softmax", "sigmoid"), f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+        need(self.score_func in ("softmax", "sigmoid"),
+             f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
         need(0.0 < self.partial_rotary_factor <= 1.0,
              f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
         need(self.rotary_dim % 2 == 0 and self.rotary_dim > 0,
@@ -131,11 +132,13 @@ class MoETransformerConfig:
         need(all(0 <= i < self.n_layers for i in self.dense_layers),
              f"dense_layers must be layer indices in [0, {self.n_layers}), got {self.dense_layers}")
         if self.moe_layer_ids:
-            need(self.num_experts > 0 and self.moe_dim > 0, "num_experts and moe_dim must be positive when any layer is MoE")
+            need(self.num_experts > 0 and self.moe_dim > 0,
+                 "num_experts and moe_dim must be positive when any layer is MoE")
             need(self.top_k <= self.num_experts, f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
             need(self.num_experts % self.n_groups == 0,
                  f"num_experts ({self.num_experts}) must be a multiple of n_groups ({self.n_groups})")
-            need(1 <= self.topk_groups <= self.n_groups, f"topk_groups must be in [1, n_groups={self.n_groups}], got {self.topk_groups}")
+            need(1 <= self.topk_groups <= self.n_groups,
+                 f"topk_groups must be in [1, n_groups={self.n_groups}], got {self.topk_groups}")
         if self.dense_layers:
             need(self.ffn_dim > 0, "ffn_dim must be positive when dense_layers is not empty")
         need((self.family in MLA_FAMILIES) == self.is_mla,
@@ -148,8 +151,10 @@ class MoETransformerConfig:
             need(self.head_dim == self.qk_nope_head_dim + self.qk_rope_head_dim,
                  f"MLA head_dim must be qk_nope_head_dim + qk_rope_head_dim = "
                  f"{self.qk_nope_head_dim + self.qk_rope_head_dim}, got {self.head_dim}")
-            need(self.n_kv_heads == self.n_heads, f"MLA needs n_kv_heads == n_heads, got {self.n_kv_heads} and {self.n_heads}")
-            need(self.q_lora_rank is None or self.q_lora_rank > 0, f"q_lora_rank must be None or positive, got {self.q_lora_rank}")
+            need(self.n_kv_heads == self.n_heads,
+                 f"MLA needs n_kv_heads == n_heads, got {self.n_kv_heads} and {self.n_heads}")
+            need(self.q_lora_rank is None or self.q_lora_rank > 0,
+                 f"q_lora_rank must be None or positive, got {self.q_lora_rank}")
         if self.rope_yarn is not None:
             need(self.is_mla, "rope_yarn is supported for the MLA families only")
             need(self.rope_yarn.get("factor", 0) > 0 and self.rope_yarn.get("original_max_position_embeddings", 0) > 0,
@@ -157,7 +162,8 @@ class MoETransformerConfig:
         need((self.family == "glm_moe_dsa") == self.is_sparse,
              f"index_n_heads > 0 (DeepSeek sparse attention) exactly for glm_moe_dsa (family {self.family!r})")
         if self.is_sparse:
-            need(self.q_lora_rank is not None, "the sparse-attention indexer reads the q low-rank latent: q_lora_rank needed")
+            need(self.q_lora_rank is not None,
+                 "the sparse-attention indexer reads the q low-rank latent: q_lora_rank needed")
             need(self.index_head_dim >= self.qk_rope_head_dim and self.index_topk > 0,
                  f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}) and "
                  f"index_topk ({self.index_topk}) positive")
@@ -309,8 +315,9 @@ class MoETransformerConfig:
         elif model_type in MLA_FAMILIES:
             cfg = cls(**_mla_from_hf(hf, common, n_layers))
         else:
-            cfg = cls(**common, num_experts=get("n_routed_experts", get("num_local_experts")), num_shared_experts=get("n_shared_experts", 1),
-                      score_func="sigmoid", route_norm=bool(get("norm_topk_prob", True)),
+            cfg = cls(**common, num_experts=get("n_routed_experts", get("num_local_experts")),
+                      num_shared_experts=get("n_shared_experts", 1), score_func="sigmoid",
+                      route_norm=bool(get("norm_topk_prob", True)),
                       route_scale=float(get("routed_scaling_factor", 1.0)), n_groups=get("n_group", 1),
                       topk_groups=get("topk_group", 1), use_expert_bias=True,
                       dense_layers=tuple(range(min(get("first_k_dense_replace", 1), n_layers))),
@@ -414,7 +421,8 @@ def _mla_from_hf(hf: dict[str, Any], common: dict[str, Any], n_layers: int) -> d
     args = dict(common, head_dim=nope + rope_dim, n_kv_heads=n_heads,
                 num_experts=hf.get("n_routed_experts", hf.get("num_local_experts")),
                 num_shared_experts=hf.get("n_shared_experts", 1), score_func="sigmoid",
-                route_norm=bool(hf.get("norm_topk_prob", True)), route_scale=float(hf.get("routed_scaling_factor", 1.0)),
+                route_norm=bool(hf.get("norm_topk_prob", True)),
+                route_scale=float(hf.get("routed_scaling_factor", 1.0)),
                 n_groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1, use_expert_bias=True,
                 dense_layers=dense, qk_norm=False, o_proj_bias=bool(hf.get("attention_bias", False)),
                 q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf.get("kv_lora_rank", 512), qk_nope_head_dim=nope,
@@ -428,8 +436,8 @@ def _mla_from_hf(hf: dict[str, Any], common: dict[str, Any], n_layers: int) -> d
     if model_type == "glm_moe_dsa":
         types = hf.get("indexer_types")
         if types is None:
-            raise UnsupportedCheckpointError("glm_moe_dsa config.json without indexer_types (write it with transformers "
-                                             ">= 5.24, which derives it from index_topk_freq)")
+            raise UnsupportedCheckpointError("glm_moe_dsa config.json without indexer_types (write it with "
+                                             "transformers >= 5.24, which derives it from index_topk_freq)")
         args.update(index_n_heads=hf.get("index_n_heads", 32), index_head_dim=hf.get("index_head_dim", 128),
                     index_topk=hf.get("index_topk", 2048), indexer_types=tuple(types))
     return args

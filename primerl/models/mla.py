@@ -175,7 +175,8 @@ class Indexer(nn.Module):
     def __init__(self, config: MoETransformerConfig):
         super().__init__()
         c = config
-        self.n_heads, self.head_dim, self.rope_dim, self.topk = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim, c.index_topk
+        self.n_heads, self.head_dim = c.index_n_heads, c.index_head_dim
+        self.rope_dim, self.topk = c.qk_rope_head_dim, c.index_topk
         self.wq_b = nn.Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, bias=False)
         self.wk = nn.Linear(c.dim, c.index_head_dim, bias=False)
         self.k_norm = nn.LayerNorm(c.index_head_dim, eps=1e-6)
@@ -203,7 +204,8 @@ class Indexer(nn.Module):
         from primerl.kernels.sparse_attention import indexer_topk
 
         q, k, w = self.project(x, q_latent, cos, sin)
-        kw = dict(topk=self.topk, softmax_scale=self.head_dim ** -0.5, backend=_backend(self.config, ("torch", "triton")))
+        kw = dict(topk=self.topk, softmax_scale=self.head_dim ** -0.5,
+                  backend=_backend(self.config, ("torch", "triton")))
         if torch.is_tensor(cu_seqlens):
             return indexer_topk(q, k.to(q.dtype), w, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kw)
         from primerl.parallel.context import gather_shards, padded_key_positions
@@ -316,7 +318,10 @@ class MLAttention(nn.Module):
             cu = cu_seqlens if torch.is_tensor(cu_seqlens) else cu_seqlens.cu_seqlens  # global lengths under CP
             if not torch.is_tensor(cu_seqlens) and not _is_context_plan(cu_seqlens):
                 cu_seqlens = cu  # another plan over the whole batch (the trainer's PaddedPlan): sparse runs on cu
-            longest = state.longest if state is not None and state.longest is not None else int((cu[1:] - cu[:-1]).max())
+            if state is not None and state.longest is not None:
+                longest = state.longest
+            else:
+                longest = int((cu[1:] - cu[:-1]).max())
             if state is not None:
                 state.longest = longest
             if longest > self.config.index_topk:  # else every query keeps all its keys: dense

@@ -171,7 +171,8 @@ class MoE(nn.Module):
     def from_hf_config(cls, config, **kwargs) -> "MoE":
         """Build from a transformers Qwen3-MoE / GLM-4.5-MoE (or similar) config."""
         num_experts = (
-            getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or config.num_local_experts
+            getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+            or config.num_local_experts
         )
         n_shared = getattr(config, "n_shared_experts", 0) or 0
         is_sigmoid = hasattr(config, "routed_scaling_factor") or hasattr(config, "n_group")

@@ -1,8 +1,8 @@
 """parallelize(model, parallel_dims, mesh): expert parallel, context parallel, activation
 checkpointing and FSDP2 from ``primerl.parallel``, applied to a MoETransformer in the order they
 compose: EP first (it cuts the expert weights to the local experts), then CP (ring attention, or
-Ulysses / Ulysses x ring with ``cp_kind``, in every attention layer), then activation checkpointing (wraps each block's forward), FSDP last
-(it shards whatever parameters exist by then).
+Ulysses / Ulysses x ring with ``cp_kind``, in every attention layer), then activation checkpointing
+(wraps each block's forward), FSDP last (it shards whatever parameters exist by then).
 
 With context parallelism the caller builds one ``ContextShardPlan`` per packed batch over
 ``mesh["cp"]`` and runs the model on this rank's shard::

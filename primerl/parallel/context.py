@@ -63,7 +63,8 @@ class ContextShardPlan:
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
                 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"ContextShardPlan: cu_seqlens must be an int32/int64 1-D tensor [B+1], got "
-                             f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} {tuple(getattr(cu_seqlens, 'shape', ()))}")
+                             f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
+                             f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"ContextShardPlan: cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}")
@@ -71,7 +72,8 @@ class ContextShardPlan:
             if group is not None:
                 raise ValueError("ContextShardPlan: pass either group or world_size/rank, not both")
             if world_size is None or rank is None or not 0 <= rank < world_size:
-                raise ValueError(f"ContextShardPlan: need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+                raise ValueError(f"ContextShardPlan: need 0 <= rank < world_size, "
+                                 f"got rank={rank} world_size={world_size}")
             self.world_size, self.rank = int(world_size), int(rank)
         elif dist.is_available() and dist.is_initialized():
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -92,7 +94,8 @@ class ContextShardPlan:
         self.chunk_lengths = (lens + n_chunks - 1) // n_chunks  # per sequence
         self.padded_lengths = self.chunk_lengths * n_chunks
         local_lens = self.chunk_lengths * len(self._owned[0])
-        self.local_cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), local_lens.cumsum(0)]).int().to(self.device)
+        local_cu = torch.cat([torch.zeros(1, dtype=torch.long), local_lens.cumsum(0)])
+        self.local_cu_seqlens = local_cu.int().to(self.device)
         self.local_num_tokens = int(local_lens.sum())
         padded_cu = torch.cat([torch.zeros(1, dtype=torch.long), self.padded_lengths.cumsum(0)])
         self.padded_cu_seqlens = padded_cu.int().to(self.device)
@@ -141,7 +144,8 @@ class ContextShardPlan:
         every rank. Backward keeps this rank's part of the gradient (the output is replicated)."""
         self._check_tokens("unshard", x_local, dim, self.local_num_tokens)
         if self.world_size > 1 and not dist.is_initialized():
-            raise ValueError("ContextShardPlan.unshard: an offline plan (world_size > 1, no process group) cannot gather")
+            raise ValueError("ContextShardPlan.unshard: an offline plan (world_size > 1, no process group) "
+                             "cannot gather")
         return _Unshard.apply(x_local.movedim(dim, 0), self).movedim(0, dim)
 
     # -- helpers used by the ops below --------------------------------------------------------
@@ -232,7 +236,8 @@ class ContextShardPlan:
         valid = self._index[rank] >= 0
         if not causal:
             lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long().cpu()
-            seq = torch.repeat_interleave(torch.arange(lens.numel()), (self.local_cu_seqlens[1:] - self.local_cu_seqlens[:-1]).long().cpu())
+            local_lens = (self.local_cu_seqlens[1:] - self.local_cu_seqlens[:-1]).long().cpu()
+            seq = torch.repeat_interleave(torch.arange(lens.numel()), local_lens)
             return int(lens[seq][valid.cpu()].sum())
         return int((self._positions[rank].long() + 1)[valid].sum())
 
@@ -358,6 +363,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         zeros_dkv = None
+        dkv_in = dkv_reqs = None  # the dK/dV accumulator in flight (set at step 0, read from step 1)
         for step in range(W):
             src = (rank - step) % W
             if step < W - 1:

@@ -115,14 +115,16 @@ class DeepEPDispatcher:
             import deep_ep
 
             if low_latency:
-                rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens_per_rank, hidden, self.ep_size, num_experts)
+                rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens_per_rank, hidden, self.ep_size,
+                                                                      num_experts)
                 buffer = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=self.num_local_experts)
             else:
                 buffer = deep_ep.Buffer(group, num_nvl_bytes, 0)
         self.buffer = buffer
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-        if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        if (x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]
+                or topk_weights.shape != topk_ids.shape):
             raise ValueError(f"dispatch: need x [T, D], topk_ids and topk_weights [T, K]; got {tuple(x.shape)}, "
                              f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
         if x.dtype != torch.bfloat16:
@@ -131,7 +133,8 @@ class DeepEPDispatcher:
             return self._dispatch_low_latency(x, topk_ids, topk_weights)
         T, K = topk_ids.shape
         idx = topk_ids.long()
-        num_per_rank, num_per_rdma_rank, num_per_expert, is_in_rank, _ = self.buffer.get_dispatch_layout(idx, self.num_experts)
+        num_per_rank, num_per_rdma_rank, num_per_expert, is_in_rank, _ = self.buffer.get_dispatch_layout(
+            idx, self.num_experts)
         recv_x, recv_w, recv_idx, deep_handle, counts_list = _Dispatch.apply(
             x, topk_weights.float(), self.buffer, idx, (num_per_rank, num_per_rdma_rank, num_per_expert, is_in_rank))
         # one row per (received token, local expert) pair, grouped by local expert, rows in order
@@ -162,7 +165,8 @@ class DeepEPDispatcher:
 
     def _dispatch_low_latency(self, x, topk_ids, topk_weights):
         if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
-            raise RuntimeError("DeepEPDispatcher: low-latency mode is forward-only (decoding); use the normal mode to train")
+            raise RuntimeError("DeepEPDispatcher: low-latency mode is forward-only (decoding); "
+                               "use the normal mode to train")
         idx = topk_ids.long()
         recv, counts, deep_handle, _, _ = self.buffer.low_latency_dispatch(
             x, idx, self.max_tokens_per_rank, self.num_experts, use_fp8=self.use_fp8)

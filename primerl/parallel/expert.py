@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from ..kernels.fp8 import quant_per_token_group
 
-__all__ = ["AllToAllDispatcher", "DispatchHandle", "all_to_all_single_autograd", "apply_expert_parallel", "local_expert_range"]
+__all__ = ["AllToAllDispatcher", "DispatchHandle", "all_to_all_single_autograd", "apply_expert_parallel",
+           "local_expert_range"]
 
 
 def local_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:

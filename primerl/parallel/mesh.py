@@ -76,7 +76,8 @@ class ParallelDims:
             self.dp_shard = self.world_size // rest
         if self.dp_replicate * self.dp_shard * self.cp != self.world_size:
             raise ValueError(f"ParallelDims: dp_replicate * dp_shard * cp = {self.dp_replicate} * {self.dp_shard} * "
-                             f"{self.cp} = {self.dp_replicate * self.dp_shard * self.cp} != world_size={self.world_size}")
+                             f"{self.cp} = {self.dp_replicate * self.dp_shard * self.cp} "
+                             f"!= world_size={self.world_size}")
         if self.dp_shard_cp % self.ep:
             raise ValueError(f"ParallelDims: ep={self.ep} must divide dp_shard * cp = {self.dp_shard} * {self.cp} = "
                              f"{self.dp_shard_cp} (expert parallelism borrows those ranks)")

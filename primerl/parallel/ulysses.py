@@ -89,7 +89,8 @@ def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     the U ranks' tokens, rank after rank (U = the group's size; H must divide by U). Differentiable."""
     U = dist.get_world_size(group)
     if x.dim() != 3 or x.shape[1] % U:
-        raise ValueError(f"seq_to_head: x must be [t, H, D] with H divisible by the group size {U}, got {tuple(x.shape)}")
+        raise ValueError(f"seq_to_head: x must be [t, H, D] with H divisible by the group size {U}, "
+                         f"got {tuple(x.shape)}")
     return x if U == 1 else _SeqToHead.apply(x, group, U)
 
 
@@ -158,7 +159,8 @@ class _Layout:
         if R == 1:
             self.ring_plan = None
             ordered = torch.arange(concat.numel(), device=dev)
-            pieces = torch.stack([torch.tensor(plan._lens), plan.padded_lengths - torch.tensor(plan._lens)], 1).flatten()
+            lens = torch.tensor(plan._lens)
+            pieces = torch.stack([lens, plan.padded_lengths - lens], 1).flatten()
             pieces = pieces[pieces > 0]
             self.cu = torch.cat([pieces.new_zeros(1), pieces.cumsum(0)]).int().to(dev)
         else:

@@ -51,7 +51,8 @@ def linear_length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: fl
     (float64 for float64 rewards)."""
     lengths = torch.as_tensor(lengths, device=rewards.device)
     if lengths.shape != rewards.shape:
-        raise ValueError(f"linear_length_penalty: lengths must have shape {tuple(rewards.shape)}, got {tuple(lengths.shape)}")
+        raise ValueError(f"linear_length_penalty: lengths must have shape {tuple(rewards.shape)}, "
+                         f"got {tuple(lengths.shape)}")
     check_values((lengths >= 0).all(), "linear_length_penalty: lengths must be >= 0",
                  lambda: f"min {int(lengths.min())}")
     dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32

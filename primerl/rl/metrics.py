@@ -54,4 +54,5 @@ def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> torch.Te
     w = torch.where(mask, weights, torch.zeros_like(weights))
     n = mask.sum().clamp_min(1).to(w.dtype)
     denom = (w * w).sum()
-    return torch.where(denom > 0, w.sum() ** 2 / (n * denom.clamp_min(torch.finfo(w.dtype).tiny)), torch.ones_like(denom))
+    ess = w.sum() ** 2 / (n * denom.clamp_min(torch.finfo(w.dtype).tiny))
+    return torch.where(denom > 0, ess, torch.ones_like(denom))

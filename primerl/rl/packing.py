@@ -69,7 +69,8 @@ class MicroBatch:
     loss_mask [T] bool; advantages [T] float32; inference_logprobs [T] float32;
     temperatures [T] float32 or None; replay_ids [T, num_layers, k] int64 or None (padding rows
     route to experts 0..k-1); loss_weights [T] float32 or None (None unless a packed sample has
-    weights; then 1.0 for samples without, 0.0 on padding); is_padding: the whole micro-batch is filler (it has no loss token);
+    weights; then 1.0 for samples without, 0.0 on padding); is_padding: the whole micro-batch is
+    filler (it has no loss token);
     sample_indices: the packed samples' indices in the list given to :func:`pack`;
     cost: the estimated cost used for balancing; num_real_tokens: tokens that are not padding.
     """
@@ -148,14 +149,19 @@ def _validated(op: str, samples: Sequence[Sample], seq_len: int, truncate: bool)
             raise ValueError(f"{op}: samples[{i}] must be a Sample, got {type(s).__name__}")
         L = len(s)
         if s.input_ids.dim() != 1 or L == 0:
-            raise ValueError(f"{op}: samples[{i}].input_ids must be a non-empty 1-D tensor, got shape {tuple(s.input_ids.shape)}")
-        for name in ("loss_mask", "inference_logprobs") + (("advantages",) if isinstance(s.advantages, torch.Tensor) else ()):
+            raise ValueError(f"{op}: samples[{i}].input_ids must be a non-empty 1-D tensor, "
+                             f"got shape {tuple(s.input_ids.shape)}")
+        per_token = ("loss_mask", "inference_logprobs")
+        if isinstance(s.advantages, torch.Tensor):
+            per_token += ("advantages",)
+        for name in per_token:
             x = getattr(s, name)
             if x.shape != (L,):
                 raise ValueError(f"{op}: samples[{i}].{name} must have shape ({L},), got {tuple(x.shape)}")
         if s.replay_ids is not None:
             if s.replay_ids.dim() != 3 or s.replay_ids.shape[0] != L:
-                raise ValueError(f"{op}: samples[{i}].replay_ids must be [{L}, num_layers, k], got {tuple(s.replay_ids.shape)}")
+                raise ValueError(f"{op}: samples[{i}].replay_ids must be [{L}, num_layers, k], "
+                                 f"got {tuple(s.replay_ids.shape)}")
         t = None if s.replay_ids is None else tuple(s.replay_ids.shape[1:])
         if i == 0:
             trailing = t
@@ -241,7 +247,10 @@ def _build(samples: list[Sample], idx: list[int], seq_len: int, pad_to_seq_len: 
     seqlens = lengths + ([pad] if pad else [])
     cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32, device=dev)
     cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32, device=dev), 0)
-    position_ids = torch.cat([torch.arange(n, device=dev) for n in seqlens]) if seqlens else torch.zeros(0, dtype=torch.long)
+    if seqlens:
+        position_ids = torch.cat([torch.arange(n, device=dev) for n in seqlens])
+    else:
+        position_ids = torch.zeros(0, dtype=torch.long)
     temps = None
     if with_temp:
         temps = cat([torch.full((len(s),), 1.0 if s.temperature is None else float(s.temperature), device=dev)
@@ -309,8 +318,8 @@ def pack(
     per_rank_count = max((len(a) for a in assignment), default=0)
     out = []
     for r in range(int(num_ranks)):
-        mbs = [_build(samples, sorted(bins[b]), int(seq_len), pad_to_seq_len, pad_token_id, with_temp, replay_shape, cost,
-                      with_weights=with_weights)
+        mbs = [_build(samples, sorted(bins[b]), int(seq_len), pad_to_seq_len, pad_token_id, with_temp, replay_shape,
+                      cost, with_weights=with_weights)
                for b in assignment[r]]
         while len(mbs) < per_rank_count:
             mbs.append(_build(samples, [], int(seq_len), pad_to_seq_len, pad_token_id, with_temp, replay_shape, cost,

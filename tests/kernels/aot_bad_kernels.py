@@ -85,7 +85,8 @@ E4M3 = torch.float8_e4m3fn
 CASES = [
     Case("bad: fp8 dot 16x16x32 one warp", lambda: _dot(E4M3, 16, 16, 32, num_warps=1), "fp8", ci=True),
     Case("bad: prefix sum of 8192 floats in one warp", lambda: _wide_row(8192, 1), None, ci=True),
-    Case("bad: bf16 dot 256x256x128 4 stages", lambda: _dot(torch.bfloat16, 256, 256, 128, num_warps=8, num_stages=4), "bf16", ci=True),
+    Case("bad: bf16 dot 256x256x128 4 stages", lambda: _dot(torch.bfloat16, 256, 256, 128, num_warps=8, num_stages=4),
+         "bf16", ci=True),
     Case("good: fp8 dot 128x128x64 8 warps", lambda: _dot(E4M3, 128, 128, 64, num_warps=8), "fp8", ci=True),
     Case("bad: fp8 dot result used one iteration late", lambda: _late_use(128, 128, 128), "fp8", ci=True),
 ]

@@ -35,7 +35,8 @@ def reference_at(dtype, q, k, v, dout, dlse, cu, causal):
     qp, kp = reference.default_positions(cu, cu)
     scale = q.shape[-1] ** -0.5
     out, lse = reference.attention_forward(q, k, v, cu, cu, causal, scale, qp, kp, compute_dtype=dtype)
-    dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, dlse, cu, cu, causal, scale, qp, kp, compute_dtype=dtype)
+    dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, dlse, cu, cu, causal, scale, qp, kp,
+                                              compute_dtype=dtype)
     return out, lse, dq, dk, dv
 
 
@@ -54,5 +55,6 @@ def assert_within_twice_torch(got, q, k, v, dout, dlse, cu, causal, dtype, tag):
     for name, g, r, lp in zip(["out", "lse", "dq", "dk", "dv"], got, ref32, lowp):
         floor = 1e-5 * (1 + float(r[torch.isfinite(r)].abs().max()))
         err, torch_err = max_err(g, r), max_err(lp, r)
-        assert err <= 2 * torch_err + floor, f"{tag} {name}: err {err:.3e} > 2 x torch@{dtype} err {torch_err:.3e} + {floor:.1e}"
+        assert err <= 2 * torch_err + floor, \
+            f"{tag} {name}: err {err:.3e} > 2 x torch@{dtype} err {torch_err:.3e} + {floor:.1e}"
     return ref32

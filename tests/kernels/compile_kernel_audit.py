@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import primerl.kernels as K  # noqa: E402
 from primerl.kernels.testing import count_host_reads  # noqa: E402
-from compile_kernel_cases import all_cases, float_outputs, outputs  # noqa: E402
+from compile_kernel_cases import all_cases, float_outputs  # noqa: E402
 
 
 def _loss(result):

@@ -85,8 +85,8 @@ def _gemm_cases():
 
     def grouped_bf16(seed):
         g = _g(seed)
-        return (_randn(g, 11, 32, dtype=torch.bfloat16, grad=True), _randn(g, 3, 24, 32, dtype=torch.bfloat16, grad=True),
-                _offsets(g, 11, 3))
+        return (_randn(g, 11, 32, dtype=torch.bfloat16, grad=True),
+                _randn(g, 3, 24, 32, dtype=torch.bfloat16, grad=True), _offsets(g, 11, 3))
 
     def grouped_mi(seed):
         g = _g(seed)
@@ -148,8 +148,8 @@ def _gemm_cases():
         return _randn(g, 13, 16), _randn(g, 13, 24), _offsets(g, 13, 3, tail=1)
 
     def kgrouped_fp8_gemm(a, b, offs):
-        return G.k_grouped_fp8_gemm_tn_contiguous(G.quant_per_group_colwise(a, offs), G.quant_per_group_colwise(b, offs),
-                                                  offs)
+        return G.k_grouped_fp8_gemm_tn_contiguous(G.quant_per_group_colwise(a, offs),
+                                                  G.quant_per_group_colwise(b, offs), offs)
 
     def kgrouped_fp8_blocks(a, b, offs):
         qa = G.quant_per_group_colwise(a, offs, layout="blocks")
@@ -247,7 +247,7 @@ def _gemm_triton_cases(dense, grouped, grouped_bf16, kgrouped, fp8_dense, fp8_gr
 
 # ------------------------------------------------------------------------------ moe
 
-T, D, I, E, TOPK = 7, 16, 8, 4, 2
+T, D, INTER, E, TOPK = 7, 16, 8, 4, 2
 
 
 def _moe_cases():
@@ -272,8 +272,9 @@ def _moe_cases():
 
     def experts(seed, dtype=torch.float32):
         g = _g(seed)
-        return (_randn(g, T, D, dtype=dtype, grad=True), (_randn(g, E, 2 * I, D) * 0.3).to(dtype).requires_grad_(),
-                (_randn(g, E, D, I) * 0.3).to(dtype).requires_grad_(), _ids(g, T, TOPK, E),
+        return (_randn(g, T, D, dtype=dtype, grad=True),
+                (_randn(g, E, 2 * INTER, D) * 0.3).to(dtype).requires_grad_(),
+                (_randn(g, E, D, INTER) * 0.3).to(dtype).requires_grad_(), _ids(g, T, TOPK, E),
                 torch.rand(T, TOPK, generator=g).requires_grad_())
 
     def experts_fp8(seed):
@@ -330,7 +331,8 @@ def _moe_triton_cases(ids, perm, combine, experts, experts_fp8):
 def _fp8_training_cases():
     def dense(seed):
         g = _g(seed)
-        return _randn(g, 2, 3, K, dtype=torch.bfloat16, grad=True), (_randn(g, K, K) * 0.1).to(torch.bfloat16).requires_grad_()
+        return (_randn(g, 2, 3, K, dtype=torch.bfloat16, grad=True),
+                (_randn(g, K, K) * 0.1).to(torch.bfloat16).requires_grad_())
 
     def grouped(seed):
         g = _g(seed)

@@ -36,7 +36,8 @@ def _has_nvidia_backend() -> bool:
     return Path(aot._tool("cuobjdump")).exists() and Path(aot._tool("ptxas")).exists()
 
 
-pytestmark = pytest.mark.skipif(not _has_nvidia_backend(), reason="triton wheel without the NVIDIA backend / ptxas / cuobjdump")
+pytestmark = pytest.mark.skipif(not _has_nvidia_backend(),
+                                reason="triton wheel without the NVIDIA backend / ptxas / cuobjdump")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,8 @@ def _params():
         for arch in aot.CI_ARCHS:
             if not aot.in_ci_subset(case, arch):
                 continue
-            known = next((why for (prefix, a), why in KNOWN.items() if a == arch and case.name.startswith(prefix)), None)
+            known = next((why for (prefix, a), why in KNOWN.items()
+                          if a == arch and case.name.startswith(prefix)), None)
             marks = [pytest.mark.xfail(reason=known, strict=True)] if known else []
             out.append(pytest.param(case.name, arch, marks=marks, id=f"{arch}-{case.name}"))
     return out
@@ -111,7 +113,8 @@ def test_launch_configuration_is_the_gpu_one(reports):
     for m, n, k in [(128, 2112, 7168), (4096, 7168, 2048)]:
         rep = _only(reports, f"fp8 gemm nt M={m} N={n} K={k}", "sm_90a")
         cfg = pick_tiles(m, n, k, True, 1, interpreter=False, num_sms=aot.TARGETS["sm_90a"].num_sms)
-        want = {f"BM={cfg['BM']}", f"BN={cfg['BN']}", f"BK={cfg['BK']}", f"w{cfg['num_warps']}", f"s{cfg['num_stages']}"}
+        want = {f"BM={cfg['BM']}", f"BN={cfg['BN']}", f"BK={cfg['BK']}",
+                f"w{cfg['num_warps']}", f"s{cfg['num_stages']}"}
         assert want <= set(rep.config.split()), (rep.config, want)
 
 
@@ -170,4 +173,4 @@ def test_check_cuda_fails_a_spilling_kernel(tmp_path):
     script = Path(__file__).resolve().parents[2] / ".ci" / "check_cuda.sh"
     done = subprocess.run(["bash", str(script), str(src)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "spills registers" in done.stdout and "many_live" in done.stdout and "bytes spill stores" in done.stdout, done.stdout
+    assert all(s in done.stdout for s in ("spills registers", "many_live", "bytes spill stores")), done.stdout

@@ -17,10 +17,10 @@ from primerl.kernels.attention import (
 )
 from primerl.kernels import BackendUnavailableError
 from primerl.kernels.testing import assert_bitwise_equal
+from attention_testing import (cu as _cu, inputs as _inputs, max_err as _max_err, reference_at as _reference_at,
+                               run as _run, assert_within_twice_torch)
 
 HAS_CUDA = torch.cuda.is_available()
-from attention_testing import cu as _cu, inputs as _inputs, max_err as _max_err, reference_at as _reference_at, run as _run, \
-    assert_within_twice_torch  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 
@@ -206,7 +206,8 @@ def test_merge_is_differentiable_and_matches_full_attention():
     qp, kp = reference.default_positions(cu, cu)
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     parts = [torch.where(kp < 5, kp, -1), torch.where(kp < 5, -1, kp)]
-    (oa, la), (ob, lb) = (attention(qq, kk, vv, cu_seqlens=cu, q_positions=qp, k_positions=p, return_lse=True) for p in parts)
+    (oa, la), (ob, lb) = (attention(qq, kk, vv, cu_seqlens=cu, q_positions=qp, k_positions=p, return_lse=True)
+                          for p in parts)
     out, _ = merge_attn_states(oa, la, ob, lb)
     out.backward(dout)
     full = _run("torch", q, k, v, dout, torch.zeros(4, sum(lens)), cu_seqlens=cu)

@@ -136,7 +136,8 @@ def test_rowwise_fp8_under_inductor():
     names, fn, make = _family(("fp8_training.fp8_linear(rowwise)", "fp8_training.fp8_grouped_linear(rowwise)"))
     with K.debug_checks(False):
         nested = make(3)
-        want = _forward_backward(lambda *f: fn(*_unflatten(f, [len(x) for x in nested])), [t for x in nested for t in x])
+        want = _forward_backward(lambda *f: fn(*_unflatten(f, [len(x) for x in nested])),
+                                 [t for x in nested for t in x])
         nested = make(3)
         compiled = torch.compile(lambda *f: fn(*_unflatten(f, [len(x) for x in nested])), backend="inductor",
                                  fullgraph=True)

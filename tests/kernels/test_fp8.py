@@ -206,7 +206,8 @@ def test_triton_chunked_paths_bitwise(monkeypatch):
 def _ties_input() -> torch.Tensor:
     """A 16-wide group with amax 448 (so sf = 1 exactly for e4m3) holding e4m3 rounding ties,
     subnormal ties and a carry into the next binade."""
-    row = [448.0, 17.0, 19.0, -17.0, 2.0 ** -10, 3 * 2.0 ** -10, 31.0, 15.5, 0.0, -0.0, 1.0625, 1.1875, 240.0, 232.0, 2.0 ** -7 + 2.0 ** -10, 5.0]
+    row = [448.0, 17.0, 19.0, -17.0, 2.0 ** -10, 3 * 2.0 ** -10, 31.0, 15.5, 0.0, -0.0, 1.0625, 1.1875, 240.0, 232.0,
+           2.0 ** -7 + 2.0 ** -10, 5.0]
     return torch.tensor([row, [v / 4 for v in row]], dtype=torch.float32)
 
 
@@ -320,7 +321,8 @@ def _emu_blocks(lib, w, block, dtype, ue8m0, rounding):
     q, sf = torch.empty(w.shape, dtype=dtype), torch.empty(*w.shape[:-2], nb, kb)
     rc = lib.emu_quant_blocks(_ptr(w), _EMU_IN[w.dtype], _ptr(q), _EMU_OUT[dtype], _ptr(sf),
                               ctypes.c_long(w.numel() // (n * k)), ctypes.c_long(n), ctypes.c_long(k),
-                              ctypes.c_long(block[0]), ctypes.c_long(block[1]), int(ue8m0), int(rounding == "reciprocal"))
+                              ctypes.c_long(block[0]), ctypes.c_long(block[1]), int(ue8m0),
+                              int(rounding == "reciprocal"))
     assert rc == 0
     return q, sf
 
@@ -417,7 +419,8 @@ def test_cuda_source_tensorwise_emulated_bitwise(cuda_emulation, in_dtype, dtype
         (lambda: fp8.quant_tensorwise(torch.randn(3), dtype=torch.int8), r"dtype must be one of"),
         (lambda: fp8.quant_tensorwise(torch.randn(3), backend="nope"), r"backend 'nope' is not implemented"),
         (lambda: fp8.dequant(torch.randn(2, 128), torch.ones(2, 1), group_shape=(1, 128)), r"q must be fp8"),
-        (lambda: fp8.dequant(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.ones(2, 1).half(), group_shape=(1, 128)),
+        (lambda: fp8.dequant(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.ones(2, 1).half(),
+                             group_shape=(1, 128)),
          r"sf must be float32"),
         (lambda: fp8.dequant(torch.zeros(2, 128, dtype=torch.float8_e4m3fn), torch.ones(2, 3), group_shape=(1, 64)),
          r"sf has 3 groups on dim 1, expected ceil\(128/64\) = 2"),
@@ -628,7 +631,8 @@ def test_reference_rounding_modes_are_the_named_formulas(in_dtype, dtype):
         assert_bitwise_equal(got[r][1], sf, f"{r} sf")
         assert_bitwise_equal(got[r][0], want[r], f"{r} q")
     assert not torch.equal(got["reciprocal"][0].view(torch.uint8), got["divide"][0].view(torch.uint8))
-    assert_bitwise_equal(fp8.quant_per_token_group(x, 128, dtype=dtype, backend="torch")[0], want["reciprocal"], "default")
+    assert_bitwise_equal(fp8.quant_per_token_group(x, 128, dtype=dtype, backend="torch")[0], want["reciprocal"],
+                         "default")
     ue = [fp8.quant_per_token_group(x, 128, dtype=dtype, ue8m0=True, rounding=r, backend="torch") for r in ROUNDING]
     assert_bitwise_equal(ue[0][0], ue[1][0], "ue8m0 q, reciprocal vs divide")
     # per block: DeepGEMM's block formula on 4 x 32 blocks
@@ -649,7 +653,8 @@ def test_rounding_defaults_and_validation():
                 for f in (fp8.quant_per_token_group, fp8.quant_per_block, fp8.quant_rowwise, fp8.quant_tensorwise,
                           gemm.quant_per_group_colwise)}
     assert defaults == {"quant_per_token_group": "reciprocal", "quant_per_block": "reciprocal",
-                        "quant_rowwise": "divide", "quant_tensorwise": "divide", "quant_per_group_colwise": "reciprocal"}
+                        "quant_rowwise": "divide", "quant_tensorwise": "divide",
+                        "quant_per_group_colwise": "reciprocal"}
     with pytest.raises(ValueError, match=r"rounding must be one of \('reciprocal', 'divide'\), got 'mul'"):
         fp8.quant_per_token_group(torch.randn(2, 128), rounding="mul")
     with pytest.raises(ValueError, match="rounding must be one of"):
@@ -707,7 +712,8 @@ def _special_groups(in_dtype) -> torch.Tensor:
 def assert_same_with_nan(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     """Bitwise equal except that NaN must meet NaN (the sign / payload of a NaN is not specified)."""
     a_nan, e_nan = actual.float().isnan(), expected.float().isnan()
-    assert torch.equal(a_nan, e_nan), f"{name}: NaN positions differ: {a_nan.nonzero().tolist()} vs {e_nan.nonzero().tolist()}"
+    assert torch.equal(a_nan, e_nan), \
+        f"{name}: NaN positions differ: {a_nan.nonzero().tolist()} vs {e_nan.nonzero().tolist()}"
     if actual.element_size() == 1:  # fp8: compare the bytes
         actual, expected = actual.view(torch.uint8), expected.view(torch.uint8)
     a, e = actual.clone(), expected.clone()
@@ -751,7 +757,8 @@ def test_triton_nan_inf_policy(op, ue8m0):
         "per_block": lambda be: fp8.quant_per_block(x, (2, 16), ue8m0=ue8m0, backend=be),
         "rowwise": lambda be: fp8.quant_rowwise(x, backend=be),
         "tensorwise": lambda be: fp8.quant_tensorwise(x[1:], backend=be),
-        "per_group_colwise": lambda be: gemm.quant_per_group_colwise(x.t().contiguous(), torch.tensor([20, 32], dtype=torch.int32),
+        "per_group_colwise": lambda be: gemm.quant_per_group_colwise(x.t().contiguous(),
+                                                                     torch.tensor([20, 32], dtype=torch.int32),
                                                                      ue8m0=ue8m0, backend=be),
     }
     q_ref, sf_ref = calls[op]("torch")
@@ -793,7 +800,8 @@ def test_gpu_rounding_and_nan_policy(backend, op, rounding):
     assert_bitwise_equal(sf.cpu(), sf_cpu, f"{op} sf")
     assert_bitwise_equal(q.cpu(), q_cpu, f"{op} q")
     special = _special_groups(torch.float32)
-    calls = {"per_token_group": lambda t, be: fp8.quant_per_token_group(t, 32, ue8m0=True, rounding=rounding, backend=be),
+    calls = {"per_token_group": lambda t, be: fp8.quant_per_token_group(t, 32, ue8m0=True, rounding=rounding,
+                                                                        backend=be),
              "per_block": lambda t, be: fp8.quant_per_block(t, (2, 16), rounding=rounding, backend=be),
              "rowwise": lambda t, be: fp8.quant_rowwise(t, rounding=rounding, backend=be),
              "tensorwise": lambda t, be: fp8.quant_tensorwise(t, rounding=rounding, backend=be)}

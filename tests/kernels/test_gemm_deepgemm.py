@@ -166,7 +166,8 @@ def test_alignment_getter_setter_and_theoretical(alignment):
     assert G.get_mk_alignment_for_contiguous_layout() == 128 == G.get_m_alignment()
     assert G.get_theoretical_mk_alignment_for_contiguous_layout(arch_major=9) == 128
     assert G.get_theoretical_mk_alignment_for_contiguous_layout(arch_major=10) == 224
-    got = {m: G.get_theoretical_mk_alignment_for_contiguous_layout(m, arch_major=10) for m in [0, 1, 32, 33, 64, 150, 193, 4096]}
+    got = {m: G.get_theoretical_mk_alignment_for_contiguous_layout(m, arch_major=10)
+           for m in [0, 1, 32, 33, 64, 150, 193, 4096]}
     assert got == {0: 32, 1: 32, 32: 32, 33: 64, 64: 64, 150: 160, 193: 224, 4096: 224}
     G.set_mk_alignment_for_contiguous_layout(64)
     assert G.get_mk_alignment_for_contiguous_layout() == 64
@@ -191,7 +192,8 @@ def test_contiguous_layout_at_any_alignment(backend, align, alignment):
     b = quant_per_block(w)
     out = G.m_grouped_fp8_gemm_nt_contiguous(a, b, m_idx, backend=backend)
     assert bool((out[m_idx < 0] == 0).all()) and not out.isnan().any()
-    ref = R.grouped_gemm_nt_m_indices(R.dequant_token_group(*a).nan_to_num(0), R.dequant_block(*b), m_idx, torch.float32)
+    ref = R.grouped_gemm_nt_m_indices(R.dequant_token_group(*a).nan_to_num(0), R.dequant_block(*b), m_idx,
+                                      torch.float32)
     assert calc_diff(out, ref) < 1e-5
     # the setter makes it every helper's default
     G.set_mk_alignment_for_contiguous_layout(align)
@@ -254,7 +256,8 @@ def test_k_grouped_ks_compact_scales_and_c(backend):
     want = G.k_grouped_fp8_gemm_tn_contiguous(a, b, offs, backend=backend)
     ac = G.quant_per_group_colwise(dy, ks=ks, compact=True, backend=backend)
     bc = G.quant_per_group_colwise(x, ks=ks, compact=True, backend=backend)
-    assert ac[1].shape == (4, n) and torch.equal(ac[1], a[1][:4]) and torch.equal(ac[0].view(torch.uint8), a[0].view(torch.uint8))
+    assert ac[1].shape == (4, n) and torch.equal(ac[1], a[1][:4])
+    assert torch.equal(ac[0].view(torch.uint8), a[0].view(torch.uint8))
     assert_bitwise_equal(G.k_grouped_fp8_gemm_tn_contiguous(ac, bc, ks=ks, backend=backend), want, "ks + compact rows")
     ref = torch.stack([dy[s - c:s].double().t() @ x[s - c:s].double() for s, c in zip(offs.tolist(), ks)])
     assert calc_diff(want, ref) < 1e-3
@@ -313,7 +316,8 @@ def test_deep_gemm_on_sm100_needs_ue8m0_scales(monkeypatch):
     x, w = _randn(8, 256, seed=19), _randn(128, 256, seed=20)
     a, b = quant_per_token_group(x, 128), quant_per_block(w)
     d = torch.empty(8, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"SM100 .* UE8M0 scales \(powers of two\) only, but a scales holds 16 float32"):
+    with pytest.raises(ValueError,
+                       match=r"SM100 .* UE8M0 scales \(powers of two\) only, but a scales holds 16 float32"):
         DG.fp8_gemm_nt(a, b, d, None, (1, 128, 128))
     with pytest.raises(ValueError, match="ue8m0=True"):
         DG.m_grouped_fp8_gemm_nt_masked((a[0][None], a[1][None]), (b[0][None], b[1][None]),
@@ -541,7 +545,8 @@ def test_gpu_triton_deepgemm_arguments(alignment):
     ref = G.m_grouped_fp8_gemm_nt_contiguous(ap, wg, m_idx, backend="torch")
     assert calc_diff(G.m_grouped_fp8_gemm_nt_contiguous(ap, wg, m_idx, backend="triton"), ref) < 1e-5
     psum = G.counts_to_psum(counts).to(dev)
-    assert calc_diff(G.m_grouped_fp8_gemm_nt_contiguous(ap, wg, psum, use_psum_layout=True, backend="triton"), ref) < 1e-5
+    got = G.m_grouped_fp8_gemm_nt_contiguous(ap, wg, psum, use_psum_layout=True, backend="triton")
+    assert calc_diff(got, ref) < 1e-5
     masked_m = torch.tensor([0, 3, 40], dtype=torch.int32, device=dev)
     am = quant_per_token_group(_randn(3, 64, 512, seed=35).to(dev), 128)
     d = torch.full((3, 64, 256), NAN, dtype=torch.bfloat16, device=dev)

@@ -63,7 +63,8 @@ def _check_against_oracle(logp, ent, hidden, weight, targets, temperature, seed,
     wrt = [x for x in (hidden, weight) if x.requires_grad]
     wrt64 = [x for x in (h64, w64) if x.requires_grad]
     got = torch.autograd.grad((logp * g_lp).sum() + (0 if ent is None else (ent * g_ent).sum()), wrt)
-    want = torch.autograd.grad((ref_lp * g_lp.double()).sum() + (0 if ent is None else (ref_ent * g_ent.double()).sum()), wrt64)
+    want = torch.autograd.grad((ref_lp * g_lp.double()).sum()
+                               + (0 if ent is None else (ref_ent * g_ent.double()).sum()), wrt64)
     for a, e in zip(got, want):
         assert a.dtype == hidden.dtype
         assert max_rel_err(a, e) < tol

@@ -55,7 +55,8 @@ def test_mla_attention_matches_oracle(backend, hq, hkv, dqk, dv):
     q, k, v, dout, dlse = _inputs(lens, hq, hkv, dqk, dv, torch.float32, seed=dqk + dv)
     scale = dqk ** -0.5
     cu = _cu(lens)
-    got = _run(lambda a, b, c: mla_attention(a, b, c, cu_seqlens=cu, return_lse=True, backend=backend), q, k, v, dout, dlse)
+    got = _run(lambda a, b, c: mla_attention(a, b, c, cu_seqlens=cu, return_lse=True, backend=backend),
+               q, k, v, dout, dlse)
     want = _run(lambda a, b, c: oracle(a, b, c, lens, scale), q, k, v, dout, dlse)
     assert got[0].shape == (q.shape[0], hq, dv) and got[4].shape == v.shape
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):

@@ -82,7 +82,8 @@ def naive_route(logits, k, score_func, bias, n_groups, topk_groups, norm, scale)
             g = choice.view(n_groups, -1)
             gs = g.topk(min(2, g.shape[1]), dim=-1).values.sum(-1)
             keep = set(gs.topk(topk_groups).indices.tolist())
-            choice = torch.stack([g[i] if i in keep else torch.full_like(g[i], -1e30) for i in range(n_groups)]).view(-1)
+            choice = torch.stack([g[i] if i in keep else torch.full_like(g[i], -1e30)
+                                  for i in range(n_groups)]).view(-1)
         sel = choice.topk(k).indices
         w = scores[r][sel]
         if norm:
@@ -192,8 +193,8 @@ def test_invalid_arguments_raise():
     with pytest.raises(ValueError, match="must lie in"):
         permute(torch.randn(2, 4), torch.tensor([[0], [5]]), 4)
     with pytest.raises(ValueError, match="w2 must have shape"):
-        fused_experts(torch.randn(2, 4), torch.randn(3, 6, 4), torch.randn(3, 4, 2), torch.zeros(2, 1, dtype=torch.int32),
-                      torch.ones(2, 1))
+        fused_experts(torch.randn(2, 4), torch.randn(3, 6, 4), torch.randn(3, 4, 2),
+                      torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
 
 
 # ------------------------------------------------------------------------------ counts and layout
@@ -526,9 +527,11 @@ def test_layout_and_permute_bitwise_on_gpu(backend):
         ids = random_ids(t, k, e, gen).cuda()
         x = torch.randn(t, 72, device="cuda", dtype=torch.bfloat16)
         for block in (1, 16, 128):
-            for got, want in zip(moe_align(ids, e, block, backend=backend), moe_align(ids.cpu(), e, block, backend="torch")):
+            for got, want in zip(moe_align(ids, e, block, backend=backend),
+                                 moe_align(ids.cpu(), e, block, backend="torch")):
                 assert_bitwise_equal(got.cpu(), want)
-            for got, want in zip(permute(x, ids, e, block, backend=backend), permute(x.cpu(), ids.cpu(), e, block, backend="torch")):
+            for got, want in zip(permute(x, ids, e, block, backend=backend),
+                                 permute(x.cpu(), ids.cpu(), e, block, backend="torch")):
                 assert_bitwise_equal(got.detach().cpu(), want.detach())
 
 
@@ -541,7 +544,8 @@ def test_triton_kernels_bitwise_on_gpu():
     dh = torch.randn(300, 384, device="cuda", dtype=torch.bfloat16)
     assert_bitwise_equal(TR.swiglu(gu), R.swiglu(gu), "swiglu")
     assert_bitwise_equal(TR.swiglu_backward(gu, dh), R.swiglu_backward(gu, dh), "swiglu backward")
-    for got, want in zip(TR.swiglu_quant(gu, 128, torch.float8_e4m3fn, False), R.swiglu_quant(gu, 128, torch.float8_e4m3fn, False)):
+    for got, want in zip(TR.swiglu_quant(gu, 128, torch.float8_e4m3fn, False),
+                         R.swiglu_quant(gu, 128, torch.float8_e4m3fn, False)):
         assert_bitwise_equal(got, want)
     ids = random_ids(500, 8, 64, torch.Generator().manual_seed(4)).cuda()
     row_map = R.align(ids, 64, 1)[0].view(500, 8)

@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from primerl.models import CheckpointError, MoETransformer, MoETransformerConfig, UnsupportedCheckpointError
@@ -215,7 +214,8 @@ def test_missing_files(hf_checkpoint, tmp_path):
     json.dump(json.load(open(os.path.join(path, "config.json"))), open(empty / "config.json", "w"))
     with pytest.raises(CheckpointError, match="no safetensors"):
         MoETransformer.from_pretrained(empty)
-    json.dump({"weight_map": {"a": "model-00001-of-00002.safetensors"}}, open(empty / "model.safetensors.index.json", "w"))
+    (empty / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(CheckpointError, match="missing"):
         MoETransformer.from_pretrained(empty)
     with pytest.raises(FileNotFoundError):

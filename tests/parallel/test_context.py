@@ -215,7 +215,8 @@ def _worker(rank, world, init_file, err_dir):
                 for e in _ring_case(plan, ring_attention, lens, hq, hkv, d, causal, dtype, backend, seed=10 + i):
                     failures.append(f"{tag} ring: {e}")
                 if backend == "torch" and dtype == torch.float32:
-                    for e in _ring_case(plan, allgather_attention, lens, hq, hkv, d, causal, dtype, backend, seed=20 + i):
+                    for e in _ring_case(plan, allgather_attention, lens, hq, hkv, d, causal, dtype, backend,
+                                        seed=20 + i):
                         failures.append(f"{tag} allgather: {e}")
                     for e in _round_trip_case(plan, seed=30 + i):
                         failures.append(f"{tag}: {e}")
@@ -263,7 +264,8 @@ def test_ring_blocks_on_gpu_match_the_positions_kernel(backend):
         ref_out, ref_lse = (o, lse) if ref_out is None else merge_attn_states(ref_out, ref_lse, o, lse, backend="torch")
     for src in range(world):
         block = plan.ring_block(src, True)
-        pos = dict(cu_seqlens=plan.local_cu_seqlens, q_positions=plan.positions, k_positions=plans[src].key_positions_of(src))
+        pos = dict(cu_seqlens=plan.local_cu_seqlens, q_positions=plan.positions,
+                   k_positions=plans[src].key_positions_of(src))
         want = attention_forward(*f32[:3], backend="torch", **pos)
         want_g = attention_backward(f32[3], *f32[:3], ref_out, ref_lse, backend="torch", **pos)
         if block is None:

@@ -94,12 +94,14 @@ def compare(data, expert_w, ep_size, ep_rank, got, fp8_group_size=None, rtol=RTO
     ry, rdx, rdw = ref[ep_rank]
     want_recv = expected_recv(data, expert_w.shape[0], ep_size, ep_rank, fp8_group_size)
     if x_recv.shape != want_recv.shape or not torch.equal(x_recv, want_recv):
-        errors.append(f"x_recv differs from the expected grouped rows ({tuple(x_recv.shape)} vs {tuple(want_recv.shape)})")
+        errors.append(f"x_recv differs from the expected grouped rows "
+                      f"({tuple(x_recv.shape)} vs {tuple(want_recv.shape)})")
     start, end = local_expert_range(expert_w.shape[0], ep_size, ep_rank)
     want_counts = sum(torch.bincount(d[1].reshape(-1).long(), minlength=expert_w.shape[0]) for d in data)[start:end]
     if not torch.equal(counts.cpu(), want_counts):
         errors.append(f"local_counts {counts.tolist()} != {want_counts.tolist()}")
-    for name, a, b in [("y", y, ry), ("dx", dx, rdx), ("dtopk_weights", dw, rdw), ("dexpert_w", dew, ref_dew[start:end])]:
+    for name, a, b in [("y", y, ry), ("dx", dx, rdx), ("dtopk_weights", dw, rdw),
+                       ("dexpert_w", dew, ref_dew[start:end])]:
         if a.shape != b.shape:
             errors.append(f"{name} shape {tuple(a.shape)} != {tuple(b.shape)}")
         elif a.numel() and not (err := max_rel_err(a.float(), b.float())) <= rtol:

@@ -48,7 +48,7 @@ def test_inferred_sizes():
 def _expected_views(p: ParallelDims, rank: int) -> dict[str, list[int]]:
     """Independent statement of the layout: rank = (r*S + s)*C + c; ep = runs of ep positions of
     f = s*C + c; efsdp = same f mod ep."""
-    R, S, C = p.dp_replicate, p.dp_shard, p.cp
+    S, C = p.dp_shard, p.cp
     coords = {x: ((x // (S * C)), (x // C) % S, x % C) for x in range(p.world_size)}
     r, s, c = coords[rank]
     f = s * C + c

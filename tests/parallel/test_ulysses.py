@@ -11,12 +11,11 @@ import torch
 import torch.distributed as dist
 
 from _parallel_dist import spawn
-from primerl.kernels.attention import attention
 from primerl.kernels.sparse_attention import sparse_attention
 from primerl.parallel.context import LAYOUTS, ContextShardPlan
 from primerl.parallel.ulysses import (UlyssesAttention, head_to_seq, replicate_kv_heads, seq_to_head,
                                       ulysses_attention, ulysses_groups)
-from test_context import _cu, _err, _qkv, _ring_case
+from test_context import _cu, _err, _ring_case
 
 WORLD = 4
 # (name, lens, Hq, Hkv, D, causal, dtype)
@@ -62,7 +61,9 @@ def _sparse_case(plan, ctx, seed):
     g = torch.Generator().manual_seed(seed)
     lens = plan._lens
     T, H, Dk, Dv, K = sum(lens), 4, 12, 8, 3
-    q, kv, go = torch.randn(T, H, Dk, generator=g), torch.randn(T, 1, Dk, generator=g), torch.randn(T, H, Dv, generator=g)
+    q = torch.randn(T, H, Dk, generator=g)
+    kv = torch.randn(T, 1, Dk, generator=g)
+    go = torch.randn(T, H, Dv, generator=g)
     # random causal top-k rows (into the batch, -1 = none): each query picks among its visible keys
     idx = torch.full((T, K), -1, dtype=torch.int32)
     cu = _cu(lens).tolist()

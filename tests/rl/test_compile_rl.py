@@ -230,12 +230,13 @@ def test_float_mask_and_per_sequence_advantages():
     seq_adv = torch.randn(len(CU) - 1)
     per_token = seq_adv[seq_ids_from_cu_seqlens(cu, T)]
     for kw in (dict(), dict(method="gspo", cu_seqlens=cu), dict(method="dppo_tv", drop_zero_advantage=True)):
-        want = policy_loss(lp, ilp, per_token, mask, cu_seqlens=cu, **{k: v for k, v in kw.items() if k != "cu_seqlens"})
+        rest = {k: v for k, v in kw.items() if k != "cu_seqlens"}
+        want = policy_loss(lp, ilp, per_token, mask, cu_seqlens=cu, **rest)
         for m in (mask.float(), mask.int(), mask.to(torch.bfloat16)):
-            got = policy_loss(lp, ilp, seq_adv, m, cu_seqlens=cu, **{k: v for k, v in kw.items() if k != "cu_seqlens"})
+            got = policy_loss(lp, ilp, seq_adv, m, cu_seqlens=cu, **rest)
             assert_bitwise_equal(got[0], want[0], "loss")
-            assert_bitwise_equal(torch.autograd.grad(got[0], lp)[0], torch.autograd.grad(want[0], lp, retain_graph=True)[0],
-                                 "grad")
+            assert_bitwise_equal(torch.autograd.grad(got[0], lp)[0],
+                                 torch.autograd.grad(want[0], lp, retain_graph=True)[0], "grad")
             assert got[1].keys() == want[1].keys()
     with pytest.raises(ValueError, match=r"advantages must be a 1-D tensor \[T=14\] like logprobs or \[S=4\]"):
         policy_loss(lp, ilp, torch.zeros(3), mask, cu_seqlens=cu)
@@ -249,7 +250,8 @@ def test_argument_names_in_shape_errors():
     lp, ilp, adv, mask, cu = _loss_inputs(8)
     with pytest.raises(ValueError, match=r"policy_loss: logprobs must be a 1-D float tensor \[T\].*\(2, 7\)"):
         policy_loss(lp.detach().view(2, 7), ilp, adv, mask)
-    with pytest.raises(ValueError, match=r"policy_loss: inference_logprobs must be a 1-D tensor \[T=14\] like logprobs, got \(13,\)"):
+    with pytest.raises(ValueError, match=r"policy_loss: inference_logprobs must be a 1-D tensor \[T=14\] "
+                                         r"like logprobs, got \(13,\)"):
         policy_loss(lp, ilp[:-1], adv, mask)
 
 

@@ -94,7 +94,8 @@ def _sequences(seed, lengths=(6, 1, 9, 5, 7), zero_adv=(3,), weights=False, term
         a = (-1) ** (i // 2) * (0.5 + float(torch.rand(1, generator=g, dtype=F64)))  # both signs in every batch
         adv = torch.full((n,), 0.0 if i in zero_adv else a, dtype=F64)
         s = {"lp": p.log(), "ilp": p_inf.log(), "adv": adv, "mask": mask,
-             "ref": (0.05 + 0.9 * torch.rand(n, generator=g, dtype=F64)).log(), "rl_w": None, "ce_w": None, "ref_w": None}
+             "ref": (0.05 + 0.9 * torch.rand(n, generator=g, dtype=F64)).log(),
+             "rl_w": None, "ce_w": None, "ref_w": None}
         if weights:
             s["rl_w"] = torch.where(torch.rand(n, generator=g) < 0.2, 0.0, 0.5 + torch.rand(n, generator=g, dtype=F64))
         if terms:

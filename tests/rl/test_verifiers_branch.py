@@ -34,7 +34,8 @@ def test_branch_matching_the_servers_record_passes():
 
 @pytest.mark.parametrize("edit, needle", [
     (lambda ids, lps: (ids[:4] + [9] + ids[5:], lps), "not what the inference server sampled"),  # model token edited
-    (lambda ids, lps: (ids[:5] + [6, 6] + ids[7:], lps), "not what the inference server sampled"),  # env tokens differ from the prompt sent
+    # env tokens differ from the prompt sent
+    (lambda ids, lps: (ids[:5] + [6, 6] + ids[7:], lps), "not what the inference server sampled"),
     (lambda ids, lps: (ids, lps[:7] + [-1.0, -2.5]), "log-probs"),
 ])
 def test_a_branch_that_differs_from_what_was_sampled_is_refused(edit, needle):

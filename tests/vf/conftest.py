@@ -10,7 +10,8 @@ Run directly: ``.venv-vf/bin/python -m pytest tests/vf`` (with ``PYTHONPATH`` at
 
 import importlib.util
 
-HAVE_VERIFIERS = importlib.util.find_spec("verifiers") is not None and importlib.util.find_spec("verifiers.v1") is not None
+HAVE_VERIFIERS = (importlib.util.find_spec("verifiers") is not None
+                  and importlib.util.find_spec("verifiers.v1") is not None)
 
 
 def pytest_ignore_collect(collection_path, config):

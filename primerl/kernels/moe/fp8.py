@@ -43,7 +43,9 @@ def _wgrad(dy, x, ends, fp8: bool, out_dtype: torch.dtype):
 
     direct = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     if fp8:  # dy quantized here, x by the caller
-        dw = k_grouped_fp8_gemm_tn_contiguous(quant_per_group_colwise(dy, ends, layout="blocks"), x, ends, out_dtype=direct)
+        dw = k_grouped_fp8_gemm_tn_contiguous(
+            quant_per_group_colwise(dy, ends, layout="blocks"), x, ends, out_dtype=direct
+        )
     else:
         dw = k_grouped_gemm_tn(dy, x.to(dy.dtype), ends, out_dtype=direct)
     return dw.to(out_dtype)
@@ -117,8 +119,9 @@ class FP8GroupedExperts(torch.autograd.Function):
         dw2 = dw13 = None
         if ctx.needs_input_grad[2]:
             h = swiglu(gu)
-            dw2 = _wgrad(dy, quant_per_group_colwise(h, ends, layout="blocks") if ctx.fp8_wgrad else h, ends, ctx.fp8_wgrad, w2.dtype)
-            del h
+            h_w = quant_per_group_colwise(h, ends, layout="blocks") if ctx.fp8_wgrad else h
+            dw2 = _wgrad(dy, h_w, ends, ctx.fp8_wgrad, w2.dtype)
+            del h_w, h
         if ctx.needs_input_grad[1]:
             dw13 = _wgrad(dgu, x_saved, ends, ctx.fp8_wgrad, w13.dtype)
         return dx, dw13, dw2, None, None, None

@@ -77,7 +77,8 @@ def _block_bases_kernel(
 
 
 @triton.jit
-def _place_kernel(ids_ptr, block_base_ptr, row_of_slot_ptr, sorted_slots_ptr, n, E, EP: tl.constexpr, BLOCK: tl.constexpr):
+def _place_kernel(ids_ptr, block_base_ptr, row_of_slot_ptr, sorted_slots_ptr, n, E,
+                  EP: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     slots = pid * BLOCK + tl.arange(0, BLOCK)
     smask = slots < n
@@ -131,12 +132,14 @@ def align(topk_ids: torch.Tensor, num_experts: int, block: int):
     row_of_slot = torch.empty(n, dtype=torch.int32, device=dev)
     sorted_slots = torch.full((p,), n, dtype=torch.int32, device=dev)
     if nblk:
-        _place_kernel[(nblk,)](flat, block_base, row_of_slot, sorted_slots, n, num_experts, EP=_pow2(num_experts), BLOCK=_slots(num_experts))
+        _place_kernel[(nblk,)](flat, block_base, row_of_slot, sorted_slots, n, num_experts,
+                               EP=_pow2(num_experts), BLOCK=_slots(num_experts))
     nb = triton.cdiv(p, block)
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     if nb:
         bb = 128
-        _block_expert_kernel[(triton.cdiv(nb, bb),)](ends, block_expert, nb, num_experts, block, EP=_pow2(num_experts), BLOCK=bb)
+        _block_expert_kernel[(triton.cdiv(nb, bb),)](ends, block_expert, nb, num_experts, block,
+                                                     EP=_pow2(num_experts), BLOCK=bb)
     return row_of_slot, sorted_slots, block_expert, ends[-1:].clone(), ends
 
 
@@ -227,32 +230,32 @@ def _sigmoid(g):
 
 
 @triton.jit
-def _swiglu_kernel(gu_ptr, h_ptr, M, I, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
+def _swiglu_kernel(gu_ptr, h_ptr, M, INTER, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    m = (r[:, None] < M) & (c[None, :] < I)
-    base = r[:, None].to(tl.int64) * (2 * I) + c[None, :]
+    m = (r[:, None] < M) & (c[None, :] < INTER)
+    base = r[:, None].to(tl.int64) * (2 * INTER) + c[None, :]
     g = tl.load(gu_ptr + base, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + base + I, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + base + INTER, mask=m, other=0.0).to(tl.float32)
     h = g * _sigmoid(g) * u
-    tl.store(h_ptr + r[:, None].to(tl.int64) * I + c[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
+    tl.store(h_ptr + r[:, None].to(tl.int64) * INTER + c[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, M, I, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
+def _swiglu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, M, INTER, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    m = (r[:, None] < M) & (c[None, :] < I)
-    base = r[:, None].to(tl.int64) * (2 * I) + c[None, :]
+    m = (r[:, None] < M) & (c[None, :] < INTER)
+    base = r[:, None].to(tl.int64) * (2 * INTER) + c[None, :]
     g = tl.load(gu_ptr + base, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + base + I, mask=m, other=0.0).to(tl.float32)
-    d = tl.load(dh_ptr + r[:, None].to(tl.int64) * I + c[None, :], mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + base + INTER, mask=m, other=0.0).to(tl.float32)
+    d = tl.load(dh_ptr + r[:, None].to(tl.int64) * INTER + c[None, :], mask=m, other=0.0).to(tl.float32)
     sig = _sigmoid(g)
     silu = g * sig
     dg = d * u * sig * (1.0 + g * (1.0 - sig))
     du = d * silu
     tl.store(dgu_ptr + base, dg.to(dgu_ptr.dtype.element_ty), mask=m)
-    tl.store(dgu_ptr + base + I, du.to(dgu_ptr.dtype.element_ty), mask=m)
+    tl.store(dgu_ptr + base + INTER, du.to(dgu_ptr.dtype.element_ty), mask=m)
 
 
 def _swiglu_blocks(m: int, i: int) -> tuple[int, int]:
@@ -265,7 +268,9 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
     h = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
     if m and i:
         bm, bi = _swiglu_blocks(m, i)
-        _swiglu_kernel[(triton.cdiv(m, bm), triton.cdiv(i, bi))](gu.contiguous(), h, m, i, BLOCK_M=bm, BLOCK_I=bi, **_NO_FMA)
+        _swiglu_kernel[(triton.cdiv(m, bm), triton.cdiv(i, bi))](
+            gu.contiguous(), h, m, i, BLOCK_M=bm, BLOCK_I=bi, **_NO_FMA
+        )
     return h
 
 
@@ -282,23 +287,23 @@ def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _swiglu_quant_kernel(
-    gu_ptr, q_ptr, sf_ptr, M, I,
+    gu_ptr, q_ptr, sf_ptr, M, INTER,
     GROUP: tl.constexpr, FMAX: tl.constexpr, UE8M0: tl.constexpr, RECIPROCAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     grp = tl.program_id(1)
     c = grp * GROUP + tl.arange(0, GROUP)
-    m = (r[:, None] < M) & (c[None, :] < I)
-    base = r[:, None].to(tl.int64) * (2 * I) + c[None, :]
+    m = (r[:, None] < M) & (c[None, :] < INTER)
+    base = r[:, None].to(tl.int64) * (2 * INTER) + c[None, :]
     g = tl.load(gu_ptr + base, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + base + I, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + base + INTER, mask=m, other=0.0).to(tl.float32)
     h = g * _sigmoid(g) * u
     # the fp8 quantizer's helpers: NaN-propagating amax, clamped UE8M0, the chosen rounding
     sf = _scale_from_amax(tl.max(_abs_bits(h), axis=1), FMAX, UE8M0)
     q = _cast_scaled(h, sf[:, None], FMAX, q_ptr.dtype.element_ty, RECIPROCAL)
-    tl.store(q_ptr + r[:, None].to(tl.int64) * I + c[None, :], q, mask=m)
-    tl.store(sf_ptr + r.to(tl.int64) * (I // GROUP) + grp, sf, mask=r < M)
+    tl.store(q_ptr + r[:, None].to(tl.int64) * INTER + c[None, :], q, mask=m)
+    tl.store(sf_ptr + r.to(tl.int64) * (INTER // GROUP) + grp, sf, mask=r < M)
 
 
 def swiglu_quant(gu: torch.Tensor, group_size: int, dtype: torch.dtype, ue8m0: bool,

@@ -43,7 +43,8 @@ def _(topk_ids, num_experts):
 
 
 @torch.library.custom_op("primerl::moe_scatter_rows_triton", mutates_args=())
-def _scatter_rows(src: torch.Tensor, row_map: torch.Tensor, scale: Optional[torch.Tensor], num_rows: int) -> torch.Tensor:
+def _scatter_rows(src: torch.Tensor, row_map: torch.Tensor, scale: Optional[torch.Tensor],
+                  num_rows: int) -> torch.Tensor:
     return T.scatter_rows(src, row_map, scale, num_rows)
 
 

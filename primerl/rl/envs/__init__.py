@@ -25,8 +25,8 @@ BUILTIN = {
     "verifiers": VerifiersEnv,
 }
 
-__all__ = ["Environment", "Episode", "Prompt", "Turn", "call_env", "check_tokens", "has_token_weights", "load_environment",
-           "resolve_environment", "ReverseText", "ReverseTextFeedback", "BUILTIN"]
+__all__ = ["Environment", "Episode", "Prompt", "Turn", "call_env", "check_tokens", "has_token_weights",
+           "load_environment", "resolve_environment", "ReverseText", "ReverseTextFeedback", "BUILTIN"]
 
 
 def _resolve(env_id: str):

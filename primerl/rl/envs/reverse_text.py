@@ -77,8 +77,8 @@ class ReverseText(Environment):
 
 class ReverseTextFeedback(ReverseText):
     """Two-attempt reverse-text: after the first answer the environment marks each position
-    ``OK``/``WRONG`` (tokens ``NUM_SPECIAL + num_symbols`` and the next one, framed by ``SEP``), and the model answers again. A perfect first answer
-    ends the episode. Reward: the score of the last answer."""
+    ``OK``/``WRONG`` (tokens ``NUM_SPECIAL + num_symbols`` and the next one, framed by ``SEP``), and the
+    model answers again. A perfect first answer ends the episode. Reward: the score of the last answer."""
 
     max_turns = 2
 

@@ -113,8 +113,9 @@ def build_qwen3_tokenizer(path: str | Path, *, vocab_size: int = QWEN3_TINY_VOCA
         "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                                                             "additional_special_tokens": list(SPECIAL_TOKENS)}, indent=2))
+    special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+               "additional_special_tokens": list(SPECIAL_TOKENS)}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
     return str(out)
 
 
