@@ -116,13 +116,17 @@ class RouteTable:
 
         def finish(c) -> dict:
             if session_id and extra is None:  # a prefill leg is recorded by its decode leg
-                self.sessions.record(session_id, c.prompt, c.tokens, c.logprobs, c.policy_version,
-                                     c.policy_version_end)
+                self.record_session(session_id, c)
             out = generate_response(f"gen-{rid}", c, start)
             return out if extra is None else {**out, **extra(c)}
 
         fut, extra = self.pd.submit(body, rid, prompt, params)
         return Pending(fut, finish, rid)
+
+    def record_session(self, session_id: str, c) -> None:
+        """Record a finished generate request's ``Completion`` (prompt [P], tokens [T], log-probs [T],
+        policy versions) under ``session_id``."""
+        self.sessions.record(session_id, c.prompt, c.tokens, c.logprobs, c.policy_version, c.policy_version_end)
 
 
 __all__ = ["RouteTable"]
