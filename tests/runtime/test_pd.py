@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 import torch
 
-from primerl.runtime.inference.engine import InferenceEngine, Prefilled, Request, SamplingParams
+from primerl.runtime.inference.engine import InferenceEngine, Prefilled, Request
 from primerl.runtime.inference.pd import KVTransferError, decode_prefilled, encode_prefilled
 from primerl.runtime.inference.server import EngineServer
 from test_engine import _model, _requests
@@ -106,7 +106,8 @@ def test_bad_cache_shape_is_named():
 
 # ------------------------------------------------------------------------------------ over HTTP
 def _post(url, path, body, timeout=60):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -117,7 +118,8 @@ def _post(url, path, body, timeout=60):
 @pytest.fixture
 def pd_servers():
     model = _model(11)
-    srv = [EngineServer(InferenceEngine(model), http="stdlib", role=role).start() for role in ("prefill", "decode", "both")]
+    srv = [EngineServer(InferenceEngine(model), http="stdlib", role=role).start()
+           for role in ("prefill", "decode", "both")]
     yield srv
     for s in srv:
         s.stop()
@@ -143,26 +145,27 @@ def test_http_legs_match_colocated_and_bad_handoffs(pd_servers):
     assert pd["choices"][0]["token_ids"] == col["choices"][0]["token_ids"]
     assert pd["choices"][0]["logprobs"] == col["choices"][0]["logprobs"]
     assert pd["choices"][0]["routed_experts"] == col["choices"][0]["routed_experts"]
-    h = decode.health()[1]["pd"]
+    h = decode.routes.health()[1]["pd"]
     assert h["handoffs_received"] == 1 and h["handoff_bytes"] > 0
 
     # unknown transfer: the id was pulled already (one-shot)
-    code, out = _post(prefill.url, "/v1/completions", {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    prefill_only = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    code, out = _post(prefill.url, "/v1/completions", prefill_only)
     ktp = out["kv_transfer_params"]
     assert _post(decode.url, "/v1/completions", {**body, "kv_transfer_params": ktp})[0] == 200
     code, out = _post(decode.url, "/v1/completions", {**body, "kv_transfer_params": ktp})
     assert code == 500 and "KVTransferError" in out["error"] and "does not hold transfer" in out["error"]
     # a cache for another prompt length (the shape does not match the request)
-    code, out = _post(prefill.url, "/v1/completions", {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    code, out = _post(prefill.url, "/v1/completions", prefill_only)
     code, out = _post(decode.url, "/v1/completions", {**body, "prompt": body["prompt"][:-1],
                                                       "kv_transfer_params": out["kv_transfer_params"]})
     assert code == 500 and "KVTransferError" in out["error"] and "prompt has 6 tokens" in out["error"]
     # the prefill peer vanished
-    code, out = _post(prefill.url, "/v1/completions", {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    code, out = _post(prefill.url, "/v1/completions", prefill_only)
     prefill.stop()
     code, out = _post(decode.url, "/v1/completions", {**body, "kv_transfer_params": out["kv_transfer_params"]})
     assert code == 500 and "unreachable" in out["error"]
-    c = decode.health()[1]["pd"]
+    c = decode.routes.health()[1]["pd"]
     assert (c["unknown_transfer"], c["bad_cache"], c["peer_unreachable"]) == (1, 1, 1)
     # the decode server keeps serving, and a role refuses the other role's leg
     assert _post(decode.url, "/v1/completions", body)[0] == 200

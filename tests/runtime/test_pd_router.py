@@ -41,7 +41,8 @@ def _up(url, timeout=60):
 def pd(tmp_path):
     model = _model(12)
     # one model copy per engine: the servers step concurrently and a model records its last routing
-    servers = [EngineServer(InferenceEngine(copy.deepcopy(model)), role=r).start() for r in ("prefill", "decode", "both")]
+    servers = [EngineServer(InferenceEngine(copy.deepcopy(model)), role=r).start()
+               for r in ("prefill", "decode", "both")]
     port, mport = free_port(), free_port()
     log = open(tmp_path / "router.log", "wb")
     router = subprocess.Popen([str(ROUTER), "--vllm-pd-disaggregation", "--prefill", servers[0].url, "--decode",
@@ -77,11 +78,11 @@ def test_router_pd_equals_colocated_and_resamples_failed_handoffs(pd):
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=1e-5, atol=1e-6)
         assert g.routing.shape == (len(r.prompt) + len(g.tokens) - 1, 2, 2)
         assert torch.equal(g.routing, w.routing)  # prompt rows from the prefill server, the rest from decode
-    assert decode.health()[1]["pd"]["handoffs_received"] == len(reqs)
-    assert prefill.health()[1]["pd"]["handoffs_sent"] == len(reqs)
+    assert decode.routes.health()[1]["pd"]["handoffs_received"] == len(reqs)
+    assert prefill.routes.health()[1]["pd"]["handoffs_sent"] == len(reqs)
 
     # the prefill server loses one record: the decode server fails that hand-off, the client resamples
-    take, lost = prefill.pd.store.take, []
+    take, lost = prefill.pd.state.store.take, []
 
     def lose_first(tid):
         if not lost:
@@ -90,10 +91,10 @@ def test_router_pd_equals_colocated_and_resamples_failed_handoffs(pd):
             return None
         return take(tid)
 
-    prefill.pd.store.take = lose_first
+    prefill.pd.state.store.take = lose_first
     c = client.complete(reqs[0])
     assert c.tokens == want[0].tokens and client.counts["unknown_transfer"] == 1 and client.resampled == 1
-    prefill.pd.store.take = take
+    prefill.pd.state.store.take = take
 
     # the prefill server vanishes: the request fails clearly after the resamples (nothing hangs)
     prefill.stop()

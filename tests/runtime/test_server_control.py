@@ -68,9 +68,9 @@ def test_inflight_update_keeps_the_running_request_and_its_cache(slow_server, tm
     client.version = 0
     assert client.can_pause()
     calls = []
-    pause, resume = srv.start_pause, srv.start_resume
-    srv.start_pause = lambda: calls.append("pause") or pause()
-    srv.start_resume = lambda: calls.append("resume") or resume()
+    pause, resume = srv.weights.start_pause, srv.weights.start_resume
+    srv.weights.start_pause = lambda: calls.append("pause") or pause()
+    srv.weights.start_resume = lambda: calls.append("resume") or resume()
     tr = FileTransport(tmp_path)
     tr.publish_weights(1, _model(1).state_dict())
 
@@ -85,7 +85,8 @@ def test_inflight_update_keeps_the_running_request_and_its_cache(slow_server, tm
     assert sum(srv.fed) == len(REQ.prompt) + N - 1
     # the same request on policy 0 alone: identical up to the update, then the new policy's log-probs
     ref = InferenceEngine(_model(0)).generate([REQ])[0]
-    k = next(i for i, (a, b) in enumerate(zip(c.logprobs, ref.logprobs)) if abs(a - b) > 1e-5 or c.tokens[i] != ref.tokens[i])
+    k = next(i for i, (a, b) in enumerate(zip(c.logprobs, ref.logprobs))
+             if abs(a - b) > 1e-5 or c.tokens[i] != ref.tokens[i])
     assert 10 <= k < N - 1, k
     assert c.tokens[:k] == ref.tokens[:k]
     assert not srv.stats.read()["paused"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from primerl.runtime.validate import load_config
-from primerl.runtime.inference.server import EngineServer
+from primerl.runtime.inference.http_routes import RouteTable
 from primerl.runtime.transport import FileTransport
 from primerl.runtime.orchestrator.vf_orchestrator import VerifiersOrchestrator
 
@@ -32,7 +32,7 @@ class Recorder:
         self.batches: dict[int, dict] = {}  # step -> transport payload (rank 0)
         self.final: dict[int, list] = {}  # step -> the units (trainable traces) its samples came from
         rec = self
-        record, units, write, put, finalize = (EngineServer._record_session, VerifiersOrchestrator._units,
+        record, units, write, put, finalize = (RouteTable.record_session, VerifiersOrchestrator._units,
                                                VerifiersOrchestrator._write, FileTransport.put_batch,
                                                VerifiersOrchestrator._finalize)
 
@@ -64,7 +64,7 @@ class Recorder:
             return out
 
         monkeypatch.setattr(VerifiersOrchestrator, "_finalize", _finalize)
-        monkeypatch.setattr(EngineServer, "_record_session", _record)
+        monkeypatch.setattr(RouteTable, "record_session", _record)
         monkeypatch.setattr(VerifiersOrchestrator, "_units", _units)
         monkeypatch.setattr(VerifiersOrchestrator, "_write", _write)
         monkeypatch.setattr(FileTransport, "put_batch", _put)

@@ -3,7 +3,13 @@ and the trainer-to-engine weight transfer.
 
 Modules (imported lazily: the vLLM worker loads ``inference.vllm_worker`` alone):
   engine       InferenceEngine: continuous batching, KV cache, sampling, log-probs, router capture, FP8 experts
-  server       EngineServer / serve: the engine behind vLLM's HTTP API (``primerl inference``)
+  server       EngineServer / serve: the engine behind vLLM's HTTP API (``primerl inference``), made of
+    engine_thread  EngineThread: the one thread that runs the engine (submit, calls between steps, abort, pause)
+    http_routes    RouteTable: every route of the server -> (status, body) or a pending engine call
+    http_stdlib    the standard library's front end of EngineServer (http_aiohttp: the aiohttp one)
+    pd_leg         PDLeg: a request's prefill / decode leg and the KV pulls (the protocol is pd's)
+    weight_rpcs    WeightRPCs: /collective_rpc weight loads and version, /pause, /resume
+    sessions       SessionStore: what was sampled per X-Session-ID (EngineServer and generate_proxy)
   vllm_client  VLLMClient: requests to a vLLM server, routed experts, weight-update RPCs
   vllm_launch  the ``vllm serve`` command line a config maps to; VLLMLauncher for ``inference.vllm.launch``
   vllm_worker  WeightUpdateExtension: runs inside vLLM's workers, receives and loads weights
@@ -12,7 +18,8 @@ Modules (imported lazily: the vLLM worker loads ``inference.vllm_worker`` alone)
   generate_api  POST /inference/v1/generate and GET /v1/models: vLLM's token-in / token-out contract
   http_aiohttp  the aiohttp front end of EngineServer (optional extra ``primerl[serve]``)
   server_metrics  ServerStats: the server's /health and /metrics (Prometheus text, prometheus-client)
-  aiohttp_thread  AiohttpThread: an aiohttp server with one catch-all route on its own thread (used by http_aiohttp and generate_proxy)
+  aiohttp_thread  AiohttpThread: an aiohttp server with one catch-all route on its own thread
+                  (used by http_aiohttp and generate_proxy)
   generate_proxy  GenerateProxy: a recording pass-through in front of vLLM's generate route (verifiers path)
 
 The main classes are re-exported here (``from primerl.runtime.inference import InferenceEngine``).

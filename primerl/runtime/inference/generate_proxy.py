@@ -5,10 +5,11 @@ verifiers' train client drops response fields it does not know, and vLLM records
 rollout, so the orchestrator points the client at this proxy instead: every request goes to the
 upstream server unchanged (bytes in, bytes out; ``/v1/models`` and any other route too), and each
 ``POST /inference/v1/generate`` with an ``X-Session-ID`` is recorded like the embedded server's
-(``server.SessionRecord``: the prompt ids sent, the completion ids and log-probs returned, and the
-policy versions ``version()`` reported when the request started and when it returned — the
-version the orchestrator has loaded into the server, as the vLLM client stamps its completions).
-Same ``pop_session`` / ``url`` / ``start`` / ``stop`` as ``server.EngineServer``.
+in the same ``sessions.SessionStore`` as the embedded server's (the prompt ids sent, the completion
+ids and log-probs returned, and the policy versions ``version()`` reported when the request started
+and when it returned — the version the orchestrator has loaded into the server, as the vLLM client
+stamps its completions). Same ``sessions`` / ``pop_session`` / ``url`` / ``start`` / ``stop`` as
+``server.EngineServer``.
 
 One translation: vLLM 0.32's route (``--enable-scale-out``; ``output_mode = "tokens"``, the only
 mode without a server-side tokenizer) writes each log-prob entry as ``{"token_id": N, "logprob":
@@ -18,16 +19,14 @@ mode's form); the proxy rewrites the former into the latter, nothing else.
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
-import threading
 from typing import Callable
 
 from aiohttp import ClientSession, ClientTimeout, web
 
 from .aiohttp_thread import AiohttpThread
-from .server import MAX_SESSIONS, SESSION_HEADER, SessionRecord
+from .sessions import SESSION_HEADER, SessionRecord, SessionStore
 
 log = logging.getLogger("primerl.inference")
 
@@ -46,8 +45,7 @@ class GenerateProxy:
                                    on_start=self._open_client, on_stop=self._close_client)
         self.host, self.port = self._http.host, self._http.port
         self.url = f"http://{self.host}:{self.port}"
-        self._sessions: collections.OrderedDict[str, SessionRecord] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self.sessions = SessionStore()
         self._client: ClientSession | None = None
 
     # ---------------------------------------------------------------- recording
@@ -65,22 +63,15 @@ class GenerateProxy:
         return json.dumps(out, separators=(",", ":")).encode() if changed else body
 
     def _record(self, session_id: str, prompt: list[int], body: bytes, first: int, last: int) -> None:
-        out = json.loads(body)
-        choice = out["choices"][0]
+        """Record one upstream generate response ``body`` for ``prompt`` (policy versions ``first`` .. ``last``)."""
+        choice = json.loads(body)["choices"][0]
         tokens = [int(t) for t in choice["token_ids"]]
         lps = [float(e["logprob"]) for e in choice["logprobs"]["content"]]
-        with self._lock:
-            rec = self._sessions.pop(session_id, None) or SessionRecord()
-            rec.first = first if rec.first is None else min(rec.first, first)
-            rec.last = last if rec.last is None else max(rec.last, last)
-            rec.requests.append((prompt, tokens, lps))
-            self._sessions[session_id] = rec
-            while len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+        self.sessions.record(session_id, prompt, tokens, lps, first, last)
 
     def pop_session(self, session_id: str) -> SessionRecord | None:
-        with self._lock:
-            return self._sessions.pop(session_id, None)
+        """The session's record (and forget it), or None if it made no recorded request."""
+        return self.sessions.pop(session_id)
 
     # ---------------------------------------------------------------- HTTP
     async def _handle(self, request: web.Request) -> web.StreamResponse:

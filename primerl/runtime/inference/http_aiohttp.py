@@ -55,7 +55,8 @@ class AiohttpFrontend:
             status, obj = 500, {"error": repr(e)}
         if isinstance(obj, TextBody):
             return web.Response(status=status, body=obj.data, headers={"Content-Type": obj.content_type})
-        return web.Response(status=status, body=json.dumps(obj, separators=(",", ":")).encode(), content_type="application/json")
+        return web.Response(status=status, body=json.dumps(obj, separators=(",", ":")).encode(),
+                            content_type="application/json")
 
     def start(self) -> threading.Thread:
         return self._http.start()
