@@ -1,11 +1,12 @@
 """Typed configuration of an RL job: dataclasses loaded from TOML plus ``--key.sub value`` overrides.
 
 Every section is a dataclass; unknown keys (in the file or on the command line) raise
-``ConfigError`` naming the full dotted key, and ``validate`` checks ranges, names and the trainer
-layout before any work. This package imports nothing from the runtime (placement, policy, launch
-import it): the job's full check, which adds the node plan, the policy's random init, the job's
-combinations and the device placement, is ``primerl.runtime.validate`` (its ``load_config`` is
-what ``primerl rl`` and the tests call).
+``ConfigError`` naming the full dotted key, and ``validate`` runs every section's own checks, the
+names and the trainer layout. This package imports nothing from the runtime (placement, policy,
+launch import it; it may import ``primerl.models``, a lower layer): the job's full check, which adds
+the checks between sections, the node plan, the policy's random init, this machine and the device
+placement, is ``primerl.runtime.validate`` (its ``load_config`` is what ``primerl rl`` and the
+tests call).
 
 >>> cfg = load_config("examples/reverse_text.toml", ["--trainer.lr", "1e-3"], check=False)
 >>> print(to_toml(cfg))   # the resolved config, what ``primerl rl --dry-run`` prints
