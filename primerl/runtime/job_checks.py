@@ -1,6 +1,8 @@
-"""Checks of the combinations that ``primerl rl`` can only run one way, made by ``validate.validate``
-so that ``--dry-run`` refuses them with one line naming the key before any process starts or
-anything is written (each of them used to fail only after both processes had started).
+"""The config's checks against this machine, made by ``validate.validate`` so that ``--dry-run``
+refuses them with one line naming the key before any process starts or anything is written:
+packages that ``log.*`` and ``env.id`` need, and ``output_dir``. (The checks between sections that
+lived here are ``validate.check_between_sections``, ``validate.check_warm_start_tasks`` and, for
+the loss, ``config/trainer.py``.)
 
 Nothing here writes: ``output_dir`` is checked by looking at it (the launcher's own guard for
 what only an attempt reveals is ``output_dir.OutputDirUnusable``, also a one-line error)."""
@@ -11,7 +13,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["validate_job", "check_output_dir"]
+__all__ = ["check_packages", "check_output_dir"]
 
 
 def _error(key: str, msg: str, value):
@@ -20,20 +22,8 @@ def _error(key: str, msg: str, value):
     return ConfigError(f"{key}: {msg}, got {value!r}")
 
 
-def validate_job(cfg) -> None:
-    loss, t, i = cfg.trainer.loss, cfg.trainer, cfg.inference
-    if "tis" in loss.corrections:
-        raise _error("trainer.loss.corrections", "'tis' needs the trainer's pre-update log-probs (old_logprobs), "
-                     "which the job does not compute (the method's own ratio pi_theta/pi_inference already is the "
-                     "importance weight): bound it with 'mis' or 'icepop' instead", loss.corrections)
-    if loss.aggregation == "token_sum_norm":
-        c = loss.hparams.get("norm_constant")
-        if not (isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c < float("inf")):
-            raise _error("trainer.loss.hparams.norm_constant", "aggregation 'token_sum_norm' divides the token sum "
-                         "by it: set a number > 0 (e.g. --trainer.loss.hparams.norm_constant 4096)", c)
-    if t.router_replay and not i.capture_routing:
-        raise _error("trainer.router_replay", "replay needs the sampler's routing: with inference.capture_routing = "
-                     "false set trainer.router_replay = false too (or capture routing)", t.router_replay)
+def check_packages(cfg) -> None:
+    """``log.tensorboard`` / ``log.wandb`` and ``env.id = "verifiers"`` need their packages installed here."""
     for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if getattr(cfg.log, key) and not _installed(package):
             raise _error(f"log.{key}", f"needs the {package} package (pip install {package})", True)
@@ -43,9 +33,6 @@ def validate_job(cfg) -> None:
             raise _error("env.id", f"the verifiers environment needs verifiers 0.4.0 and renderers "
                          f"({', '.join(missing)} not installed: pip install 'primerl[verifiers]'; README: verifiers)",
                          cfg.env.id)
-    if cfg.warm_start.steps:
-        _check_demonstrations(cfg)
-    check_output_dir(cfg.output_dir)
 
 
 def _installed(module: str) -> bool:
@@ -53,21 +40,6 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ImportError:  # a submodule's parent is missing
         return False
-
-
-def _check_demonstrations(cfg) -> None:
-    from primerl.rl.envs import load_environment
-
-    from .config import ConfigError
-
-    try:  # built here only with a warm start: its tasks are what it trains on
-        env = load_environment(cfg.env.id, **cfg.env.args)
-        tasks = getattr(env, "tasks", None)
-    except (ValueError, TypeError, ImportError) as e:
-        raise ConfigError(f"env.id / env.args (for warm_start.steps): {e}") from None
-    if not tasks or not callable(getattr(tasks[0], "demonstration", None)):
-        raise _error("warm_start.steps", f"the warm start trains on the environment's task demonstrations and "
-                     f"{cfg.env.id!r} has none (Task.demonstration()); set warm_start.steps = 0", cfg.warm_start.steps)
 
 
 def check_output_dir(output_dir: str) -> None:

@@ -24,11 +24,7 @@ def model_config(cfg: RLConfig, vocab_size: int) -> MoETransformerConfig:
     if vocab < vocab_size:
         raise ConfigError(f"model.vocab_size: must be >= the environment's vocab_size {vocab_size}, got {vocab}")
     try:
-        return MoETransformerConfig(family=m.family, vocab_size=vocab, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
-                                    n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, moe_dim=m.moe_dim,
-                                    num_experts=m.num_experts, top_k=m.top_k,
-                                    max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
-                                    dtype=m.dtype, **m.extra)
+        return MoETransformerConfig(vocab_size=vocab, **m.model_kwargs(), **m.extra)
     except TypeError as e:
         raise ConfigError(f"model.extra: {e}") from None
     except ValueError as e:

@@ -1,13 +1,40 @@
-"""``trainer.parallel`` against ``num_trainer_ranks``, the model and the loss; the mesh as
-``--dry-run`` prints it."""
+"""``[trainer.parallel]``: the trainer's layout (``ParallelConfig``), its checks against
+``num_trainer_ranks``, the model's heads and dims and the loss (``validate_parallel``: a layout is
+only right for a world size and a model, so this one check of the trainer reads those too), and
+the mesh as ``--dry-run`` prints it."""
 
 from __future__ import annotations
 
-from .schema import ConfigError, LossConfig, ParallelConfig, RLConfig, _need
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import ConfigError, _need
+
+if TYPE_CHECKING:
+    from .schema import RLConfig
+    from .trainer import LossConfig
 
 
 FP8_RECIPES = ("blockwise", "blockwise_fp8_wgrad", "rowwise")
 _FP8_BLOCK = 128
+
+
+@dataclass
+class ParallelConfig:
+    """The trainer's layout over ``num_trainer_ranks`` (``primerl.parallel.ParallelDims``):
+    ``dp_replicate * dp_shard * cp`` ranks; ``ep`` borrows from ``dp_shard * cp``."""
+
+    dp_replicate: int = 1  # HSDP replicas (gradients all-reduced between them)
+    dp_shard: int = -1  # FSDP shards; -1: the ranks that dp_replicate and cp leave
+    cp: int = 1  # context parallel: each packed micro-batch split over cp ranks (ring attention)
+    ep: int = 1  # expert parallel: experts split over ep ranks (token all-to-all)
+    activation_checkpointing: str = "none"  # "none", "full" (every block) or "selective" (every 2nd block)
+    fp8: str = "off"  # "off", "blockwise", "blockwise_fp8_wgrad" or "rowwise" (primerl.kernels.fp8_training recipes)
+    cp_layout: str = "zigzag"  # "zigzag" (causal load balance) or "contiguous"
+    cp_kind: str = "ring"  # "ring", "ulysses" (head all-to-all) or "ulysses_ring" (2-D: cp = cp_ulysses x ring)
+    cp_ulysses: int = 0  # Ulysses degree; 0: cp for "ulysses", 1 for "ring"; required for "ulysses_ring"
+    activation_offload: bool = False  # checkpointed blocks' saved activations kept in host memory
+    cpu_offload: bool = False  # parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)
 
 
 def parallel_dims(cfg: RLConfig):
@@ -91,7 +118,8 @@ def validate_cp_split(cfg: RLConfig, cp: int) -> None:
     heads, kv_heads = _attention_heads(cfg)
     _need(heads % u == 0, "trainer.parallel.cp_ulysses" if p.cp_ulysses else "trainer.parallel.cp",
           f"Ulysses degree {u} must divide the model's {heads} attention heads", p.cp_ulysses or cp)
-    _need(kv_heads % u == 0 or u % kv_heads == 0, "trainer.parallel.cp_ulysses" if p.cp_ulysses else "trainer.parallel.cp",
+    _need(kv_heads % u == 0 or u % kv_heads == 0,
+          "trainer.parallel.cp_ulysses" if p.cp_ulysses else "trainer.parallel.cp",
           f"Ulysses degree {u} and the model's {kv_heads} KV heads: one must divide the other (fewer KV heads "
           "are replicated)", p.cp_ulysses or cp)
 

@@ -63,14 +63,14 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_exports
 
 _EXPORTS = {**{name: "deployment" for name in (
-    "DEFAULT_RDZV_PORT", "Node", "NodePlan", "check_rendezvous_port", "config_hash", "describe_nodes", "node_plan",
-    "validate_deployment")}, **{name: "node" for name in ("NodeError", "node_main", "trainer_command")}}
+    "DEFAULT_RDZV_PORT", "Node", "NodePlan", "check_rendezvous_port", "config_hash", "describe_nodes", "node_plan")},
+    **{name: "node" for name in ("NodeError", "node_main", "trainer_command")}}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .deployment import (DEFAULT_RDZV_PORT, Node, NodePlan, check_rendezvous_port, config_hash,  # noqa: F401
-                             describe_nodes, node_plan, validate_deployment)
+                             describe_nodes, node_plan)
     from .node import NodeError, node_main, trainer_command  # noqa: F401
 
 

@@ -8,9 +8,11 @@ torch.distributed group through torchrun's c10d rendezvous at ``rdzv_endpoint``;
 the nodes itself, in the order of their addresses (``--node-rank`` is ignored with c10d), which
 is the order of the plan when hosts are listed in address order.
 
-Every impossible plan is a ``ConfigError`` naming the key (``validate_deployment``, called by
-``validate.validate``); :func:`check_rendezvous_port` adds the one check that needs this machine
-(the rendezvous port in use here), run by ``primerl rl`` before anything starts.
+Every impossible plan is a ``ConfigError`` naming the key, raised by ``validate.validate``
+(``[deployment]``'s own checks are ``config.deployment.check_deployment``, those against the
+trainer, the device and ``[inference]`` are in ``validate``); :func:`check_rendezvous_port` adds
+the one check that needs this machine (the rendezvous port in use here), run by ``primerl rl``
+before anything starts.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import socket
 from dataclasses import dataclass
 
 from ..config import ConfigError, RLConfig, trainer_ranks_per_node
+from ..config.deployment import split_endpoint
 
-__all__ = ["Node", "NodePlan", "node_plan", "validate_deployment", "describe_nodes", "check_rendezvous_port",
+__all__ = ["Node", "NodePlan", "node_plan", "describe_nodes", "check_rendezvous_port",
            "split_endpoint", "is_loopback", "config_hash", "inference_server", "DEFAULT_RDZV_PORT", "KINDS", "ROLES"]
 
 KINDS = ("local", "nodes", "slurm")
@@ -61,13 +64,6 @@ class NodePlan:
         return [n for n in self.nodes if role in n.roles]
 
 
-def split_endpoint(endpoint: str, key: str = "deployment.rdzv_endpoint") -> tuple[str, int]:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{key}: must be 'host:port' with a TCP port, got {endpoint!r}")
-    return host, int(port)
-
-
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8 (every address there reaches this machine on Linux) or ``localhost``."""
     if host == "localhost":
@@ -81,76 +77,6 @@ def is_loopback(host: str) -> bool:
 def _num_nodes(cfg: RLConfig) -> int:
     d = cfg.deployment
     return d.trainer_nodes + d.inference_nodes + (d.orchestrator == "own")
-
-
-def _need(cond: bool, key: str, msg: str, value) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: {msg}, got {value!r}")
-
-
-def validate_deployment(cfg: RLConfig) -> None:
-    """``[deployment]`` against ``num_trainer_ranks``, the device and the inference backend."""
-    d = cfg.deployment
-    _need(d.kind in KINDS, "deployment.kind", f"must be one of {KINDS}", d.kind)
-    _need(d.trainer_nodes >= 1, "deployment.trainer_nodes", "must be >= 1", d.trainer_nodes)
-    _need(d.inference_nodes >= 0, "deployment.inference_nodes", "must be >= 0", d.inference_nodes)
-    _need(d.orchestrator in ("trainer", "own"), "deployment.orchestrator", "must be 'trainer' or 'own'", d.orchestrator)
-    _need(d.ranks_per_node >= 0, "deployment.ranks_per_node", "must be >= 0 (0: num_trainer_ranks / trainer_nodes)",
-          d.ranks_per_node)
-    _need(d.gpus_per_node >= 0, "deployment.gpus_per_node", "must be >= 0 (0: CPU nodes)", d.gpus_per_node)
-    _need(d.rdzv_timeout_s > 0, "deployment.rdzv_timeout_s", "must be > 0", d.rdzv_timeout_s)
-    _need(d.grace_s >= 0, "deployment.grace_s", "must be >= 0", d.grace_s)
-    _need(all(isinstance(h, str) and h for h in d.hosts), "deployment.hosts", "must be host names or addresses", d.hosts)
-    _need(all(isinstance(a, str) for a in d.sbatch_args), "deployment.sbatch_args", "must be strings", d.sbatch_args)
-    if d.rdzv_endpoint:
-        split_endpoint(d.rdzv_endpoint)
-    if d.kind == "local":
-        _need(d.trainer_nodes == 1 and d.inference_nodes == 0 and d.orchestrator == "trainer", "deployment.kind",
-              "'local' runs every process on this machine; several nodes need kind = 'nodes' or 'slurm'",
-              {"trainer_nodes": d.trainer_nodes, "inference_nodes": d.inference_nodes, "orchestrator": d.orchestrator})
-        _need(not d.hosts, "deployment.hosts", "is for kind = 'nodes' (kind is 'local')", d.hosts)
-        return
-    ranks = cfg.num_trainer_ranks
-    if d.ranks_per_node:
-        _need(d.ranks_per_node * d.trainer_nodes == ranks, "deployment.ranks_per_node",
-              f"times deployment.trainer_nodes = {d.trainer_nodes} must equal num_trainer_ranks = {ranks}",
-              d.ranks_per_node)
-    else:
-        _need(ranks % d.trainer_nodes == 0, "deployment.trainer_nodes",
-              f"must divide num_trainer_ranks = {ranks} (each trainer node runs the same number of ranks)",
-              d.trainer_nodes)
-    per_node = trainer_ranks_per_node(cfg)
-    if cfg.device == "cpu":
-        _need(d.gpus_per_node == 0, "deployment.gpus_per_node", "must be 0 with device = 'cpu'", d.gpus_per_node)
-    elif cfg.device == "cuda":
-        _need(d.gpus_per_node >= 1, "deployment.gpus_per_node", "must be set (>= 1) with device = 'cuda'",
-              d.gpus_per_node)
-    if d.gpus_per_node:
-        # the embedded engine beside the trainer takes a GPU of trainer node 0 (placement: engine first)
-        engine = int(d.orchestrator == "trainer" and cfg.inference.backend == "embedded" and d.gpus_per_node > 1)
-        _need(per_node + engine <= d.gpus_per_node, "deployment.ranks_per_node",
-              f"{per_node} trainer ranks per node{' plus the engine' if engine else ''} need "
-              f"{per_node + engine} GPUs; deployment.gpus_per_node = {d.gpus_per_node}", per_node)
-    _need(d.orchestrator != "own" or cfg.inference.backend != "embedded" or cfg.inference.weight_update != "filesystem",
-          "inference.weight_update", "'filesystem' needs output_dir shared by the trainer and the orchestrator, which "
-          "runs on a node of its own (deployment.orchestrator = 'own'): use 'broadcast' or 'auto'",
-          cfg.inference.weight_update)
-    _need(d.inference_nodes == 0 or cfg.inference.backend == "vllm", "deployment.inference_nodes",
-          "inference nodes run vLLM servers (inference.backend = 'vllm'); the embedded engine lives in the "
-          "orchestrator", d.inference_nodes)
-    _need(d.inference_nodes == 0 or cfg.inference.vllm.weight_update == "broadcast", "inference.vllm.weight_update",
-          "'filesystem' has the inference nodes' servers load the trainer's files from output_dir, which the nodes do "
-          "not share: use 'broadcast' (trainer rank 0 to the servers' workers, inference.vllm.broadcast_host = its node)",
-          cfg.inference.vllm.weight_update)
-    if d.kind == "nodes":
-        n = _num_nodes(cfg)
-        _need(len(d.hosts) == n, "deployment.hosts",
-              f"must list {n} hosts ({d.trainer_nodes} trainer + {d.inference_nodes} inference"
-              f"{' + 1 orchestrator' if d.orchestrator == 'own' else ''}, in that order)", d.hosts)
-        _need(len(set(d.hosts)) == len(d.hosts), "deployment.hosts", "must be distinct", d.hosts)
-    else:
-        _need(not d.hosts, "deployment.hosts", "comes from SLURM_JOB_NODELIST under kind = 'slurm'; leave it empty",
-              d.hosts)
 
 
 def node_plan(cfg: RLConfig, hosts: list[str] | None = None) -> NodePlan:
@@ -214,9 +140,9 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
         from ..zmq_transport import batch_transport
 
         via = batch_transport(cfg)
-        lines.append(f"# rollout batches: {via}" + (f" (each trainer rank pulls its micro-batches from the orchestrator "
-                                                     f"on port {cfg.orchestrator.zmq_port})" if via == "zmq" else
-                                                     " (output_dir must be shared by the orchestrator's and trainer nodes)"))
+        lines.append(f"# rollout batches: {via}" + (
+            f" (each trainer rank pulls its micro-batches from the orchestrator on port {cfg.orchestrator.zmq_port})"
+            if via == "zmq" else " (output_dir must be shared by the orchestrator's and trainer nodes)"))
     return "\n".join(lines) + "\n"
 
 
@@ -240,7 +166,8 @@ def check_rendezvous_port(cfg: RLConfig) -> None:
     if not (is_loopback(host) or host in (socket.gethostname(), socket.getfqdn())):
         return
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: a closed job's TIME_WAIT is no conflict
+    # as the store does: a closed job's TIME_WAIT is no conflict
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind(("127.0.0.1" if host == "localhost" else host, plan.rdzv_port))
     except OSError as e:

@@ -1,0 +1,55 @@
+"""``[deployment]``: where the job's processes run (``DeploymentConfig``) and the section's own
+checks. The node plan built from it is ``primerl.runtime.launch.deployment``; its checks against
+``num_trainer_ranks``, the device and ``[inference]`` are in ``primerl.runtime.validate``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ConfigError, _need
+
+
+@dataclass
+class DeploymentConfig:
+    """Where the job's processes run (``primerl.runtime.launch``): one machine (``"local"``, the
+    default), nodes started by hand or any scheduler with ``primerl node`` (``"nodes"``), or a SLURM
+    batch job (``"slurm"``). Trainer nodes run torchrun with c10d rendezvous at ``rdzv_endpoint``."""
+
+    kind: str = "local"  # "local", "nodes" or "slurm"
+    trainer_nodes: int = 1  # nodes running trainer ranks (torchrun --nnodes)
+    inference_nodes: int = 0  # nodes running inference servers (vLLM); 0: the engine is in the orchestrator
+    orchestrator: str = "trainer"  # "trainer": beside the trainer on trainer node 0; "own": a node of its own
+    ranks_per_node: int = 0  # trainer ranks per trainer node; 0: num_trainer_ranks / trainer_nodes
+    gpus_per_node: int = 0  # GPUs of each node; 0: CPU nodes (trainer ranks are processes)
+    hosts: list = field(default_factory=list)  # "nodes": trainer hosts, then inference, then the orchestrator's own
+    rdzv_endpoint: str = ""  # "host:port" of the c10d rendezvous; "": the first trainer host, port 29400
+    rdzv_timeout_s: float = 60.0  # a node that cannot join the rendezvous fails after this
+    grace_s: float = 30.0  # when one node fails, the others get this long to stop (checkpoints finish)
+    sbatch_template: str = ""  # a Jinja2 sbatch template; "": primerl/runtime/launch/templates/sbatch.sh.j2
+    sbatch_args: list = field(default_factory=list)  # extra #SBATCH options, e.g. ["--partition=gpu", "--time=4:00:00"]
+
+
+
+def split_endpoint(endpoint: str, key: str = "deployment.rdzv_endpoint") -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; ConfigError naming ``key`` unless the port is a TCP port."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{key}: must be 'host:port' with a TCP port, got {endpoint!r}")
+    return host, int(port)
+
+
+def check_deployment(d: DeploymentConfig) -> None:
+    """``[deployment]`` on its own (``deployment.kind``'s own rules: ``validate._backend_and_kind_checks``)."""
+    _need(d.trainer_nodes >= 1, "deployment.trainer_nodes", "must be >= 1", d.trainer_nodes)
+    _need(d.inference_nodes >= 0, "deployment.inference_nodes", "must be >= 0", d.inference_nodes)
+    _need(d.orchestrator in ("trainer", "own"), "deployment.orchestrator", "must be 'trainer' or 'own'", d.orchestrator)
+    _need(d.ranks_per_node >= 0, "deployment.ranks_per_node", "must be >= 0 (0: num_trainer_ranks / trainer_nodes)",
+          d.ranks_per_node)
+    _need(d.gpus_per_node >= 0, "deployment.gpus_per_node", "must be >= 0 (0: CPU nodes)", d.gpus_per_node)
+    _need(d.rdzv_timeout_s > 0, "deployment.rdzv_timeout_s", "must be > 0", d.rdzv_timeout_s)
+    _need(d.grace_s >= 0, "deployment.grace_s", "must be >= 0", d.grace_s)
+    _need(all(isinstance(h, str) and h for h in d.hosts), "deployment.hosts", "must be host names or addresses",
+          d.hosts)
+    _need(all(isinstance(a, str) for a in d.sbatch_args), "deployment.sbatch_args", "must be strings", d.sbatch_args)
+    if d.rdzv_endpoint:
+        split_endpoint(d.rdzv_endpoint)
