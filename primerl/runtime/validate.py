@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import config
 from .config import RLConfig
+from .inference.backend import check_backend
 from .job_checks import validate_job
 from .launch.deployment import validate_deployment
 from .placement import resolve_placement
@@ -24,6 +25,7 @@ __all__ = ["load_config", "validate"]
 
 def validate(cfg: RLConfig) -> None:
     """Every check of ``cfg`` before the job starts; raises ``ConfigError`` naming the key."""
+    check_backend(cfg)  # inference.backend registered; its capabilities cover the config; its own checks
     config.validate_fields(cfg)
     validate_deployment(cfg)  # the node plan: ranks per node, hosts, rendezvous address
     config.validate_names(cfg)

@@ -33,6 +33,9 @@ class FakeClient:
     def servers_healthy(self):
         return 1
 
+    def metrics(self):
+        return {}
+
     def poll(self):
         out, self.queue = self.queue[:4], self.queue[4:]
         res = []

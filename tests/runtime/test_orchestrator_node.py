@@ -217,7 +217,7 @@ def test_primerl_inference_takes_weights_by_broadcast_with_no_file(http):
     from primerl.runtime.inference.engine import InferenceEngine
     from primerl.runtime.inference.hf_weights import hf_weights
     from primerl.runtime.inference.server import EngineServer, http_frontends
-    from primerl.runtime.inference.vllm_client import _http
+    from primerl.runtime.inference.vllm_client import http_json
     from primerl.runtime.inference.weight_sync import BroadcastWeightSender
 
     if http not in http_frontends():
@@ -238,7 +238,7 @@ def test_primerl_inference_takes_weights_by_broadcast_with_no_file(http):
             got = srv.engine.model.state_dict()
             for name, t in new.state_dict().items():
                 assert torch.equal(got[name], t), name
-            assert _http(srv.url + "/collective_rpc", {"method": "weights_version"}, 10)["results"] == [{"version": version}]
+            assert http_json(srv.url + "/collective_rpc", {"method": "weights_version"}, 10)["results"] == [{"version": version}]
     finally:
         sender.close()
         srv.stop()

@@ -388,7 +388,7 @@ def test_broadcast_weight_transfer_between_trainer_and_worker():
     """The broadcast path's two ends (trainer rank 0 and a worker) over a gloo group, without vLLM."""
     import socket
 
-    from primerl.runtime.inference.vllm_worker import new_group, receive_weights, send_weights, weight_specs
+    from primerl.runtime.inference.weight_broadcast import new_group, receive_weights, send_weights, weight_specs
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -60,7 +60,7 @@ def _payload(n=4, seed=0):
 
 _RECEIVER = textwrap.dedent("""
     import sys, torch
-    from primerl.runtime.inference.vllm_worker import new_group, receive_update
+    from primerl.runtime.inference.weight_broadcast import new_group, receive_update
     port, n, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     g = new_group("127.0.0.1", port, 1, 2, timeout_s=60)
     torch.save([receive_update(g) for _ in range(n)], out)
