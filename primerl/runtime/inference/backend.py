@@ -196,7 +196,8 @@ def check_backend(cfg: "RLConfig") -> None:
     b = get_backend(cfg)
     c, i, v = b.capabilities, cfg.inference, cfg.inference.vllm
     if i.pd.enabled and not c.pd:
-        raise _refuse("inference.pd", b, "prefill and decode servers (inference.pd.enabled = true)", "pd", True)
+        raise _refuse("inference.pd", b, "prefill and decode servers (inference.pd.prefill / decode > 0)", "pd",
+                      {"prefill": i.pd.prefill, "decode": i.pd.decode})
     if i.weight_update == "broadcast" and not c.broadcast:
         raise _refuse("inference.weight_update", b, "'broadcast' sends the weights by torch.distributed",
                       "broadcast", i.weight_update)
@@ -206,7 +207,7 @@ def check_backend(cfg: "RLConfig") -> None:
     if cfg.trainer.router_replay and i.capture_routing and not c.routed_experts:
         raise _refuse("trainer.router_replay", b, "replay needs the sampler's routed experts (captured by inference)",
                       "routed_experts", True)
-    if i.num_servers != 1 and not c.server_pool:
+    if isinstance(i.num_servers, int) and i.num_servers > 1 and not c.server_pool:
         raise _refuse("inference.num_servers", b, "> 1 starts a pool of servers behind a router", "server_pool",
                       i.num_servers)
     if v.urls and not c.external_servers:

@@ -26,8 +26,9 @@ class EmbeddedBackend(InferenceBackend):
 
         i, d = cfg.inference, cfg.deployment
         if i.vllm.weight_update != "filesystem":
-            raise ConfigError(f"inference.vllm.weight_update: is vLLM's; the embedded engine's is "
-                              f"inference.weight_update (files or broadcast), got {i.vllm.weight_update!r}")
+            raise ConfigError(f"inference.vllm.weight_update: {i.vllm.weight_update!r} is vLLM's (inference.backend = "
+                              f"'vllm'); the embedded engine's is inference.weight_update (files or broadcast), "
+                              f"got {i.vllm.weight_update!r}")
         if d.orchestrator == "own" and i.weight_update == "filesystem":
             raise ConfigError("inference.weight_update: 'filesystem' needs output_dir shared by the trainer and the "
                               "orchestrator, which runs on a node of its own (deployment.orchestrator = 'own'): use "
