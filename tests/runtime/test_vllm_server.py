@@ -109,7 +109,8 @@ def test_filesystem_updates_serve_the_new_weights(served, tmp_path):
 
 def test_broadcast_updates_serve_the_new_weights(served, tmp_path):
     base, model = served
-    cfg = _cfg(base.inference.vllm.port, "--inference.vllm.weight_update", "broadcast", "--inference.vllm.broadcast_port",
+    cfg = _cfg(base.inference.vllm.port, "--inference.vllm.weight_update", "broadcast",
+               "--inference.vllm.broadcast_port",
                str(free_port()), "--inference.vllm.broadcast_timeout_s", "120", "--output_dir", str(tmp_path))
     client = VLLMClient(cfg.inference.vllm, timeout_s=120)
     tr = FileTransport(tmp_path)
