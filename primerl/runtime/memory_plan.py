@@ -565,13 +565,9 @@ def plan_for_config(cfg: RLConfig, *, device_memory: int = 141 * 10**9, seq_len:
         if seq_len < 1:
             raise ConfigError(f"--seq-len must be >= 1, got {seq_len}")
         lay = replace(lay, seq_len=seq_len)
-    v = cfg.inference.vllm
-    if cfg.inference.backend == "vllm":
-        inf = inference_plan(mc, tensor_parallel=v.tensor_parallel, data_parallel=v.data_parallel,
-                             expert_parallel=v.expert_parallel, weight_bytes=1.03 if v.fp8 else 2,
-                             device_memory=device_memory, utilization=v.gpu_memory_utilization)
-    else:
-        inf = inference_plan(mc, weight_bytes=lay.act_bytes, kv_bytes=lay.act_bytes, device_memory=device_memory)
+    from .inference.backend import get_backend
+
+    inf = get_backend(cfg).inference_plan(cfg, mc, lay, device_memory)  # one server of the job's backend
     return Plan(mc, trainer_plan(mc, lay), inf, device_memory, max_seq_len(mc, lay, device_memory))
 
 

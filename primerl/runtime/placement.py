@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ConfigError, RLConfig, trainer_ranks_per_node
+from .inference.backend import get_backend
 
 __all__ = ["Placement", "resolve_placement", "describe_placement", "visible_gpus"]
 
@@ -46,7 +47,7 @@ class Placement:
     engine_gpu: int | None  # the embedded engine's GPU; None on the CPU or with vLLM
     num_gpus: int  # visible to torch
     mixed_precision: bool  # bf16 compute over float32 master weights
-    weight_update: str  # embedded engine: "filesystem" or "broadcast" (vLLM: "vllm")
+    weight_update: str  # engine in process: "filesystem" or "broadcast"; servers elsewhere: the backend's name
     param_dtype: torch.dtype  # what the trainer computes in (and the engine samples in)
 
     @property
@@ -93,7 +94,8 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
     if device == "cuda" and n == 0:
         raise ConfigError(f"device: 'cuda' but torch sees no CUDA device (torch {torch.__version__}, built for CUDA "
                           f"{torch.version.cuda}); use device = 'cpu' or 'auto'")
-    embedded = i.backend == "embedded"
+    backend = get_backend(cfg)
+    embedded = backend.capabilities.engine_in_process  # the engine on one of our GPUs (else: servers elsewhere)
     if device == "cpu":
         if i.gpu_ids:
             raise ConfigError(f"inference.gpu_ids: set to {i.gpu_ids} but the job runs on the CPU (device = "
@@ -125,7 +127,7 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
                           f"num_trainer_ranks = {ranks} it needs trainer.fsdp = true (or set it to 'off')")
     mixed = mp == "bf16" or (mp == "auto" and device == "cuda" and cfg.model.dtype == "float32" and fsdp_ok)
     if not embedded:
-        update = "vllm"
+        update = backend.name  # the servers' own weight path (inference.vllm.weight_update for vLLM)
     elif i.weight_update == "auto":  # an orchestrator on a node of its own shares no directory with the trainer
         own = cfg.deployment.orchestrator == "own"
         update = "broadcast" if own or (device == "cuda" and engine_gpu not in trainer_gpus) else "filesystem"
@@ -150,16 +152,5 @@ def describe_placement(cfg: RLConfig, num_gpus: int | None = None) -> str:
     else:
         ranks = ", ".join(f"rank {r} -> cuda:{g}" for r, g in enumerate(p.trainer_gpus))
         lines.append(f"# trainer: {ranks}; process group {p.dist_backend}; {prec}")
-    if cfg.inference.backend == "vllm":
-        lines.append(f"# inference: vLLM at {cfg.inference.vllm.url} (GPUs reserved: {cfg.inference.gpu_ids or 'none'});"
-                     f" weights by {cfg.inference.vllm.weight_update}")
-    else:
-        where = "the CPU" if p.engine_gpu is None else f"cuda:{p.engine_gpu}"
-        kv = f"KV cache <= {cfg.inference.kv_cache_gb:g} GB" if cfg.inference.kv_cache_gb else "KV cache uncapped"
-        share = " (shared with the trainer, which takes the memory the engine leaves)" if p.shared else ""
-        at = "the orchestrator's node" if cfg.deployment.kind != "local" else "127.0.0.1"
-        via = (f"{p.broadcast_backend} broadcast from trainer rank 0 (group at {at}:{cfg.inference.broadcast_port})"
-               if p.weight_update == "broadcast" else "files in output_dir/transport")
-        lines.append(f"# inference: embedded engine on {where}{share}, {kv}, "
-                     f"{str(p.param_dtype).removeprefix('torch.')}; weights by {via}")
+    lines.append(get_backend(cfg).describe_placement(cfg, p))
     return "\n".join(lines) + "\n"

@@ -28,7 +28,8 @@ import torch
 STABLE = "STABLE"
 
 # Set by ``primerl node`` from the node plan (launch.node.peer_env); unset on one machine.
-ENGINE_HOST_ENV = "PRIMERL_ENGINE_BROADCAST_HOST"  # the orchestrator's node: its receiver hosts the weight group's store
+# the orchestrator's node: its receiver hosts the weight group's store
+ENGINE_HOST_ENV = "PRIMERL_ENGINE_BROADCAST_HOST"
 ORCHESTRATOR_NODE_ENV = "PRIMERL_ORCHESTRATOR_NODE"  # "the orchestrator on node 2 (10.0.0.7)", for the trainer's errors
 TRAINER_NODE_ENV = "PRIMERL_TRAINER_NODE"  # "the trainer on node 0 (10.0.0.5)", for the orchestrator's errors
 
@@ -99,11 +100,6 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float, what: str,
 
 
 class FileTransport:
-    # Where "a new weights version exists" comes from when the weights do not come as files: an
-    # object with ``versions()`` and ``wait_version(min_version, timeout=, alive=)`` (the embedded
-    # engine's broadcast receiver, weight_sync.EngineWeightReceiver); None: the markers below.
-    weight_source = None
-
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.rollouts = self.root / "rollouts"
@@ -122,7 +118,8 @@ class FileTransport:
 
     def get_batch(self, step: int, rank: int, *, timeout: float, alive: Callable[[], bool] | None = None) -> Any:
         path = self.batch_path(step, rank)
-        wait_for(path.exists, timeout=timeout, what=f"rollout batch of step {step} (rank {rank}) at {path}", alive=alive)
+        wait_for(path.exists, timeout=timeout, what=f"rollout batch of step {step} (rank {rank}) at {path}",
+                 alive=alive)
         return torch.load(path, weights_only=False)
 
     def wait_taken(self, timeout: float) -> None:
@@ -177,8 +174,9 @@ class FileTransport:
         return final
 
     def weight_versions(self) -> list[int]:
-        if self.weight_source is not None:
-            return self.weight_source.versions()
+        """The published versions (their ``STABLE`` marker exists), oldest first. Which versions
+        inference can load is the backend's ``WeightVersions`` (``weight_sync``), which reads these
+        markers when the weights come as files."""
         return sorted(int(d.name[5:]) for d in self.weights.glob("step_*") if (d / STABLE).exists())
 
     def latest_weights(self) -> int | None:
@@ -186,9 +184,6 @@ class FileTransport:
         return versions[-1] if versions else None
 
     def wait_weights(self, min_version: int, *, timeout: float, alive: Callable[[], bool] | None = None) -> int:
-        if self.weight_source is not None:
-            return self.weight_source.wait_version(min_version, timeout=timeout, alive=alive)
-
         def ready():
             v = self.latest_weights()
             return (v,) if v is not None and v >= min_version else None

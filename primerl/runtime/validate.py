@@ -60,6 +60,7 @@ from pathlib import Path
 from . import config, job_checks
 from .config import ConfigError, RLConfig, _need, trainer_ranks_per_node
 from .launch.deployment import KINDS, _num_nodes
+from .inference.backend import check_backend, get_backend
 from .placement import resolve_placement
 from .policy import model_config
 
@@ -71,6 +72,7 @@ def validate(cfg: RLConfig) -> None:
     """Every check of ``cfg`` before the job starts (the module docstring lists them); raises
     ``ConfigError`` naming the key."""
     config.validate_fields(cfg)  # 1. every section on its own
+    check_backend(cfg)  # 2. inference.backend registered, its capabilities cover the config, its own checks
     _backend_and_kind_checks(cfg)  # 2. (with the node plan's checks)
     check_between_sections(cfg)  # 3.
     config.validate_names(cfg)  # 4.
@@ -164,18 +166,7 @@ def check_warm_start_tasks(cfg: RLConfig) -> None:
 
 def _backend_and_kind_checks(cfg: RLConfig) -> None:
     i, v, d = cfg.inference, cfg.inference.vllm, cfg.deployment
-    # from config/checks.py validate_fields
-    _need(i.backend in ("embedded", "vllm"), "inference.backend", "must be 'embedded' or 'vllm'", i.backend)
-    _need(v.weight_update == "filesystem" or i.backend == "vllm", "inference.vllm.weight_update",
-          "'broadcast' needs inference.backend = 'vllm' (the embedded engine reads the published files)",
-          v.weight_update)
-    _need(not v.launch or i.backend == "vllm", "inference.vllm.launch", "needs inference.backend = 'vllm'", v.launch)
-    _need(i.weight_update != "broadcast" or i.backend == "embedded", "inference.weight_update",
-          "'broadcast' is the embedded engine's; vLLM's is inference.vllm.weight_update", i.weight_update)
-    _need(i.num_servers == 1 or i.backend == "embedded", "inference.num_servers",
-          "> 1 starts `primerl inference` servers (inference.backend = 'embedded'); for several vLLM servers list "
-          "them in inference.vllm.urls", i.num_servers)
-    _need(not v.urls or i.backend == "vllm", "inference.vllm.urls", "needs inference.backend = 'vllm'", v.urls)
+    # from config/checks.py validate_fields (the backend's lines are check_backend's now)
     pool = i.num_servers > 1 or bool(v.urls)
     _need(not pool or cfg.deployment.kind == "local", "inference.num_servers",
           "a server pool is started by the one-machine launcher (deployment.kind = 'local')", i.num_servers)
@@ -191,17 +182,11 @@ def _backend_and_kind_checks(cfg: RLConfig) -> None:
     per_node = trainer_ranks_per_node(cfg)
     if d.gpus_per_node:
         # the embedded engine beside the trainer takes a GPU of trainer node 0 (placement: engine first)
-        engine = int(d.orchestrator == "trainer" and cfg.inference.backend == "embedded" and d.gpus_per_node > 1)
+        engine = int(d.orchestrator == "trainer" and get_backend(cfg).capabilities.engine_in_process
+                     and d.gpus_per_node > 1)
         _need(per_node + engine <= d.gpus_per_node, "deployment.ranks_per_node",
               f"{per_node} trainer ranks per node{' plus the engine' if engine else ''} need "
               f"{per_node + engine} GPUs; deployment.gpus_per_node = {d.gpus_per_node}", per_node)
-    _need(d.orchestrator != "own" or cfg.inference.backend != "embedded" or cfg.inference.weight_update != "filesystem",
-          "inference.weight_update", "'filesystem' needs output_dir shared by the trainer and the orchestrator, which "
-          "runs on a node of its own (deployment.orchestrator = 'own'): use 'broadcast' or 'auto'",
-          cfg.inference.weight_update)
-    _need(d.inference_nodes == 0 or cfg.inference.backend == "vllm", "deployment.inference_nodes",
-          "inference nodes run vLLM servers (inference.backend = 'vllm'); the embedded engine lives in the "
-          "orchestrator", d.inference_nodes)
     check_inference_nodes(cfg)  # (not a comparison: the check that stood here, between the kind's lines)
     if d.kind == "nodes":
         n = _num_nodes(cfg)

@@ -168,16 +168,16 @@ def _case_async_save_copies(rank, world, tmp):
 
 
 def _case_publish(rank, world, tmp):
-    """publish_streamed from the cp=2 ep=2 layout through real WeightPublishers: the embedded
+    """Publishing from the cp=2 ep=2 layout through the backends' real weight channels: the embedded
     engine's file and vLLM's Hugging Face files hold exactly the weights (and names) a
     single-process publish of the same weights writes."""
     import torch.distributed as dist
 
     from primerl.runtime.validate import load_config
     from primerl.runtime.inference.hf_weights import hf_weights
-    from primerl.runtime.trainer.publish import publish_streamed
+    from primerl.runtime.inference.backend import get_backend
+    from primerl.runtime.trainer.publish import WeightStream
     from primerl.runtime.transport import FileTransport
-    from primerl.runtime.inference.weight_sync import WeightPublisher
 
     errors: list = []
     model, opt, _ = _parallel(dict(dp_shard=2, cp=2, ep=2), world, seed=7)
@@ -187,7 +187,9 @@ def _case_publish(rank, world, tmp):
         cfg = load_config("examples/reverse_text.toml", ["--output_dir", str(Path(tmp, backend)),
                                                          "--inference.backend", backend])
         transport = FileTransport(Path(tmp, backend, "transport"))
-        publish_streamed(WeightPublisher(cfg, transport, model) if rank == 0 else None, 5, model)
+        channel = get_backend(cfg).weight_channel(cfg, model=model, transport=transport, rank=rank)
+        channel.publish(5, WeightStream(model))  # collective: every rank gathers, rank 0 writes
+        channel.close()
         dist.barrier()
         if rank == 0:
             got = transport.load_weights(5)

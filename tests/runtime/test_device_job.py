@@ -56,7 +56,7 @@ def test_receiver_that_never_joins_reports_why():
 
 
 def test_new_group_refuses_an_unknown_backend():
-    from primerl.runtime.inference.vllm_worker import new_group
+    from primerl.runtime.inference.weight_broadcast import new_group
 
     with pytest.raises(ValueError, match="backend must be 'nccl', 'gloo' or None"):
         new_group("127.0.0.1", _port(), 0, 1, backend="mpi")

@@ -17,7 +17,8 @@ from primerl.runtime.inference.hf_weights import hf_weights, primerl_weights, pu
 from primerl.runtime.inference.server import EngineServer
 from primerl.runtime.transport import FileTransport
 from primerl.runtime.inference.vllm_client import VLLMClient
-from primerl.runtime.inference.weight_sync import WeightPublisher
+from primerl.runtime.inference.backend import get_backend
+from primerl.runtime.trainer.publish import WeightStream
 
 V = 13
 
@@ -110,7 +111,7 @@ def test_trainer_publisher_layout_and_server_update(tmp_path, backend):
     cfg = load_config(None, ["--inference.backend", backend])
     tr = FileTransport(tmp_path)
     new = _model(5)
-    WeightPublisher(cfg, tr, new).publish(4, new.state_dict())
+    get_backend(cfg).weight_channel(cfg, model=new, transport=tr, rank=0).publish(4, WeightStream(new))
     names = set(load_file(str(tr.weights_dir(4) / "model.safetensors")))
     assert ("model.embed_tokens.weight" in names) == (backend == "vllm")
     assert (tr.weights_dir(4) / "config.json").exists() == (backend == "vllm")

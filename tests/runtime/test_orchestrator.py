@@ -33,6 +33,9 @@ class FakeClient:
     def servers_healthy(self):
         return 1
 
+    def metrics(self):
+        return {}
+
     def poll(self):
         out, self.queue = self.queue[:4], self.queue[4:]
         res = []
@@ -50,7 +53,8 @@ class FakeClient:
 
 
 def _cfg(tmp_path, *over):
-    return load_config(None, ["--output_dir", str(tmp_path), "--orchestrator.batch_size", "3", "--orchestrator.group_size",
+    return load_config(None, ["--output_dir", str(tmp_path), "--orchestrator.batch_size", "3",
+                              "--orchestrator.group_size",
                               "4", "--orchestrator.seq_len", "64", "--max_steps", "4", "--env.timeout_s", "1", *over])
 
 
@@ -245,7 +249,8 @@ def test_monitor_endpoint_servers_healthy_and_samples_on_disk(tmp_path):
     assert prom[("primerl_orchestrator_servers_healthy", None)] == 1.0
     for step, m in seen:
         rows = [json.loads(x) for x in samples_path(cfg.output_dir, step).read_text().splitlines()]
-        assert len(rows) == 3 * 4 and {(r["group"], r["member"]) for r in rows} == {(g, i) for g in range(3) for i in range(4)}
+        assert len(rows) == 3 * 4
+        assert {(r["group"], r["member"]) for r in rows} == {(g, i) for g in range(3) for i in range(4)}
         assert sum(r["reward"] for r in rows) / len(rows) == pytest.approx(m["reward/mean"])
         for g in range(3):  # drgrpo: reward minus the group's mean
             grp = [r for r in rows if r["group"] == g]

@@ -154,7 +154,8 @@ def test_a_trainer_rank_waiting_for_a_batch_learns_the_orchestrator_is_gone(tmp_
     from primerl.runtime.zmq_transport import LOST_AFTER_S, ZmqTransport
 
     port = _free_port()
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from primerl.runtime.zmq_transport import ZmqTransport; "
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); "
+            "from primerl.runtime.zmq_transport import ZmqTransport; "
             f"t = ZmqTransport(sys.argv[2], side='orchestrator', port={port}); t.put_batch(0, 0, {{'x': 1}}); "
             "time.sleep(600)")
     orch = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(tmp_path / "orch")], env=_env())
@@ -217,7 +218,7 @@ def test_primerl_inference_takes_weights_by_broadcast_with_no_file(http):
     from primerl.runtime.inference.engine import InferenceEngine
     from primerl.runtime.inference.hf_weights import hf_weights
     from primerl.runtime.inference.server import EngineServer, http_frontends
-    from primerl.runtime.inference.vllm_client import _http
+    from primerl.runtime.inference.vllm_client import http_json
     from primerl.runtime.inference.weight_sync import BroadcastWeightSender
 
     if http not in http_frontends():
@@ -238,7 +239,8 @@ def test_primerl_inference_takes_weights_by_broadcast_with_no_file(http):
             got = srv.engine.model.state_dict()
             for name, t in new.state_dict().items():
                 assert torch.equal(got[name], t), name
-            assert _http(srv.url + "/collective_rpc", {"method": "weights_version"}, 10)["results"] == [{"version": version}]
+            got = http_json(srv.url + "/collective_rpc", {"method": "weights_version"}, 10)
+            assert got["results"] == [{"version": version}]
     finally:
         sender.close()
         srv.stop()
@@ -256,7 +258,8 @@ def test_three_nodes_trainer_inference_server_orchestrator_share_no_file(tmp_pat
         "--log.plot", "false", "--orchestrator.weights_timeout_s", "60", "--trainer.batch_timeout_s", "60",
         "--device", "cpu", "--deployment.kind", "nodes", "--deployment.trainer_nodes", "1",
         "--deployment.inference_nodes", "1", "--deployment.orchestrator", "own",
-        "--deployment.hosts", "127.0.0.1,127.0.0.2,127.0.0.3", "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}",
+        "--deployment.hosts", "127.0.0.1,127.0.0.2,127.0.0.3",
+        "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}",
         "--deployment.rdzv_timeout_s", "60", "--orchestrator.batch_transport", "zmq",
         "--orchestrator.zmq_port", str(_free_port()), "--inference.backend", "vllm",
         "--inference.vllm.url", f"http://127.0.0.2:{vport}", "--inference.vllm.port", str(vport),

@@ -20,8 +20,8 @@ from primerl.runtime.validate import load_config
 from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
 from primerl.runtime.inference.server import EngineServer
 from primerl.runtime.transport import FileTransport
-from primerl.runtime.inference.vllm_client import (InferenceServerError, VLLMClient, decode_routed_experts, encode_routed_experts,
-                                  quantize_for_transfer)
+from primerl.runtime.inference.vllm_client import (InferenceServerError, VLLMClient, decode_routed_experts,
+                                                   encode_routed_experts, quantize_for_transfer)
 from primerl.runtime.inference.vllm_launch import serve_command_line, vllm_env, vllm_serve_command
 
 from orchestrator_testing import run_orchestrator_with_stub_trainer
@@ -143,7 +143,8 @@ class _Scripted(BaseHTTPRequestHandler):
                   "raw_int32": lambda: base64.b64encode(r.to(torch.int32).numpy().tobytes()).decode(),
                   }.get(self.fmt, lambda: _npy_b64(r, self.fmt))()
         choice = {"finish_reason": "length", "routed_experts": routed,
-                  "logprobs": {"tokens": [f"token_id:{5 + i}" for i in range(n)], "token_logprobs": [-0.1 * i for i in range(n)]}}
+                  "logprobs": {"tokens": [f"token_id:{5 + i}" for i in range(n)],
+                               "token_logprobs": [-0.1 * i for i in range(n)]}}
         self._send(200, {"choices": [choice]})
 
 
@@ -214,7 +215,8 @@ def test_update_is_verified_retried_and_the_prefix_cache_reset_checked(scripted,
     client.reset_wait_s = 0.01
     client.update_weights(3, tr)
     paths = [p for p, _ in h.requests]
-    assert client.version == 3 and paths == ["/collective_rpc"] * 2 + ["/reset_prefix_cache?reset_running_requests=true"] * 3
+    assert client.version == 3
+    assert paths == ["/collective_rpc"] * 2 + ["/reset_prefix_cache?reset_running_requests=true"] * 3
     # a reset that never succeeds is an error
     url, _ = scripted(reset_answers=[False] * 10)
     client = _client(url)
@@ -293,10 +295,12 @@ def test_launcher_command_line(tmp_path):
                              "--inference.vllm.fp8", "true", "--inference.vllm.all2all_backend", "deepep_low_latency",
                              "--inference.vllm.disaggregation", "decode", "--inference.vllm.port", "9001",
                              "--inference.vllm.python", "/opt/vllm/bin/python", "--model.dtype", "bfloat16",
-                             "--inference.vllm.max_model_len", "32768", "--inference.vllm.extra_args", '["--enforce-eager"]'])
+                             "--inference.vllm.max_model_len", "32768",
+                             "--inference.vllm.extra_args", '["--enforce-eager"]'])
     cmd = vllm_serve_command(cfg.inference.vllm, cfg.model)
     line = shlex.join(cmd)
-    assert cmd[:5] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen3-30B-A3B"]
+    assert cmd[:5] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model",
+                       "Qwen/Qwen3-30B-A3B"]
     for frag in ("--data-parallel-size 4", "--tensor-parallel-size 2", "--enable-expert-parallel", "--quantization fp8",
                  "--all2all-backend deepep_low_latency", "--port 9001", "--max-model-len 32768", "--dtype bfloat16",
                  "--logprobs-mode processed_logprobs", "--enable-return-routed-experts",
@@ -338,7 +342,8 @@ def test_launch_refuses_what_cannot_work_before_starting(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        cfg = load_config(None, [*base, "--inference.vllm.port", str(s.getsockname()[1]), "--inference.vllm.model", "m"])
+        cfg = load_config(None, [*base, "--inference.vllm.port", str(s.getsockname()[1]),
+                                 "--inference.vllm.model", "m"])
         with pytest.raises(InferenceServerError, match="already in use"):
             VLLMLauncher(cfg.inference.vllm, cfg.model, log_path=tmp_path / "v.log").start()
     cfg = load_config(None, [*base, "--inference.vllm.port", str(_free_port()), "--inference.vllm.model", "m",
@@ -361,7 +366,8 @@ def test_launcher_stops_the_whole_process_group(tmp_path):
     script = ("import http.server, os, sys, time\n"
               "if os.fork() == 0:\n    time.sleep(600)\n    sys.exit(0)\n"
               "class H(http.server.BaseHTTPRequestHandler):\n"
-              "    def do_GET(self):\n        self.send_response(200); self.send_header('Content-Length', '0'); self.end_headers()\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.send_header('Content-Length', '0'); self.end_headers()\n"
               "    def log_message(self, *a): pass\n"
               f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
     cfg = load_config(None, ["--inference.vllm.port", str(port), "--inference.vllm.model", "m"])
@@ -388,7 +394,7 @@ def test_broadcast_weight_transfer_between_trainer_and_worker():
     """The broadcast path's two ends (trainer rank 0 and a worker) over a gloo group, without vLLM."""
     import socket
 
-    from primerl.runtime.inference.vllm_worker import new_group, receive_weights, send_weights, weight_specs
+    from primerl.runtime.inference.weight_broadcast import new_group, receive_weights, send_weights, weight_specs
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -405,9 +411,8 @@ def test_broadcast_weight_transfer_between_trainer_and_worker():
     send_weights(new_group("127.0.0.1", port, 0, 2), sd)
     th.join(30)
     assert set(got) == set(sd)
-    assert all(got[k].dtype == sd[k].dtype and torch.equal(got[k].view(torch.uint8) if got[k].element_size() == 1 else got[k],
-                                                           sd[k].view(torch.uint8) if sd[k].element_size() == 1 else sd[k])
-               for k in sd)
+    bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # FP8: compare the bytes
+    assert all(got[k].dtype == sd[k].dtype and torch.equal(bits(got[k]), bits(sd[k])) for k in sd)
 
 
 def test_orchestrator_runs_on_the_http_backend(tmp_path):
@@ -420,8 +425,9 @@ def test_orchestrator_runs_on_the_http_backend(tmp_path):
     srv = EngineServer(InferenceEngine(MoETransformer(MoETransformerConfig.tiny(vocab_size=env.vocab_size)))).start()
     try:
         cfg = load_config(None, ["--output_dir", str(tmp_path), "--inference.backend", "vllm", "--inference.vllm.url",
-                                 srv.url, "--max_steps", "2", "--orchestrator.batch_size", "2", "--orchestrator.group_size",
-                                 "3", "--orchestrator.max_async_level", "0", "--model.dim", "64", "--model.n_heads", "4",
+                                 srv.url, "--max_steps", "2", "--orchestrator.batch_size", "2",
+                                 "--orchestrator.group_size", "3", "--orchestrator.max_async_level", "0",
+                                 "--model.dim", "64", "--model.n_heads", "4",
                                  "--model.n_kv_heads", "2", "--model.moe_dim", "32"])
         tr = FileTransport(tmp_path)
         seen = run_orchestrator_with_stub_trainer(cfg, env, model, tr)

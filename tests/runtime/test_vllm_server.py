@@ -17,7 +17,8 @@ from primerl.runtime.inference.hf_weights import hf_weights
 from primerl.runtime.transport import FileTransport
 from primerl.runtime.inference.vllm_client import InferenceServerError, VLLMClient, decode_routed_experts
 from primerl.runtime.inference.vllm_launch import VLLMLauncher
-from primerl.runtime.inference.weight_sync import WeightPublisher
+from primerl.runtime.inference.backend import get_backend
+from primerl.runtime.trainer.publish import WeightStream
 
 from vllm_testing import free_port, logprob_gap, need_vllm
 
@@ -99,7 +100,7 @@ def test_filesystem_updates_serve_the_new_weights(served, tmp_path):
     tr = FileTransport(tmp_path)
     for version in (1, 2, 3):
         new = _step(model, version)
-        WeightPublisher(cfg, tr, new).publish(version, new.state_dict())
+        get_backend(cfg).weight_channel(cfg, model=new, transport=tr, rank=0).publish(version, WeightStream(new))
         client.update_weights(version, tr)
         assert client.server_versions() == [version] and client.version == version
         _check_serves(client, new, model, f"filesystem update {version}")
@@ -108,22 +109,23 @@ def test_filesystem_updates_serve_the_new_weights(served, tmp_path):
 
 def test_broadcast_updates_serve_the_new_weights(served, tmp_path):
     base, model = served
-    cfg = _cfg(base.inference.vllm.port, "--inference.vllm.weight_update", "broadcast", "--inference.vllm.broadcast_port",
+    cfg = _cfg(base.inference.vllm.port, "--inference.vllm.weight_update", "broadcast",
+               "--inference.vllm.broadcast_port",
                str(free_port()), "--inference.vllm.broadcast_timeout_s", "120", "--output_dir", str(tmp_path))
     client = VLLMClient(cfg.inference.vllm, timeout_s=120)
     tr = FileTransport(tmp_path)
-    publisher = WeightPublisher(cfg, tr, model)
+    channel = get_backend(cfg).weight_channel(cfg, model=model, transport=tr, rank=0)
     try:
         for version in (11, 12, 13):
             new = _step(model, version)
-            publisher.publish(version, new.state_dict())  # broadcast, verified by the workers, then the marker
+            channel.publish(version, WeightStream(new))  # broadcast, verified by the workers, then the marker
             assert tr.weight_versions()[-1] == version
             client.update_weights(version, tr)
             assert client.version == version
             _check_serves(client, new, model, f"broadcast update {version}")
             model = new
     finally:
-        publisher.close()
+        channel.close()
 
 
 def test_partial_update_is_detected_and_a_complete_one_recovers(served, tmp_path):

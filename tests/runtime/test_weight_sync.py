@@ -60,7 +60,7 @@ def _payload(n=4, seed=0):
 
 _RECEIVER = textwrap.dedent("""
     import sys, torch
-    from primerl.runtime.inference.vllm_worker import new_group, receive_update
+    from primerl.runtime.inference.weight_broadcast import new_group, receive_update
     port, n, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     g = new_group("127.0.0.1", port, 1, 2, timeout_s=60)
     torch.save([receive_update(g) for _ in range(n)], out)
@@ -154,7 +154,8 @@ def test_rpc_driven_broadcast_reaches_the_worker_extension():
         sender = BroadcastWeightSender("127.0.0.1", _port(), 1, timeout_s=30,
                                        rpc_url=f"http://127.0.0.1:{httpd.server_address[1]}")
         sender.connect()
-        sd = {"a.weight": torch.randn(3, 5), "b": torch.arange(4), "c.weight": torch.randn(2, 2).to(torch.float8_e4m3fn)}
+        sd = {"a.weight": torch.randn(3, 5), "b": torch.arange(4),
+              "c.weight": torch.randn(2, 2).to(torch.float8_e4m3fn)}
         for v in (3, 4):
             sender.send(v, {k: (t + v if k == "a.weight" else t) for k, t in sd.items()})
         sender.close()
@@ -204,5 +205,6 @@ def test_config_keys(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key inference.vllm.broadcast_prot"):
         _cfg(tmp_path, 1234, "--inference.vllm.broadcast_prot", "1")
     v = load_config(None, ["--inference.backend", "vllm", "--inference.vllm.weight_update", "broadcast",
-                           "--inference.vllm.data_parallel", "2", "--inference.vllm.tensor_parallel", "2"]).inference.vllm
+                           "--inference.vllm.data_parallel", "2", "--inference.vllm.tensor_parallel", "2"])
+    v = v.inference.vllm
     assert BroadcastWeightSender.from_config(v).num_receivers == 4

@@ -13,13 +13,17 @@ Modules (imported lazily: the vLLM worker loads ``inference.vllm_worker`` alone)
   vllm_client  VLLMClient: requests to a vLLM server, routed experts, weight-update RPCs
   vllm_launch  the ``vllm serve`` command line a config maps to; VLLMLauncher for ``inference.vllm.launch``
   vllm_worker  WeightUpdateExtension: runs inside vLLM's workers, receives and loads weights
-  weight_sync  WeightPublisher (trainer rank 0): files, or a torch.distributed broadcast to the engine / vLLM
+  backend      InferenceBackend / BackendCapabilities / BACKENDS: inference.backend -> the backend object
+  embedded_backend, vllm_backend  the two built-in backends (they register themselves)
+  weight_channels  WeightChannel: how the trainer publishes a version (files, HF files, broadcasts)
+  weight_sync  the ends below the channels: BroadcastWeightSender; WeightVersions of the orchestrator
+  weight_broadcast  the broadcast's wire protocol (new_group, send_update, receive_update), BroadcastReceiver
   hf_weights   published weights in the Hugging Face layout (models.checkpoint.hf_layout), FP8 transfer
   generate_api  POST /inference/v1/generate and GET /v1/models: vLLM's token-in / token-out contract
   http_aiohttp  the aiohttp front end of EngineServer (optional extra ``primerl[serve]``)
   server_metrics  ServerStats: the server's /health and /metrics (Prometheus text, prometheus-client)
-  aiohttp_thread  AiohttpThread: an aiohttp server with one catch-all route on its own thread
-                  (used by http_aiohttp and generate_proxy)
+  aiohttp_thread  AiohttpThread: an aiohttp server with one catch-all route on its own thread (used by
+                  http_aiohttp and generate_proxy)
   generate_proxy  GenerateProxy: a recording pass-through in front of vLLM's generate route (verifiers path)
 
 The main classes are re-exported here (``from primerl.runtime.inference import InferenceEngine``).
@@ -39,7 +43,10 @@ _EXPORTS = {
     **{name: "vllm_client" for name in ("VLLMClient", "InferenceServerError")},
     "VLLMLauncher": "vllm_launch",
     "WeightUpdateExtension": "vllm_worker",
-    **{name: "weight_sync" for name in ("WeightPublisher", "EngineWeightReceiver", "WeightSyncError")},
+    **{name: "weight_sync" for name in ("EngineWeightReceiver", "WeightSyncError")},
+    **{name: "backend" for name in ("BACKENDS", "BackendCapabilities", "InferenceBackend", "get_backend",
+                                    "register_backend")},
+    **{name: "weight_channels" for name in ("WeightChannel", "WeightVersions")},
     "Prefilled": "engine",
     **{name: "pd" for name in ("KVTransferError", "PDState")},
     "PDClient": "pd_client",
@@ -56,7 +63,9 @@ if TYPE_CHECKING:
     from .vllm_client import InferenceServerError, VLLMClient  # noqa: F401
     from .vllm_launch import VLLMLauncher  # noqa: F401
     from .vllm_worker import WeightUpdateExtension  # noqa: F401
-    from .weight_sync import EngineWeightReceiver, WeightPublisher, WeightSyncError  # noqa: F401
+    from .weight_sync import EngineWeightReceiver, WeightSyncError  # noqa: F401
+    from .backend import BACKENDS, BackendCapabilities, InferenceBackend, get_backend, register_backend  # noqa: F401
+    from .weight_channels import WeightChannel, WeightVersions  # noqa: F401
     from .engine import Prefilled  # noqa: F401
     from .pd import KVTransferError, PDState  # noqa: F401
     from .pd_client import PDClient  # noqa: F401

@@ -6,12 +6,16 @@ The name mapping is ``primerl.models.checkpoint.hf_layout`` (the one ``save_pret
 - :func:`hf_weights`: a primerl state dict (full, unsharded) -> ``{hf_name: tensor}``.
 - :func:`primerl_weights`: ``{hf_name: tensor}`` (FP8 ``<name>`` + ``<name>_scale_inv`` block-scaled
   tensors are dequantized) -> a primerl state dict for ``model.load_state_dict``.
+- :func:`hf_stream`: the same renaming and slicing for a stream of ``(name, tensor)`` (the
+  trainer's gather, one tensor at a time), with the Hugging Face specs computed up front.
 - :func:`publish_hf`: write one version through a :class:`FileTransport` as
   ``model.safetensors`` + ``config.json`` + the ``STABLE`` marker, optionally with the expert
   weights re-quantized to block FP8 for the transfer (``quantize_for_transfer``).
 """
 
 from __future__ import annotations
+
+from typing import Iterable, Iterator
 
 import torch
 
@@ -48,6 +52,28 @@ def hf_weights(model, state_dict: dict[str, torch.Tensor] | None = None, *,
         t = t.detach()
         out[key] = (t[slot.index] if slot.index else t).to("cpu").contiguous()
     return out
+
+
+def hf_stream(model, specs: list, stream: Iterable[tuple[str, torch.Tensor | None]], *,
+              expert_format: str | None = None) -> tuple[list, Iterator[tuple[str, torch.Tensor | None]]]:
+    """``(hf_specs, hf_stream)``: ``stream`` (primerl names, in the order of ``specs`` =
+    ``[(name, dtype, global shape)]``) renamed and sliced into ``model``'s Hugging Face layout as the
+    tensors arrive; ``hf_specs`` are known before any tensor (from the shapes alone). ``None``
+    tensors (the ranks that do not receive) stay ``None``."""
+    slots: dict[str, list] = {}
+    for key, slot in hf_layout(model, _expert_format(model, expert_format)).items():
+        slots.setdefault(slot.param, []).append((key, slot.index))
+    out = []
+    for name, dtype, shape in specs:
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+        out += [(key, dtype, tuple((meta[index] if index else meta).shape)) for key, index in slots.get(name, ())]
+
+    def renamed():
+        for name, t in stream:
+            for key, index in slots.get(name, ()):
+                yield key, (t[index] if index else t) if t is not None else None
+
+    return out, renamed()
 
 
 def primerl_weights(model, tensors: dict[str, torch.Tensor], *,

@@ -37,8 +37,9 @@ class PDClient(VLLMClient):
 
     CAUSES = ("peer_unreachable", "unknown_transfer", "bad_cache", "server_error")
 
-    def __init__(self, cfg, servers: list[str], *, resamples: int = 3, **kw):
+    def __init__(self, cfg, servers: list[str], *, resamples: int = 3, deployment=None, **kw):
         super().__init__(cfg, **kw)
+        self.deployment = deployment  # pd_launch.PDDeployment that started the servers (stopped at exit), or None
         if not servers:
             raise ValueError("PDClient needs the prefill and decode server URLs (weight updates go to each)")
         self.resamples = resamples
@@ -53,6 +54,10 @@ class PDClient(VLLMClient):
 
     def servers_healthy(self) -> int:
         return sum(s.health() for s in self.servers)
+
+    def metrics(self) -> dict:
+        """``inference/pd_resampled``: requests resent after a failed KV hand-off (since the start)."""
+        return {"inference/pd_resampled": self.resampled}
 
     def update_weights(self, version: int, transport) -> None:
         for s in self.servers:  # prefill and decode servers must sample from the same policy

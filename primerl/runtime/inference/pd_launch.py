@@ -54,6 +54,20 @@ def embedded_command(config_path: str, role: str, host: str, port: int) -> list[
             "--host", host, "--port", str(port)]
 
 
+def embedded_pd_commands(cfg) -> list[tuple[str, list[str], dict[str, str]]]:
+    """The ``primerl inference --role`` servers of ``inference.pd`` and the router: [(role, argv, {})];
+    the servers read the job's resolved config, written here to ``<output_dir>/pd/config.toml``."""
+    from ..config import to_toml
+
+    conf = Path(cfg.output_dir) / "pd" / "config.toml"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(to_toml(cfg))
+    servers = pd_servers(cfg)
+    cmds = [(role, embedded_command(str(conf), role, h, p), {}) for role, h, p in servers]
+    urls = {r: [f"http://{h}:{p}" for rr, h, p in servers if rr == r] for r in ("prefill", "decode")}
+    return cmds + [("router", router_command(cfg, urls["prefill"], urls["decode"]), {})]
+
+
 def vllm_pd_commands(cfg, *, checkpoint: str | None = None,
                      kv_buffer_device: str | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
     """The vLLM servers of ``inference.pd``: [(role, argv, extra environment)], then the router's.
@@ -121,17 +135,9 @@ class PDDeployment:
         self.procs: list[tuple[str, str, subprocess.Popen]] = []
 
     def _commands(self):
-        from ..config import to_toml
+        from .backend import get_backend
 
-        if self.cfg.inference.backend == "vllm":
-            return vllm_pd_commands(self.cfg)
-        conf = self.out / "pd" / "config.toml"
-        conf.parent.mkdir(parents=True, exist_ok=True)
-        conf.write_text(to_toml(self.cfg))
-        servers = pd_servers(self.cfg)
-        cmds = [(role, embedded_command(str(conf), role, h, p), {}) for role, h, p in servers]
-        urls = {r: [f"http://{h}:{p}" for rr, h, p in servers if rr == r] for r in ("prefill", "decode")}
-        return cmds + [("router", router_command(self.cfg, urls["prefill"], urls["decode"]), {})]
+        return get_backend(self.cfg).pd_commands(self.cfg)  # embedded_pd_commands or vllm_pd_commands
 
     @property
     def router_url(self) -> str:

@@ -19,7 +19,7 @@ taken out of the router. A maintenance thread, every ``interval_s``:
   the current version (``/add_worker`` / ``/remove_worker``): a restarted router starts empty and
   gets them back here.
 
-``pool_metrics()`` (per step): ``inference/redispatched`` (since the previous call),
+``metrics()`` (per step): ``inference/redispatched`` (since the previous call),
 ``inference/restarts`` (processes restarted by the launcher, from ``processes.json``).
 """
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ..config import VLLMConfig
 from .engine import Completion, Request
-from .vllm_client import InferenceServerError, VLLMClient, _Aborted, _http
+from .vllm_client import InferenceServerError, VLLMClient, _Aborted, http_json
 
 log = logging.getLogger("primerl.pool")
 
@@ -78,7 +78,7 @@ class PoolClient(VLLMClient):
     def _state(self, url: str) -> tuple[bool, str | None, int | None]:
         """(answers /health, its instance id or None, the version it reports or None)."""
         try:
-            h = _http(url + "/health", None, timeout=self.health_timeout_s)
+            h = http_json(url + "/health", None, timeout=self.health_timeout_s)
         except InferenceServerError:
             return False, None, None
         if "weights_version" in h:  # primerl inference
@@ -97,14 +97,14 @@ class PoolClient(VLLMClient):
         deadline = time.monotonic() + timeout
         while True:
             try:
-                listed = set(_http(self.url + "/list_workers", None, timeout=5).get("urls") or [])
+                listed = set(http_json(self.url + "/list_workers", None, timeout=5).get("urls") or [])
             except InferenceServerError:
                 listed = set()
             if listed >= set(self.members):
                 return
             if time.monotonic() > deadline:
-                raise InferenceServerError(f"the inference pool: {sorted(set(self.members) - listed)} not in the router "
-                                           f"{self.url} within {timeout} s")
+                raise InferenceServerError(f"the inference pool: {sorted(set(self.members) - listed)} not in the "
+                                           f"router {self.url} within {timeout} s")
             time.sleep(0.5)
 
     def _current(self, url: str, instance: str | None, version: int | None) -> bool:
@@ -139,7 +139,7 @@ class PoolClient(VLLMClient):
             self._healthy = {u for u, s in states.items() if s[0]}
             self._seen.update(states)
             try:
-                listed = set(_http(self.url + "/list_workers", None, timeout=5).get("urls") or [])
+                listed = set(http_json(self.url + "/list_workers", None, timeout=5).get("urls") or [])
             except InferenceServerError:
                 return  # the router is down (the launcher restarts it): next pass
             for url in ready - listed:
@@ -157,7 +157,8 @@ class PoolClient(VLLMClient):
             log.warning("%s: loading weights version %d failed (%s); it stays out of the router", url, self.version, e)
             return False
         self._loaded[url] = (instance, self.version)
-        log.info("%s loaded weights version %d in %.2f s; back in the router", url, self.version, time.perf_counter() - t0)
+        log.info("%s loaded weights version %d in %.2f s; back in the router", url, self.version,
+                 time.perf_counter() - t0)
         return True
 
     def _set_router(self, url: str, present: bool) -> None:
@@ -194,12 +195,14 @@ class PoolClient(VLLMClient):
                     ok += 1
                 except InferenceServerError as e:
                     self._healthy.discard(url)
-                    log.warning("%s missed weights version %d (%s): out of the router until it holds it", url, version, e)
+                    log.warning("%s missed weights version %d (%s): out of the router until it holds it", url,
+                                version, e)
                     self._loaded.pop(url, None)
                     self._set_router(url, False)
             self.version = version
             if not ok:
-                log.warning("no inference server took weights version %d; generation waits for a re-synced one", version)
+                log.warning("no inference server took weights version %d; generation waits for a re-synced one",
+                            version)
 
     # -- generation through the router, re-dispatched on a server's death
     def _headers(self, req: Request) -> dict:
@@ -224,7 +227,8 @@ class PoolClient(VLLMClient):
                 time.sleep(wait)
                 wait = min(wait * 2, 2.0)
 
-    def pool_metrics(self) -> dict:
+    def metrics(self) -> dict:
+        """``inference/redispatched`` since the previous call, ``inference/restarts`` (``processes.json``)."""
         with self._count_lock:
             n, self._redispatched_reported = self.redispatched - self._redispatched_reported, self.redispatched
         restarts = 0

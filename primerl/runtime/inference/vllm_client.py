@@ -129,7 +129,10 @@ def _token_ids(choice: dict) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ HTTP
-def _http(url: str, payload: dict | None, timeout: float) -> dict:
+def http_json(url: str, payload: dict | None, timeout: float) -> dict:
+    """``GET url`` (``payload`` None) or ``POST url`` with ``payload`` as JSON; the decoded JSON answer
+    (``{}`` for an empty body). Raises :class:`InferenceServerError` naming the URL on an HTTP error
+    status, a refused connection or no answer within ``timeout`` seconds."""
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
                                  method="GET" if payload is None else "POST")
@@ -144,7 +147,7 @@ def _http(url: str, payload: dict | None, timeout: float) -> dict:
     return json.loads(body) if body else {}
 
 
-def _rpc_versions(out: dict) -> list[int | None]:
+def rpc_versions(out: dict) -> list[int | None]:
     """The per-worker answers of a version-returning ``/collective_rpc`` (vLLM sends non-dict results
     as strings; primerl's engine server sends ``{"version": v}``)."""
     got = []
@@ -159,7 +162,7 @@ def reset_prefix_cache(url: str, timeout: float, *, attempts: int = 5, wait_s: f
     """Drop every cached KV block, preempting running requests (they are recomputed under the new
     weights). ``{"success": false}`` is retried; raises after ``attempts``."""
     for i in range(attempts):
-        out = _http(url + "/reset_prefix_cache?reset_running_requests=true", {}, timeout)
+        out = http_json(url + "/reset_prefix_cache?reset_running_requests=true", {}, timeout)
         if out.get("success", False):
             return
         time.sleep(wait_s * (i + 1))
@@ -232,10 +235,14 @@ class VLLMClient:
     # -- health and weights
     def health(self) -> bool:
         try:
-            _http(self.url + "/health", None, timeout=5)
+            http_json(self.url + "/health", None, timeout=5)
             return True
         except InferenceServerError:
             return False
+
+    def metrics(self) -> dict:
+        """The client's own per-step metrics (``backend.InferenceClient``): none for one server."""
+        return {}
 
     def servers_healthy(self) -> int:
         """How many servers answer ``/health`` (one URL today: 0 or 1)."""
@@ -249,12 +256,13 @@ class VLLMClient:
             time.sleep(0.5)
 
     def collective_rpc(self, method: str, *args, timeout: float | None = None) -> dict:
-        return _http(self.url + "/collective_rpc", {"method": method, "args": list(args)}, timeout or self.timeout_s)
+        return http_json(self.url + "/collective_rpc", {"method": method, "args": list(args)},
+                         timeout or self.timeout_s)
 
     def server_versions(self) -> list[int | None]:
         """The weights version every worker holds (-1: an update failed part way; None: the
         weights the server started with)."""
-        return _rpc_versions(self.collective_rpc("weights_version"))
+        return rpc_versions(self.collective_rpc("weights_version"))
 
     def update_weights(self, version: int, transport) -> None:
         """Make the server hold ``version`` and check that every worker does; raises
@@ -275,12 +283,12 @@ class VLLMClient:
         path = Path(transport.weights_dir(version)).resolve()
         pausable = self.can_pause()
         if pausable:  # in flight: running requests stay, with their KV cache
-            _http(self.url + "/pause?mode=keep&clear_cache=false", {}, self.timeout_s)
+            http_json(self.url + "/pause?mode=keep&clear_cache=false", {}, self.timeout_s)
         try:
             self._load_from_path(version, path)
             if pausable:  # succeeds only when no request holds blocks (retried briefly: generation is paused)
                 for wait in (0.05, 0.1, None):
-                    if _http(self.url + "/reset_prefix_cache", {}, self.timeout_s).get("success", False):
+                    if http_json(self.url + "/reset_prefix_cache", {}, self.timeout_s).get("success", False):
                         break
                     if wait is None:
                         log.info("weights version %d loaded in flight; the prefix cache keeps blocks of the previous "
@@ -291,14 +299,14 @@ class VLLMClient:
                 reset_prefix_cache(self.url, self.timeout_s, wait_s=self.reset_wait_s)
         finally:
             if pausable:
-                _http(self.url + "/resume", {}, self.timeout_s)
+                http_json(self.url + "/resume", {}, self.timeout_s)
         self.version = version
 
     def can_pause(self) -> bool:
         """Whether the server has ``/pause`` and ``/resume`` (probed once by ``GET /is_paused``)."""
         if self._pausable is None:
             try:
-                _http(self.url + "/is_paused", None, timeout=self.timeout_s)
+                http_json(self.url + "/is_paused", None, timeout=self.timeout_s)
                 self._pausable = True
             except InferenceServerError as e:
                 if not any(f"HTTP {c}" in str(e) for c in (404, 405, 501)):  # not served: no such route
@@ -311,7 +319,7 @@ class VLLMClient:
     def _load_from_path(self, version: int, path: Path) -> None:
         for attempt in range(1, self.update_attempts + 1):
             try:
-                got = _rpc_versions(self.collective_rpc("update_weights_from_path", str(path)))
+                got = rpc_versions(self.collective_rpc("update_weights_from_path", str(path)))
                 if not got or any(v != version for v in got):
                     raise InferenceServerError(f"{self.url}: after loading {path} the workers report versions {got}, "
                                                f"expected {version}")
@@ -369,7 +377,8 @@ class VLLMClient:
                 raise InferenceServerError(f"{self.url}: {e}") from None
             want = len(req.prompt) + len(tokens) - 1
             if routing.shape[0] < want:
-                raise InferenceServerError(f"{self.url}: routed_experts covers {routing.shape[0]} positions, need {want}")
+                raise InferenceServerError(f"{self.url}: routed_experts covers {routing.shape[0]} positions, "
+                                           f"need {want}")
             routing = routing[:want]
         elif self.expect_routing:
             raise InferenceServerError(f"{self.url}: the completion has no routed_experts (start vLLM with "
@@ -413,20 +422,47 @@ class VLLMClient:
 
 
 # ------------------------------------------------------------------------------------ FP8 transfer
+def _is_transfer_expert(name: str) -> bool:
+    return "expert" in name
+
+
 def quantize_for_transfer(state_dict: dict[str, torch.Tensor], *, block: tuple[int, int] = (128, 128),
-                          match=lambda name: "expert" in name) -> dict[str, torch.Tensor]:
+                          match=_is_transfer_expert) -> dict[str, torch.Tensor]:
     """Expert weights -> FP8 e4m3 with 128x128 block scales, in the checkpoint layout vLLM's block-FP8
     loader reads (``<name>`` fp8 and ``<name>_scale_inv`` float32). Other tensors pass unchanged."""
-    from primerl.kernels.fp8 import quant_per_block
-
     out = {}
     for name, t in state_dict.items():
-        if match(name) and t.is_floating_point() and t.dim() in (2, 3):
-            q, sf = quant_per_block(t.float(), block)
-            out[name] = q
-            out[name + "_scale_inv"] = sf
-        else:
-            out[name] = t
+        out.update(quantize_one_for_transfer(name, t, block=block, match=match))
     return out
 
 
+def quantize_one_for_transfer(name: str, t: torch.Tensor, *, block: tuple[int, int] = (128, 128),
+                              match=_is_transfer_expert) -> list[tuple[str, torch.Tensor]]:
+    """One tensor of :func:`quantize_for_transfer`: ``[(name, fp8 [(G,) N, K]), (name + "_scale_inv",
+    float32 [(G,) ceil(N/bn), ceil(K/bk)])]`` for an expert weight, ``[(name, t)]`` otherwise."""
+    if not transfer_quantized(name, t.dtype, t.dim(), match=match):
+        return [(name, t)]
+    from primerl.kernels.fp8 import quant_per_block
+
+    q, sf = quant_per_block(t.float(), block)
+    return [(name, q), (name + "_scale_inv", sf)]
+
+
+def transfer_quantized(name: str, dtype: torch.dtype, ndim: int, *, match=_is_transfer_expert) -> bool:
+    """Whether :func:`quantize_for_transfer` turns this tensor into FP8 + scales."""
+    return bool(match(name)) and dtype.is_floating_point and ndim in (2, 3)
+
+
+def transfer_specs(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], *,
+                   block: tuple[int, int] = (128, 128)) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``[(name, dtype, shape)]`` after :func:`quantize_for_transfer`, from the specs alone (a streamed
+    transfer writes its header before any tensor exists)."""
+    out = []
+    for name, dtype, shape in specs:
+        if transfer_quantized(name, dtype, len(shape)):
+            *g, n, k = shape
+            out += [(name, torch.float8_e4m3fn, tuple(shape)),
+                    (name + "_scale_inv", torch.float32, (*g, -(-n // block[0]), -(-k // block[1])))]
+        else:
+            out.append((name, dtype, tuple(shape)))
+    return out

@@ -20,7 +20,7 @@ import torch
 
 from ..config import ModelConfig, VLLMConfig
 from ..lifetime import die_with_parent
-from .vllm_client import WORKER_EXTENSION, InferenceServerError, _http
+from .vllm_client import WORKER_EXTENSION, InferenceServerError, http_json
 
 log = logging.getLogger("primerl.vllm")
 
@@ -130,7 +130,7 @@ class VLLMLauncher:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                _http(self.url + "/health", None, timeout=5)
+                http_json(self.url + "/health", None, timeout=5)
                 return self
             except InferenceServerError:
                 pass

@@ -8,8 +8,8 @@ this module does not need vLLM; the methods only run inside a vLLM worker.
   FP8 experts may come with ``*_scale_inv``) and load them; returns the version in the marker.
 - ``init_broadcast(host, port, rank, world_size)`` then ``update_weights_from_broadcast()``:
   join a process group with trainer rank 0 (rank 0 = trainer, workers after it) and receive one
-  update by broadcast from rank 0 (:func:`send_update` / :func:`receive_update`: a header with the
-  version and the tensor specs, then every tensor); returns the version. With ``specs``
+  update by broadcast from rank 0 (``weight_broadcast.send_update`` / ``receive_update``: a header
+  with the version and the tensor specs, then every tensor); returns the version. With ``specs``
   (``[(name, dtype, shape), ...]``) only the tensors are received (no header).
 - ``weights_version()``: the version the worker holds; ``-1`` after an update that failed part
   way (the model may hold a mix of two versions and must not be sampled from); ``None`` before
@@ -27,6 +27,10 @@ version becomes ``-1``).
 from __future__ import annotations
 
 from pathlib import Path
+
+from .weight_broadcast import new_group, receive_update, receive_weights
+
+__all__ = ["WeightUpdateExtension", "checkpoint_tensor_names", "load_in_place"]
 
 
 class WeightUpdateExtension:
@@ -152,107 +156,3 @@ def _prepack_cpu_experts(model) -> None:
         experts = getattr(kernel, "fused_experts", None)
         if experts is not None:
             experts.process_weights_after_loading(layer)
-
-
-def new_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float = 300.0,
-              backend: str | None = None, store_rank: int = 0):
-    """A process group outside vLLM's own (its own TCPStore rendezvous; rank 0 = the trainer).
-    Joining and every collective give up after ``timeout_s`` (a dead peer raises, never hangs).
-    ``backend``: "nccl" or "gloo" (default: NCCL when CUDA is available). ``store_rank``: the rank
-    that hosts the TCPStore at ``host:port`` (the others connect there)."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    if backend not in (None, "nccl", "gloo"):
-        raise ValueError(f"new_group: backend must be 'nccl', 'gloo' or None, got {backend!r}")
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == store_rank), timeout=timeout)
-    if backend == "nccl" or (backend is None and torch.cuda.is_available()):
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-
-
-def _group_device(group) -> str:
-    import torch.distributed as dist
-
-    nccl = getattr(dist, "ProcessGroupNCCL", None)
-    return "cuda" if nccl is not None and isinstance(group, nccl) else "cpu"
-
-
-def _broadcast(group, t) -> None:
-    import torch
-    import torch.distributed as dist
-
-    if t.is_floating_point() and t.element_size() == 1:  # gloo has no fp8 types: move the bytes
-        t = t.view(torch.uint8)
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    group.broadcast([t], opts).wait()
-
-
-def weight_specs(state_dict) -> list:
-    return [(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in state_dict.items()]
-
-
-def send_weights(group, state_dict) -> None:
-    """Trainer side (rank 0): broadcast every tensor in ``weight_specs`` order."""
-    dev = _group_device(group)
-    for _, v in state_dict.items():
-        _broadcast(group, v.detach().to(dev).contiguous())
-
-
-def send_update(group, version: int, state_dict) -> None:
-    """Trainer side: a header (``version`` and the specs, as JSON bytes) then every tensor."""
-    import json
-
-    import torch
-
-    dev = _group_device(group)
-    meta = json.dumps({"version": int(version), "specs": weight_specs(state_dict)}).encode()
-    _broadcast(group, torch.tensor([len(meta)], dtype=torch.int64, device=dev))
-    _broadcast(group, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev))
-    send_weights(group, state_dict)
-    _ack(group)
-
-
-def _ack(group) -> None:
-    """Every rank has finished receiving (a broadcast's root may return while the bytes are still in
-    flight; the trainer writes the version's marker, or tears the group down, only after this)."""
-    import torch
-
-    dev = _group_device(group)
-    group.allreduce([torch.zeros(1, device=dev)]).wait()
-    if dev == "cuda":  # NCCL's wait() only orders the stream: wait on the host for the bytes too
-        torch.cuda.current_stream().synchronize()
-
-
-def receive_update(group, device="cpu") -> tuple[int, list]:
-    """Receiver side of :func:`send_update`: ``(version, [(name, tensor), ...])``."""
-    import json
-
-    import torch
-
-    dev = _group_device(group)
-    n = torch.zeros(1, dtype=torch.int64, device=dev)
-    _broadcast(group, n)
-    meta = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
-    _broadcast(group, meta)
-    head = json.loads(bytes(meta.cpu().tolist()))
-    weights = receive_weights(group, head["specs"], device)
-    _ack(group)
-    return int(head["version"]), weights
-
-
-def receive_weights(group, specs: list, device="cpu") -> list:
-    import torch
-
-    out = []
-    for name, dtype, shape in specs:
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        _broadcast(group, t)
-        out.append((name, t))
-    return out

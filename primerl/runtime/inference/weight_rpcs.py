@@ -1,5 +1,5 @@
 """The engine server's weight control plane, as vLLM's server and primerl's worker extension
-(``vllm_worker``) answer it, so ``VLLMClient`` / ``WeightPublisher`` drive both the same way:
+(``vllm_worker``) answer it, so ``VLLMClient`` / the trainer's weight channels drive both the same way:
 
 - ``POST /collective_rpc`` ``{"method", "args"}``: ``update_weights_from_path(dir)`` (a published
   ``model.safetensors``, primerl's names or the Hugging Face layout; the version from ``STABLE``),

@@ -1,21 +1,22 @@
-"""How the trainer hands each policy version to inference (``inference.backend``,
-``inference.vllm.weight_update``):
+"""Both ends of the trainer -> inference weight transfer, below the channels.
 
-- embedded engine, ``filesystem``: ``model.safetensors`` under primerl's names through the
-  :class:`FileTransport`;
-- embedded engine, ``broadcast`` (``inference.weight_update``; "auto" picks it when the engine
-  has a GPU of its own): trainer rank 0 broadcasts primerl's tensors, in the engine's dtype, to
-  the orchestrator process (:class:`EngineWeightReceiver`, a background thread with its own CUDA
-  stream) over NCCL, or gloo on the CPU, then publishes a marker-only version directory;
-- vLLM, ``filesystem``: the Hugging Face layout (``hf_weights.publish_hf``: safetensors +
-  ``config.json`` + marker; block-FP8 experts with ``update_fp8``), loaded by the server on the
-  orchestrator's ``update_weights_from_path``;
-- vLLM, ``broadcast``: the same Hugging Face tensors broadcast over a ``torch.distributed`` group
-  from trainer rank 0 to the receivers (:class:`BroadcastWeightSender`), then a marker-only
-  version directory, so the orchestrator learns the version only once the receivers hold it.
+Sending (trainer rank 0; used by the channels of ``weight_channels``):
 
-Every step has a timeout (``inference.vllm.broadcast_timeout_s``); a receiver that is gone makes
-the send raise, never hang.
+- :class:`BroadcastWeightSender`: rank 0 of a ``torch.distributed`` group of its own with the
+  receivers (``weight_broadcast``'s wire protocol), optionally asking a vLLM-protocol server to
+  receive over ``POST /collective_rpc``; every step bounded by a timeout, a receiver that is gone
+  makes the send raise :class:`WeightSyncError`, never hang.
+
+Receiving: the orchestrator's ``WeightVersions`` (``versions()``, ``wait_version(min_version, *,
+timeout, alive=None)``, ``close()``, ``alive``), made by the backend (``InferenceBackend.weight_receiver``):
+
+- :class:`FileWeightVersions`: the ``STABLE`` markers the trainer writes in ``output_dir``;
+- :class:`EngineWeightReceiver`: the embedded engine's end of the trainer's broadcast (a thread in
+  the orchestrator process that receives every version and hands it to the engine);
+- :class:`ServerWeightVersions`: the versions vLLM-protocol servers report holding, for broadcasts
+  to servers on other nodes (no directory shared with the trainer).
+
+Every wait names the trainer's node (``PRIMERL_TRAINER_NODE``) when it gives up.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..config import RLConfig, VLLMConfig
-from ..transport import ENGINE_HOST_ENV, ORCHESTRATOR_NODE_ENV, TRAINER_NODE_ENV, FileTransport
+from ..config import VLLMConfig
+from ..transport import ENGINE_HOST_ENV, TRAINER_NODE_ENV, FileTransport
 
 log = logging.getLogger("primerl.weight_sync")
 
@@ -75,7 +76,7 @@ class BroadcastWeightSender:
     def _rpc(self, method: str, *args, version: int | None = None):
         """``POST /collective_rpc`` in the background; for an update, every worker must answer
         ``version`` (a worker whose load failed raises, HTTP 500), then the prefix cache is reset."""
-        from .vllm_client import InferenceServerError, _http, _rpc_versions, reset_prefix_cache
+        from .vllm_client import InferenceServerError, http_json, rpc_versions, reset_prefix_cache
 
         if self._pool is None:
             return None
@@ -83,9 +84,9 @@ class BroadcastWeightSender:
         url = self.rpc_url
 
         def call():
-            out = _http(url + "/collective_rpc", {"method": method, "args": list(args)}, t)
+            out = http_json(url + "/collective_rpc", {"method": method, "args": list(args)}, t)
             if version is not None:
-                got = _rpc_versions(out)
+                got = rpc_versions(out)
                 if not got or any(v != version for v in got):
                     raise InferenceServerError(f"the workers report weights versions {got}, expected {version}")
                 reset_prefix_cache(url, t)
@@ -102,21 +103,22 @@ class BroadcastWeightSender:
             raise WeightSyncError(f"{what}: the inference server did not confirm ({e})") from e
 
     def connect(self) -> "BroadcastWeightSender":
-        from .vllm_worker import new_group
+        from .weight_broadcast import new_group
 
         if self.rpc_url:  # the trainer may come up before the server: wait for it (bounded)
             from ..transport import wait_for
-            from .vllm_client import InferenceServerError, _http
+            from .vllm_client import InferenceServerError, http_json
 
             def healthy():
                 try:
-                    _http(self.rpc_url + "/health", None, timeout=5)
+                    http_json(self.rpc_url + "/health", None, timeout=5)
                     return True
                 except InferenceServerError:
                     return False
 
             try:
-                wait_for(healthy, timeout=self.timeout_s, what=f"the inference server at {self.rpc_url}", poll=0.2, max_poll=1.0)
+                wait_for(healthy, timeout=self.timeout_s, what=f"the inference server at {self.rpc_url}", poll=0.2,
+                         max_poll=1.0)
             except TimeoutError as e:
                 raise WeightSyncError(str(e)) from e
         fut = self._rpc("init_broadcast", self.host, self.port, 1, self.num_receivers + 1, self.timeout_s)
@@ -130,13 +132,22 @@ class BroadcastWeightSender:
         return self
 
     def send(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        from .vllm_worker import send_update
+        """Broadcast ``tensors`` as ``version`` (joining the group first if needed)."""
+        from .weight_broadcast import weight_specs
+
+        self.send_stream(version, weight_specs(tensors), tensors.items())
+
+    def send_stream(self, version: int, specs: list, tensors) -> None:
+        """Broadcast ``version`` from a stream: ``specs`` (``[(name, dtype, shape)]``) in the header,
+        then each ``(name, tensor)`` of ``tensors`` as it arrives (``weight_broadcast.send_update_stream``).
+        Raises :class:`WeightSyncError` naming the receivers when they die or time out."""
+        from .weight_broadcast import send_update_stream
 
         if self.group is None:
             self.connect()
         fut = self._rpc("update_weights_from_broadcast", version=version)
         try:
-            send_update(self.group, version, tensors)
+            send_update_stream(self.group, version, specs, tensors)
         except Exception as e:  # noqa: BLE001
             raise WeightSyncError(f"broadcast of weights version {version} failed ({self.peer} died or timed out "
                                   f"after {self.timeout_s} s): {e}") from e
@@ -146,7 +157,7 @@ class BroadcastWeightSender:
         """``goodbye``: first tell receivers that loop on :func:`receive_update` that no version
         follows (version -1), so they stop instead of waiting out the timeout."""
         if goodbye and self.group is not None:
-            from .vllm_worker import send_update
+            from .weight_broadcast import send_update
 
             try:
                 send_update(self.group, END_OF_UPDATES, {})
@@ -177,8 +188,8 @@ class EngineWeightReceiver:
     """The embedded engine's end of the trainer's weight broadcast (rank 1 of a two-rank group,
     trainer rank 0 is rank 0): a daemon thread receives every version into fresh tensors on
     ``device`` and keeps them until :meth:`take` hands one over. It hosts the group's store at
-    ``host:port`` (this process's node), and is the orchestrator's source of "a new version
-    exists" (:meth:`versions`, :meth:`wait_version`; ``FileTransport.weight_source``): nothing of
+    ``host:port`` (this process's node), and is the orchestrator's ``WeightVersions`` ("a new
+    version exists": :meth:`versions`, :meth:`wait_version`): nothing of
     the weights goes through ``output_dir``, so the orchestrator may run on a node of its own.
 
     On a GPU the thread runs on a CUDA stream of its own: a broadcast it waits for must not hold
@@ -201,7 +212,7 @@ class EngineWeightReceiver:
         return self
 
     def _run(self) -> None:
-        from .vllm_worker import new_group, receive_update
+        from .weight_broadcast import new_group, receive_update
 
         group = None
         try:
@@ -294,7 +305,7 @@ class EngineWeightReceiver:
         """The tensors of ``version`` (dropping any older version still held); waits for them."""
         timeout = self.timeout_s if timeout is None else timeout
         with self._cv:
-            ok = self._cv.wait_for(lambda: version in self._got or self._error is not None or self._ended, timeout)
+            self._cv.wait_for(lambda: version in self._got or self._error is not None or self._ended, timeout)
             if version not in self._got:
                 why = (f"the receiver failed: {self._error!r}" if self._error is not None else
                        "the trainer ended its updates" if self._ended else f"not received within {timeout} s")
@@ -306,7 +317,7 @@ class EngineWeightReceiver:
 
 
 class ServerWeightVersions:
-    """The orchestrator's source of weight versions (``FileTransport.weight_source``) when trainer
+    """The orchestrator's ``WeightVersions`` when trainer
     rank 0 broadcasts to inference servers (``inference.vllm.weight_update = "broadcast"``) on
     other nodes: the version every server's workers hold (``weights_version``), asked over HTTP,
     instead of the marker the trainer writes in its own ``output_dir``."""
@@ -340,64 +351,34 @@ class ServerWeightVersions:
                                       f"{_where(TRAINER_NODE_ENV, 'the trainer')} did not arrive)")
             time.sleep(self.poll_s)
 
+    @property
+    def alive(self) -> bool:
+        """No thread of its own: nothing that a process exit could interrupt."""
+        return False
 
-def network_weight_source(cfg: RLConfig, client):
-    """What tells the orchestrator that a weights version exists, when not the markers in
-    ``output_dir``: the embedded engine's broadcast receiver (always), or the servers' own
-    versions for a vLLM-protocol server taking broadcasts on a multi-node plan. None: markers."""
-    receiver = getattr(client, "receiver", None)
-    if receiver is not None:
-        return receiver
-    v = cfg.inference.vllm
-    if (cfg.deployment.kind != "local" and cfg.inference.backend == "vllm" and v.weight_update == "broadcast"
-            and v.broadcast_rpc and hasattr(client, "server_versions")):
-        return ServerWeightVersions(client)
-    return None
+    def close(self, timeout: float | None = None) -> None:
+        """Nothing held (the client's connections are the client's)."""
 
 
-class WeightPublisher:
-    """Trainer rank 0: ``publish(version, state_dict)`` per the config (see the module docstring)."""
+class FileWeightVersions:
+    """The orchestrator's ``WeightVersions`` from the files the trainer publishes: the versions
+    whose ``STABLE`` marker exists under ``transport.weights`` (``FileTransport.weight_versions``),
+    whether the weights came as files or went by broadcast and the marker followed."""
 
-    def __init__(self, cfg: RLConfig, transport: FileTransport, model):
-        from ..placement import resolve_placement
+    def __init__(self, transport: FileTransport):
+        self.transport = transport
 
-        self.cfg, self.transport, self.model = cfg, transport, model
-        i = cfg.inference
-        self.hf = i.backend == "vllm"
-        self.sender = BroadcastWeightSender.from_config(i.vllm) if self.hf and i.vllm.weight_update == "broadcast" else None
-        placement = resolve_placement(cfg)
-        self.engine_sender = None  # the embedded engine's broadcast (inference.weight_update)
-        self.engine_dtype = placement.param_dtype
-        if not self.hf and placement.weight_update == "broadcast":
-            who = _where(ORCHESTRATOR_NODE_ENV, "the orchestrator")
-            self.engine_sender = BroadcastWeightSender(engine_broadcast_host(), i.broadcast_port, 1,
-                                                       timeout_s=cfg.orchestrator.weights_timeout_s,
-                                                       backend=placement.broadcast_backend, store_rank=1,
-                                                       peer=f"{who} (embedded engine's receiver)")
+    def versions(self) -> list[int]:
+        return self.transport.weight_versions()
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        from .hf_weights import hf_weights, publish_hf
+    def wait_version(self, min_version: int, *, timeout: float, alive=None) -> int:
+        """The newest version >= ``min_version`` once its marker exists; raises ``TransportTimeout``
+        after ``timeout`` s, ``ProducerDied`` once ``alive()`` is False."""
+        return self.transport.wait_weights(min_version, timeout=timeout, alive=alive)
 
-        v = self.cfg.inference.vllm
-        if self.engine_sender is not None:
-            self.engine_sender.send(version, {k: t.to(self.engine_dtype) for k, t in state_dict.items()})
-            self.transport.publish_weights(version, None)
-        elif not self.hf:
-            self.transport.publish_weights(version, state_dict)
-        elif self.sender is None:
-            publish_hf(self.transport, version, self.model, state_dict, fp8=v.update_fp8)
-        else:
-            tensors = hf_weights(self.model, state_dict)
-            if v.update_fp8:
-                from .vllm_client import quantize_for_transfer
+    @property
+    def alive(self) -> bool:
+        return False
 
-                tensors = quantize_for_transfer(tensors)
-            self.sender.send(version, tensors)
-            self.transport.publish_weights(version, None)
-            log.info("weights version %d broadcast to %d receiver(s)", version, self.sender.num_receivers)
-
-    def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-        if self.engine_sender is not None:
-            self.engine_sender.close(goodbye=True)
+    def close(self, timeout: float | None = None) -> None:
+        """Files hold nothing open."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, RLConfig, trainer_ranks_per_node
 from ..config.deployment import split_endpoint
+from ..inference.backend import get_backend
 
 __all__ = ["Node", "NodePlan", "node_plan", "describe_nodes", "check_rendezvous_port",
            "split_endpoint", "is_loopback", "config_hash", "inference_server", "DEFAULT_RDZV_PORT", "KINDS", "ROLES"]
@@ -92,7 +93,8 @@ def node_plan(cfg: RLConfig, hosts: list[str] | None = None) -> NodePlan:
     hosts = list(hosts or d.hosts or [f"$node{i}" for i in range(n)])
     if len(hosts) < n:
         raise ConfigError(f"deployment: the plan needs {n} nodes but the job has {len(hosts)} ({hosts})")
-    engine_first = d.orchestrator == "trainer" and cfg.inference.backend == "embedded" and d.gpus_per_node > 1
+    in_process = get_backend(cfg).capabilities.engine_in_process  # the engine beside the orchestrator takes a GPU
+    engine_first = d.orchestrator == "trainer" and in_process and d.gpus_per_node > 1
     nodes = []
     for t in range(d.trainer_nodes):
         roles = ("trainer", "orchestrator") if t == 0 and d.orchestrator == "trainer" else ("trainer",)
@@ -134,7 +136,8 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
         if "inference" in n.roles:
             parts.append(f"inference server (GPUs {list(n.gpus) or 'none'}): {inference_server(cfg, n.host)}")
         if "orchestrator" in n.roles:
-            parts.append("orchestrator" + (" + embedded engine" if cfg.inference.backend == "embedded" else ""))
+            b = get_backend(cfg)
+            parts.append("orchestrator" + (f" + {b.name} engine" if b.capabilities.engine_in_process else ""))
         lines.append(f"# node {n.index} {n.host}: " + "; ".join(parts))
     if plan.kind != "local":
         from ..zmq_transport import batch_transport

@@ -70,27 +70,18 @@ def run_rl(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[d
 
 @contextlib.contextmanager
 def launched_vllm(cfg: RLConfig, *, quiet: bool = True):
-    """``inference.vllm.launch``: vLLM serves the job's initial policy for the job's life; its whole
-    process group is stopped when the job ends, failed or not (``inference.vllm_launch.launch_for_job``)."""
-    if cfg.inference.backend != "vllm" or not cfg.inference.vllm.launch:
-        yield None
-        return
-    from primerl.rl.envs import load_environment
-
+    """The servers the inference backend starts for the job on this machine, for the job's life
+    (``InferenceBackend.servers``: vLLM with ``inference.vllm.launch``), stopped when the job ends,
+    failed or not; one that does not come up is a ``JobFailed``."""
+    from ..inference.backend import get_backend
     from ..inference.vllm_client import InferenceServerError
-    from ..inference.vllm_launch import launch_for_job
 
-    if not quiet:
-        print(f"primerl rl: starting vLLM on {cfg.inference.vllm.url} (log: {Path(cfg.output_dir) / 'logs' / 'vllm.log'})",
-              flush=True)
-    try:
-        server = launch_for_job(cfg, load_environment(cfg.env.id, **cfg.env.args).vocab_size)
-    except InferenceServerError as e:
-        raise JobFailed(f"launching vLLM: {e}") from None
-    try:
-        yield server
-    finally:
-        server.stop()
+    with contextlib.ExitStack() as stack:
+        try:
+            started = stack.enter_context(get_backend(cfg).servers(cfg, quiet=quiet))
+        except InferenceServerError as e:
+            raise JobFailed(str(e)) from None
+        yield started
 
 
 def _run_rl(cfg: RLConfig, *, quiet: bool, poll_s: float) -> list[dict]:

@@ -292,7 +292,9 @@ def pool_for_job(cfg, cfg_path: str, out: Path, table: ProcessTable, env: dict |
     i = cfg.inference
     if i.num_servers <= 1 and not i.vllm.urls:
         return None
-    n = i.num_servers if i.backend == "embedded" else 0
+    from ..inference.backend import get_backend
+
+    n = i.num_servers if get_backend(cfg).capabilities.server_pool else 0  # servers primerl starts (else: external)
     return ServerPool(cfg_path, n, Path(out) / "logs", table, policy=i.router_policy, external_urls=i.vllm.urls,
                       max_restarts=i.max_restarts, health_timeout_s=i.health_timeout_s,
                       request_timeout_s=i.timeout_s, env=env)

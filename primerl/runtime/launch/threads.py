@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import RLConfig
+from ..inference.backend import get_backend
 from ..metrics import read_metrics
 from ..orchestrator.clients import make_client
 from ..output_dir import claim_output_dir
@@ -55,8 +56,8 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
     th.start()
     transport = make_transport(cfg, out / "transport", "orchestrator")
     client = parts["client"] = make_client(cfg, env.vocab_size)
-    transport.weight_source = getattr(client, "receiver", None)
-    orch = build_orchestrator(cfg, env, client, transport, start_step=start,
+    weights = get_backend(cfg).weight_receiver(cfg, client, transport)
+    orch = build_orchestrator(cfg, env, client, transport, start_step=start, weights=weights,
                         trainer_alive=lambda: not done.is_set() or not errors, top_k=model_config(cfg, env.vocab_size).top_k)
     try:
         orch.run()
@@ -69,7 +70,5 @@ def _run_threads(cfg: RLConfig, *, quiet: bool, parts: dict) -> list[dict]:
     transport.close()
     if errors:
         raise errors[0]
-    receiver = getattr(client, "receiver", None)
-    if receiver is not None:  # the trainer said goodbye: let the receiving thread leave its group
-        receiver.close(timeout=30)
+    weights.close(timeout=30)  # a broadcast receiver: the trainer said goodbye, its thread leaves the group
     return read_metrics(out / "metrics.jsonl")

@@ -52,8 +52,13 @@ COUNTS = ("discarded_stale", "env_errors", "env_timeouts", "rewards_rejected", "
 
 class Orchestrator(BatchSteps):
     def __init__(self, cfg: RLConfig, env: Environment, client, transport: FileTransport, *, start_step: int = 0,
-                 trainer_alive: Callable[[], bool] | None = None, top_k: int = 1):
+                 trainer_alive: Callable[[], bool] | None = None, top_k: int = 1, weights=None):
+        """``weights``: the ``WeightVersions`` that says which versions exist (the backend's
+        ``weight_receiver``); default: the trainer's markers in ``transport``."""
+        from ..inference.weight_sync import FileWeightVersions
+
         self.cfg, self.env, self.client, self.transport = cfg, env, client, transport
+        self.weights = FileWeightVersions(transport) if weights is None else weights
         self.o = cfg.orchestrator
         self.start_step = start_step
         self.trainer_alive = trainer_alive
@@ -111,8 +116,8 @@ class Orchestrator(BatchSteps):
         """Load the newest published version not newer than the next batch to sample."""
         cap = self.next_submit
         if block_for is not None:
-            self.transport.wait_weights(block_for, timeout=self.o.weights_timeout_s, alive=self.trainer_alive)
-        versions = [v for v in self.transport.weight_versions() if v <= cap]
+            self.weights.wait_version(block_for, timeout=self.o.weights_timeout_s, alive=self.trainer_alive)
+        versions = [v for v in self.weights.versions() if v <= cap]
         if versions and versions[-1] > self.version:
             v = versions[-1]
             self.client.update_weights(v, self.transport)
@@ -149,7 +154,8 @@ class Orchestrator(BatchSteps):
         attempt = old[0].attempt + 1
         if reason == "env_error" and attempt > self.cfg.env.max_retries:
             raise EnvError(f"environment {self.cfg.env.id!r} failed on prompt of step {step} group {g} "
-                           f"{attempt} times (env.max_retries = {self.cfg.env.max_retries}); last error: {error!r}") from error
+                           f"{attempt} times (env.max_retries = {self.cfg.env.max_retries}); "
+                           f"last error: {error!r}") from error
         live = {id(s) for s in old}
         stale_ids = [rid for rid, s in self.episodes.items() if id(s) in live]
         self.client.abort(stale_ids)
@@ -185,8 +191,8 @@ class Orchestrator(BatchSteps):
             return None
         from .batching import build_samples
 
-        samples, adv_metrics = build_samples(groups, self.o.advantage, self.top_k,
-                                             replay=self.cfg.trainer.router_replay and self.cfg.inference.capture_routing,
+        replay = self.cfg.trainer.router_replay and self.cfg.inference.capture_routing
+        samples, adv_metrics = build_samples(groups, self.o.advantage, self.top_k, replay=replay,
                                              temperature=self.cfg.inference.temperature)
         eps = [st for grp in groups for st in grp]
         if self.o.save_samples:
@@ -200,11 +206,6 @@ class Orchestrator(BatchSteps):
             "env/errors": c["env_errors"], "env/timeouts": c["env_timeouts"], "rewards/rejected": c["rewards_rejected"],
             "rewards/clipped": c["rewards_clipped"], **adv_metrics,
         }
-        if hasattr(self.client, "resampled"):  # inference.pd: requests resent after a failed KV hand-off
-            metrics["inference/pd_resampled"] = self.client.resampled
-        dev = getattr(getattr(self.client, "engine", None), "device", None)
-        if dev is not None and dev.type == "cuda":
-            metrics["memory/engine_peak_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
         return samples, metrics
 
     # ---------------------------------------------------------------- main loop
@@ -229,7 +230,8 @@ class Orchestrator(BatchSteps):
                     continue
                 if self._batch_done(self.next_write):
                     continue
-                raise RuntimeError(f"orchestrator stalled: batch {self.next_write} is incomplete with no request in flight")
+                raise RuntimeError(f"orchestrator stalled: batch {self.next_write} is incomplete with no request "
+                                   "in flight")
             for c in self.client.poll():
                 self._on_completion(c)
 
@@ -249,6 +251,13 @@ class EmbeddedClient:
     def servers_healthy(self) -> int:
         """The engine runs in this process: it is healthy while this code runs (a dead engine raises)."""
         return 1
+
+    def metrics(self) -> dict:
+        """``memory/engine_peak_gb`` of an engine on a GPU; nothing on the CPU."""
+        dev = self.engine.device
+        if dev.type == "cuda":
+            return {"memory/engine_peak_gb": torch.cuda.max_memory_allocated(dev) / 2**30}
+        return {}
 
     def abort(self, request_ids) -> None:
         self.engine.abort(request_ids)

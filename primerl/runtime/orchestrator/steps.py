@@ -89,8 +89,7 @@ class BatchSteps:
             "inference/tokens_per_s": self._tokens_since_write / dt, "turns/mean": sum(turns) / len(turns),
             "inference/servers_healthy": self._servers_healthy,
         }
-        if hasattr(self.client, "pool_metrics"):  # a server pool: re-dispatched requests, restarts
-            metrics.update(self.client.pool_metrics())
+        metrics.update(self.client.metrics())  # the client's own (a pool's restarts, P/D resamples, engine memory)
         self._t_last_write, self._tokens_since_write = now, 0
         return metrics
 

@@ -97,22 +97,21 @@ class Group:
 
 class VerifiersOrchestrator(BatchSteps):
     def __init__(self, cfg: RLConfig, env: VerifiersEnv, client, transport: FileTransport, *, start_step: int = 0,
-                 trainer_alive: Callable[[], bool] | None = None, top_k: int = 1):
+                 trainer_alive: Callable[[], bool] | None = None, top_k: int = 1, weights=None):
+        """``weights``: the ``WeightVersions`` that says which versions exist (the backend's
+        ``weight_receiver``); default: the trainer's markers in ``transport``."""
+        from ..inference.backend import get_backend
+        from ..inference.weight_sync import FileWeightVersions
+
         self.cfg, self.env, self.transport = cfg, env, transport
+        self.weights = FileWeightVersions(transport) if weights is None else weights
         self.o = cfg.orchestrator
         self.start_step, self.trainer_alive, self.top_k = start_step, trainer_alive, top_k
         self.client = client
-        if cfg.inference.backend == "embedded":
-            from ..inference.server import EngineServer
-
-            self.engine = client.engine
-            self.server = EngineServer(self.engine, request_timeout=cfg.inference.timeout_s, model_name=env.model_name)
-        else:  # vLLM serves the route; a recording pass-through stands in front of it
-            from ..inference.generate_proxy import GenerateProxy
-
-            self.engine = None
-            self.server = GenerateProxy(cfg.inference.vllm.url, lambda: self.version,
-                                        request_timeout=cfg.inference.timeout_s)
+        # the embedded engine behind its own HTTP server (self.engine: loaded on the server's engine
+        # thread), or vLLM's route behind a recording pass-through (self.engine None: the client loads)
+        self.server, self.engine = get_backend(cfg).generate_server(cfg, client, policy_version=lambda: self.version,
+                                                                    model_name=env.model_name)
         self._init_steps(start_step, COUNTS)  # self.batches: step -> list[Group]
         self._spare_index = 0  # replacement tasks for dropped groups, after every scheduled one
         self._inflight: set[asyncio.Task] = set()
@@ -125,9 +124,9 @@ class VerifiersOrchestrator(BatchSteps):
     # ---------------------------------------------------------------- weights
     async def _refresh_weights(self, *, block_for: int | None = None) -> None:
         if block_for is not None:
-            await asyncio.to_thread(self.transport.wait_weights, block_for, timeout=self.o.weights_timeout_s,
+            await asyncio.to_thread(self.weights.wait_version, block_for, timeout=self.o.weights_timeout_s,
                                     alive=self.trainer_alive)
-        versions = [v for v in self.transport.weight_versions() if v <= self.next_submit]
+        versions = [v for v in self.weights.versions() if v <= self.next_submit]
         if versions and versions[-1] > self.version:
             v = versions[-1]
             if self.engine is None:  # vLLM: the client loads and verifies it on every worker
@@ -189,7 +188,8 @@ class VerifiersOrchestrator(BatchSteps):
             for b in branches:
                 check_branch_against_requests(b, rec.requests)
                 if len(b.token_ids) > self.o.seq_len:
-                    raise BranchError(f"bad_branch: {len(b.token_ids)} tokens, more than orchestrator.seq_len = {self.o.seq_len}")
+                    raise BranchError(f"bad_branch: {len(b.token_ids)} tokens, more than orchestrator.seq_len = "
+                                      f"{self.o.seq_len}")
             units.append(Unit(trace.agent.name, reward, branches, rec.first, trace.num_turns, len(trace.tool_messages),
                               sum(len(r[1]) for r in rec.requests), version_max=rec.last))
         if not units:
@@ -228,8 +228,8 @@ class VerifiersOrchestrator(BatchSteps):
     def _drop_group(self, step: int, g: int, reason: BaseException) -> None:
         self._count(step, "groups_dropped")
         if self._batch_counters[step]["groups_dropped"] > self.o.batch_size:
-            raise VerifiersEnvError(f"verifiers env {self._env_id}: more than {self.o.batch_size} groups of step {step} "
-                                    f"dropped (each after env.max_retries = {self.cfg.env.max_retries} failed "
+            raise VerifiersEnvError(f"verifiers env {self._env_id}: more than {self.o.batch_size} groups of step "
+                                    f"{step} dropped (each after env.max_retries = {self.cfg.env.max_retries} failed "
                                     f"episodes); last reason: {reason}")
         log.warning("verifiers group dropped (step %d group %d, task %d) after %d failed episodes: %s; a new task "
                     "replaces it", step, g, self.batches[step][g].task_index, self.batches[step][g].failures, reason)
@@ -249,7 +249,8 @@ class VerifiersOrchestrator(BatchSteps):
         zero = 0
         agents = sorted({u.agent for grp in groups for units in grp.members for u in units})
         for agent in agents:
-            slots = [[(gi, mi, ui) for mi, units in enumerate(grp.members) for ui, u in enumerate(units) if u.agent == agent]
+            slots = [[(gi, mi, ui) for mi, units in enumerate(grp.members) for ui, u in enumerate(units)
+                      if u.agent == agent]
                      for gi, grp in enumerate(groups)]
             sizes = {len(s) for s in slots if s}
             chunks = [slots] if len(sizes) == 1 else [[s] for s in slots if s]
@@ -389,7 +390,8 @@ def _fresh_renderers_lock() -> None:
 
 
 def build_orchestrator(cfg: RLConfig, env, client, transport: FileTransport, **kw):
-    """The orchestrator for ``env``: the verifiers path for a ``VerifiersEnv``, else the built-in one."""
+    """The orchestrator for ``env``: the verifiers path for a ``VerifiersEnv``, else the built-in one.
+    ``kw`` include ``weights``: the backend's ``WeightVersions`` (``InferenceBackend.weight_receiver``)."""
     if isinstance(env, VerifiersEnv):
         return VerifiersOrchestrator(cfg, env, client, transport, **kw)
     from .orchestrator import Orchestrator

@@ -7,7 +7,7 @@ Modules (imported lazily: ``primerl.runtime.trainer.checkpoint`` does not load t
   checkpoint      atomic full-state checkpoint save / load / latest
   dcp_checkpoint  sharded DCP checkpoints (save_dcp_checkpoint / load_dcp_checkpoint, optional async), any layout
   full_state      full model / optimizer state dicts gathered from (and scattered to) any layout
-  publish         iter_full_weights / publish_streamed: full weights to rank 0 one tensor at a time
+  publish         iter_full_weights / WeightStream: full weights to rank 0 one tensor at a time
   guards          parameters checked finite after every update, before publication
   padded_attention  one padded SDPA call for many short packed sequences (``trainer.attention``)
   vf_warmstart    supervised warm start from a verifiers task's demonstrations (before RL)

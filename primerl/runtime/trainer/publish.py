@@ -8,6 +8,9 @@ destination thus holds its own shard plus one full parameter at a time, never a 
 the model, provided the consumer does not keep what it gets: :func:`write_safetensors_stream`
 writes each tensor to disk as it arrives (the header comes first, from :func:`weight_specs`,
 which knows every global shape without gathering anything).
+
+:class:`WeightStream` packages one version's gather for the trainer's ``WeightChannel``
+(``inference.weight_channels``), which decides where the tensors go.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["iter_full_weights", "publish_streamed", "weight_specs", "write_safetensors_stream"]
+__all__ = ["WeightStream", "iter_full_weights", "weight_specs", "write_safetensors_stream"]
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -49,7 +52,8 @@ def weight_specs(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ..
     return out
 
 
-def iter_full_weights(model: nn.Module, *, dst: int = 0, to_cpu: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
+def iter_full_weights(model: nn.Module, *, dst: int = 0,
+                      to_cpu: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Yield ``(name, full CPU tensor)`` on rank ``dst`` (``(name, None)`` elsewhere) for every
     entry of ``model.state_dict()``, in order. Collective: all ranks must exhaust the iterator.
     Without torch.distributed it yields the model's own tensors (detached, on CPU).
@@ -117,55 +121,42 @@ def write_safetensors_stream(path: str | os.PathLike, specs: list[tuple[str, tor
         os.fsync(f.fileno())
 
 
-def _hf_stream(model: nn.Module, stream) -> tuple[list, Iterator]:
-    """``(specs, stream)`` of ``stream`` renamed and sliced into ``model``'s Hugging Face layout
-    (``hf_weights``'s names), in the order the primerl tensors arrive."""
-    from primerl.models.checkpoint import hf_layout
+class WeightStream:
+    """One version of ``model``'s full weights, gathered one tensor at a time: what the trainer hands
+    to its ``WeightChannel`` (``channel.publish(version, WeightStream(model))``), every rank alike.
 
-    from ..inference.hf_weights import _expert_format
+    ``specs``: ``[(name, dtype, global shape)]`` of ``model.state_dict()``, known without any
+    communication (a streamed writer puts them in its header first). ``tensors(to_cpu=...)``: the
+    collective iterator of :func:`iter_full_weights` (``(name, full tensor)`` on rank 0, ``(name,
+    None)`` elsewhere); every rank must exhaust it exactly once, in step. ``model`` supplies the
+    structure (Hugging Face layout, ``config.to_hf()``)."""
 
-    slots: dict[str, list] = {}
-    for key, slot in hf_layout(model, _expert_format(model, None)).items():
-        slots.setdefault(slot.param, []).append((key, slot.index))
-    specs = []
-    for name, dtype, shape in weight_specs(model):
-        meta = torch.empty(shape, dtype=dtype, device="meta")
-        specs += [(key, dtype, tuple((meta[index] if index else meta).shape)) for key, index in slots.get(name, ())]
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._specs: list | None = None
+        self._taken = False
 
-    def renamed():
-        for name, t in stream:
-            for key, index in slots.get(name, ()):
-                yield key, (t[index] if index else t) if t is not None else None
+    @property
+    def specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        if self._specs is None:
+            self._specs = weight_specs(self.model)
+        return self._specs
 
-    return specs, renamed()
+    def tensors(self, *, to_cpu: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The gather, once: ``to_cpu=False`` keeps rank 0's full tensors on the model's device (a GPU
+        broadcast). A second call raises (the ranks would no longer be in step)."""
+        if self._taken:
+            raise RuntimeError("WeightStream.tensors: a stream is gathered once (make a new WeightStream per version)")
+        self._taken = True
+        return iter_full_weights(self.model, to_cpu=to_cpu)
 
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        return self.tensors()
 
-def publish_streamed(publisher, version: int, model: nn.Module) -> None:
-    """Publish ``model``'s weights as ``version`` through a ``inference.weight_sync.WeightPublisher``,
-    gathered one tensor at a time. Collective: rank 0 passes its publisher, the others None.
-
-    The embedded engine's files and vLLM's filesystem updates stream to disk (rank 0 holds one
-    full tensor at a time). vLLM updates by broadcast or in FP8 collect the stream into one
-    state dict on rank 0 first (one full copy, as the sender needs every tensor's spec up front)."""
-    stream = iter_full_weights(model, to_cpu=publisher is None or publisher.engine_sender is None)
-    if publisher is None:
-        for _ in stream:
+    def drain(self) -> None:
+        """Take part in the gather without keeping anything (the ranks that do not send)."""
+        for _ in self.tensors():
             pass
-        return
-    meta = {"version": str(version)}
-    if publisher.engine_sender is not None:  # GPU to GPU: every full tensor cast to the engine's dtype first
-        publisher.publish(version, {name: t.to(publisher.engine_dtype) for name, t in stream})
-    elif not publisher.hf:
-        specs = weight_specs(model)
-        publisher.transport.publish_weights(
-            version, None, write=lambda path: write_safetensors_stream(path, specs, stream, metadata=meta))
-    elif publisher.sender is None and not publisher.cfg.inference.vllm.update_fp8:
-        specs, hf = _hf_stream(model, stream)
-        publisher.transport.publish_weights(
-            version, None, config=model.config.to_hf(),
-            write=lambda path: write_safetensors_stream(path, specs, hf, metadata=meta))
-    else:
-        publisher.publish(version, dict(stream))
 
 
 def _numel(shape) -> int:

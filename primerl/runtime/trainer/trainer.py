@@ -4,8 +4,9 @@ One optimizer step per batch: for every micro-batch, the model's hidden states (
 sampler's routing replayed when ``trainer.router_replay``), fused log-probs of each next token,
 the policy loss normalised by the batch's global loss-token count, backward; then gradient
 clipping, AdamW and the learning-rate schedule. Weights after step n are published as version
-n+1 (``inference.weight_sync.WeightPublisher``: files, or a broadcast to vLLM workers). A non-finite loss skips the update (counted, logged) up to ``trainer.nan_retries`` steps in
-a row, then stops the run with an error.
+n+1 through the backend's ``WeightChannel`` (``inference.weight_channels``: files, or a broadcast;
+the trainer does not know which). A non-finite loss skips the update (counted, logged) up to
+``trainer.nan_retries`` steps in a row, then stops the run with an error.
 
 Launched as one process, or with ``torchrun --nproc-per-node N`` (gloo on CPU, nccl on GPU).
 Placement (``placement.resolve_placement``): rank r on the GPU of its LOCAL_RANK, the mesh on
@@ -58,7 +59,7 @@ from .padded_attention import PaddedPlan, padded_forward
 from ..placement import resolve_placement
 from ..policy import build_model
 from ..zmq_transport import make_transport
-from .publish import publish_streamed
+from .publish import WeightStream
 
 log = logging.getLogger("primerl.trainer")
 
@@ -137,7 +138,8 @@ class Trainer:
     def __init__(self, cfg: RLConfig, vocab_size: int, *, rank: int = 0, world_size: int = 1):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         if world_size != cfg.num_trainer_ranks:
-            raise ValueError(f"num_trainer_ranks = {cfg.num_trainer_ranks} but the trainer runs with {world_size} process(es)")
+            raise ValueError(f"num_trainer_ranks = {cfg.num_trainer_ranks} but the trainer runs with {world_size} "
+                             "process(es)")
         t, par = cfg.trainer, cfg.trainer.parallel
         self.dims = parallel_dims(cfg)
         self.placement = resolve_placement(cfg)
@@ -167,7 +169,8 @@ class Trainer:
         cp_kw = dict(cp_kind=par.cp_kind, cp_ulysses=cp_degrees(par, self.dims.cp)[0] if self.dims.cp > 1 else 0,
                      cpu_offload=par.cpu_offload)
         parallelize(self.model, self.dims, self.mesh, fsdp=self.fsdp,
-                    activation_checkpointing=None if par.activation_checkpointing == "none" else par.activation_checkpointing,
+                    activation_checkpointing=(None if par.activation_checkpointing == "none"
+                                              else par.activation_checkpointing),
                     ac_every=2, param_dtype=param_dtype, reduce_dtype=torch.float32,
                     activation_offload=par.activation_offload, **cp_kw)
         if self.ref_model is not None:  # the same layout: it reads the same sharded micro-batches
@@ -384,7 +387,8 @@ class Trainer:
         values = packed.tolist()
         loss_all, kl_all, ent_all, cl, ch, ess, n_loss_all, n_tok_all, _ = values[:9]
         n_lm = len(loss_metrics.keys) + 2
-        lm_sums, (gn_v, ratio_v, params_bad_v), custom_v = values[9:9 + n_lm], values[9 + n_lm:12 + n_lm], values[12 + n_lm:]
+        lm_sums, (gn_v, ratio_v, params_bad_v), custom_v = (values[9:9 + n_lm], values[9 + n_lm:12 + n_lm],
+                                                            values[12 + n_lm:])
         finite = values[8] == 0 and math.isfinite(loss_all)
         denom = max(n_loss_all, 1)
         metrics = {"loss": loss_all, "mismatch_kl/mean": kl_all / denom, "entropy/mean": ent_all / denom,
@@ -457,7 +461,8 @@ def _dummy_like(mb):
     from dataclasses import replace
 
     two = torch.zeros(2, dtype=mb.input_ids.dtype)
-    replay = None if mb.replay_ids is None else torch.arange(mb.replay_ids.shape[-1]).expand(2, *mb.replay_ids.shape[1:])
+    replay = (None if mb.replay_ids is None
+              else torch.arange(mb.replay_ids.shape[-1]).expand(2, *mb.replay_ids.shape[1:]))
     return replace(mb, input_ids=two, position_ids=torch.arange(2), cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
                    loss_mask=torch.zeros(2, dtype=torch.bool), advantages=torch.zeros(2),
                    inference_logprobs=torch.zeros(2), temperatures=None if mb.temperatures is None else torch.ones(2),
@@ -493,13 +498,13 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             trainer.load(found[1])
             log.info("resumed from %s (step %d)", found[1], trainer.step)
     start = trainer.step
-    logger = publisher = None
-    if rank == 0:
-        from ..inference.weight_sync import WeightPublisher
+    from ..inference.backend import get_backend
 
+    logger = None
+    if rank == 0:
         transport.drop_weights_after(start)
-        publisher = WeightPublisher(cfg, transport, trainer.model)
-    publish_streamed(publisher, start, trainer.model)  # collective: one full tensor at a time to rank 0
+    channel = get_backend(cfg).weight_channel(cfg, model=trainer.model, transport=transport, rank=rank)
+    channel.publish(start, WeightStream(trainer.model))  # collective: one full tensor at a time to rank 0
     if rank == 0:
         logger = MetricsLogger(out, start_step=start, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project)
@@ -512,7 +517,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             t1 = time.perf_counter()
             m = trainer.train_step(payload)
             t2 = time.perf_counter()
-            publish_streamed(publisher, step + 1, trainer.model)
+            channel.publish(step + 1, WeightStream(trainer.model))
             if rank == 0:
                 transport.drop_weights_before(step + 1 - cfg.orchestrator.max_async_level - 1)
                 transport.drop_batches_before(step)
@@ -535,8 +540,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
     finally:
         if logger is not None:
             logger.close()
-        if publisher is not None:
-            publisher.close()
+        channel.close()
         transport.close()  # ZeroMQ: its sockets, before the interpreter tears the context down
         trainer.close()
     return trainer

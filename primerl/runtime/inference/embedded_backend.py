@@ -1,0 +1,118 @@
+"""``inference.backend = "embedded"``: primerl's own engine (``engine.InferenceEngine``).
+
+One engine in the orchestrator's process (on ``inference.gpu_ids[0]``, or the CPU), or
+``primerl inference`` servers started by primerl: a pool behind vllm-router
+(``inference.num_servers`` > 1, started by the launcher: ``launch.servers.pool_for_job``) or a P/D
+deployment (``inference.pd``, started by the orchestrator's client). Weights: files under primerl's
+names, or (``inference.weight_update`` = "broadcast", "auto" on a GPU of its own or an orchestrator
+on its own node) a broadcast from trainer rank 0 to the engine's receiver thread.
+"""
+
+from __future__ import annotations
+
+from .backend import BackendCapabilities, GenerateServer, InferenceBackend, register_backend
+
+__all__ = ["EmbeddedBackend"]
+
+
+class EmbeddedBackend(InferenceBackend):
+    name = "embedded"
+    capabilities = BackendCapabilities(pd=True, broadcast=True, routed_experts=True, server_pool=True,
+                                       external_servers=False, launch=False, inference_nodes=False,
+                                       engine_in_process=True)
+
+    def check(self, cfg) -> None:
+        from ..config import ConfigError
+
+        i, d = cfg.inference, cfg.deployment
+        if i.vllm.weight_update != "filesystem":
+            raise ConfigError(f"inference.vllm.weight_update: {i.vllm.weight_update!r} is vLLM's (inference.backend = "
+                              f"'vllm'); the embedded engine's is inference.weight_update (files or broadcast), "
+                              f"got {i.vllm.weight_update!r}")
+        if d.orchestrator == "own" and i.weight_update == "filesystem":
+            raise ConfigError("inference.weight_update: 'filesystem' needs output_dir shared by the trainer and the "
+                              "orchestrator, which runs on a node of its own (deployment.orchestrator = 'own'): use "
+                              f"'broadcast' or 'auto', got {i.weight_update!r}")
+
+    # ------------------------------------------------------------------ descriptions
+    def describe(self, cfg) -> str:
+        i = cfg.inference
+        if i.pd.enabled:
+            from .pd_launch import pd_servers
+
+            p = i.pd
+            servers = ", ".join(f"{role} {h}:{port}" for role, h, port in pd_servers(cfg))
+            return (f"# inference servers (P/D, started by the orchestrator): `primerl inference --role` {servers}; "
+                    f"vllm-router --vllm-pd-disaggregation on {p.host}:{p.router_port} (policy {p.policy})\n")
+        if i.num_servers > 1:
+            return (f"# inference servers: {i.num_servers} `primerl inference` servers on free ports of 127.0.0.1 "
+                    f"behind vllm-router (policy {i.router_policy}), supervised (max_restarts {i.max_restarts})\n")
+        return "# inference servers: none started (the embedded engine runs in the orchestrator's process)\n"
+
+    def describe_placement(self, cfg, placement) -> str:
+        p = placement
+        where = "the CPU" if p.engine_gpu is None else f"cuda:{p.engine_gpu}"
+        kv = f"KV cache <= {cfg.inference.kv_cache_gb:g} GB" if cfg.inference.kv_cache_gb else "KV cache uncapped"
+        share = " (shared with the trainer, which takes the memory the engine leaves)" if p.shared else ""
+        at = "the orchestrator's node" if cfg.deployment.kind != "local" else "127.0.0.1"
+        via = (f"{p.broadcast_backend} broadcast from trainer rank 0 (group at {at}:{cfg.inference.broadcast_port})"
+               if p.weight_update == "broadcast" else "files in output_dir/transport")
+        return (f"# inference: embedded engine on {where}{share}, {kv}, "
+                f"{str(p.param_dtype).removeprefix('torch.')}; weights by {via}")
+
+    def inference_plan(self, cfg, model, layout, device_memory):
+        from ..memory_plan import inference_plan
+
+        return inference_plan(model, weight_bytes=layout.act_bytes, kv_bytes=layout.act_bytes,
+                              device_memory=device_memory)
+
+    # ------------------------------------------------------------------ orchestrator side
+    def make_client(self, cfg, vocab_size, *, pool=None):
+        from ..orchestrator.clients import make_embedded_client, server_client
+
+        client = server_client(cfg, vocab_size, pool, pool_routing=False, pd_routing=cfg.inference.capture_routing)
+        return client if client is not None else make_embedded_client(cfg, vocab_size)
+
+    def pd_commands(self, cfg):
+        from .pd_launch import embedded_pd_commands
+
+        return embedded_pd_commands(cfg)
+
+    def weight_receiver(self, cfg, client, transport):
+        from ..orchestrator.orchestrator import EmbeddedClient
+        from .weight_sync import FileWeightVersions
+
+        if isinstance(client, EmbeddedClient) and client.receiver is not None:
+            return client.receiver  # the engine's broadcast receiver, started with the client
+        return FileWeightVersions(transport)
+
+    def generate_server(self, cfg, client, *, policy_version, model_name) -> GenerateServer:
+        from .server import EngineServer
+
+        return GenerateServer(EngineServer(client.engine, request_timeout=cfg.inference.timeout_s,
+                                           model_name=model_name), client.engine)
+
+    # ------------------------------------------------------------------ trainer side
+    def weight_channel(self, cfg, *, model, transport, rank):
+        from ..placement import resolve_placement
+        from .weight_channels import EngineBroadcast, FileChannel
+
+        placement = resolve_placement(cfg)
+        if placement.weight_update != "broadcast":
+            return FileChannel(transport, rank=rank)
+        sender = None
+        if rank == 0:
+            import os
+
+            from ..transport import ORCHESTRATOR_NODE_ENV
+            from .weight_sync import BroadcastWeightSender, engine_broadcast_host
+
+            who = os.environ.get(ORCHESTRATOR_NODE_ENV) or "the orchestrator"
+            sender = BroadcastWeightSender(engine_broadcast_host(), cfg.inference.broadcast_port, 1,
+                                           timeout_s=cfg.orchestrator.weights_timeout_s,
+                                           backend=placement.broadcast_backend, store_rank=1,
+                                           peer=f"{who} (embedded engine's receiver)")
+        return EngineBroadcast(sender, transport, rank=rank, dtype=placement.param_dtype)
+
+
+register_backend("embedded", EmbeddedBackend())

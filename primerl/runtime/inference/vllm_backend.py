@@ -1,0 +1,140 @@
+"""``inference.backend = "vllm"``: vLLM's OpenAI server (or any server speaking its protocol, such
+as ``primerl inference`` on an inference node) behind ``vllm_client.VLLMClient``.
+
+The server is the user's at ``inference.vllm.url``, or started for the job
+(``inference.vllm.launch``: ``vllm_launch.launch_for_job``), or several external ones behind a
+router (``inference.vllm.urls``), or a P/D deployment of vLLM servers (``inference.pd``). Weights:
+the Hugging Face layout as files (``update_weights_from_path``), or broadcast to the workers
+(``inference.vllm.weight_update = "broadcast"``); ``update_fp8`` sends the experts block-FP8.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from .backend import BackendCapabilities, GenerateServer, InferenceBackend, register_backend
+
+__all__ = ["VLLMBackend"]
+
+
+class VLLMBackend(InferenceBackend):
+    name = "vllm"
+    capabilities = BackendCapabilities(pd=True, broadcast=True, routed_experts=True, server_pool=False,
+                                       external_servers=True, launch=True, inference_nodes=True,
+                                       engine_in_process=False)
+
+    def check(self, cfg) -> None:
+        from ..config import ConfigError
+
+        i = cfg.inference
+        if i.weight_update == "broadcast":
+            raise ConfigError("inference.weight_update: 'broadcast' is the embedded engine's; vLLM's is "
+                              f"inference.vllm.weight_update, got {i.weight_update!r}")
+
+    # ------------------------------------------------------------------ descriptions
+    def describe(self, cfg) -> str:
+        i, v = cfg.inference, cfg.inference.vllm
+        if i.pd.enabled:
+            from .pd_launch import pd_servers
+
+            p = i.pd
+            servers = ", ".join(f"{role} {h}:{port}" for role, h, port in pd_servers(cfg))
+            return (f"# inference servers (P/D, started by the orchestrator): vLLM {servers}; vllm-router "
+                    f"--vllm-pd-disaggregation on {p.host}:{p.router_port} (policy {p.policy})\n")
+        if v.urls:
+            return (f"# inference servers: external {', '.join(v.urls)} behind vllm-router "
+                    f"(policy {i.router_policy}, started by the launcher)\n")
+        if v.launch and not cfg.deployment.inference_nodes:
+            from .vllm_launch import serve_command_line
+
+            return f"# inference servers: vLLM launched for the job on {v.host}:{v.port}: {serve_command_line(cfg)}\n"
+        if cfg.deployment.inference_nodes:
+            return (f"# inference servers: on the {cfg.deployment.inference_nodes} inference node(s) of the plan "
+                    f"(port {v.port}; see the node lines)\n")
+        return f"# inference servers: none started (the server at {v.url} is the user's)\n"
+
+    def describe_placement(self, cfg, placement) -> str:
+        i = cfg.inference
+        return (f"# inference: vLLM at {i.vllm.url} (GPUs reserved: {i.gpu_ids or 'none'}); "
+                f"weights by {i.vllm.weight_update}")
+
+    def inference_plan(self, cfg, model, layout, device_memory):
+        from ..memory_plan import inference_plan
+
+        v = cfg.inference.vllm
+        return inference_plan(model, tensor_parallel=v.tensor_parallel, data_parallel=v.data_parallel,
+                              expert_parallel=v.expert_parallel, weight_bytes=1.03 if v.fp8 else 2,
+                              device_memory=device_memory, utilization=v.gpu_memory_utilization)
+
+    # ------------------------------------------------------------------ servers
+    @contextlib.contextmanager
+    def servers(self, cfg, *, quiet: bool = True):
+        """``inference.vllm.launch``: vLLM serves the job's initial policy for the job's life; its whole
+        process group is stopped when the job ends, failed or not. Raises ``InferenceServerError``
+        ("launching vLLM: ...") when it does not come up."""
+        if not cfg.inference.vllm.launch:
+            yield None
+            return
+        from primerl.rl.envs import load_environment
+
+        from .vllm_client import InferenceServerError
+        from .vllm_launch import launch_for_job
+
+        if not quiet:
+            print(f"primerl rl: starting vLLM on {cfg.inference.vllm.url} "
+                  f"(log: {Path(cfg.output_dir) / 'logs' / 'vllm.log'})", flush=True)
+        try:
+            server = launch_for_job(cfg, load_environment(cfg.env.id, **cfg.env.args).vocab_size)
+        except InferenceServerError as e:
+            raise InferenceServerError(f"launching vLLM: {e}") from None
+        try:
+            yield server
+        finally:
+            server.stop()
+
+    def pd_commands(self, cfg):
+        from .pd_launch import vllm_pd_commands
+
+        return vllm_pd_commands(cfg)
+
+    # ------------------------------------------------------------------ orchestrator side
+    def make_client(self, cfg, vocab_size, *, pool=None):
+        from ..orchestrator.clients import make_vllm_client, server_client
+        from .vllm_launch import wants_routing
+
+        routing = wants_routing(cfg)
+        client = server_client(cfg, vocab_size, pool, pool_routing=routing, pd_routing=routing)
+        return client if client is not None else make_vllm_client(cfg, vocab_size)
+
+    def weight_receiver(self, cfg, client, transport):
+        """Broadcasts to the servers' workers on a multi-node plan (no ``output_dir`` shared with the
+        trainer, whose markers would say nothing here): the versions the servers report holding
+        (``weight_sync.ServerWeightVersions``, asked over ``/collective_rpc``). Otherwise the markers."""
+        from .weight_sync import FileWeightVersions, ServerWeightVersions
+
+        v = cfg.inference.vllm
+        if cfg.deployment.kind != "local" and v.weight_update == "broadcast" and v.broadcast_rpc:
+            return ServerWeightVersions(client)
+        return FileWeightVersions(transport)
+
+    def generate_server(self, cfg, client, *, policy_version, model_name) -> GenerateServer:
+        from .generate_proxy import GenerateProxy
+
+        return GenerateServer(GenerateProxy(cfg.inference.vllm.url, policy_version,
+                                            request_timeout=cfg.inference.timeout_s), None)
+
+    # ------------------------------------------------------------------ trainer side
+    def weight_channel(self, cfg, *, model, transport, rank):
+        from .weight_channels import HFFileChannel, ServerBroadcast
+
+        v = cfg.inference.vllm
+        if v.weight_update != "broadcast":
+            return HFFileChannel(transport, rank=rank, fp8=v.update_fp8)
+        from .weight_sync import BroadcastWeightSender
+
+        return ServerBroadcast(BroadcastWeightSender.from_config(v) if rank == 0 else None, transport, rank=rank,
+                               fp8=v.update_fp8)
+
+
+register_backend("vllm", VLLMBackend())

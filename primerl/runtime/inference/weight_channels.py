@@ -1,0 +1,199 @@
+"""Weight channels: how one policy version goes from the trainer to inference.
+
+The trainer makes its channel on every rank from the backend
+(``get_backend(cfg).weight_channel(cfg, model=..., transport=..., rank=...)``) and calls
+``channel.publish(version, WeightStream(model))`` after every step, then ``channel.close()``; it
+never knows which channel it has. ``publish`` is collective: every rank calls it in step and takes
+part in the gather of each full tensor (``trainer.publish.iter_full_weights``); rank 0's channel
+sends, one full tensor at a time where the destination allows it (never a second copy of the
+model on rank 0).
+
+Channels (one class each, chosen by the backend):
+
+=========================  =====================================================================
+:class:`FileChannel`       ``model.safetensors`` under primerl's names + the ``STABLE`` marker
+                           (the embedded engine reads it), streamed to disk
+:class:`HFFileChannel`     the Hugging Face layout + ``config.json`` (vLLM's
+                           ``update_weights_from_path``), streamed; ``fp8``: experts block-FP8
+:class:`EngineBroadcast`   ``torch.distributed`` broadcast to the embedded engine's receiver in
+                           the orchestrator process (in the engine's dtype), then a marker
+:class:`ServerBroadcast`   broadcast of the Hugging Face tensors (``fp8`` optional) to vLLM-protocol
+                           workers, then a marker once every receiver acknowledged
+=========================  =====================================================================
+
+The receiving side is a ``WeightVersions`` (``weight_sync``): ``versions()``,
+``wait_version(min_version, *, timeout, alive=None)``, ``close()``, made by the backend's
+``weight_receiver``.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from ..trainer.publish import WeightStream
+    from ..transport import FileTransport
+    from .weight_sync import BroadcastWeightSender
+
+log = logging.getLogger("primerl.weight_sync")
+
+__all__ = ["EngineBroadcast", "FileChannel", "HFFileChannel", "ServerBroadcast", "WeightChannel", "WeightVersions",
+           "fp8_stream"]
+
+
+@runtime_checkable
+class WeightVersions(Protocol):
+    """The orchestrator's view of the versions inference can load (receiving side of a channel).
+
+    ``alive``: a receiving thread of this object is inside the trainer's group (a process that exits
+    then aborts; ``orchestrator.main`` exits at once instead)."""
+
+    def versions(self) -> list[int]: ...
+
+    def wait_version(self, min_version: int, *, timeout: float, alive: Callable[[], bool] | None = None) -> int: ...
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+
+class WeightChannel(ABC):
+    """Trainer side of one way to hand over versions; made on every rank (``rank``: this process's
+    trainer rank). Subclasses implement :meth:`send` (rank 0 only) and say whether rank 0's full
+    tensors go to the CPU first (``to_cpu``)."""
+
+    to_cpu: bool = True
+
+    def __init__(self, *, rank: int):
+        self.rank = rank
+
+    def publish(self, version: int, weights: "WeightStream") -> None:
+        """Publish ``weights`` as ``version``. Collective: every rank calls it with its own stream of
+        the same model; the ranks other than 0 only take part in the gathers."""
+        if self.rank != 0:
+            weights.drain()
+            return
+        self.send(version, weights, weights.tensors(to_cpu=self.to_cpu))
+
+    @abstractmethod
+    def send(self, version: int, weights: "WeightStream",
+             tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Rank 0: deliver ``tensors`` (``(name, full tensor)`` in the order of ``weights.specs``),
+        exhausting the iterator (the other ranks gather in step with it)."""
+
+    def close(self) -> None:
+        """The end of the updates (the trainer's ``finally``)."""
+
+
+def _write_stream(transport: "FileTransport", version: int, specs: list, tensors: Iterable,
+                  config: dict | None = None) -> None:
+    from ..trainer.publish import write_safetensors_stream
+
+    meta = {"version": str(version)}
+    transport.publish_weights(version, None, config=config,
+                              write=lambda path: write_safetensors_stream(path, specs, tensors, metadata=meta))
+
+
+def fp8_stream(specs: list, tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list, Iterator]:
+    """``(specs, stream)`` with the expert weights block-FP8 (``vllm_client.quantize_for_transfer``,
+    one tensor at a time: ``<name>`` e4m3 + ``<name>_scale_inv`` float32 follow each other)."""
+    from .hf_weights import FP8_BLOCK
+    from .vllm_client import quantize_one_for_transfer, transfer_specs
+
+    def quantized():
+        for name, t in tensors:
+            yield from quantize_one_for_transfer(name, t, block=FP8_BLOCK)
+
+    return transfer_specs(specs, block=FP8_BLOCK), quantized()
+
+
+class FileChannel(WeightChannel):
+    """``<transport>/weights/step_<v>/model.safetensors`` under primerl's names, then the marker;
+    written as the tensors arrive (rank 0 holds one full tensor at a time)."""
+
+    def __init__(self, transport: "FileTransport", *, rank: int):
+        super().__init__(rank=rank)
+        self.transport = transport
+
+    def send(self, version, weights, tensors) -> None:
+        _write_stream(self.transport, version, weights.specs, tensors)
+
+
+class HFFileChannel(WeightChannel):
+    """The Hugging Face layout (``hf_weights.hf_stream``) + ``config.json``, then the marker; the
+    file vLLM's worker extension loads (``update_weights_from_path``). ``fp8``: expert weights
+    block-FP8 with ``*_scale_inv`` (``inference.vllm.update_fp8``). Streamed either way."""
+
+    def __init__(self, transport: "FileTransport", *, rank: int, fp8: bool = False):
+        super().__init__(rank=rank)
+        self.transport, self.fp8 = transport, fp8
+
+    def send(self, version, weights, tensors) -> None:
+        from .hf_weights import hf_stream
+
+        specs, hf = hf_stream(weights.model, weights.specs, tensors)
+        if self.fp8:
+            specs, hf = fp8_stream(specs, hf)
+        _write_stream(self.transport, version, specs, hf, config=weights.model.config.to_hf())
+
+
+class EngineBroadcast(WeightChannel):
+    """Broadcast to the embedded engine's receiver (``weight_sync.EngineWeightReceiver``, in the
+    orchestrator process), every floating tensor cast to the engine's ``dtype`` on the trainer's
+    device (GPU to GPU over NCCL, or gloo on the CPU), then a marker-only version directory (the
+    orchestrator's files, if it reads any, say the version exists). ``close()`` sends the
+    end-of-updates message so the receiver leaves the group."""
+
+    to_cpu = False
+
+    def __init__(self, sender: "BroadcastWeightSender | None", transport: "FileTransport", *, rank: int,
+                 dtype: torch.dtype):
+        super().__init__(rank=rank)
+        if rank == 0 and sender is None:
+            raise ValueError("EngineBroadcast: rank 0 needs its BroadcastWeightSender")
+        self.sender, self.transport, self.dtype = sender, transport, dtype
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if t.is_floating_point() else t
+
+    def send(self, version, weights, tensors) -> None:
+        specs = [(n, self.dtype if d.is_floating_point else d, s) for n, d, s in weights.specs]
+        self.sender.send_stream(version, specs, ((n, self._cast(t)) for n, t in tensors))
+        self.transport.publish_weights(version, None)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close(goodbye=True)
+
+
+class ServerBroadcast(WeightChannel):
+    """Broadcast of the Hugging Face tensors (``fp8``: experts block-FP8) to vLLM-protocol workers
+    (``weight_sync.BroadcastWeightSender``, ``inference.vllm.broadcast_*``), streamed with the
+    specs in the header; the marker-only version directory is written once every receiver (and,
+    with ``broadcast_rpc``, every worker through the server) acknowledged the version."""
+
+    def __init__(self, sender: "BroadcastWeightSender | None", transport: "FileTransport", *, rank: int,
+                 fp8: bool = False):
+        super().__init__(rank=rank)
+        if rank == 0 and sender is None:
+            raise ValueError("ServerBroadcast: rank 0 needs its BroadcastWeightSender")
+        self.sender, self.transport, self.fp8 = sender, transport, fp8
+
+    def send(self, version, weights, tensors) -> None:
+        from .hf_weights import hf_stream
+
+        specs, hf = hf_stream(weights.model, weights.specs, tensors)
+        if self.fp8:
+            specs, hf = fp8_stream(specs, hf)
+        self.sender.send_stream(version, specs, hf)
+        self.transport.publish_weights(version, None)
+        log.info("weights version %d broadcast to %d receiver(s)", version, self.sender.num_receivers)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
