@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ConfigError, RLConfig, trainer_ranks_per_node
+from .launch.kinds import get_launcher
 
 __all__ = ["Placement", "resolve_placement", "describe_placement", "visible_gpus"]
 
@@ -83,7 +84,8 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
     """The job's placement on a machine with ``num_gpus`` visible GPUs (default: this one's).
     Raises ``ConfigError`` naming the key when the config cannot be placed."""
     n = visible_gpus() if num_gpus is None else num_gpus
-    if num_gpus is None and cfg.deployment.kind != "local" and cfg.deployment.gpus_per_node:
+    spans_nodes = get_launcher(cfg).capabilities.spans_nodes
+    if num_gpus is None and spans_nodes and cfg.deployment.gpus_per_node:
         n = cfg.deployment.gpus_per_node  # a node of the plan, not this (submitting) machine
     i, ranks = cfg.inference, cfg.num_trainer_ranks
     node_ranks = trainer_ranks_per_node(cfg)  # the GPUs are this node's
@@ -157,7 +159,7 @@ def describe_placement(cfg: RLConfig, num_gpus: int | None = None) -> str:
         where = "the CPU" if p.engine_gpu is None else f"cuda:{p.engine_gpu}"
         kv = f"KV cache <= {cfg.inference.kv_cache_gb:g} GB" if cfg.inference.kv_cache_gb else "KV cache uncapped"
         share = " (shared with the trainer, which takes the memory the engine leaves)" if p.shared else ""
-        at = "the orchestrator's node" if cfg.deployment.kind != "local" else "127.0.0.1"
+        at = "the orchestrator's node" if get_launcher(cfg).capabilities.spans_nodes else "127.0.0.1"
         via = (f"{p.broadcast_backend} broadcast from trainer rank 0 (group at {at}:{cfg.inference.broadcast_port})"
                if p.weight_update == "broadcast" else "files in output_dir/transport")
         lines.append(f"# inference: embedded engine on {where}{share}, {kv}, "

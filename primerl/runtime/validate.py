@@ -16,6 +16,7 @@ from . import config
 from .config import RLConfig
 from .job_checks import validate_job
 from .launch.deployment import validate_deployment
+from .launch.kinds import check_launcher
 from .placement import resolve_placement
 from .policy import model_config
 
@@ -25,6 +26,7 @@ __all__ = ["load_config", "validate"]
 def validate(cfg: RLConfig) -> None:
     """Every check of ``cfg`` before the job starts; raises ``ConfigError`` naming the key."""
     config.validate_fields(cfg)
+    check_launcher(cfg)  # deployment.kind: registered, its capabilities, the launcher's own checks
     validate_deployment(cfg)  # the node plan: ranks per node, hosts, rendezvous address
     config.validate_names(cfg)
     if not cfg.model.path:  # a random init: its fields are checked by the model's own config

@@ -21,11 +21,12 @@ import socket
 from dataclasses import dataclass
 
 from ..config import ConfigError, RLConfig, trainer_ranks_per_node
+from .kinds import get_launcher
 
 __all__ = ["Node", "NodePlan", "node_plan", "validate_deployment", "describe_nodes", "check_rendezvous_port",
            "split_endpoint", "is_loopback", "config_hash", "inference_server", "DEFAULT_RDZV_PORT", "KINDS", "ROLES"]
 
-KINDS = ("local", "nodes", "slurm")
+KINDS = ("local", "nodes", "slurm", "threads")  # validate_deployment's list; launch.kinds.check_launcher replaces it
 ROLES = ("trainer", "inference", "orchestrator")
 DEFAULT_RDZV_PORT = 29400
 
@@ -158,10 +159,10 @@ def node_plan(cfg: RLConfig, hosts: list[str] | None = None) -> NodePlan:
     ``SLURM_JOB_NODELIST``); default ``deployment.hosts``, or ``$node<i>`` placeholders."""
     d = cfg.deployment
     per_node = trainer_ranks_per_node(cfg)
-    if d.kind == "local":
+    if not get_launcher(cfg).capabilities.spans_nodes:
         gpus = _local_trainer_gpus(cfg)
         node = Node(0, "127.0.0.1", ("trainer", "orchestrator"), 0, tuple(range(cfg.num_trainer_ranks)), gpus)
-        return NodePlan("local", (node,), per_node, "127.0.0.1", 0, d.rdzv_timeout_s)
+        return NodePlan(d.kind, (node,), per_node, "127.0.0.1", 0, d.rdzv_timeout_s)
     n = _num_nodes(cfg)
     hosts = list(hosts or d.hosts or [f"$node{i}" for i in range(n)])
     if len(hosts) < n:
@@ -194,8 +195,9 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
     """The node plan as TOML comment lines (``primerl rl --dry-run`` prints them)."""
     plan = node_plan(cfg, hosts)
     d = cfg.deployment
-    if plan.kind == "local":
-        head = "# deployment: local, one node (torchrun --standalone for the trainer)"
+    spans = get_launcher(cfg).capabilities.spans_nodes
+    if not spans:
+        head = f"# deployment: {plan.kind}, one node (torchrun --standalone for the trainer)"
     else:
         head = (f"# deployment: {plan.kind}, {len(plan.nodes)} node(s); trainer rendezvous c10d at "
                 f"{plan.rdzv_endpoint} (timeout {d.rdzv_timeout_s:g} s), grace {d.grace_s:g} s")
@@ -210,13 +212,13 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
         if "orchestrator" in n.roles:
             parts.append("orchestrator" + (" + embedded engine" if cfg.inference.backend == "embedded" else ""))
         lines.append(f"# node {n.index} {n.host}: " + "; ".join(parts))
-    if plan.kind != "local":
+    if spans:
         from ..zmq_transport import batch_transport
 
         via = batch_transport(cfg)
-        lines.append(f"# rollout batches: {via}" + (f" (each trainer rank pulls its micro-batches from the orchestrator "
-                                                     f"on port {cfg.orchestrator.zmq_port})" if via == "zmq" else
-                                                     " (output_dir must be shared by the orchestrator's and trainer nodes)"))
+        how = (f" (each trainer rank pulls its micro-batches from the orchestrator on port {cfg.orchestrator.zmq_port})"
+               if via == "zmq" else " (output_dir must be shared by the orchestrator's and trainer nodes)")
+        lines.append(f"# rollout batches: {via}{how}")
     return "\n".join(lines) + "\n"
 
 
@@ -232,15 +234,17 @@ def inference_server(cfg: RLConfig, host: str) -> str:
 
 
 def check_rendezvous_port(cfg: RLConfig) -> None:
-    """``kind = "nodes"`` with the rendezvous on this machine: its port must be free here now."""
-    if cfg.deployment.kind != "nodes":
+    """A plan across nodes whose rendezvous is on this machine (``kind = "nodes"`` on 127.x hosts): its
+    port must be free here now. (A SLURM plan's rendezvous host is a node of the allocation.)"""
+    if not get_launcher(cfg).capabilities.spans_nodes:
         return
     plan = node_plan(cfg)
     host = plan.rdzv_host
     if not (is_loopback(host) or host in (socket.gethostname(), socket.getfqdn())):
         return
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: a closed job's TIME_WAIT is no conflict
+    # as the store does: a closed job's TIME_WAIT is no conflict
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind(("127.0.0.1" if host == "localhost" else host, plan.rdzv_port))
     except OSError as e:
