@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, RLConfig, trainer_ranks_per_node
-from .launch.kinds import get_launcher
+from .config import ConfigError, RLConfig
+from .launch.kinds import get_launcher, trainer_ranks_per_node
 
 __all__ = ["Placement", "resolve_placement", "describe_placement", "visible_gpus"]
 

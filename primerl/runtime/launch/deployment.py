@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, RLConfig, trainer_ranks_per_node
 from .kinds import get_launcher
+from .kinds import trainer_ranks_per_node as launcher_ranks_per_node
 
 __all__ = ["Node", "NodePlan", "node_plan", "validate_deployment", "describe_nodes", "check_rendezvous_port",
            "split_endpoint", "is_loopback", "config_hash", "inference_server", "DEFAULT_RDZV_PORT", "KINDS", "ROLES"]
@@ -158,7 +159,7 @@ def node_plan(cfg: RLConfig, hosts: list[str] | None = None) -> NodePlan:
     """The plan of a validated config. ``hosts``: the job's nodes in order (SLURM: from
     ``SLURM_JOB_NODELIST``); default ``deployment.hosts``, or ``$node<i>`` placeholders."""
     d = cfg.deployment
-    per_node = trainer_ranks_per_node(cfg)
+    per_node = launcher_ranks_per_node(cfg)
     if not get_launcher(cfg).capabilities.spans_nodes:
         gpus = _local_trainer_gpus(cfg)
         node = Node(0, "127.0.0.1", ("trainer", "orchestrator"), 0, tuple(range(cfg.num_trainer_ranks)), gpus)

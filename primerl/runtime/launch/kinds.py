@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .launcher import PreparedJob
 
 __all__ = ["LAUNCHERS", "Launcher", "LauncherCapabilities", "check_launcher", "check_one_machine", "check_spans_nodes",
-           "get_launcher", "register_launcher"]
+           "get_launcher", "register_launcher", "trainer_ranks_per_node"]
 
 
 @dataclass(frozen=True)
@@ -103,11 +103,18 @@ def check_one_machine(cfg: RLConfig) -> None:
     _need(not d.hosts, "deployment.hosts", f"is for kind = 'nodes' (kind is {d.kind!r})", d.hosts)
 
 
+def trainer_ranks_per_node(cfg: RLConfig) -> int:
+    """Trainer ranks on one trainer node: ``num_trainer_ranks`` when the launcher keeps the job on one
+    machine; else ``deployment.ranks_per_node``, or the ranks shared out over ``deployment.trainer_nodes``."""
+    d = cfg.deployment
+    if not get_launcher(cfg).capabilities.spans_nodes:
+        return cfg.num_trainer_ranks
+    return d.ranks_per_node or max(cfg.num_trainer_ranks // max(d.trainer_nodes, 1), 1)
+
+
 def check_spans_nodes(cfg: RLConfig) -> None:
     """``deployment.*`` of a kind whose processes run on several nodes (``nodes``, ``slurm``): the
     trainer ranks per node, the nodes' GPUs and what the inference backend can do across nodes."""
-    from ..config import trainer_ranks_per_node
-
     d = cfg.deployment
     ranks = cfg.num_trainer_ranks
     if d.ranks_per_node:

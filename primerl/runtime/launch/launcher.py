@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING
 
 from ..config import RLConfig
 from .kinds import (LAUNCHERS, Launcher, LauncherCapabilities, check_launcher, check_one_machine,  # noqa: F401 (the door)
-                    check_spans_nodes, get_launcher, register_launcher)
+                    check_spans_nodes, get_launcher, register_launcher, trainer_ranks_per_node)
 
 if TYPE_CHECKING:
     from ..output_dir import OutputDirLock
 
 __all__ = ["LAUNCHERS", "Launcher", "LauncherCapabilities", "PreparedJob", "check_launcher", "check_one_machine",
-           "check_spans_nodes", "get_launcher", "prepare_job", "register_launcher", "run_job"]
+           "check_spans_nodes", "get_launcher", "prepare_job", "register_launcher", "run_job", "trainer_ranks_per_node"]
 
 
 @dataclass
