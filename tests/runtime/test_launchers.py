@@ -112,6 +112,7 @@ def test_other_code_asks_the_capabilities_not_the_kind_name():
     (["--deployment.kind", "slurm", "--deployment.hosts", "a"], "deployment.hosts: comes from SLURM_JOB_NODELIST"),
     (["--deployment.kind", "nodes", "--deployment.hosts", "127.0.0.1,127.0.0.1", "--deployment.trainer_nodes", "2",
       "--num_trainer_ranks", "2"], "deployment.hosts: must be distinct"),
+    (["--deployment.kind", "nodes", "--deployment.trainer_nodes", "0"], "deployment.trainer_nodes: must be >= 1"),
 ])
 def test_each_kind_checks_its_deployment_keys(over, msg):
     with pytest.raises(ConfigError, match="^" + re.escape(msg)):

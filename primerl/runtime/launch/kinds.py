@@ -116,6 +116,8 @@ def check_spans_nodes(cfg: RLConfig) -> None:
     """``deployment.*`` of a kind whose processes run on several nodes (``nodes``, ``slurm``): the
     trainer ranks per node, the nodes' GPUs and what the inference backend can do across nodes."""
     d = cfg.deployment
+    if d.trainer_nodes < 1 or d.ranks_per_node < 0:
+        return  # the field checks (validate_deployment) name these keys
     ranks = cfg.num_trainer_ranks
     if d.ranks_per_node:
         _need(d.ranks_per_node * d.trainer_nodes == ranks, "deployment.ranks_per_node",
