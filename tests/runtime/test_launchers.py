@@ -103,6 +103,18 @@ def test_other_code_asks_the_capabilities_not_the_kind_name():
         check_launcher(cfg)
 
 
+def test_a_launcher_class_registered_by_decorator_is_served_as_an_instance():
+    @register_launcher("test-class")
+    class OneMachine(_Recorder):
+        capabilities = LauncherCapabilities(spans_nodes=False, server_pool=False)
+
+    launcher = get_launcher("test-class")
+    assert isinstance(launcher, OneMachine) and not launcher.capabilities.spans_nodes
+    register_launcher("test-not-a-launcher", object())
+    with pytest.raises(ConfigError, match="^deployment.kind: 'test-not-a-launcher' is registered as .* not a launcher"):
+        get_launcher("test-not-a-launcher")
+
+
 @pytest.mark.parametrize("over, msg", [
     (["--deployment.kind", "threads", "--num_trainer_ranks", "2"], "num_trainer_ranks: deployment.kind = 'threads' "
                                                                    "runs one trainer rank"),

@@ -64,10 +64,13 @@ def register_launcher(name: str, launcher: Launcher | None = None):
 
 
 def get_launcher(name_or_cfg: str | RLConfig) -> Launcher:
-    """The launcher of a kind name or of ``cfg.deployment.kind``; an unknown one is a ``ConfigError``
-    listing the registered kinds."""
+    """The launcher of a kind name or of ``cfg.deployment.kind`` (a registered class is instantiated: a
+    launcher keeps a job's state in its ``PreparedJob``); an unknown one is a ``ConfigError`` listing
+    the registered kinds."""
     name = name_or_cfg if isinstance(name_or_cfg, str) else name_or_cfg.deployment.kind
     launcher = LAUNCHERS.get(name)
+    if isinstance(launcher, type):  # a class registered (``@register_launcher("mine")``): launchers keep no state
+        launcher = launcher()
     if not isinstance(launcher, Launcher) or not isinstance(getattr(launcher, "capabilities", None),
                                                             LauncherCapabilities):
         raise ConfigError(f"deployment.kind: {name!r} is registered as {launcher!r}, which is not a launcher "
