@@ -16,9 +16,13 @@ process below (imports are lazy; nothing heavy loads with the package).
   metrics       metrics.jsonl (strict JSON: NaN/inf as null), progress line, plot
   output_dir    the job's exclusive lock on output_dir; refusal of a previous run's directory
   lifetime      trainer/orchestrator processes end with the launcher (PR_SET_PDEATHSIG + watchdog)
+  processes     start_process / ManagedProcess / ProcessTable: the one way a job process is started
+                (process group, log file, processes.json row, grace on stop)
+  registry      Registry: a config name -> the object that serves it (launchers, inference backends)
   vllm_worker   compatibility path of ``inference.vllm_worker`` (the vLLM worker extension)
 
-  launch/       starting the processes (one machine, nodes, SLURM): what runs where, in its docstring
+  launch/       the launchers, one per deployment.kind (local, nodes, slurm, threads) behind a registry,
+                and their shared preparation (launch/launcher.py): what runs where, in its docstring
   trainer/      the trainer process (main.py: ``primerl trainer``): Trainer / run_trainer, loss glue
                 (_rl), checkpoints (full state, DCP), weight publication, finite-parameter guards,
                 the padded attention path

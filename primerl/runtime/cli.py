@@ -19,6 +19,7 @@ import argparse
 import sys
 
 from .config import ConfigError, describe_parallel, to_toml
+from .inference.backend import get_backend
 from .placement import describe_placement
 from .validate import load_config
 
@@ -27,8 +28,8 @@ SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command", "no
 
 def _parser() -> argparse.ArgumentParser:
     # no abbreviations: "--device cpu" is the config key `device`, not a prefix of --device-memory
-    p = argparse.ArgumentParser(prog="primerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="primerl", description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=SUBCOMMANDS)
     p.add_argument("--config", default=None, help="TOML config file")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
@@ -85,11 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(cfg), end="")
         print(describe_parallel(cfg), end="")
         print(describe_placement(cfg), end="")
+        print(get_backend(cfg).describe(cfg), end="")  # the servers, router and roles the backend starts
         print(plan, end="")
-        return _dry_run_nodes(cfg)
-    from .launch.machine import JobFailed, run_rl
-    from .output_dir import OutputDirError, OutputDirUnusable
-
+        return _describe_launch(cfg)
     if args.command == "node":
         from .launch.node import NodeError, node_main
 
@@ -98,19 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         except NodeError as e:
             print(f"primerl node: FAILED: {e}", file=sys.stderr)
             return 1
-    if args.command == "rl" and cfg.deployment.kind == "slurm":
-        from .launch.slurm import submit
+    if args.command == "rl":
+        from .launch.common import JobFailed
+        from .launch.launcher import run_job
+        from .output_dir import OutputDirError, OutputDirUnusable
 
         try:
-            submit(cfg)
-        except (JobFailed, ConfigError) as e:
-            print(f"primerl rl: FAILED: {e}", file=sys.stderr)
-            return 1
-        return 0
-    if args.command == "rl":
-        try:
-            run_rl(cfg)
-        except OutputDirUnusable as e:
+            run_job(cfg)
+        except (OutputDirUnusable, ConfigError) as e:
             print(f"primerl: config error: {e}", file=sys.stderr)
             return 2
         except (JobFailed, OutputDirError) as e:
@@ -139,28 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _dry_run_nodes(cfg) -> int:
-    """The node plan; with SLURM the sbatch script, with nodes the command of each node."""
-    from pathlib import Path
+def _describe_launch(cfg) -> int:
+    """The launcher's plan (``launcher.describe``): the node plan; with SLURM the sbatch script, with
+    nodes the command of each node."""
+    from .launch.launcher import get_launcher
 
-    from .launch.deployment import describe_nodes
-
-    print(describe_nodes(cfg), end="")
-    cfg_path = str(Path(cfg.output_dir).resolve() / "config.toml")
-    if cfg.deployment.kind == "slurm":
-        from .launch.slurm import render_sbatch
-
-        try:
-            print("# sbatch script (written to output_dir/primerl.sbatch and submitted by `primerl rl`):")
-            print(render_sbatch(cfg, cfg_path), end="")
-        except ConfigError as e:
-            print(f"primerl: config error: {e}", file=sys.stderr)
-            return 2
-    elif cfg.deployment.kind == "nodes":
-        from .launch.local import node_commands
-
-        for node, role, argv in node_commands(cfg, cfg_path, python="python"):
-            print(f"# on {node.host}: {' '.join(argv)}")
+    try:
+        print(get_launcher(cfg).describe(cfg), end="")
+    except ConfigError as e:
+        print(f"primerl: config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

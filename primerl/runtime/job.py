@@ -11,9 +11,9 @@ What runs where: ``primerl.runtime.launch``'s docstring.
 
 from __future__ import annotations
 
-from .launch.machine import (JobFailed, _spawn, _stop, _tail, first_failure, launched_vllm,  # noqa: F401 (re-exported)
-                             prepare_output, run_rl, start_step)
-from .launch.threads import _run_threads, run_threads  # noqa: F401 (re-exported)
+from .launch.common import JobFailed, prepare_output, start_step  # noqa: F401 (re-exported)
+from .launch.machine import first_failure, launched_vllm, run_rl  # noqa: F401 (re-exported)
+from .launch.threads import run_threads  # noqa: F401 (re-exported)
 from .lifetime import setup_logging  # noqa: F401 (re-exported)
 from .orchestrator.clients import make_client, make_pd_client, make_pool_client  # noqa: F401 (re-exported)
 from .orchestrator.main import _exit_past_receiver, orchestrator_main  # noqa: F401 (re-exported)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -93,19 +92,3 @@ def log_tail(path, n: int = 15) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
-
-
-def stop_process_group(p: subprocess.Popen | None, grace: float = 5.0) -> None:
-    """SIGTERM the process group of ``p`` (started with ``start_new_session``), SIGKILL it after
-    ``grace`` seconds, and reap ``p``."""
-    if p is None or p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(grace)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()

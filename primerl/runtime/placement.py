@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, RLConfig, trainer_ranks_per_node
+from .config import ConfigError, RLConfig
 from .inference.backend import get_backend
+from .launch.kinds import get_launcher, trainer_ranks_per_node
 
 __all__ = ["Placement", "resolve_placement", "describe_placement", "visible_gpus"]
 
@@ -84,7 +85,8 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
     """The job's placement on a machine with ``num_gpus`` visible GPUs (default: this one's).
     Raises ``ConfigError`` naming the key when the config cannot be placed."""
     n = visible_gpus() if num_gpus is None else num_gpus
-    if num_gpus is None and cfg.deployment.kind != "local" and cfg.deployment.gpus_per_node:
+    spans_nodes = get_launcher(cfg).capabilities.spans_nodes
+    if num_gpus is None and spans_nodes and cfg.deployment.gpus_per_node:
         n = cfg.deployment.gpus_per_node  # a node of the plan, not this (submitting) machine
     i, ranks = cfg.inference, cfg.num_trainer_ranks
     node_ranks = trainer_ranks_per_node(cfg)  # the GPUs are this node's

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from .launch.kinds import get_launcher
 from .transport import ORCHESTRATOR_NODE_ENV, FileTransport, ProducerDied, TransportTimeout
 
 __all__ = ["ZmqTransport", "make_transport"]
@@ -199,11 +200,11 @@ class ZmqTransport(FileTransport):
 
 def batch_transport(cfg) -> str:
     """How rollout batches travel: ``orchestrator.batch_transport``, with "auto" resolved to "zmq"
-    when the deployment spans nodes (``deployment.kind`` nodes or slurm: no filesystem need be
-    shared) and to "filesystem" on one machine (the single-machine default, as fast as before)."""
+    when the deployment spans nodes (the launcher's ``capabilities.spans_nodes``: no filesystem need
+    be shared) and to "filesystem" on one machine (the single-machine default, as fast as before)."""
     t = cfg.orchestrator.batch_transport
     if t == "auto":
-        return "filesystem" if cfg.deployment.kind == "local" else "zmq"
+        return "zmq" if get_launcher(cfg).capabilities.spans_nodes else "filesystem"
     return t
 
 

@@ -80,14 +80,15 @@ def test_rooms_hold_their_processes():
     assert packages == ROOMS | {"config"}, "a new runtime package: a room for a process, or the config"
     assert top - {"__init__", "job", "cli", "placement", "policy", "transport", "metrics", "output_dir", "validate",
                   "lifetime", "vllm_worker", "_lazy", "memory_plan", "job_checks", "zmq_transport",
-                  "registry"} == set(), \
+                  "registry", "processes"} == set(), \
         "a new top-level runtime module: give it a room"
     for room, members in {"trainer": {"main", "trainer", "_rl", "checkpoint", "dcp_checkpoint", "full_state",
                                       "publish", "guards", "padded_attention"},
                           "inference": {"engine", "server", "vllm_client", "vllm_launch", "vllm_worker",
                                         "weight_sync", "hf_weights"},
                           "orchestrator": {"main", "clients", "orchestrator", "rollout", "batching", "env_calls"},
-                          "launch": {"machine", "node", "local", "slurm", "deployment", "servers", "threads"},
+                          "launch": {"launcher", "kinds", "machine", "node", "local", "slurm", "deployment", "servers",
+                                     "threads"},
                           "config": {"schema", "parse", "checks", "parallel"}}.items():
         assert members <= {p.stem for p in (RUNTIME / room).glob("*.py")}, room
 

@@ -15,7 +15,8 @@ import pytest
 
 from primerl.runtime.config import ConfigError
 from primerl.runtime.validate import load_config
-from primerl.runtime.launch.servers import ProcessTable, router_executable
+from primerl.runtime.launch.servers import router_executable
+from primerl.runtime.processes import ProcessTable
 from primerl.runtime.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -202,4 +203,5 @@ def test_each_pool_server_takes_its_own_gpu_from_inference_gpu_ids(tmp_path):
     assert [str(server_device("cuda", [2, 3, 5], i)) for i in range(4)] == ["cuda:2", "cuda:3", "cuda:5", "cuda:2"]
     assert str(server_device("cuda", [], 1)) == "cuda:0"
     assert str(server_device("cpu", [0, 1], 1)) == "cpu"
-    assert [server_process(i, "c.toml", 1234, tmp_path).env["PRIMERL_SERVER_INDEX"] for i in range(3)] == ["0", "1", "2"]
+    indices = [server_process(i, "c.toml", 1234, tmp_path).env["PRIMERL_SERVER_INDEX"] for i in range(3)]
+    assert indices == ["0", "1", "2"]

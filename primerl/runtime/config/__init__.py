@@ -31,7 +31,7 @@ from .parse import apply_override, from_dict, load_config, parse_overrides, to_d
 from .schema import (  # noqa: F401
     CheckpointConfig, DeploymentConfig, EnvConfig, InferenceConfig, LogConfig, LossConfig,
     ModelConfig, OrchestratorConfig, PDConfig, ParallelConfig, RLConfig, TrainerConfig, VLLMConfig,
-    WarmStartConfig, trainer_ranks_per_node
+    WarmStartConfig
 )
 
 __all__ = [
@@ -39,6 +39,6 @@ __all__ = [
     "InferenceConfig", "LogConfig", "LossConfig", "ModelConfig", "OrchestratorConfig", "PDConfig",
     "ParallelConfig", "RLConfig", "TrainerConfig", "VLLMConfig", "WarmStartConfig", "apply_override",
     "cp_degrees", "describe_cp", "describe_parallel", "from_dict", "load_config", "parallel_dims",
-    "parse_overrides", "to_dict", "to_toml", "trainer_ranks_per_node", "validate", "validate_cp_split",
+    "parse_overrides", "to_dict", "to_toml", "validate", "validate_cp_split",
     "validate_fields", "validate_finite", "validate_names", "validate_parallel"
 ]

@@ -21,8 +21,7 @@ from .trainer import LossConfig, TrainerConfig
 
 __all__ = ["CheckpointConfig", "ConfigError", "DeploymentConfig", "EnvConfig", "InferenceConfig", "LogConfig",
            "LossConfig", "ModelConfig", "OrchestratorConfig", "PDConfig", "ParallelConfig", "RLConfig",
-           "TrainerConfig", "VLLMConfig", "WarmStartConfig", "_need", "check_env", "check_env_names", "check_root",
-           "trainer_ranks_per_node"]
+           "TrainerConfig", "VLLMConfig", "WarmStartConfig", "_need", "check_env", "check_env_names", "check_root"]
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -84,14 +83,6 @@ class RLConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     log: LogConfig = field(default_factory=LogConfig)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
-
-
-def trainer_ranks_per_node(cfg: RLConfig) -> int:
-    """Trainer ranks on one trainer node (``num_trainer_ranks`` on one machine)."""
-    d = cfg.deployment
-    if d.kind == "local":
-        return cfg.num_trainer_ranks
-    return d.ranks_per_node or max(cfg.num_trainer_ranks // max(d.trainer_nodes, 1), 1)
 
 
 def check_root(cfg: RLConfig) -> None:

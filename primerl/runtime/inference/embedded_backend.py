@@ -50,11 +50,13 @@ class EmbeddedBackend(InferenceBackend):
         return "# inference servers: none started (the embedded engine runs in the orchestrator's process)\n"
 
     def describe_placement(self, cfg, placement) -> str:
+        from ..launch.kinds import get_launcher
+
         p = placement
         where = "the CPU" if p.engine_gpu is None else f"cuda:{p.engine_gpu}"
         kv = f"KV cache <= {cfg.inference.kv_cache_gb:g} GB" if cfg.inference.kv_cache_gb else "KV cache uncapped"
         share = " (shared with the trainer, which takes the memory the engine leaves)" if p.shared else ""
-        at = "the orchestrator's node" if cfg.deployment.kind != "local" else "127.0.0.1"
+        at = "the orchestrator's node" if get_launcher(cfg).capabilities.spans_nodes else "127.0.0.1"
         via = (f"{p.broadcast_backend} broadcast from trainer rank 0 (group at {at}:{cfg.inference.broadcast_port})"
                if p.weight_update == "broadcast" else "files in output_dir/transport")
         return (f"# inference: embedded engine on {where}{share}, {kv}, "

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..lifetime import die_with_parent
+from ..processes import ManagedProcess, start_process
 from .vllm_client import InferenceServerError
 
 log = logging.getLogger("primerl.inference")
@@ -132,7 +132,7 @@ class PDDeployment:
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.commands = commands if commands is not None else self._commands()
-        self.procs: list[tuple[str, str, subprocess.Popen]] = []
+        self.procs: list[tuple[str, str, ManagedProcess]] = []
 
     def _commands(self):
         from .backend import get_backend
@@ -158,9 +158,8 @@ class PDDeployment:
                 if role == "router":  # the router waits for healthy workers itself; start it last
                     for (r, u, p) in self.procs:
                         self._wait(r, u, p)
-                with open(logs / f"{role}{i}.log", "ab") as f:
-                    proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**env0, **env},
-                                            start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
+                proc = start_process(argv, name=f"{role}{i}", role=role, log_path=logs / f"{role}{i}.log",
+                                     env={**env0, **env}, url=url)
                 self.procs.append((role, url, proc))
             self._wait(*self.procs[-1])
         except BaseException:
@@ -170,7 +169,7 @@ class PDDeployment:
         log.info("P/D deployment up: router %s, prefill+decode %s", self.router_url, self.server_urls)
         return self
 
-    def _wait(self, role: str, url: str, proc: subprocess.Popen) -> None:
+    def _wait(self, role: str, url: str, proc: ManagedProcess) -> None:
         timeout = self.cfg.inference.pd.launch_timeout_s
         deadline = time.monotonic() + timeout
         while True:
@@ -178,8 +177,9 @@ class PDDeployment:
                 from ..lifetime import log_tail as _tail
 
                 i = [p for _, _, p in self.procs].index(proc)
+                log_path = self.out / "logs" / f"{role}{i}.log"
                 raise InferenceServerError(f"the {role} process ({url}) exited with code {proc.returncode} before "
-                                           f"answering /health; end of its log:\n{_tail(self.out / 'logs' / f'{role}{i}.log')}")
+                                           f"answering /health; end of its log:\n{_tail(log_path)}")
             if _healthy(url):
                 return
             if time.monotonic() > deadline:

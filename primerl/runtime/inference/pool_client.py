@@ -233,7 +233,7 @@ class PoolClient(VLLMClient):
             n, self._redispatched_reported = self.redispatched - self._redispatched_reported, self.redispatched
         restarts = 0
         if self.processes_json:
-            try:  # the launcher's table (launch.servers.ProcessTable)
+            try:  # the launcher's table (processes.ProcessTable)
                 rows = json.loads(Path(self.processes_json).read_text())
             except (OSError, ValueError):
                 rows = []

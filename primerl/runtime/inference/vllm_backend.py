@@ -112,9 +112,10 @@ class VLLMBackend(InferenceBackend):
         trainer, whose markers would say nothing here): the versions the servers report holding
         (``weight_sync.ServerWeightVersions``, asked over ``/collective_rpc``). Otherwise the markers."""
         from .weight_sync import FileWeightVersions, ServerWeightVersions
+        from ..launch.kinds import get_launcher
 
         v = cfg.inference.vllm
-        if cfg.deployment.kind != "local" and v.weight_update == "broadcast" and v.broadcast_rpc:
+        if get_launcher(cfg).capabilities.spans_nodes and v.weight_update == "broadcast" and v.broadcast_rpc:
             return ServerWeightVersions(client)
         return FileWeightVersions(transport)
 

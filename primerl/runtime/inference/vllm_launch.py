@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, VLLMConfig
-from ..lifetime import die_with_parent
+from ..processes import start_process
 from .vllm_client import WORKER_EXTENSION, InferenceServerError, http_json
 
 log = logging.getLogger("primerl.vllm")
@@ -64,7 +64,8 @@ def vllm_serve_command(v: VLLMConfig, model: ModelConfig, *, checkpoint: str | N
     if v.enable_return_routed_experts if routing is None else routing:
         cmd.append("--enable-return-routed-experts")
     if v.disaggregation:
-        role = "kv_both" if v.kv_connector == "NixlConnector" else ("kv_producer" if v.disaggregation == "prefill" else "kv_consumer")
+        role = ("kv_both" if v.kv_connector == "NixlConnector"
+                else "kv_producer" if v.disaggregation == "prefill" else "kv_consumer")
         cmd += ["--kv-transfer-config", json.dumps({"kv_connector": v.kv_connector, "kv_role": role})]
     cmd += [str(a) for a in v.extra_args]
     return cmd
@@ -112,21 +113,17 @@ class VLLMLauncher:
 
     def start(self, timeout: float | None = None) -> "VLLMLauncher":
         import os
-        import subprocess
 
         timeout = self.v.launch_timeout_s if timeout is None else timeout
         if _port_in_use(self.v.host, self.v.port):
             raise InferenceServerError(f"cannot launch vLLM on {self.url}: the port is already in use "
                                        "(inference.vllm.port)")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:
-            try:
-                self.proc = subprocess.Popen(self.cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                             env=dict(os.environ, **vllm_env(self.v)), start_new_session=True,
-                                             preexec_fn=die_with_parent(os.getpid()))
-            except FileNotFoundError:
-                raise InferenceServerError(f"cannot start {self.cmd[0]!r}: not found (inference.vllm.python names "
-                                           "the interpreter that has vLLM)") from None
+        try:
+            self.proc = start_process(self.cmd, name="vllm", role="vllm", log_path=self.log_path, url=self.url,
+                                      env=dict(os.environ, **vllm_env(self.v)))
+        except FileNotFoundError:
+            raise InferenceServerError(f"cannot start {self.cmd[0]!r}: not found (inference.vllm.python names "
+                                       "the interpreter that has vLLM)") from None
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -4,13 +4,13 @@ The processes: entry point (``primerl`` command), who starts it, where it runs i
 
 trainer ranks
     ``trainer.main:trainer_main`` (``primerl trainer``; several ranks run under torchrun).
-    Started by ``machine._run_rl`` (one process, or ``torchrun --standalone``) and by
+    Started by ``machine.MachineLauncher`` (one process, or ``torchrun --standalone``) and by
     ``node.node_main`` on role ``trainer`` (``torchrun --nnodes``, c10d rendezvous).
     ``local``: this machine, ranks ``0..num_trainer_ranks-1``; ``nodes``/``slurm``: every trainer
     node, ``ranks_per_node`` ranks each (``Node.ranks``, ``Node.gpus``).
 orchestrator + embedded engine (one process)
     ``orchestrator.main:orchestrator_main`` (``primerl orchestrator``); its inference client comes
-    from ``orchestrator.clients:make_client``. Started by ``machine._run_rl`` and by
+    from ``orchestrator.clients:make_client``. Started by ``machine.MachineLauncher`` and by
     ``node.node_main`` on role ``orchestrator``. ``local``: this machine; else trainer node 0
     (``deployment.orchestrator = "trainer"``) or a node of its own (``"own"``).
 inference servers (embedded engine over HTTP)
@@ -32,26 +32,31 @@ P/D: prefill and decode servers, router in P/D mode
     ``orchestrator.clients:make_pd_client`` (``inference.pd_launch.PDDeployment``) on
     ``inference.pd.host``, ports from ``pd.base_port``, router at ``pd.router_port``.
 the whole job in one process
-    ``threads:run_threads``: the trainer in a thread, orchestrator and engine in the caller's
-    (tests, notebooks).
+    ``threads:run_threads`` (``deployment.kind = "threads"``): the trainer in a thread, orchestrator
+    and engine in the caller's (tests, notebooks).
 
 (entry points relative to ``primerl.runtime``; every command is ``python -m primerl.runtime.cli``.)
 
-The launchers:
+The launchers (``launcher``: the ``Launcher`` protocol, ``LauncherCapabilities``, the registry
+``LAUNCHERS`` keyed by ``deployment.kind``, and ``prepare_job`` / ``run_job``, the one preparation
+every kind shares: the ``output_dir`` lock, the warm start, ``config.toml``), each registered by its
+module:
 
-- ``machine``: one machine (``kind = "local"``, the default): ``run_rl`` (``primerl rl``) runs the warm
-  start, prepares ``output_dir`` (``common.prepare_output``), starts the server pool / vLLM when the
-  config asks, then the orchestrator and the trainer; stops everything when one fails.
-- ``node``: ``primerl node --role trainer|orchestrator|inference``, one node of a multi-node job for
-  any scheduler (SLURM, Kubernetes, by hand); trainer nodes run torchrun with c10d rendezvous;
-  configs compared at the store.
-- ``local``: ``kind = "nodes"`` with 127.x hosts: every node started by ``primerl rl`` on this machine.
+- ``machine``: ``kind = "local"`` (the default), one machine: the server pool / vLLM when the config
+  asks, then the orchestrator and the trainer; stops everything when one fails.
+- ``local``: ``kind = "nodes"``: every node started by ``primerl rl`` on this machine (127.x hosts),
+  or the command to run on each host.
 - ``slurm``: ``kind = "slurm"``: an sbatch script rendered from ``templates/sbatch.sh.j2`` (one
   ``srun ... primerl node`` step per node and role: inference first, then trainer, then orchestrator).
-- ``deployment``: ``[deployment]`` as a node plan (role, trainer ranks and GPUs of every node, the
-  rendezvous); ``primerl rl --dry-run`` prints it; impossible plans are ``ConfigError``s.
-- ``servers``: the server pool and router (``ServerPool``, ``processes.json``); ``common``: the
-  resume step, ``prepare_output`` and ``JobFailed``; ``threads``: ``run_threads``.
+- ``threads``: ``kind = "threads"``: the whole job in this process.
+
+Beside them: ``node``: ``primerl node --role trainer|orchestrator|inference``, one node of a
+multi-node job for any scheduler (SLURM, Kubernetes, by hand); trainer nodes run torchrun with c10d
+rendezvous; configs compared at the store. ``deployment``: ``[deployment]`` as a node plan (role,
+trainer ranks and GPUs of every node, the rendezvous); ``primerl rl --dry-run`` prints the
+launcher's ``describe``. ``servers``: the server pool and router (``ServerPool``); every process
+starts through ``primerl.runtime.processes.start_process`` (``processes.json``). ``common``: the
+resume step, ``prepare_output`` and ``JobFailed``.
 
 Imports are lazy: ``primerl.runtime.launch.node_plan`` loads ``deployment`` on first use.
 """

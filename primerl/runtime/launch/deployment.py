@@ -22,14 +22,15 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
-from ..config import ConfigError, RLConfig, trainer_ranks_per_node
+from ..config import ConfigError, RLConfig
 from ..config.deployment import split_endpoint
 from ..inference.backend import get_backend
+from .kinds import get_launcher
+from .kinds import trainer_ranks_per_node as launcher_ranks_per_node
 
 __all__ = ["Node", "NodePlan", "node_plan", "describe_nodes", "check_rendezvous_port",
-           "split_endpoint", "is_loopback", "config_hash", "inference_server", "DEFAULT_RDZV_PORT", "KINDS", "ROLES"]
+           "split_endpoint", "is_loopback", "config_hash", "inference_server", "DEFAULT_RDZV_PORT", "ROLES"]
 
-KINDS = ("local", "nodes", "slurm")
 ROLES = ("trainer", "inference", "orchestrator")
 DEFAULT_RDZV_PORT = 29400
 
@@ -84,11 +85,11 @@ def node_plan(cfg: RLConfig, hosts: list[str] | None = None) -> NodePlan:
     """The plan of a validated config. ``hosts``: the job's nodes in order (SLURM: from
     ``SLURM_JOB_NODELIST``); default ``deployment.hosts``, or ``$node<i>`` placeholders."""
     d = cfg.deployment
-    per_node = trainer_ranks_per_node(cfg)
-    if d.kind == "local":
+    per_node = launcher_ranks_per_node(cfg)
+    if not get_launcher(cfg).capabilities.spans_nodes:
         gpus = _local_trainer_gpus(cfg)
         node = Node(0, "127.0.0.1", ("trainer", "orchestrator"), 0, tuple(range(cfg.num_trainer_ranks)), gpus)
-        return NodePlan("local", (node,), per_node, "127.0.0.1", 0, d.rdzv_timeout_s)
+        return NodePlan(d.kind, (node,), per_node, "127.0.0.1", 0, d.rdzv_timeout_s)
     n = _num_nodes(cfg)
     hosts = list(hosts or d.hosts or [f"$node{i}" for i in range(n)])
     if len(hosts) < n:
@@ -122,8 +123,9 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
     """The node plan as TOML comment lines (``primerl rl --dry-run`` prints them)."""
     plan = node_plan(cfg, hosts)
     d = cfg.deployment
-    if plan.kind == "local":
-        head = "# deployment: local, one node (torchrun --standalone for the trainer)"
+    spans = get_launcher(cfg).capabilities.spans_nodes
+    if not spans:
+        head = f"# deployment: {plan.kind}, one node (torchrun --standalone for the trainer)"
     else:
         head = (f"# deployment: {plan.kind}, {len(plan.nodes)} node(s); trainer rendezvous c10d at "
                 f"{plan.rdzv_endpoint} (timeout {d.rdzv_timeout_s:g} s), grace {d.grace_s:g} s")
@@ -139,13 +141,13 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
             b = get_backend(cfg)
             parts.append("orchestrator" + (f" + {b.name} engine" if b.capabilities.engine_in_process else ""))
         lines.append(f"# node {n.index} {n.host}: " + "; ".join(parts))
-    if plan.kind != "local":
+    if spans:
         from ..zmq_transport import batch_transport
 
         via = batch_transport(cfg)
-        lines.append(f"# rollout batches: {via}" + (
-            f" (each trainer rank pulls its micro-batches from the orchestrator on port {cfg.orchestrator.zmq_port})"
-            if via == "zmq" else " (output_dir must be shared by the orchestrator's and trainer nodes)"))
+        how = (f" (each trainer rank pulls its micro-batches from the orchestrator on port {cfg.orchestrator.zmq_port})"
+               if via == "zmq" else " (output_dir must be shared by the orchestrator's and trainer nodes)")
+        lines.append(f"# rollout batches: {via}{how}")
     return "\n".join(lines) + "\n"
 
 
@@ -161,8 +163,9 @@ def inference_server(cfg: RLConfig, host: str) -> str:
 
 
 def check_rendezvous_port(cfg: RLConfig) -> None:
-    """``kind = "nodes"`` with the rendezvous on this machine: its port must be free here now."""
-    if cfg.deployment.kind != "nodes":
+    """A plan across nodes whose rendezvous is on this machine (``kind = "nodes"`` on 127.x hosts): its
+    port must be free here now. (A SLURM plan's rendezvous host is a node of the allocation.)"""
+    if not get_launcher(cfg).capabilities.spans_nodes:
         return
     plan = node_plan(cfg)
     host = plan.rdzv_host

@@ -1,33 +1,40 @@
-"""A ``deployment.kind = "nodes"`` job whose hosts are all 127.x addresses, started by ``primerl rl``
-on this machine: one ``primerl node`` process per (node, role), each in its own working directory
-``<output_dir>/nodes/node<i>`` and logging to ``<output_dir>/logs/node<i>-<role>.log``.
+"""``deployment.kind = "nodes"``: a job on named hosts, one ``primerl node`` process per (node, role).
 
-The launcher prints progress from ``metrics.jsonl``; when a node's process fails it names the
-node, its host and role (with the end of its log) and stops the others, each given
-``deployment.grace_s`` to finish (a checkpoint being written), then killed.
+When every host is a 127.x address, ``primerl rl`` starts the nodes on this machine: each process
+in its own working directory ``<output_dir>/nodes/node<i>``, logging to
+``<output_dir>/logs/node<i>-<role>.log`` (``processes.start_process``; the node processes do not
+die with the launcher: each stops its own group on SIGTERM). ``wait`` prints progress from
+``metrics.jsonl``; when a node's process fails it names the node, its host and role (with the end
+of its log) and ``stop`` stops the others, each given ``deployment.grace_s`` to finish (a
+checkpoint being written), then killed. On other hosts, ``start`` fails with the command to run on
+each host (``--dry-run`` prints them too).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from ..config import RLConfig
-from .common import JobFailed, prepare_output
-from .deployment import Node, is_loopback, node_plan
+from ..config import ConfigError, RLConfig
+from ..lifetime import LAUNCHER_PID_ENV, log_tail
+from ..metrics import ascii_curve, progress_line, read_metrics
+from ..processes import start_process
+from .common import JobFailed
+from .deployment import Node, describe_nodes, is_loopback, node_plan
+from .launcher import LauncherCapabilities, PreparedJob, check_spans_nodes, register_launcher
 
-__all__ = ["node_commands", "run_nodes", "is_local_nodes"]
+__all__ = ["NodesLauncher", "is_local_nodes", "node_commands"]
 
 
 def is_local_nodes(cfg: RLConfig) -> bool:
-    d = cfg.deployment
-    return d.kind == "nodes" and all(is_loopback(h) for h in d.hosts)
+    """Every host of the plan is this machine (127.x or ``localhost``): ``primerl rl`` starts them."""
+    return all(is_loopback(h) for h in cfg.deployment.hosts)
 
 
-def node_commands(cfg: RLConfig, config_path: str, *, python: str = sys.executable) -> list[tuple[Node, str, list[str]]]:
+def node_commands(cfg: RLConfig, config_path: str, *,
+                  python: str = sys.executable) -> list[tuple[Node, str, list[str]]]:
     """``(node, role, argv)`` of every process of the job, in start order (inference, trainer, orchestrator)."""
     plan = node_plan(cfg)
     out = []
@@ -38,48 +45,65 @@ def node_commands(cfg: RLConfig, config_path: str, *, python: str = sys.executab
     return out
 
 
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
+def _need(cond: bool, key: str, msg: str, value) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}, got {value!r}")
 
 
-def run_nodes(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> list[dict]:
-    """Run every node of the plan as local processes until the trainer nodes finish."""
-    from ..lifetime import LAUNCHER_PID_ENV, stop_process_group
-    from ..metrics import ascii_curve, progress_line, read_metrics
+class NodesLauncher:
+    """The nodes of ``deployment.hosts``: started here when they are 127.x addresses."""
 
-    out = Path(cfg.output_dir).resolve()
-    start = prepare_output(cfg)  # writes the resolved config.toml that the nodes read
-    if not is_local_nodes(cfg):
-        cmds = "\n".join(" ".join(argv) for _, _, argv in node_commands(cfg, str(out / "config.toml")))
-        raise JobFailed("deployment.hosts are not all 127.x addresses, so this machine cannot start them; run "
-                            f"on each host (the config at {out / 'config.toml'} copied there):\n{cmds}")
-    cfg_path = str(out / "config.toml")
-    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH")) if p)
-    procs: dict[str, tuple[Node, str, subprocess.Popen]] = {}
-    t0 = time.perf_counter()
-    if not quiet:
-        print(f"primerl rl: {len(node_plan(cfg).nodes)} local nodes | output_dir {out} | start step {start} | "
-              f"logs in {out / 'logs'}", flush=True)
-    try:
+    name = "nodes"
+    capabilities = LauncherCapabilities(spans_nodes=True, server_pool=False)
+
+    def check(self, cfg: RLConfig) -> None:
+        check_spans_nodes(cfg)
+        d = cfg.deployment
+        n = d.trainer_nodes + d.inference_nodes + (d.orchestrator == "own")
+        _need(len(d.hosts) == n, "deployment.hosts",
+              f"must list {n} hosts ({d.trainer_nodes} trainer + {d.inference_nodes} inference"
+              f"{' + 1 orchestrator' if d.orchestrator == 'own' else ''}, in that order)", d.hosts)
+        _need(len(set(d.hosts)) == len(d.hosts), "deployment.hosts", "must be distinct", d.hosts)
+
+    def describe(self, cfg: RLConfig) -> str:
+        cfg_path = str(Path(cfg.output_dir).resolve() / "config.toml")
+        lines = [f"# on {node.host}: {' '.join(argv)}\n" for node, role, argv in node_commands(cfg, cfg_path,
+                                                                                              python="python")]
+        return describe_nodes(cfg) + "".join(lines)
+
+    def start(self, job: PreparedJob) -> None:
+        cfg, out = job.cfg, job.output_dir
+        cfg_path = str(job.config_path)
+        if not is_local_nodes(cfg):
+            cmds = "\n".join(" ".join(argv) for _, _, argv in node_commands(cfg, cfg_path))
+            raise JobFailed("deployment.hosts are not all 127.x addresses, so this machine cannot start them; run "
+                            f"on each host (the config at {cfg_path} copied there):\n{cmds}")
+        env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1",
+                   **{LAUNCHER_PID_ENV: str(os.getpid())})
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH"))
+                                            if p)
+        procs = job.state["procs"] = {}
+        job.state["t0"] = time.perf_counter()
+        if not job.quiet:
+            print(f"primerl rl: {len(node_plan(cfg).nodes)} local nodes | output_dir {out} | start step "
+                  f"{job.start_step} | logs in {out / 'logs'}", flush=True)
         for node, role, argv in node_commands(cfg, cfg_path):
             name = f"node{node.index}-{role}"
             wd = out / "nodes" / f"node{node.index}"
             wd.mkdir(parents=True, exist_ok=True)
-            with open(out / "logs" / f"{name}.log", "ab") as f:
-                p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=wd, start_new_session=True)
-            procs[name] = (node, role, p)
+            procs[name] = (node, role, start_process(argv, name=name, role=role, log_path=out / "logs" / f"{name}.log",
+                                                     env=env, cwd=wd, die_with_parent=False))
         (out / "pids").write_text("".join(f"{name} {p.pid}\n" for name, (_, _, p) in procs.items()))
-        seen, first_seen = start - 1, {}
+
+    def wait(self, job: PreparedJob, *, poll_s: float = 0.2) -> list[dict]:
+        cfg, out, procs = job.cfg, job.output_dir, job.state["procs"]
+        seen, first_seen = job.start_step - 1, {}
         trainers = [p for _, role, p in procs.values() if role == "trainer"]
         while True:
             for r in read_metrics(out / "metrics.jsonl"):
                 if r["step"] > seen:
                     seen = r["step"]
-                    if not quiet and cfg.log.progress:
+                    if not job.quiet and cfg.log.progress:
                         print(progress_line(r, cfg.max_steps), flush=True)
             for name, (_, _, p) in procs.items():
                 if p.poll() not in (None, 0):
@@ -94,21 +118,25 @@ def run_nodes(cfg: RLConfig, *, quiet: bool = False, poll_s: float = 0.2) -> lis
                 t_first = min(first_seen.values())
                 failed = [(name, *procs[name]) for name, t in first_seen.items() if t - t_first < 0.5]
                 failed.sort(key=lambda f: (f[3].returncode > 0, f[2] != "trainer",
-                                           "ProducerDied" in _tail(out / "logs" / f"{f[0]}.log")))
+                                           "ProducerDied" in log_tail(out / "logs" / f"{f[0]}.log")))
                 name, n, role, p = failed[0]
                 raise JobFailed(f"node {n.index} ({n.host}) {role} exited with code {p.returncode}; end of "
-                                    f"{out / 'logs' / (name + '.log')}:\n{_tail(out / 'logs' / (name + '.log'))}")
+                                f"{out / 'logs' / (name + '.log')}:\n{log_tail(out / 'logs' / (name + '.log'))}")
             if all(p.returncode == 0 for p in trainers):
                 break
             time.sleep(poll_s)
-    finally:
-        for _, _, p in procs.values():
-            stop_process_group(p, cfg.deployment.grace_s)
-    rows = read_metrics(out / "metrics.jsonl")
-    if not rows or rows[-1]["step"] != cfg.max_steps - 1:
-        raise JobFailed(f"the trainer nodes exited normally but {out / 'metrics.jsonl'} ends at step "
+        rows = read_metrics(out / "metrics.jsonl")
+        if not rows or rows[-1]["step"] != cfg.max_steps - 1:
+            raise JobFailed(f"the trainer nodes exited normally but {out / 'metrics.jsonl'} ends at step "
                             f"{rows[-1]['step'] if rows else None}, not {cfg.max_steps - 1}")
-    if not quiet:
-        print(f"done: {len(rows)} steps in {time.perf_counter() - t0:.1f} s; reward curve:\n{ascii_curve(rows)}",
-              flush=True)
-    return rows
+        if not job.quiet:
+            print(f"done: {len(rows)} steps in {time.perf_counter() - job.state['t0']:.1f} s; reward curve:\n"
+                  f"{ascii_curve(rows)}", flush=True)
+        return rows
+
+    def stop(self, job: PreparedJob) -> None:
+        for _, _, p in job.state.get("procs", {}).values():
+            p.stop(job.cfg.deployment.grace_s)
+
+
+register_launcher("nodes", NodesLauncher())

@@ -26,8 +26,9 @@ import time
 from datetime import timedelta
 
 from ..config import RLConfig
-from ..lifetime import stop_process_group
+from ..processes import start_process
 from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, split_endpoint
+from .kinds import get_launcher
 
 log = logging.getLogger("primerl")
 
@@ -59,9 +60,9 @@ def resolve_node(cfg: RLConfig, role: str, node_rank: int | None = None, rdzv: s
     """This node's entry of the plan, its rank from the argument or ``SLURM_NODEID``."""
     if role not in ROLES:
         raise NodeError(f"--role must be one of {ROLES}, got {role!r}")
-    if cfg.deployment.kind == "local":
-        raise NodeError("deployment.kind is 'local': `primerl rl` runs the whole job on this machine; "
-                        "`primerl node` is for kind = 'nodes' or 'slurm'")
+    if not get_launcher(cfg).capabilities.spans_nodes:
+        raise NodeError(f"deployment.kind is {cfg.deployment.kind!r}: `primerl rl` runs the whole job on this machine; "
+                        "`primerl node` is for a kind whose processes span nodes ('nodes' or 'slurm')")
     if node_rank is None:
         env = os.environ.get("SLURM_NODEID")
         if env is None:
@@ -129,7 +130,8 @@ def join_rendezvous(plan: NodePlan, node: Node, role: str, digest: str, *, deadl
     if other:
         i, h, d = other[0]
         raise NodeError(f"node {node.index} {role} ({node.host}, config {digest}) and node {i} ({h}, config {d}) were "
-                        "started with different configs; every node must run the same resolved config (output_dir aside)")
+                        "started with different configs; every node must run the same resolved config "
+                        "(output_dir aside)")
     return store
 
 
@@ -142,7 +144,8 @@ def peer_env(plan: NodePlan, role: str) -> dict[str, str]:
     orch = plan.with_role("orchestrator")[0]
     if role == "orchestrator":
         nodes = ", ".join(f"{n.index} ({n.host})" for n in plan.trainer_nodes)
-        return {ENGINE_HOST_ENV: orch.host, TRAINER_NODE_ENV: f"the trainer on node{'s' * (len(plan.trainer_nodes) > 1)} {nodes}"}
+        many = "s" * (len(plan.trainer_nodes) > 1)
+        return {ENGINE_HOST_ENV: orch.host, TRAINER_NODE_ENV: f"the trainer on node{many} {nodes}"}
     return {"PRIMERL_BATCH_HOST": orch.host, ENGINE_HOST_ENV: orch.host,
             ORCHESTRATOR_NODE_ENV: f"the orchestrator on node {orch.index} ({orch.host})"}
 
@@ -223,13 +226,15 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     entry = ["-m", "primerl.runtime.cli", "trainer", "--config", config_path, *overrides]
     cmd = trainer_command(plan, node, entry, run_id=os.environ.get("SLURM_JOB_ID", "primerl"))
     log.info("trainer node %d: %s", node.trainer_node, " ".join(cmd))
-    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, **peer_env(plan, role)))
-    # SIGTERM from the scheduler (or the local launcher) reaches torchrun's whole group
-    signal.signal(signal.SIGTERM, lambda *_: (stop_process_group(proc, cfg.deployment.grace_s), sys.exit(143)))
+    proc = start_process(cmd, name=f"node{node.index}-trainer", role="trainer", log_path=None,
+                         env=dict(os.environ, **peer_env(plan, role)), die_with_parent=False)
+    # SIGTERM from the scheduler (or the local launcher) reaches torchrun's whole group; the handler
+    # reaps with os.waitpid, not Popen.wait: the proc.wait() below that it interrupts holds Popen's lock
+    signal.signal(signal.SIGTERM, lambda *_: (proc.stop_in_signal_handler(cfg.deployment.grace_s), sys.exit(143)))
     try:
         join_rendezvous(plan, node, role, digest, deadline=deadline, alive=lambda: proc.poll() is None)
     except NodeError:
-        stop_process_group(proc, 5.0)
+        proc.stop(5.0)
         raise
     rc = proc.wait()
     if rc != 0:

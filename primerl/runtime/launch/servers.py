@@ -2,11 +2,9 @@
 
 The pieces, reusable for any role (``"inference"`` here; prefill / decode servers the same way):
 
-- :class:`ProcessTable`: ``<output_dir>/processes.json``, a JSON list of ``{"role", "pid", "url",
-  "restarts"}`` for every process the launcher started, rewritten atomically (tmp + ``os.replace``)
-  whenever one is (re)started.
-- :class:`ManagedProcess`: one child process (own session, log file, dies with the launcher) that
-  can be started, killed and restarted on the same command line (so the same port).
+- ``processes.ProcessTable`` (``<output_dir>/processes.json``, a row per process, rewritten
+  atomically whenever one is (re)started) and ``processes.ManagedProcess`` (one child process: own
+  session, log file, dies with the launcher; restarted on the same command line, so the same port).
 - :func:`server_process` / :func:`router_process`: the command lines of ``primerl inference`` on a
   port and of ``vllm-router`` (normal mode with a policy, or P/D mode with ``prefill`` / ``decode``
   URLs). The router starts with NO workers: the pool client adds each one (``/add_worker``) only
@@ -21,12 +19,9 @@ The pieces, reusable for any role (``"inference"`` here; prefill / decode server
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -34,15 +29,16 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..lifetime import die_with_parent
+from ..lifetime import log_tail
+from ..processes import ManagedProcess, ProcessTable
 
 log = logging.getLogger("primerl.launch")
 
 POOL_ENV = "PRIMERL_INFERENCE_POOL"  # JSON of ServerPool.endpoints() for the orchestrator process
 ROUTER_POLICIES = ("consistent_hash", "round_robin", "power_of_two", "cache_aware", "random")
 
-__all__ = ["POOL_ENV", "ROUTER_POLICIES", "ManagedProcess", "ProcessTable", "ServerPool", "free_port",
-           "router_executable", "router_process", "server_process"]
+__all__ = ["POOL_ENV", "ROUTER_POLICIES", "ServerPool", "free_port", "pool_for_job", "router_executable",
+           "router_process", "server_process"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,83 +50,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 def router_executable() -> Path:
     """``vllm-router``'s launcher next to this interpreter (the ``router`` extra installs it)."""
     return Path(sys.executable).parent / "vllm-router"
-
-
-class ProcessTable:
-    """``processes.json``: every process the launcher started, by name; rewritten atomically."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._rows: dict[str, dict] = {}
-        self._lock = threading.Lock()
-
-    def set(self, name: str, role: str, pid: int, url: str | None = None, restarts: int = 0) -> None:
-        with self._lock:
-            self._rows[name] = {"role": role, "pid": pid, "url": url, "restarts": restarts}
-            tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(list(self._rows.values()), indent=1))
-            os.replace(tmp, self.path)
-
-
-def read_processes(path: Path) -> list[dict]:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return []
-
-
-class ManagedProcess:
-    """One child process: ``start`` (again after a death: same command line, same port), ``kill``."""
-
-    def __init__(self, name: str, role: str, args: list[str], log_path: Path, *, url: str | None = None,
-                 env: dict | None = None, table: ProcessTable | None = None):
-        self.name, self.role, self.args, self.log_path, self.url = name, role, args, Path(log_path), url
-        self.env = dict(os.environ if env is None else env)
-        self.table = table
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-        self.started_at = 0.0
-
-    @property
-    def restarts(self) -> int:
-        return max(self.starts - 1, 0)
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def start(self) -> "ManagedProcess":
-        with open(self.log_path, "ab") as f:
-            self.proc = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
-        self.starts += 1
-        self.started_at = time.monotonic()
-        if self.table is not None:
-            self.table.set(self.name, self.role, self.proc.pid, self.url, self.restarts)
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the process group (a stopped process is killed too) and reap it."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-
-    def stop(self, grace: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(grace)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            self.kill()
 
 
 def server_process(i: int, cfg_path: str, port: int, log_dir: Path, *, role: str = "inference",
@@ -154,8 +73,8 @@ def router_process(port: int, log_dir: Path, *, policy: str = "consistent_hash",
     re-dispatches (a dead worker's in-flight request comes back 5xx)."""
     exe = router_executable()
     if not exe.exists():
-        raise FileNotFoundError(f"vllm-router is not installed next to {sys.executable} (pip install 'primerl[router]'); "
-                                "needed for inference.num_servers > 1")
+        raise FileNotFoundError(f"vllm-router is not installed next to {sys.executable} "
+                                "(pip install 'primerl[router]'); needed for inference.num_servers > 1")
     args = [str(exe), "--host", host, "--port", str(port), "--prometheus-port", str(free_port(host)),
             "--request-timeout-secs", str(int(request_timeout_s)), "--disable-retries"]
     if prefill or decode:
@@ -195,10 +114,11 @@ class ServerPool:
                  startup_timeout_s: float = 600.0, request_timeout_s: float = 300.0, env: dict | None = None,
                  host: str = "127.0.0.1"):
         self.table, self.role = table, role
-        self.max_restarts, self.health_timeout_s, self.health_interval_s = max_restarts, health_timeout_s, health_interval_s
+        self.max_restarts, self.health_timeout_s = max_restarts, health_timeout_s
+        self.health_interval_s = health_interval_s
         self.startup_timeout_s = startup_timeout_s
-        self.servers = [server_process(i, cfg_path, free_port(host), log_dir, role=role, host=host, env=env, table=table)
-                        for i in range(n)]
+        self.servers = [server_process(i, cfg_path, free_port(host), log_dir, role=role, host=host, env=env,
+                                       table=table) for i in range(n)]
         self.urls = [s.url for s in self.servers] + list(external_urls)
         self.router = router_process(free_port(host), log_dir, policy=policy, request_timeout_s=request_timeout_s,
                                      host=host, env=env, table=table) if router else None
@@ -242,7 +162,7 @@ class ServerPool:
         if p.restarts >= self.max_restarts:
             self.failure = (f"the {p.name} process ({p.url}) {why} after {p.restarts} restart(s) "
                             f"(inference.max_restarts = {self.max_restarts}); end of {p.log_path}:\n"
-                            + _tail(p.log_path))
+                            + log_tail(p.log_path, 10))
             return
         log.warning("%s (%s) %s: restarting it (restart %d of at most %d)", p.name, p.url, why, p.restarts + 1,
                     self.max_restarts)
@@ -277,13 +197,6 @@ class ServerPool:
                 log.exception("inference pool supervision pass failed")
             if self.failure:
                 return
-
-
-def _tail(path: Path, n: int = 10) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 def pool_for_job(cfg, cfg_path: str, out: Path, table: ProcessTable, env: dict | None = None) -> ServerPool | None:

@@ -8,6 +8,11 @@ index in the allocation (``--relative``), inference first, then the trainer node
 ``<output_dir>/logs/node<i>-<role>.log``. ``wait -n`` notices the first step to fail; the others
 then get ``deployment.grace_s`` seconds to stop before they are killed. ``output_dir`` (the
 config, metrics, checkpoints) must be on a path every node sees.
+
+The preparation is every launcher's (``launcher.prepare_job``), on the submitting machine: the
+``[warm_start]`` runs there before ``sbatch`` (a supervised warm start of the random init, minutes
+on a CPU), into ``<output_dir>/warm_start``, and the written ``config.toml`` names it as
+``model.path``: every node starts from it through the shared ``output_dir``.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, RLConfig
-from .deployment import DEFAULT_RDZV_PORT, Node, node_plan, split_endpoint
+from .common import JobFailed
+from .deployment import DEFAULT_RDZV_PORT, Node, describe_nodes, node_plan, split_endpoint
+from .launcher import LauncherCapabilities, PreparedJob, check_spans_nodes, register_launcher
 
-__all__ = ["TEMPLATE", "render_sbatch", "submit"]
+__all__ = ["TEMPLATE", "SlurmLauncher", "render_sbatch"]
 
 TEMPLATE = Path(__file__).with_name("templates") / "sbatch.sh.j2"
 
@@ -77,21 +84,43 @@ def _trainer_commands(plan, rdzv: str, python: str) -> list[str]:
     return lines
 
 
-def submit(cfg: RLConfig, *, quiet: bool = False) -> str:
-    """Prepare ``output_dir`` (on the shared path), write the script there and ``sbatch`` it;
-    returns sbatch's answer (``Submitted batch job N``)."""
-    from . import machine
+class SlurmLauncher:
+    """Render the sbatch script into ``output_dir`` and submit it; the job runs later, under SLURM."""
 
-    out = Path(cfg.output_dir).resolve()
-    machine.prepare_output(cfg)
-    script = out / "primerl.sbatch"
-    script.write_text(render_sbatch(cfg, str(out / "config.toml")))
-    try:
-        res = subprocess.run(["sbatch", str(script)], capture_output=True, text=True)
-    except FileNotFoundError:
-        raise machine.JobFailed(f"sbatch is not on PATH; the script is at {script}") from None
-    if res.returncode != 0:
-        raise machine.JobFailed(f"sbatch {script} failed (exit {res.returncode}): {res.stderr.strip()}")
-    if not quiet:
-        print(f"primerl rl: {res.stdout.strip()} ({script}; logs in {out / 'logs'})", flush=True)
-    return res.stdout.strip()
+    name = "slurm"
+    capabilities = LauncherCapabilities(spans_nodes=True, server_pool=False)
+
+    def check(self, cfg: RLConfig) -> None:
+        check_spans_nodes(cfg)
+        if cfg.deployment.hosts:
+            raise ConfigError("deployment.hosts: comes from SLURM_JOB_NODELIST under kind = 'slurm'; leave it empty, "
+                              f"got {cfg.deployment.hosts!r}")
+
+    def describe(self, cfg: RLConfig) -> str:
+        script = render_sbatch(cfg, str(Path(cfg.output_dir).resolve() / "config.toml"))
+        return (describe_nodes(cfg) + "# sbatch script (written to output_dir/primerl.sbatch and submitted by "
+                "`primerl rl`):\n" + script)
+
+    def start(self, job: PreparedJob) -> None:
+        """Write ``<output_dir>/primerl.sbatch`` and ``sbatch`` it."""
+        script = job.output_dir / "primerl.sbatch"
+        script.write_text(render_sbatch(job.cfg, str(job.config_path)))
+        try:
+            res = subprocess.run(["sbatch", str(script)], capture_output=True, text=True)
+        except FileNotFoundError:
+            raise JobFailed(f"sbatch is not on PATH; the script is at {script}") from None
+        if res.returncode != 0:
+            raise JobFailed(f"sbatch {script} failed (exit {res.returncode}): {res.stderr.strip()}")
+        job.state["submitted"] = res.stdout.strip()
+        if not job.quiet:
+            print(f"primerl rl: {res.stdout.strip()} ({script}; logs in {job.output_dir / 'logs'})", flush=True)
+
+    def wait(self, job: PreparedJob) -> list[dict]:
+        """Nothing to wait for here: the job runs under SLURM (sbatch's answer is ``job.state["submitted"]``)."""
+        return []
+
+    def stop(self, job: PreparedJob) -> None:
+        """Nothing of the submitted job runs on this machine."""
+
+
+register_launcher("slurm", SlurmLauncher())
