@@ -72,8 +72,8 @@ def validate(cfg: RLConfig) -> None:
     """Every check of ``cfg`` before the job starts (the module docstring lists them); raises
     ``ConfigError`` naming the key."""
     config.validate_fields(cfg)  # 1. every section on its own
-    check_launcher(cfg)  # 2. deployment.kind registered, its capabilities cover the config, its own checks
     check_backend(cfg)  # 2. inference.backend registered, its capabilities cover the config, its own checks
+    check_launcher(cfg)  # 2. deployment.kind registered, its capabilities cover the config, its own checks
     check_between_sections(cfg)  # 3.
     config.validate_names(cfg)  # 4.
     if not cfg.model.path:  # 5. a random init: its fields are checked by the model's own config
