@@ -15,7 +15,7 @@ class DeploymentConfig:
     default), nodes started by hand or any scheduler with ``primerl node`` (``"nodes"``), or a SLURM
     batch job (``"slurm"``). Trainer nodes run torchrun with c10d rendezvous at ``rdzv_endpoint``."""
 
-    kind: str = "local"  # "local", "nodes" or "slurm"
+    kind: str = "local"  # a registered launcher (launch.launcher): "local", "nodes", "slurm", "threads"
     trainer_nodes: int = 1  # nodes running trainer ranks (torchrun --nnodes)
     inference_nodes: int = 0  # nodes running inference servers (vLLM); 0: the engine is in the orchestrator
     orchestrator: str = "trainer"  # "trainer": beside the trainer on trainer node 0; "own": a node of its own
