@@ -5,8 +5,6 @@ process below (imports are lazy; nothing heavy loads with the package).
                 imports nothing from the runtime
   validate      the job's full check (config + node plan + placement + job combinations) and the
                 validating ``load_config``: what ``primerl rl`` and ``--dry-run`` call
-  job           compatibility names (run_rl, run_threads, trainer_main, ...); they live in launch/,
-                trainer/main.py, orchestrator/main.py and orchestrator/clients.py
   cli           the ``primerl`` command (rl, trainer, orchestrator, inference, vllm-command, node, plan)
   placement     device resolution: where the trainer ranks and the engine run, NCCL or gloo, dtypes
   memory_plan   predicted peak bytes per trainer rank and per inference GPU before launch (`primerl plan`)
@@ -16,7 +14,6 @@ process below (imports are lazy; nothing heavy loads with the package).
   metrics       metrics.jsonl (strict JSON: NaN/inf as null), progress line, plot
   output_dir    the job's exclusive lock on output_dir; refusal of a previous run's directory
   lifetime      trainer/orchestrator processes end with the launcher (PR_SET_PDEATHSIG + watchdog)
-  vllm_worker   compatibility path of ``inference.vllm_worker`` (the vLLM worker extension)
 
   launch/       starting the processes (one machine, nodes, SLURM): what runs where, in its docstring
   trainer/      the trainer process (main.py: ``primerl trainer``): Trainer / run_trainer, loss glue

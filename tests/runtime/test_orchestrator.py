@@ -50,8 +50,9 @@ class FakeClient:
 
 
 def _cfg(tmp_path, *over):
-    return load_config(None, ["--output_dir", str(tmp_path), "--orchestrator.batch_size", "3", "--orchestrator.group_size",
-                              "4", "--orchestrator.seq_len", "64", "--max_steps", "4", "--env.timeout_s", "1", *over])
+    return load_config(None, ["--output_dir", str(tmp_path), "--orchestrator.batch_size", "3",
+                              "--orchestrator.group_size", "4", "--orchestrator.seq_len", "64", "--max_steps", "4",
+                              "--env.timeout_s", "1", *over])
 
 
 def fake_trainer(transport, steps, seen, delay=0.0):
@@ -174,7 +175,7 @@ def test_real_engine_batches_line_up_with_the_trainer(tmp_path, env_id):
     """Sampler log-probs and routing, as packed for the trainer, match the trainer's own forward at
     the same weights on every model token, across environment turns too."""
     from primerl.rl.envs import load_environment
-    from primerl.runtime.job import make_client
+    from primerl.runtime.orchestrator.clients import make_client
     from primerl.runtime.policy import build_model, model_config
     from primerl.runtime.trainer import shifted_logprobs
 
@@ -245,7 +246,8 @@ def test_monitor_endpoint_servers_healthy_and_samples_on_disk(tmp_path):
     assert prom[("primerl_orchestrator_servers_healthy", None)] == 1.0
     for step, m in seen:
         rows = [json.loads(x) for x in samples_path(cfg.output_dir, step).read_text().splitlines()]
-        assert len(rows) == 3 * 4 and {(r["group"], r["member"]) for r in rows} == {(g, i) for g in range(3) for i in range(4)}
+        assert len(rows) == 3 * 4
+        assert {(r["group"], r["member"]) for r in rows} == {(g, i) for g in range(3) for i in range(4)}
         assert sum(r["reward"] for r in rows) / len(rows) == pytest.approx(m["reward/mean"])
         for g in range(3):  # drgrpo: reward minus the group's mean
             grp = [r for r in rows if r["group"] == g]

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from primerl.runtime.job import run_threads
+from primerl.runtime.launch.threads import run_threads
 
-from vf_testing import (Recorder, assert_replay_is_the_samplers_routing, assert_samples_are_the_sampled_tokens, similarity,
-                        small_cfg, spans)
+from vf_testing import (Recorder, assert_replay_is_the_samplers_routing, assert_samples_are_the_sampled_tokens,
+                        similarity, small_cfg, spans)
 
 
 def test_single_turn_reverse_text_trains_on_exactly_the_sampled_tokens(tmp_path, monkeypatch):
@@ -210,7 +210,8 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     common = ["--env.args.max_tokens", "6", "--checkpoint.interval", "1"]
     first = run_threads(small_cfg("vf_reverse_text.toml", out, "--max_steps", "2", *common))
     assert [r["step"] for r in first] == [0, 1]
-    rows = run_threads(small_cfg("vf_reverse_text.toml", out, "--max_steps", "4", "--checkpoint.resume", "true", *common))
+    rows = run_threads(small_cfg("vf_reverse_text.toml", out, "--max_steps", "4", "--checkpoint.resume", "true",
+                                 *common))
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[2]["policy_version"] >= 1  # the resumed sampler starts from the checkpoint's policy, not the init
 
@@ -248,5 +249,6 @@ def test_real_vllm_server_serves_the_verifiers_path(tmp_path, monkeypatch):
     rows = run_threads(cfg)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert assert_samples_are_the_sampled_tokens(rec) == 3 * 2 * 4
-    assert all(r["mismatch_kl/mean"] < 1e-5 for r in rows)  # on-policy, float32 server: vLLM's log-probs = the trainer's
+    # on-policy, float32 server: vLLM's log-probs = the trainer's
+    assert all(r["mismatch_kl/mean"] < 1e-5 for r in rows)
     assert max(r["policy_version"] for r in rows) >= 1  # the trainer's weights reached vLLM
