@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from .aot import Case
+from .aot_case import Case
 
 E4M3 = torch.float8_e4m3fn
 BF16 = torch.bfloat16

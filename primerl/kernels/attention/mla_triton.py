@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import (LOG2E, _block_runs, _dot_precision, _first_query_block, _key_block_summary, _key_loop_bounds,
-                     _last_dim_contiguous, _load_positions, _pos_args, _query_block_sees, _seq_bounds, _visible,
-                     backward_inputs)
+from .triton_common import (LOG2E, _block_runs, _dot_precision, _first_query_block, _key_block_summary, _key_loop_bounds,
+                            _last_dim_contiguous, _load_positions, _pos_args, _query_block_sees, _seq_bounds,
+                            _visible, backward_inputs)
 
 
 def split_width(d: int) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import BLOCK
+from .layout import BLOCK
 
 
 def _m_indices_segments(m_indices: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import BLOCK
+from .layout import BLOCK
 from .offsets import device_capability
 
 SUPPORTED_ARCH = 9

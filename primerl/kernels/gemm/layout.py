@@ -18,6 +18,7 @@ import torch
 
 from .offsets import current_arch_major
 
+BLOCK = 128  # the FP8 scale block: 128 K-columns per A scale, 128 x 128 per B block scale
 TMA_ALIGNMENT_BYTES = 16
 RECIPES = ((1, 128, 128), (1, 1, 128))
 

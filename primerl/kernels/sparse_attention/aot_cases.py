@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..aot import Case
+from ..aot_case import Case
 
 BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 T_SPARSE, K_SELECT = 4096, 2048
