@@ -211,7 +211,9 @@ def _model_path(config: str, overrides: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..validate import load_config
+    # the config's own checks (fields, names, trainer layout), not the job's: the warm start runs here,
+    # on the CPU, with none of the job's processes, nodes or devices
+    from ..config import load_config
 
     p = argparse.ArgumentParser(prog="python -m primerl.runtime.trainer.vf_warmstart", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
