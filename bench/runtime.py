@@ -75,10 +75,9 @@ def _mismatch_kl(replay: bool, n_prompts: int) -> float:
     for c in engine.generate(reqs):
         n = len(c.prompt) + len(c.tokens)
         fill = torch.arange(2, dtype=c.routing.dtype).expand(1, *c.routing.shape[1:])
-        mask = torch.tensor([False] * len(c.prompt) + [True] * len(c.tokens))
-        logprobs = torch.tensor([0.0] * len(c.prompt) + c.logprobs)
-        routing = torch.cat([c.routing, fill])[:n]
-        samples.append(Sample(torch.tensor(c.prompt + c.tokens), mask, 0.0, logprobs, 1.0, routing))
+        loss_mask = torch.tensor([False] * len(c.prompt) + [True] * len(c.tokens))
+        samples.append(Sample(torch.tensor(c.prompt + c.tokens), loss_mask, 0.0,
+                              torch.tensor([0.0] * len(c.prompt) + c.logprobs), 1.0, torch.cat([c.routing, fill])[:n]))
     kl_sum = n_tok = 0.0
     with torch.no_grad():
         for mb in pack(samples, 4096, 1, pad_to_seq_len=False)[0]:
@@ -142,8 +141,8 @@ def run(args) -> list[Row]:
                     baseline="async=0", extra=info1))
     n = 64 if args.quick else 256
     kl_off, kl_on = _mismatch_kl(False, n), _mismatch_kl(True, n)
-    what = f"fp8 experts, {n} samples"
-    rows.append(Row("mismatch_kl", what, "fp8/fp32", "replay=off", 0.0, extra={"kl": f"{kl_off:.3e}"}))
-    rows.append(Row("mismatch_kl", what, "fp8/fp32", "replay=on", 0.0, ratio=kl_off / max(kl_on, 1e-30),
-                    baseline="replay=off", extra={"kl": f"{kl_on:.3e}"}))
+    rows.append(Row("mismatch_kl", f"fp8 experts, {n} samples", "fp8/fp32", "replay=off", 0.0,
+                    extra={"kl": f"{kl_off:.3e}"}))
+    rows.append(Row("mismatch_kl", f"fp8 experts, {n} samples", "fp8/fp32", "replay=on", 0.0,
+                    ratio=kl_off / max(kl_on, 1e-30), baseline="replay=off", extra={"kl": f"{kl_on:.3e}"}))
     return rows

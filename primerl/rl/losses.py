@@ -225,8 +225,9 @@ def _check_tensors(logprobs, named, weights, num_seqs):
         per_seq = name == "advantages" and num_seqs is not None and isinstance(x, torch.Tensor) \
             and x.dim() == 1 and x.shape[0] == num_seqs
         if not isinstance(x, torch.Tensor) or x.dim() != 1 or (x.shape[0] != T and not per_seq):
-            also = f" or [S={num_seqs}] (one per sequence of cu_seqlens)" if name == "advantages" and num_seqs is not None \
-                else ""
+            also = ""
+            if name == "advantages" and num_seqs is not None:
+                also = f" or [S={num_seqs}] (one per sequence of cu_seqlens)"
             raise ValueError(f"policy_loss: {name} must be a 1-D tensor [T={T}] like logprobs{also}, got "
                              f"{tuple(getattr(x, 'shape', ())) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if x.device != logprobs.device:
@@ -293,7 +294,8 @@ def _validate(logprobs, inference_logprobs, advantages, loss_mask, method, old_l
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 \
                 or cu_seqlens.dtype.is_floating_point:
             raise ValueError(f"policy_loss: cu_seqlens must be a 1-D integer tensor [S+1], got "
-                             f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} {tuple(getattr(cu_seqlens, 'shape', ()))}")
+                             f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
+                             f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
         check_values((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
                      # a symbolic T (dynamic shapes) stays out of the message: formatting it would specialise T
                      "policy_loss: cu_seqlens must start at 0, be non-decreasing and end at "
@@ -394,7 +396,8 @@ def _corrections(corrections, hp, rho_log, mask, seq, weighted):
         seq_ids, S, n_i = seq
         geo = torch.exp(_segment_sum(rho_log, seq_ids, S) / n_i.clamp_min(1))
         dropped["geo_rs"] = ((geo < hp["geo_rs_low"]) | (geo > hp["geo_rs_high"]))[seq_ids] & mask
-    for name, lo, hi in (("veto", "veto_threshold", None), ("sequence_mask", "sequence_mask_low", "sequence_mask_high")):
+    for name, lo, hi in (("veto", "veto_threshold", None),
+                         ("sequence_mask", "sequence_mask_low", "sequence_mask_high")):
         if name in corrections:
             seq_ids, S, _ = seq
             bad = rho < hp[lo]

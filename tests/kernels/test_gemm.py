@@ -134,7 +134,8 @@ def test_grouped_gemm_nt_forward_backward(backend, counts, layout):
     assert not a_in.grad.isnan().any() and not b_in.grad.isnan().any()
     assert bool((a_in.grad[valid] == 0).all())
     if total:
-        ref_a = torch.cat([grad_packed[s - c:s].double() @ b[g].double() for g, (s, c) in enumerate(zip(offs.tolist(), counts))])
+        ref_a = torch.cat([grad_packed[s - c:s].double() @ b[g].double()
+                           for g, (s, c) in enumerate(zip(offs.tolist(), counts))])
         got_a = a_in.grad if layout == "offsets" else G.unpad_from_contiguous(a_in.grad, offs, total + tail)
         assert calc_diff(got_a[:total], ref_a) < 1e-5
         assert calc_diff(b_in.grad, ref_b) < 1e-5
@@ -196,7 +197,8 @@ def test_k_grouped_gemm_tn(backend, counts):
     # the gradients: da = b @ grad[g].T, db = a @ grad[g] over each group's rows; rows past the last group zero
     grad = _randn(*out.shape, seed=3)
     out.backward(grad)
-    ref_a = torch.cat([b[s - c:s].double() @ grad[g].double().t() for g, (s, c) in enumerate(zip(offs.tolist(), counts))])
+    ref_a = torch.cat([b[s - c:s].double() @ grad[g].double().t()
+                       for g, (s, c) in enumerate(zip(offs.tolist(), counts))])
     ref_b = torch.cat([a[s - c:s].double() @ grad[g].double() for g, (s, c) in enumerate(zip(offs.tolist(), counts))])
     for got, want in ((a_in.grad, ref_a), (b_in.grad, ref_b)):
         assert got.shape == (total + 4, want.shape[1]) and not got.isnan().any()
@@ -644,12 +646,13 @@ ints = ["M", "N", "K", "num_entries", "num_m_tiles", "num_progs", "stride_am", "
 sig.update({n: "i32" for n in ints})
 const = dict(stride_ak=1, stride_bk=1, MODE=T.MODE_M_INDICES, SCALED=True, HAS_C=False, SB_GRAN=1, MIXED=True,
              ENTRIES_P2=1, BM=cfg["BM"], BN=64, BK=cfg["BK"], PRECISION="tf32")
-check(T._m_grouped_gemm_nt_kernel, sig, const, ptrs + ["N", "K"], cfg["num_stages"], cfg["num_warps"], label="m_indices_mode")
+check(T._m_grouped_gemm_nt_kernel, sig, const, ptrs + ["N", "K"], cfg["num_stages"], cfg["num_warps"],
+      label="m_indices_mode")
 desc = "tensordesc<fp8e4nv[128, 128]>"
 tsig = dict(a_desc=desc, b_desc=desc, sa_ptr="*fp32", sb_ptr="*fp32", d_ptr="*bf16", c_ptr="*fp32", group_ptr="*i32",
             row_start_ptr="*i32", row_count_ptr="*i32", b_index_ptr="*i32")
-tsig.update({n: "i32" for n in ["M", "N", "K", "num_entries", "max_m", "num_m_tiles", "num_progs", "stride_dm", "stride_cm",
-                                "stride_sam", "stride_sbg", "stride_sbn"]})
+tsig.update({n: "i32" for n in ["M", "N", "K", "num_entries", "max_m", "num_m_tiles", "num_progs", "stride_dm",
+                                "stride_cm", "stride_sam", "stride_sbg", "stride_sbn"]})
 tconst = dict(MODE=T.MODE_TABLE, HAS_C=False, SB_GRAN=128, ENTRIES_P2=16, BM=128, BN=128, BK=128, SWIZZLE=8,
               WARP_SPECIALIZE=False, HALVES=2, PIN=True)
 check(F._m_grouped_fp8_kernel, tsig, tconst, ["sa_ptr", "sb_ptr", "d_ptr", "N", "K"], cfg["num_stages"], 8)

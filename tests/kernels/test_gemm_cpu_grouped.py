@@ -13,8 +13,8 @@ from primerl.kernels.testing import assert_bitwise_equal
 
 
 # ragged, empty, single and similar-sized groups; padding rows past the last offset (NaN, never read)
-@pytest.mark.parametrize("counts,pad", [([3, 0, 17, 1, 0, 40], 0), ([0, 0, 5], 3), ([1], 0), ([0, 0], 4), ([64, 63, 65], 2),
-                                        ([9, 8, 8, 10], 1)])
+@pytest.mark.parametrize("counts,pad", [([3, 0, 17, 1, 0, 40], 0), ([0, 0, 5], 3), ([1], 0), ([0, 0], 4),
+                                        ([64, 63, 65], 2), ([9, 8, 8, 10], 1)])
 @pytest.mark.parametrize("sum_grad", [False, True])
 def test_per_group_path_is_bitwise_grouped_mm(counts, pad, sum_grad):
     g = torch.Generator().manual_seed(sum(counts) + pad)

@@ -121,7 +121,8 @@ class VerifiersEnv(Environment):
         if not episode_timeout_s > 0:
             raise ValueError(f"verifiers env: episode_timeout_s must be > 0, got {episode_timeout_s}")
         if max_tokens < 1 or max_concurrent < 1:
-            raise ValueError(f"verifiers env: max_tokens and max_concurrent must be >= 1, got {max_tokens}, {max_concurrent}")
+            raise ValueError(f"verifiers env: max_tokens and max_concurrent must be >= 1, "
+                             f"got {max_tokens}, {max_concurrent}")
         _need_verifiers()
         add_plugin_paths(plugin_dirs(plugin_paths))
         self.env_config = env
@@ -207,7 +208,8 @@ def branch_sample(branch, *, advantage: float, temperature: float, replay: bool,
         raise BranchError(f"branch {branch.index}: no sampled token")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise BranchError(f"branch {branch.index}: token ids {bad[:5]} outside the policy's vocabulary [0, {vocab_size})")
+        raise BranchError(f"branch {branch.index}: token ids {bad[:5]} outside the policy's vocabulary "
+                          f"[0, {vocab_size})")
     per_node = [(len(n.logprobs), sum(n.mask)) for n in branch.nodes if any(n.mask)]
     if any(a != b for a, b in per_node):
         raise BranchError(f"branch {branch.index}: a model turn has log-probs for {per_node} (count, sampled) tokens")
@@ -217,7 +219,8 @@ def branch_sample(branch, *, advantage: float, temperature: float, replay: bool,
         re = branch.routed_experts
         if re is None:
             raise BranchError(f"branch {branch.index}: router replay is on but the branch has no routed experts")
-        routing = torch.from_numpy(re.astype("int64", copy=False)).to(torch.uint8 if re.max(initial=0) < 256 else torch.int32)
+        routing_dtype = torch.uint8 if re.max(initial=0) < 256 else torch.int32
+        routing = torch.from_numpy(re.astype("int64", copy=False)).to(routing_dtype)
         if routing.shape[0] != len(ids):
             raise BranchError(f"branch {branch.index}: routed experts for {routing.shape[0]} of {len(ids)} tokens")
     return Sample(input_ids=torch.tensor(ids, dtype=torch.long), loss_mask=torch.tensor(mask, dtype=torch.bool),
