@@ -214,9 +214,11 @@ def _structure(launch: Launch, options) -> tuple[str, bool]:
     kw = dict(launch.kwargs)
     if isinstance(kw.get("BN"), int) and kw.get("HALVES", 1) > 1:  # BN is the width of one accumulator
         kw["BN"] *= kw["HALVES"]
-    dims = [kw[k] for k in ("BM", "BN", "BK", "BT", "BC", "BLOCK_M", "BLOCK_N", "BLOCK_K") if isinstance(kw.get(k), int)]
+    names = ("BM", "BN", "BK", "BT", "BC", "BLOCK_M", "BLOCK_N", "BLOCK_K")
+    dims = [kw[k] for k in names if isinstance(kw.get(k), int)]
     tile = "x".join(str(d) for d in dims[:3])
-    tile = f"{tile} w{options.num_warps} s{options.num_stages}" if tile else f"w{options.num_warps} s{options.num_stages}"
+    warps_stages = f"w{options.num_warps} s{options.num_stages}"
+    tile = f"{tile} {warps_stages}" if tile else warps_stages
     return tile, "num_progs" in launch.fn.arg_names
 
 
@@ -346,7 +348,8 @@ def problems(rep: Report) -> list[str]:
         cap = TARGETS[rep.target].capability
         want = _MMA_SASS[(rep.expected_mma, cap)]
         if want not in rep.mma:
-            out.append(f"no {want} in the SASS ({rep.expected_mma} tensor-core path lost; MMA seen: {rep.mma or 'none'})")
+            out.append(f"no {want} in the SASS ({rep.expected_mma} tensor-core path lost; "
+                       f"MMA seen: {rep.mma or 'none'})")
         legacy = [op for op in rep.mma if op in _LEGACY_MMA]
         if legacy:
             out.append(f"pre-Hopper mma.sync ({', '.join(legacy)}) beside the {want} path")

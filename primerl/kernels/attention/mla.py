@@ -2,12 +2,12 @@
 attention: DeepSeek-V3 192/128, GLM-5 256/256).
 
 The Triton backend (``backend="triton"``) runs kernels made for the two widths (:mod:`.mla_triton`:
-each width split into two column parts of at most 128, 192 = 128 + 64, no tile padded). Every other backend, and ring attention under
-context parallelism (:func:`pad_for_square` then a slice), reduces the case to the square op
-:func:`primerl.kernels.attention.attention` by zero-padding the narrower side (v to Dqk, or q and
-k to Dv with the softmax scale kept at ``Dqk ** -0.5``) and slicing the output: exact (the padded
-columns add 0 to every score; output columns beyond Dv and their gradients are dropped), at the
-cost of the padded width in P @ V. (The square op's Triton backend runs the same two-part kernels
+each width split into two column parts of at most 128, 192 = 128 + 64, no tile padded). Every
+other backend, and ring attention under context parallelism (:func:`pad_for_square` then a
+slice), reduces the case to the square op :func:`primerl.kernels.attention.attention` by
+zero-padding the narrower side (v to Dqk, or q and k to Dv with the softmax scale kept at
+``Dqk ** -0.5``) and slicing the output: exact (the padded columns add 0 to every score; output
+columns beyond Dv and their gradients are dropped), at the cost of the padded width in P @ V. (The square op's Triton backend runs the same two-part kernels
 above head dim 128.) The sparse form (DeepSeek sparse attention) takes Dv != Dqk
 natively: :mod:`primerl.kernels.sparse_attention`.
 """
@@ -23,7 +23,8 @@ from .ops import _AttentionFn, _resolve, attention
 from .spec import _make_spec
 
 
-def pad_for_square(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def pad_for_square(q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(q, k, v, Dv) with the narrower side zero-padded so all three share a head dim."""
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv < dqk:
