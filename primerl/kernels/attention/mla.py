@@ -7,9 +7,9 @@ other backend, and ring attention under context parallelism (:func:`pad_for_squa
 slice), reduces the case to the square op :func:`primerl.kernels.attention.attention` by
 zero-padding the narrower side (v to Dqk, or q and k to Dv with the softmax scale kept at
 ``Dqk ** -0.5``) and slicing the output: exact (the padded columns add 0 to every score; output
-columns beyond Dv and their gradients are dropped), at the cost of the padded width in P @ V. (The square op's Triton backend runs the same two-part kernels
-above head dim 128.) The sparse form (DeepSeek sparse attention) takes Dv != Dqk
-natively: :mod:`primerl.kernels.sparse_attention`.
+columns beyond Dv and their gradients are dropped), at the cost of the padded width in P @ V.
+(The square op's Triton backend runs the same two-part kernels above head dim 128.) The sparse
+form (DeepSeek sparse attention) takes Dv != Dqk natively: :mod:`primerl.kernels.sparse_attention`.
 """
 
 from __future__ import annotations

@@ -47,7 +47,9 @@ def _torch_cuda_reason(backend: str, q: torch.Tensor, spec: AttentionSpec, dlse:
         from . import cudnn
 
         # a gradient through lse runs varlen_flash's backward (cudnn.py says why)
-        return cudnn.unsupported_reason(q, spec) or (_torch_cuda_reason("varlen_flash", q, spec, True) if dlse else None)
+        if dlse:
+            return cudnn.unsupported_reason(q, spec) or _torch_cuda_reason("varlen_flash", q, spec, True)
+        return cudnn.unsupported_reason(q, spec)
     from . import varlen_flash
 
     return varlen_flash.unsupported_reason(q, spec, dlse=dlse)
@@ -164,7 +166,8 @@ def attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward alone, outside autograd: (out ``[T, Hq, D]`` in ``out_dtype`` (default q.dtype),
     lse ``[Hq, T]`` float32). Ring attention calls it once per key block."""
-    spec = _make_spec("attention_forward", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions)
+    spec = _make_spec("attention_forward", q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions,
+                      k_positions)
     be, spec = _resolve("attention_forward", backend, q, spec)
     if out_dtype is not None and out_dtype not in _DTYPES:
         raise ValueError(f"attention_forward: out_dtype must be one of {_DTYPES}, got {out_dtype}")
@@ -185,7 +188,8 @@ def attention_backward(
     op = "attention_backward"
     spec = _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_positions, k_positions)
     if dout.shape != q.shape or out.shape != q.shape:
-        raise ValueError(f"{op}: dout and out must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}, {tuple(out.shape)}")
+        raise ValueError(f"{op}: dout and out must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}, "
+                         f"{tuple(out.shape)}")
     want = (q.shape[1], q.shape[0])
     for name, t in (("lse", lse), ("dlse", dlse)):
         if t is not None and (t.shape != want or t.dtype != torch.float32):
@@ -198,7 +202,8 @@ def attention_backward(
 
 def _check_merge(op, out_a, lse_a, out_b, lse_b):
     if out_a.dim() != 3 or out_b.shape != out_a.shape:
-        raise ValueError(f"{op}: out_a and out_b must both be [T, H, D], got {tuple(out_a.shape)} and {tuple(out_b.shape)}")
+        raise ValueError(f"{op}: out_a and out_b must both be [T, H, D], got {tuple(out_a.shape)} and "
+                         f"{tuple(out_b.shape)}")
     want = (out_a.shape[1], out_a.shape[0])
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if t.shape != want or t.dtype != torch.float32:
@@ -216,7 +221,8 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b, *, backend: str | None = None)
     Triton one is forward-only.
     """
     _check_merge("merge_attn_states", out_a, lse_a, out_b, lse_b)
-    be = resolve_backend("merge_attn_states", backend, out_a.device, supported=("torch", "triton"), preference=("triton", "torch"))
+    be = resolve_backend("merge_attn_states", backend, out_a.device, supported=("torch", "triton"),
+                         preference=("triton", "torch"))
     if be == "triton":
         return _impl("triton").merge_attn_states(out_a, lse_a, out_b, lse_b, inplace=False)
     return reference.merge_attn_states(out_a, lse_a, out_b, lse_b)
@@ -226,7 +232,8 @@ def merge_attn_states_(out, lse, out_b, lse_b, *, backend: str | None = None) ->
     """In-place :func:`merge_attn_states`: merges (out_b, lse_b) into ``out`` and ``lse`` (both
     overwritten; keep ``out`` float32 to accumulate many blocks without rounding). Not differentiable."""
     _check_merge("merge_attn_states_", out, lse, out_b, lse_b)
-    be = resolve_backend("merge_attn_states_", backend, out.device, supported=("torch", "triton"), preference=("triton", "torch"))
+    be = resolve_backend("merge_attn_states_", backend, out.device, supported=("torch", "triton"),
+                         preference=("triton", "torch"))
     with torch.no_grad():
         if be == "triton":
             return _impl("triton").merge_attn_states(out, lse, out_b, lse_b, inplace=True)

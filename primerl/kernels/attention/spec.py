@@ -105,7 +105,8 @@ def _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_p
                max_seqlen=None, max_seqlen_k=None) -> AttentionSpec:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{op}: {name} must be a 3-D tensor [tokens, heads, head_dim], got {tuple(getattr(t, 'shape', ()))}")
+            raise ValueError(f"{op}: {name} must be a 3-D tensor [tokens, heads, head_dim], got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
         if t.dtype not in _DTYPES:
             raise ValueError(f"{op}: {name} dtype must be one of {_DTYPES}, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -139,7 +140,8 @@ def _make_spec(op, q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, q_p
         cu_q = _check_cu(op, "cu_seqlens", cu_seqlens, T, q.device)
         cu_k = cu_q if cu_seqlens_k is cu_seqlens else _check_cu(op, "cu_seqlens_k", cu_seqlens_k, Tk, q.device)
     if cu_q.shape[0] != cu_k.shape[0]:
-        raise ValueError(f"{op}: cu_seqlens ({cu_q.shape[0] - 1} sequences) and cu_seqlens_k ({cu_k.shape[0] - 1}) differ")
+        raise ValueError(f"{op}: cu_seqlens ({cu_q.shape[0] - 1} sequences) and cu_seqlens_k "
+                         f"({cu_k.shape[0] - 1}) differ")
     q_pos = _check_positions(op, "q_positions", q_positions, T, q.device)
     k_pos = _check_positions(op, "k_positions", k_positions, Tk, q.device)
     if (q_pos is None) != (k_pos is None):

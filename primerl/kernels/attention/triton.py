@@ -91,13 +91,15 @@ def _attn_fwd_kernel(
     n_full, n_end = _key_loop_bounds(m0, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_POS)
     for n0 in range(0, n_full, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
+                    mask=d_valid[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
+                    mask=d_valid[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     for n0 in range(n_full, n_end, BLOCK_N):
@@ -106,7 +108,8 @@ def _attn_fwd_kernel(
         if _block_runs(k_pos, q_pos_max, CAUSAL):
             n_valid = offs_n < len_k
             kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
             s = tl.where(_visible(k_pos, q_pos, CAUSAL), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -114,7 +117,8 @@ def _attn_fwd_kernel(
             p = tl.math.exp2(s - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
     seen = l_i > 0
@@ -162,8 +166,10 @@ def _attn_bwd_dkdv_kernel(
                 if _query_block_sees(k_pos_min, q_pos, CAUSAL):
                     m_valid = offs_m < len_q
                     qo_mask = m_valid[:, None] & d_valid[None, :]
-                    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
-                    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qo_mask, other=0.0)
+                    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                                mask=qo_mask, other=0.0)
+                    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
+                                 mask=qo_mask, other=0.0)
                     lse = tl.load(Lse + h * stride_lh + q_start + offs_m, mask=m_valid, other=float("inf"))
                     lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that saw no key: P = 0
                     delta = tl.load(Delta + h * stride_lh + q_start + offs_m, mask=m_valid, other=0.0)
@@ -202,7 +208,8 @@ def _attn_bwd_dq_kernel(
     d_valid = offs_d < HEAD_DIM
     qo_mask = m_valid[:, None] & d_valid[None, :]
     q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
-    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qo_mask, other=0.0)
+    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
+                 mask=qo_mask, other=0.0)
     lse = tl.load(Lse + h * stride_lh + q_start + offs_m, mask=m_valid, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     lse2 = lse * 1.4426950408889634
@@ -213,8 +220,10 @@ def _attn_bwd_dq_kernel(
     n_full, n_end = _key_loop_bounds(m0, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_POS)
     for n0 in range(0, n_full, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
-        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
+                    mask=d_valid[None, :], other=0.0)
+        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
+                    mask=d_valid[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
@@ -226,8 +235,10 @@ def _attn_bwd_dq_kernel(
         if _block_runs(k_pos, q_pos_max, CAUSAL):
             n_valid = offs_n < len_k
             kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
             p = tl.math.exp2(s - lse2[:, None])
             p = tl.where(_visible(k_pos, q_pos, CAUSAL), p, 0.0)
@@ -287,8 +298,8 @@ def backward(dout, q, k, v, out, lse, dlse, spec):
     batch = spec.cu_seqlens_q.numel() - 1
     common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                   CAUSAL=spec.causal, HAS_POS=has_pos, DOT_PREC=_dot_precision(q.dtype))
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1),
-               lse.stride(0))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
+               dout.stride(1), lse.stride(0))
     scales = (spec.softmax_scale, spec.softmax_scale * LOG2E)
     # dk/dv rows of tokens outside every sequence are never visited: only cu_seqlens_k[-1] == Tk
     # is allowed, so each token belongs to one key block of one sequence and gets written.
@@ -328,13 +339,16 @@ def _merge_kernel(
     inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
     wa = sa * inv
     wb = sb * inv
-    oa = tl.load(OutA + offs_t[:, None] * stride_at + h * stride_ah + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    ob = tl.load(OutB + offs_t[:, None] * stride_bt + h * stride_bh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    oa = tl.load(OutA + offs_t[:, None] * stride_at + h * stride_ah + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    ob = tl.load(OutB + offs_t[:, None] * stride_bt + h * stride_bh + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
     # a zero-weight block contributes exactly nothing, even when its out holds NaN/garbage
     oa = tl.where(wa[:, None] > 0, oa, 0.0)
     ob = tl.where(wb[:, None] > 0, ob, 0.0)
     out = wa[:, None] * oa + wb[:, None] * ob
-    tl.store(Out + offs_t[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + offs_t[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=mask)
     tl.store(Lse + h * stride_lo + offs_t, lse, mask=t_valid)
 
 

@@ -72,7 +72,8 @@ def _key_block_summary(k_pos):
 
 @triton.jit
 def _query_block_sees(k_pos_min, q_pos, CAUSAL: tl.constexpr):
-    """Whether a query block (positions ``q_pos``) sees any key of a block whose earliest real key is at ``k_pos_min``."""
+    """Whether a query block (positions ``q_pos``) sees any key of a block whose earliest real key is at
+    ``k_pos_min``."""
     run = True
     if CAUSAL:
         run = k_pos_min <= tl.max(q_pos, axis=0)

@@ -67,7 +67,8 @@ def _check_m_indices_content(op: str, m_indices: torch.Tensor, num_groups: int, 
     device-side checks (no host read)."""
     if m_indices.numel() == 0:
         return
-    check_values(((m_indices >= -1) & (m_indices < num_groups)).all(), f"{op}: m_indices values must be in [-1, {num_groups})",
+    check_values(((m_indices >= -1) & (m_indices < num_groups)).all(),
+                 f"{op}: m_indices values must be in [-1, {num_groups})",
                  lambda: f"got min {int(m_indices.min())} max {int(m_indices.max())}")
     if not one_group_per_block:
         return

@@ -55,7 +55,8 @@ def _scales(op: str, name: str, q: torch.Tensor, sf, sf_rows: int, layout: str,
     _check_tensor(op, f"{name}[1] (sf)", sf, q.dim(), (torch.float32, torch.int32))
     want = (*lead, sf_rows, groups_k)
     if tuple(sf.shape) != want:
-        raise ValueError(f"{op}: {name} scales must be {want} ({layout} scales of q {tuple(q.shape)}), got {tuple(sf.shape)}")
+        raise ValueError(f"{op}: {name} scales must be {want} ({layout} scales of q {tuple(q.shape)}), "
+                         f"got {tuple(sf.shape)}")
     return sf if keep_layout else sf.contiguous()
 
 

@@ -112,7 +112,8 @@ def grouped_gemm_nt_offsets_eager(a: torch.Tensor, b: torch.Tensor, offsets: tor
     return out.to(out_dtype)
 
 
-def k_grouped_gemm_tn_eager(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def k_grouped_gemm_tn_eager(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
     """:func:`.reference.k_grouped_gemm_tn` as eager code (the body of its custom op)."""
     num_rows = a.shape[0]
     valid = torch.arange(num_rows, device=a.device) < offsets[-1]

@@ -33,7 +33,8 @@ def _direct_grouped_mm(a: torch.Tensor) -> bool:
     return a.device.type == "cuda" and (a.dtype == torch.bfloat16 or not tracing(a))
 
 
-def grouped_gemm_nt_offsets(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_gemm_nt_offsets(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
     """a [M, K], b [G, N, K], offsets [G] int32 (cumulative ends) -> [M, N]; rows past
     ``offsets[-1]`` are zero (and their input is never read, NaN included). Differentiable."""
     if _direct_grouped_mm(a):
@@ -43,7 +44,8 @@ def grouped_gemm_nt_offsets(a: torch.Tensor, b: torch.Tensor, offsets: torch.Ten
     return _opaque_ops.grouped_gemm_nt_offsets(a, b, offsets, out_dtype)
 
 
-def grouped_gemm_nt_m_indices(a: torch.Tensor, b: torch.Tensor, m_indices: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_gemm_nt_m_indices(a: torch.Tensor, b: torch.Tensor, m_indices: torch.Tensor,
+                              out_dtype: torch.dtype) -> torch.Tensor:
     """a [M, K], b [G, N, K], m_indices [M] int32 (-1 = padding row, output zero) -> [M, N].
 
     Rows are stably sorted by group, multiplied group by group, and scattered back, so any order

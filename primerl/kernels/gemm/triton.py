@@ -179,8 +179,10 @@ def _k_grouped_gemm_tn_kernel(
             if ROW_MASK:
                 r_ok = r_ok & (tl.load(m_indices_ptr + rows, mask=r_ok, other=-1) >= 0)
             rows64 = rows.to(tl.int64)
-            a = tl.load(a_ptr + rows64[None, :] * stride_a + offs_n[:, None], mask=r_ok[None, :] & n_ok[:, None], other=0.0)
-            b = tl.load(b_ptr + rows64[:, None] * stride_b + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptr + rows64[None, :] * stride_a + offs_n[:, None], mask=r_ok[None, :] & n_ok[:, None],
+                        other=0.0)
+            b = tl.load(b_ptr + rows64[:, None] * stride_b + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         out_offs = g.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
         tl.store(d_ptr + out_offs, acc.to(d_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
@@ -408,8 +410,9 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out, sb_gran=BLOCK)
     groups, max_m, k = aq.shape
     n = bq.shape[1]
     cfg = pick_tiles(max(expected_m, 1), n, k, True, 1, num_groups=groups)
-    _fp8.launch_m_grouped(aq.view(groups * max_m, k), asf.view(groups * max_m, -1), bq, bsf, out.view(groups * max_m, n),
-                          MODE_MASKED, None, None, masked_m, None, 1, 0, None, sb_gran, cfg, max_m=max_m)
+    _fp8.launch_m_grouped(aq.view(groups * max_m, k), asf.view(groups * max_m, -1), bq, bsf,
+                          out.view(groups * max_m, n), MODE_MASKED, None, None, masked_m, None, 1, 0, None, sb_gran,
+                          cfg, max_m=max_m)
     return out
 
 

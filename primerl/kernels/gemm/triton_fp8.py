@@ -202,7 +202,8 @@ def _store_tile(acc, d_ptr, c_ptr, rows, offs_n, store_ok, row_ok, foreign, n_ok
 
 @triton.jit
 def _k_grouped_fp8_kernel(
-    a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr, N, K, G, num_progs, stride_sa, stride_sb,
+    a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr, N, K, G, num_progs, stride_sa,
+    stride_sb,
     HAS_C: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SWIZZLE: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr, HALVES: tl.constexpr, PIN: tl.constexpr,
 ):
@@ -350,7 +351,8 @@ def launch_m_grouped(a, sa, b, sb, out, mode, group, row_start, row_count, b_ind
     if total == 0 or n == 0 or m == 0:
         return out
     if a.stride(1) != 1 or b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
-        raise ValueError(f"fp8 gemm (triton): operands must be K-major (a strides {a.stride()}, b strides {b.stride()})")
+        raise ValueError(f"fp8 gemm (triton): operands must be K-major (a strides {a.stride()}, "
+                         f"b strides {b.stride()})")
     b2 = b.view(groups * n, k)
     # TMA needs 16-byte aligned bases (a view can start anywhere): copy such an operand
     a, b2 = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, b2))

@@ -82,4 +82,5 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dic
     if not meta_file.exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
     meta = json.loads(meta_file.read_text())
-    return int(meta["step"]), read_safetensors(path / "model.safetensors"), torch.load(path / "state.pt", weights_only=False)
+    train_state = torch.load(path / "state.pt", weights_only=False)
+    return int(meta["step"]), read_safetensors(path / "model.safetensors"), train_state
