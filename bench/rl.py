@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from primerl.rl.losses import METHODS, policy_loss
+from primerl.rl.losses import LOSS_METHODS, policy_loss
 from primerl.rl.packing import Sample, pack, packing_stats
 
 from .harness import Row, time_fn
@@ -28,7 +28,7 @@ def _loss_rows(args) -> list[Row]:
     cu = torch.arange(0, T + 1, 512, dtype=torch.int32, device=dev)
     adv = torch.randn(T // 512, generator=g).to(dev).repeat_interleave(512)
     mask = (torch.rand(T, generator=g) < 0.9).to(dev)
-    configs = [("reinforce", ())] + [(m, ()) for m in METHODS if m != "reinforce"]
+    configs = [("reinforce", ())] + [(m, ()) for m in LOSS_METHODS if m != "reinforce"]
     configs += [("ppo_clip", ("icepop",)), ("dppo_tv", ("mis", "veto", "geo_rs"))]
     rows, base = [], None
     for method, corr in configs:

@@ -42,7 +42,7 @@ def _job_cfg(out: Path, level: int, steps: int, device: str = "cpu"):
 
 
 def _step_times(level: int, steps: int, device: str = "cpu") -> tuple[float, dict]:
-    from primerl.runtime.job import run_rl
+    from primerl.runtime.launch.machine import run_rl
 
     with tempfile.TemporaryDirectory() as d:
         rows = run_rl(_job_cfg(Path(d), level, steps, device), quiet=True)

@@ -40,9 +40,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
+
+from .aot_case import Case
 
 SHARED_LIMIT_BYTES = 227 * 1024  # per block, opt-in maximum on H100/H200 and B200
 
@@ -62,7 +63,7 @@ TARGETS = {
 CI_ARCHS = ("sm_90a", "sm_100a")
 
 
-def in_ci_subset(case: "Case", arch: str) -> bool:
+def in_ci_subset(case: Case, arch: str) -> bool:
     """The test suite's subset: cases marked ``ci``, on sm_100a only those with a dot (what
     Blackwell changes is the tensor-core path; the rest compiles alike on both, see RESULTS)."""
     return case.ci and (TARGETS[arch].capability < 100 or case.mma is not None)
@@ -71,17 +72,6 @@ def in_ci_subset(case: "Case", arch: str) -> bool:
 # The tensor-core instruction a case declares (None: no dot) and what it must compile to.
 _MMA_SASS = {("fp8", 90): "QGMMA", ("bf16", 90): "HGMMA", ("fp8", 100): "UTCQMMA", ("bf16", 100): "UTCHMMA"}
 _LEGACY_MMA = ("HMMA", "QMMA")  # mma.sync: what a dot falls back to without wgmma / tcgen05
-
-
-@dataclass
-class Case:
-    """A call of one launcher at one shape. ``run`` builds its inputs itself (it runs under
-    storage-less tensors on device "cuda") and launches; ``mma`` is "fp8", "bf16" or None."""
-
-    name: str
-    run: Callable[[], object]
-    mma: str | None
-    ci: bool = False  # in the subset the test suite compiles
 
 
 @dataclass
@@ -156,7 +146,7 @@ def capture_launches(target: Target):
     from triton.runtime.jit import JITFunction
 
     from . import _backend
-    from .gemm import triton as gemm_triton
+    from .gemm import triton_common as gemm_common
 
     if _backend.triton_interpreter_enabled():
         raise RuntimeError("aot.capture_launches: TRITON_INTERPRET=1 replaces every @triton.jit kernel; "
@@ -166,9 +156,9 @@ def capture_launches(target: Target):
     def record(self, *args, grid, warmup, **kwargs):
         launches.append((self, args, kwargs))
 
-    saved = JITFunction.run, gemm_triton._num_sms, gemm_triton._arch_major, _backend._triton_status
-    JITFunction.run, gemm_triton._num_sms = record, lambda: target.num_sms
-    gemm_triton._arch_major = lambda: target.capability // 10
+    saved = JITFunction.run, gemm_common.num_sms, gemm_common.arch_major, _backend._triton_status
+    JITFunction.run, gemm_common.num_sms = record, lambda: target.num_sms
+    gemm_common.arch_major = lambda: target.capability // 10
     # public ops resolve backend="triton" against a (here absent) CUDA device
     _backend._triton_status = lambda: _backend.BackendStatus(True, f"AOT capture for {target.arch}")
     from ._opaque import direct_triton_launches
@@ -177,7 +167,7 @@ def capture_launches(target: Target):
         with _MetaAsCuda(), direct_triton_launches():
             yield launches
     finally:
-        JITFunction.run, gemm_triton._num_sms, gemm_triton._arch_major, _backend._triton_status = saved
+        JITFunction.run, gemm_common.num_sms, gemm_common.arch_major, _backend._triton_status = saved
 
 
 def launches_of(cases: list[Case], target: Target) -> list[Launch]:
@@ -224,9 +214,11 @@ def _structure(launch: Launch, options) -> tuple[str, bool]:
     kw = dict(launch.kwargs)
     if isinstance(kw.get("BN"), int) and kw.get("HALVES", 1) > 1:  # BN is the width of one accumulator
         kw["BN"] *= kw["HALVES"]
-    dims = [kw[k] for k in ("BM", "BN", "BK", "BT", "BC", "BLOCK_M", "BLOCK_N", "BLOCK_K") if isinstance(kw.get(k), int)]
+    names = ("BM", "BN", "BK", "BT", "BC", "BLOCK_M", "BLOCK_N", "BLOCK_K")
+    dims = [kw[k] for k in names if isinstance(kw.get(k), int)]
     tile = "x".join(str(d) for d in dims[:3])
-    tile = f"{tile} w{options.num_warps} s{options.num_stages}" if tile else f"w{options.num_warps} s{options.num_stages}"
+    warps_stages = f"w{options.num_warps} s{options.num_stages}"
+    tile = f"{tile} {warps_stages}" if tile else warps_stages
     return tile, "num_progs" in launch.fn.arg_names
 
 
@@ -356,7 +348,8 @@ def problems(rep: Report) -> list[str]:
         cap = TARGETS[rep.target].capability
         want = _MMA_SASS[(rep.expected_mma, cap)]
         if want not in rep.mma:
-            out.append(f"no {want} in the SASS ({rep.expected_mma} tensor-core path lost; MMA seen: {rep.mma or 'none'})")
+            out.append(f"no {want} in the SASS ({rep.expected_mma} tensor-core path lost; "
+                       f"MMA seen: {rep.mma or 'none'})")
         legacy = [op for op in rep.mma if op in _LEGACY_MMA]
         if legacy:
             out.append(f"pre-Hopper mma.sync ({', '.join(legacy)}) beside the {want} path")

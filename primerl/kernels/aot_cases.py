@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from .aot import Case
+from .aot_case import Case
 
 E4M3 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -62,12 +62,15 @@ def _quant_cases():
     from . import gemm
 
     return [
-        Case("fp8 per-token-group 4096x7168 g128", lambda: fp8.quant_per_token_group(_cuda(4096, 7168), 128, backend=T), None, ci=True),
+        Case("fp8 per-token-group 4096x7168 g128",
+             lambda: fp8.quant_per_token_group(_cuda(4096, 7168), 128, backend=T), None, ci=True),
         Case("fp8 per-token-group 4096x7168 g128 ue8m0",
              lambda: fp8.quant_per_token_group(_cuda(4096, 7168), 128, ue8m0=True, backend=T), None),
         Case("fp8 rowwise 4096x7168", lambda: fp8.quant_rowwise(_cuda(4096, 7168), backend=T), None),
-        Case("fp8 per-block 2112x7168 128x128", lambda: fp8.quant_per_block(_cuda(2112, 7168), backend=T), None, ci=True),
-        Case("fp8 per-block 8x4096x7168 ue8m0", lambda: fp8.quant_per_block(_cuda(8, 4096, 7168), ue8m0=True, backend=T), None),
+        Case("fp8 per-block 2112x7168 128x128", lambda: fp8.quant_per_block(_cuda(2112, 7168), backend=T), None,
+             ci=True),
+        Case("fp8 per-block 8x4096x7168 ue8m0",
+             lambda: fp8.quant_per_block(_cuda(8, 4096, 7168), ue8m0=True, backend=T), None),
         Case("fp8 tensorwise 4096x7168", lambda: fp8.quant_tensorwise(_cuda(4096, 7168), backend=T), None, ci=True),
         Case("fp8 per-group colwise T=4x2048 C=7168",
              lambda: gemm.quant_per_group_colwise(_cuda(4 * 2048, 7168), _offsets(4, 2048), backend=T), None, ci=True),
@@ -117,7 +120,8 @@ def _fp8_dense_plus_c(m, n, k):
 def _fp8_contiguous(groups, m, n, k):
     from . import gemm
 
-    gemm.m_grouped_fp8_gemm_nt_contiguous(_act(m, k), _weight(groups, n, k), _cuda(m, dtype=I32), out_dtype=BF16, backend=T)
+    gemm.m_grouped_fp8_gemm_nt_contiguous(_act(m, k), _weight(groups, n, k), _cuda(m, dtype=I32), out_dtype=BF16,
+                                          backend=T)
 
 
 def _fp8_offsets(groups, rows, n, k):
@@ -131,7 +135,8 @@ def _fp8_masked(groups, max_m, expected_m, n, k):
     from . import gemm
 
     a = (_cuda(groups, max_m, k, dtype=E4M3), _cuda(groups, max_m, k // 128, dtype=F32))
-    gemm.m_grouped_fp8_gemm_nt_masked(a, _weight(groups, n, k), _cuda(groups, dtype=I32), expected_m, out_dtype=BF16, backend=T)
+    gemm.m_grouped_fp8_gemm_nt_masked(a, _weight(groups, n, k), _cuda(groups, dtype=I32), expected_m, out_dtype=BF16,
+                                      backend=T)
 
 
 def _fp8_k_grouped(groups, t, n, k):
@@ -163,9 +168,11 @@ def _gemm_cases():
         for n, k in GEMM_NK:
             ci = (m, n, k) in CI_GEMMS
             cases.append(Case(f"fp8 gemm nt M={m} N={n} K={k}", P(_fp8_dense, m, n, k), "fp8", ci))
-            cases.append(Case(f"bf16 gemm nt fwd+bwd M={m} N={n} K={k}", P(_bf16_dense_fwd_bwd, m, n, k), "bf16", ci and m == 4096))
+            cases.append(Case(f"bf16 gemm nt fwd+bwd M={m} N={n} K={k}", P(_bf16_dense_fwd_bwd, m, n, k), "bf16",
+                              ci and m == 4096))
     m, n, k = 4096, 7168, 2048
-    cases.append(Case(f"fp8 gemm nt recipe (1,1,128) M={m} N={n} K={k}", P(_fp8_dense_row_scaled_b, m, n, k), "fp8", True))
+    cases.append(Case(f"fp8 gemm nt recipe (1,1,128) M={m} N={n} K={k}", P(_fp8_dense_row_scaled_b, m, n, k), "fp8",
+                      True))
     cases.append(Case(f"fp8 gemm nt + c float32 M={m} N={n} K={k}", P(_fp8_dense_plus_c, m, n, k), "fp8", True))
     n, k = GROUPED_NK
     for groups, rows in [(4, 8192), (8, 4096)]:
@@ -179,7 +186,8 @@ def _gemm_cases():
                           P(_fp8_masked, groups, max_m, expected_m, n, k), "fp8", expected_m == 64))
     for groups, rows in [(4, 2048), (8, 1024)]:
         t = groups * rows
-        cases.append(Case(f"fp8 k-grouped tn G={groups} T={t} N={n} K={k}", P(_fp8_k_grouped, groups, t, n, k), "fp8", groups == 4))
+        cases.append(Case(f"fp8 k-grouped tn G={groups} T={t} N={n} K={k}", P(_fp8_k_grouped, groups, t, n, k), "fp8",
+                          groups == 4))
     cases.append(Case(f"fp8 k-grouped tn group blocks + c float32 G=4 T={4 * 2048} N={n} K={k}",
                       P(_fp8_k_grouped_blocks_plus_c, 4, 4 * 2048, n, k), "fp8"))
     cases.append(Case(f"bf16 m-grouped offsets fwd+bwd G=8 M={8 * 4096} N={n} K={k}",
@@ -201,7 +209,8 @@ def _moe_cases():
     return [
         Case(f"moe align T={MOE_T} topk={MOE_TOPK} E={MOE_E} block 128",
              lambda: mt.align(_cuda(MOE_T, MOE_TOPK, dtype=torch.int64), MOE_E, 128), None, ci=True),
-        Case(f"moe scatter rows D={MOE_D}", lambda: mt.scatter_rows(_cuda(MOE_T, MOE_D), row_map(), None, rows), None, ci=True),
+        Case(f"moe scatter rows D={MOE_D}", lambda: mt.scatter_rows(_cuda(MOE_T, MOE_D), row_map(), None, rows), None,
+             ci=True),
         Case(f"moe scatter rows scaled D={MOE_D}",
              lambda: mt.scatter_rows(_cuda(MOE_T, MOE_D), row_map(), _cuda(MOE_T, MOE_TOPK, dtype=F32), rows), None),
         Case(f"moe combine rows weighted D={MOE_D}",
@@ -244,8 +253,8 @@ def _attention_cases():
         cases += [Case(f"attention fwd {shape}", fwd, "bf16", ci),
                   Case(f"attention bwd (dk/dv, dq) {shape}", bwd, "bf16", ci)]
     cases.append(Case("attention merge states T=8192 H=32 D=128", lambda: at.merge_attn_states(
-        _cuda(8192, 32, 128), _cuda(32, 8192, dtype=F32), _cuda(8192, 32, 128), _cuda(32, 8192, dtype=F32), inplace=False),
-        None, ci=True))
+        _cuda(8192, 32, 128), _cuda(32, 8192, dtype=F32), _cuda(8192, 32, 128), _cuda(32, 8192, dtype=F32),
+        inplace=False), None, ci=True))
     return cases
 
 
@@ -260,7 +269,8 @@ def _logprobs_cases():
 
     def fwd_bwd(dtype, temperature):
         # the chunk sizes fused_logprobs picks for these tensors (bf16: the tensor-core path)
-        hidden, weight, targets = _cuda(LP_T, LP_D, dtype=dtype), _cuda(LP_V, LP_D, dtype=dtype), _cuda(LP_T, dtype=torch.int64)
+        hidden, weight = _cuda(LP_T, LP_D, dtype=dtype), _cuda(LP_V, LP_D, dtype=dtype)
+        targets = _cuda(LP_T, dtype=torch.int64)
         tz, vc, td = chunked.default_chunk_sizes(LP_T, LP_V, LP_D, chunked.native_low_precision(hidden, weight))
         inv_temp, unit = (_cuda(LP_T, dtype=F32), False) if temperature else (None, True)
         lp, ent, stats = chunked.chunked_forward(hidden, weight, targets, inv_temp, unit, tz, vc, True, TritonChunkOps)
@@ -268,7 +278,8 @@ def _logprobs_cases():
                                  _cuda(LP_T, dtype=F32), tz, vc, td, True, True, TritonChunkOps)
 
     shape = f"T={LP_T} D={LP_D} V={LP_V} entropy"
-    return [Case(f"logprobs fwd+bwd bf16 {shape} per-token temperature", functools.partial(fwd_bwd, BF16, True), None, ci=True),
+    return [Case(f"logprobs fwd+bwd bf16 {shape} per-token temperature", functools.partial(fwd_bwd, BF16, True), None,
+                 ci=True),
             Case(f"logprobs fwd+bwd float32 {shape}", functools.partial(fwd_bwd, F32, False), None, ci=True)]
 
 

@@ -87,11 +87,10 @@ from primerl.kernels._value_checks import check_values
 from .loss_terms import LossInputs, load_custom_loss, ref_kl_metric, ref_kl_per_token, term_mean
 from .metrics import effective_sample_size, kl_k3, masked_mean
 
-__all__ = ["policy_loss", "LOSS_METHODS", "METHODS", "CORRECTIONS", "SEQUENCE_LEVEL_CORRECTIONS", "AGGREGATIONS",
+__all__ = ["policy_loss", "LOSS_METHODS", "CORRECTIONS", "SEQUENCE_LEVEL_CORRECTIONS", "AGGREGATIONS",
            "TERMS", "DEFAULT_HPARAMS", "check_loss_spec", "resolve_method", "seq_ids_from_cu_seqlens"]
 
 LOSS_METHODS = ("ppo_clip", "dppo_tv", "ipo", "gspo", "gspo_token", "cispo", "reinforce")
-METHODS = LOSS_METHODS  # the older name
 CORRECTIONS = ("tis", "mis", "icepop", "geo_rs", "veto", "sequence_mask")
 SEQUENCE_LEVEL_CORRECTIONS = ("geo_rs", "veto", "sequence_mask")  # and "mis" with mis_level="sequence"
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "token_sum_norm", "global_token_sum")

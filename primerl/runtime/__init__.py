@@ -5,8 +5,6 @@ process below (imports are lazy; nothing heavy loads with the package).
                 imports nothing from the runtime
   validate      the job's full check (config + node plan + placement + job combinations) and the
                 validating ``load_config``: what ``primerl rl`` and ``--dry-run`` call
-  job           compatibility names (run_rl, run_threads, trainer_main, ...); they live in launch/,
-                trainer/main.py, orchestrator/main.py and orchestrator/clients.py
   cli           the ``primerl`` command (rl, trainer, orchestrator, inference, vllm-command, node, plan)
   placement     device resolution: where the trainer ranks and the engine run, NCCL or gloo, dtypes
   memory_plan   predicted peak bytes per trainer rank and per inference GPU before launch (`primerl plan`)
@@ -19,7 +17,6 @@ process below (imports are lazy; nothing heavy loads with the package).
   processes     start_process / ManagedProcess / ProcessTable: the one way a job process is started
                 (process group, log file, processes.json row, grace on stop)
   registry      Registry: a config name -> the object that serves it (launchers, inference backends)
-  vllm_worker   compatibility path of ``inference.vllm_worker`` (the vLLM worker extension)
 
   launch/       the launchers, one per deployment.kind (local, nodes, slurm, threads) behind a registry,
                 and their shared preparation (launch/launcher.py): what runs where, in its docstring

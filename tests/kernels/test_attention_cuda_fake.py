@@ -8,7 +8,7 @@ read beyond what each needs. A host read of a meta tensor raises, so a pass prov
 - varlen_flash with ``max_seqlen`` given: no read at all, forward and backward (incl. a gradient
   through lse).
 - cudnn cuts the batch into runs of equal-length sequences, one dense call each: it needs the
-  offsets' values on the host (read once per tensor in eager, ``attention._host_values``); given
+  offsets' values on the host (read once per tensor in eager, ``attention.spec._host_values``); given
   them, the rest of its forward and backward reads nothing.
 """
 

@@ -115,7 +115,7 @@ def test_shapes_under_fake_tensor_mode_and_meta(mode):
 def test_no_host_read_of_the_offsets_with_max_seqlen(monkeypatch):
     """count_host_reads cannot see inside a custom op, so the ops' own reads of cu_seqlens (the grid
     sizes) are trapped where they happen: with max_seqlen given there is none."""
-    import primerl.kernels.attention as A
+    import primerl.kernels.attention.spec as A
     import primerl.kernels.sparse_attention.triton as ST
 
     d = _inputs(seed=4)

@@ -387,14 +387,15 @@ def test_fp8_wide_tile_choice(monkeypatch):
     132 SMs): M = 4096 and the masked 8 x 128-row case take them, M = 128 (56 narrow tiles, 28
     wide) and N = 2112 (no multiple of 256), per-row B scales and C accumulation do not."""
     from primerl.kernels.gemm import triton as T
+    from primerl.kernels.gemm import triton_common as C
     from primerl.kernels.gemm import triton_fp8 as F
 
     def halves(m_tiles, n, sb_gran=128, has_c=False):
         cfg = T.pick_tiles(4096, n, 7168, True, 1, interpreter=False, num_sms=132)
         return F.fp8_structure(cfg, sb_gran, T.MODE_DENSE, has_c, n, m_tiles, interpreter=False)["HALVES"]
 
-    monkeypatch.setattr(T, "_num_sms", lambda: 132)
-    monkeypatch.setattr(T, "_arch_major", lambda: 9)
+    monkeypatch.setattr(C, "num_sms", lambda: 132)
+    monkeypatch.setattr(C, "arch_major", lambda: 9)
     assert halves(32, 4096) == 2 and halves(8, 4096) == 2 and halves(256, 7168) == 2
     assert halves(1, 7168) == 1 and halves(32, 2112) == 1
     assert halves(32, 4096, sb_gran=1) == 1 and halves(32, 4096, has_c=True) == 1
@@ -403,7 +404,7 @@ def test_fp8_wide_tile_choice(monkeypatch):
     assert F.k_grouped_halves(kcfg, 4096, 7168, 4, interpreter=False, arch_major=9)["HALVES"] == 2
     assert F.k_grouped_halves(kcfg, 2112, 7168, 4, interpreter=False, arch_major=9)["HALVES"] == 1
     assert F.k_grouped_halves(kcfg, 4096, 7168, 4, interpreter=False, arch_major=10)["HALVES"] == 1
-    monkeypatch.setattr(T, "_arch_major", lambda: 10)
+    monkeypatch.setattr(C, "arch_major", lambda: 10)
     assert halves(32, 4096) == 1
 
 

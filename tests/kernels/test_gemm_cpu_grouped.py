@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from primerl.kernels import gemm as G
-from primerl.kernels.gemm import reference as R
+from primerl.kernels.gemm import grouped_eager as E
 from primerl.kernels.testing import assert_bitwise_equal
 
 
@@ -41,8 +41,8 @@ def test_per_group_path_is_bitwise_grouped_mm(counts, pad, sum_grad):
 
 def test_per_group_path_is_the_cpu_float32_reference(monkeypatch):
     calls = []
-    real = R._GroupedMMPerGroup.apply
-    monkeypatch.setattr(R._GroupedMMPerGroup, "apply", lambda *a: calls.append(1) or real(*a))
+    real = E._GroupedMMPerGroup.apply
+    monkeypatch.setattr(E._GroupedMMPerGroup, "apply", lambda *a: calls.append(1) or real(*a))
     offs = torch.tensor([2, 5], dtype=torch.int32)
     G.grouped_gemm_nt(torch.randn(5, 16), torch.randn(2, 8, 16), offs)
     G.grouped_gemm_nt(torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(2, 8, 16, dtype=torch.bfloat16), offs)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from primerl.rl.losses import CORRECTIONS, METHODS, policy_loss
+from primerl.rl.losses import CORRECTIONS, LOSS_METHODS, policy_loss
 from primerl.rl.metrics import effective_sample_size, kl_estimate, kl_k1, kl_k2, kl_k3
 
 CU = torch.tensor([0, 3, 3, 7, 12], dtype=torch.int32)  # includes an empty sequence
@@ -35,7 +35,7 @@ def _reinforce_grad(lp, adv, mask, aggregation):
     return g
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", LOSS_METHODS)
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 @pytest.mark.parametrize("corrections", [(), ("icepop", "mis", "geo_rs", "veto")])
 def test_on_policy_gradient_equals_reinforce(method, aggregation, corrections):
@@ -230,7 +230,7 @@ def test_masked_positions_with_wild_values_do_not_leak():
     ilp2 = ilp.clone()
     ilp2[~mask] = -1e4
     lp2.requires_grad_()
-    for method in METHODS:
+    for method in LOSS_METHODS:
         loss, m = policy_loss(lp2, ilp2, adv, mask, method=method, cu_seqlens=CU)
         (g,) = torch.autograd.grad(loss, lp2)
         assert torch.isfinite(loss) and torch.isfinite(g).all() and (g[~mask] == 0).all()
@@ -296,4 +296,4 @@ def test_bad_arguments_raise(kw, match):
 def test_every_correction_name_is_exercised():
     # tis/mis/icepop/geo_rs/veto here; sequence_mask in test_loss_terms.py and test_prime_rl_parity.py
     assert set(CORRECTIONS) == {"tis", "mis", "icepop", "geo_rs", "veto", "sequence_mask"}
-    assert set(METHODS) == {"ppo_clip", "dppo_tv", "ipo", "gspo", "gspo_token", "cispo", "reinforce"}
+    assert set(LOSS_METHODS) == {"ppo_clip", "dppo_tv", "ipo", "gspo", "gspo_token", "cispo", "reinforce"}

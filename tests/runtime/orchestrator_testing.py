@@ -10,7 +10,7 @@ def run_orchestrator_with_stub_trainer(cfg, env, model, transport, steps: int = 
 
     Returns the payloads the orchestrator handed over, one per step, in order.
     """
-    from primerl.runtime.job import make_client
+    from primerl.runtime.orchestrator.clients import make_client
     from primerl.runtime.orchestrator import Orchestrator
 
     seen: list[dict] = []

@@ -41,10 +41,11 @@ def test_dry_run_refuses(capsys, over, message):
 
 
 def test_dry_run_accepts_every_name_the_losses_module_lists(capsys):
-    for method in losses.METHODS:  # with each method's default hyperparameters
+    for method in losses.LOSS_METHODS:  # with each method's default hyperparameters
         rc, err = _dry_run(capsys, "--trainer.loss.method", method, "--trainer.loss.hparams", "{}")
         assert rc == 0, (method, err)
-    for agg in losses.AGGREGATIONS:  # token_sum_norm divides by hparams.norm_constant (tests/runtime/test_job_checks.py)
+    # token_sum_norm divides by hparams.norm_constant (tests/runtime/test_job_checks.py)
+    for agg in losses.AGGREGATIONS:
         rc, err = _dry_run(capsys, "--trainer.loss.aggregation", agg, "--trainer.loss.hparams.norm_constant", "64")
         assert rc == 0, (agg, err)
     # tis needs old_logprobs, which the job does not compute: refused (tests/runtime/test_job_checks.py)

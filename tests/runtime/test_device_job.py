@@ -12,7 +12,7 @@ import torch
 
 from primerl.runtime.validate import load_config
 from primerl.runtime.inference.engine import EngineError, InferenceEngine, Request, SamplingParams
-from primerl.runtime.job import run_threads
+from primerl.runtime.launch.threads import run_threads
 from primerl.runtime.policy import build_model
 from primerl.runtime.trainer import Trainer
 from primerl.runtime.inference.weight_sync import EngineWeightReceiver, WeightSyncError

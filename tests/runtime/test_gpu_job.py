@@ -33,12 +33,12 @@ def _gpu_cfg(out, *over):
 
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
 def test_one_gpu_job_trains_on_the_gpu(tmp_path):
-    from primerl.runtime.job import run_threads
+    from primerl.runtime.launch.threads import run_threads
 
     # constant lr, no entropy bonus: the reward rises by ~0.2 within 24 steps (first 4 -> last 4
     # steps: 0.11 -> 0.33 / 0.30 for seeds 0 / 1, the example's config run with --device cpu)
-    cfg = _gpu_cfg(tmp_path / "job", "--max_steps", "24", "--inference.gpu_ids", "[0]", "--trainer.lr_schedule", "constant",
-                   "--trainer.entropy_coef", "0")
+    cfg = _gpu_cfg(tmp_path / "job", "--max_steps", "24", "--inference.gpu_ids", "[0]",
+                   "--trainer.lr_schedule", "constant", "--trainer.entropy_coef", "0")
     seen = {}
     parts = {}
 
@@ -82,7 +82,7 @@ def test_one_gpu_job_trains_on_the_gpu(tmp_path):
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
 def test_one_gpu_job_through_the_launcher(tmp_path):
     """The same layout as ``primerl rl`` runs it: two processes sharing the GPU (files)."""
-    from primerl.runtime.job import run_rl
+    from primerl.runtime.launch.machine import run_rl
 
     cfg = _gpu_cfg(tmp_path / "job", "--max_steps", "4", "--inference.gpu_ids", "[0]")
     rows = run_rl(cfg, quiet=True)
@@ -94,7 +94,7 @@ def test_one_gpu_job_through_the_launcher(tmp_path):
 
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs (engine on one, trainer on another); {GPUS} visible")
 def test_two_gpu_layout_puts_the_engine_on_its_own_gpu(tmp_path):
-    from primerl.runtime.job import run_rl
+    from primerl.runtime.launch.machine import run_rl
     from primerl.runtime.placement import resolve_placement
 
     cfg = _gpu_cfg(tmp_path / "job", "--max_steps", "6", "--orchestrator.max_async_level", "0")

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from primerl.runtime.config import to_toml
 from primerl.runtime.validate import load_config
-from primerl.runtime.job import run_rl, run_threads
+from primerl.runtime.launch.machine import run_rl
+from primerl.runtime.launch.threads import run_threads
 from primerl.runtime.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,8 +90,8 @@ def test_torchrun_trainer_with_two_gloo_ranks_trains_the_same_job(tmp_path):
     two = run_rl(_cfg(tmp_path / "two", "--max_steps", "3", "--num_trainer_ranks", "2", *const), quiet=True)
     log = (tmp_path / "two" / "logs" / "trainer.log").read_text()
     assert "trainer rank 0/2 started (gloo)" in log and "trainer rank 1/2 started (gloo)" in log
-    resumed = run_rl(_cfg(tmp_path / "two", "--max_steps", "5", "--num_trainer_ranks", "2", "--checkpoint.resume", "true",
-                          *const), quiet=True)
+    resumed = run_rl(_cfg(tmp_path / "two", "--max_steps", "5", "--num_trainer_ranks", "2",
+                          "--checkpoint.resume", "true", *const), quiet=True)
     assert two == resumed[:3]
     _same_run(single, resumed, 5)
 
@@ -122,8 +122,8 @@ def test_rl_command_trains_and_writes_metrics_and_plot(tmp_path):
 @pytest.mark.dist
 def test_kill_two_rank_trainer_then_resume_from_dcp_checkpoint(tmp_path):
     """A 2-rank torchrun trainer (FSDP2) killed with kill -9 on one rank after its step-2 DCP
-    checkpoint (saved asynchronously); the job resumes from that sharded checkpoint, once on the same 2 ranks and once in
-    one process (another layout), and metrics.jsonl ends with every step exactly once."""
+    checkpoint (saved asynchronously); the job resumes from that sharded checkpoint, once on the same 2 ranks and
+    once in one process (another layout), and metrics.jsonl ends with every step exactly once."""
     from primerl.runtime.trainer.dcp_checkpoint import is_dcp_checkpoint
 
     cfg = _cfg(tmp_path / "killed", "--num_trainer_ranks", "2", "--trainer.lr_schedule", "constant",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from primerl.runtime.validate import load_config
-from primerl.runtime.job import JobFailed, prepare_output, run_rl
+from primerl.runtime.launch.machine import JobFailed, prepare_output, run_rl
 from primerl.runtime.lifetime import pid_alive
 from primerl.runtime.metrics import read_metrics
 
@@ -71,7 +71,8 @@ def test_every_weight_update_mode_through_the_launcher(tmp_path, ranks):
 
 
 def _files_and_broadcast_give_the_same_run(tmp_path, steps, r):
-    files = run_rl(_cfg(tmp_path / "files", "--max_steps", steps, "--orchestrator.max_async_level", "0", *r), quiet=True)
+    files = run_rl(_cfg(tmp_path / "files", "--max_steps", steps, "--orchestrator.max_async_level", "0", *r),
+                   quiet=True)
     bcast = run_rl(_cfg(tmp_path / "bcast", "--max_steps", steps, "--orchestrator.max_async_level", "0",
                         "--inference.weight_update", "broadcast", *r), quiet=True)
     assert [x["step"] for x in bcast] == [x["step"] for x in files] == [0, 1, 2]
@@ -115,8 +116,8 @@ def test_kill_orchestrator_mid_broadcast_fails_the_trainer_naming_it(tmp_path):
     env.pop("PRIMERL_LAUNCHER_PID", None)
 
     def spawn(name, peer):
-        return subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", name, "--config", str(out / "config.toml")],
-                                stdout=open(out / "logs" / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+        argv = [sys.executable, "-m", "primerl.runtime.cli", name, "--config", str(out / "config.toml")]
+        return subprocess.Popen(argv, stdout=open(out / "logs" / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
                                 env=dict(env, PRIMERL_PEER_PID=str(peer)))
 
     orch = spawn("orchestrator", os.getpid())

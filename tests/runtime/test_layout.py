@@ -76,11 +76,10 @@ ROOMS = {"trainer", "inference", "orchestrator", "launch"}
 def test_rooms_hold_their_processes():
     top = {p.stem for p in RUNTIME.glob("*.py")}
     packages = {p.name for p in RUNTIME.iterdir() if (p / "__init__.py").is_file()}
-    assert {"job", "cli", "placement", "policy", "transport", "metrics", "output_dir", "lifetime", "validate"} <= top
+    assert {"cli", "placement", "policy", "transport", "metrics", "output_dir", "lifetime", "validate"} <= top
     assert packages == ROOMS | {"config"}, "a new runtime package: a room for a process, or the config"
-    assert top - {"__init__", "job", "cli", "placement", "policy", "transport", "metrics", "output_dir", "validate",
-                  "lifetime", "vllm_worker", "_lazy", "memory_plan", "job_checks", "zmq_transport",
-                  "registry", "processes"} == set(), \
+    assert top - {"__init__", "cli", "placement", "policy", "transport", "metrics", "output_dir", "validate",
+                  "lifetime", "_lazy", "memory_plan", "job_checks", "zmq_transport", "registry", "processes"} == set(), \
         "a new top-level runtime module: give it a room"
     for room, members in {"trainer": {"main", "trainer", "_rl", "checkpoint", "dcp_checkpoint", "full_state",
                                       "publish", "guards", "padded_attention"},
@@ -94,27 +93,33 @@ def test_rooms_hold_their_processes():
 
 
 def test_public_import_paths_keep_working():
-    from primerl.runtime import vllm_worker as old
     from primerl.runtime.cli import main
     from primerl.runtime.validate import load_config
     from primerl.runtime.inference import InferenceEngine, VLLMClient
     from primerl.runtime.inference import vllm_worker as new
     from primerl.runtime.inference.engine import InferenceEngine as engine_cls
-    from primerl.runtime.job import run_threads
+    from primerl.runtime.launch.threads import run_threads
     from primerl.runtime.orchestrator import Orchestrator
     from primerl.runtime.orchestrator.orchestrator import Orchestrator as orch_cls
     from primerl.runtime.trainer import NonFiniteLossError, Trainer, lr_lambda, next_token_logprobs, shifted_logprobs
     from primerl.runtime.trainer import trainer as trainer_mod
 
     assert callable(main) and callable(load_config) and callable(run_threads)
-    assert old.WeightUpdateExtension is new.WeightUpdateExtension
-    assert old.new_group is new.new_group and old.receive_update is new.receive_update
+    assert new.WeightUpdateExtension.__module__ == "primerl.runtime.inference.vllm_worker"
     assert (Trainer, lr_lambda, shifted_logprobs, next_token_logprobs, NonFiniteLossError) == (
         trainer_mod.Trainer, trainer_mod.lr_lambda, trainer_mod.shifted_logprobs, trainer_mod.next_token_logprobs,
         trainer_mod.NonFiniteLossError)
     assert Orchestrator is orch_cls and InferenceEngine is engine_cls and VLLMClient.__module__.endswith("vllm_client")
     with pytest.raises(ImportError, match="cannot import name 'Nope'"):
         from primerl.runtime.trainer import Nope  # noqa: F401
+
+
+@pytest.mark.parametrize("gone", ["primerl.runtime.job", "primerl.runtime.vllm_worker"])
+def test_compatibility_shims_are_gone(gone):
+    """The old re-export modules were deleted; code imports the real modules (launch/, orchestrator/,
+    trainer/, inference/vllm_worker)."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(gone)
 
 
 def test_vllm_is_told_the_new_worker_extension_path():

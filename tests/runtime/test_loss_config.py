@@ -15,7 +15,7 @@ from primerl.rl.losses import DEFAULT_HPARAMS
 from primerl.rl.packing import pack
 from primerl.runtime.config import ConfigError, LossConfig
 from primerl.runtime.validate import load_config
-from primerl.runtime.job import run_threads
+from primerl.runtime.launch.threads import run_threads
 from primerl.runtime.trainer import Trainer
 from trainer_testing import assert_same_grads, grad_gap, record_grads
 
@@ -96,7 +96,8 @@ def test_reference_model_is_a_frozen_copy_of_the_initial_policy():
 
 
 def test_custom_method_by_import_path_in_the_trainer():
-    custom = Trainer(_cfg("--trainer.loss.method", f"{__name__}:pg_only", "--trainer.loss.hparams", '{"scale": 2.0}'), V)
+    custom = Trainer(_cfg("--trainer.loss.method", f"{__name__}:pg_only", "--trainer.loss.hparams", '{"scale": 2.0}'),
+                     V)
     builtin = Trainer(_cfg("--trainer.loss.method", "reinforce"), V)
     mc = custom.train_step(_payload(_samples(), 64))
     mb = builtin.train_step(_payload(_samples(), 64))
@@ -108,8 +109,10 @@ def test_loss_config_errors_name_the_key():
     for over, match in ((["--trainer.loss.ref_kl_coef", "-1"], "trainer.loss.ref_kl_coef"),
                         (["--trainer.loss.sft_coef", "inf"], "trainer.loss.sft_coef"),
                         (["--orchestrator.advantage", "maxrl"], "orchestrator.advantage"),
-                        (["--trainer.loss.hparams", '{"eps_low": 0.1}'], "trainer.loss.hparams: .*'eps_low' is not used"),
-                        (["--trainer.loss.hparams", '{"ref_kl_delta": 0.1}'], "trainer.loss.hparams: .*'ref_kl_delta'")):
+                        (["--trainer.loss.hparams", '{"eps_low": 0.1}'],
+                         "trainer.loss.hparams: .*'eps_low' is not used"),
+                        (["--trainer.loss.hparams", '{"ref_kl_delta": 0.1}'],
+                         "trainer.loss.hparams: .*'ref_kl_delta'")):
         with pytest.raises(ConfigError, match=match):
             _cfg(*over)
 

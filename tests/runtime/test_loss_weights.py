@@ -14,7 +14,7 @@ from primerl.rl.envs import Environment, ReverseText, has_token_weights
 from primerl.rl.packing import pack
 from primerl.runtime.validate import load_config
 from primerl.runtime.orchestrator.env_calls import check_token_weights
-from primerl.runtime.job import run_threads
+from primerl.runtime.launch.threads import run_threads
 from primerl.runtime.trainer import Trainer
 from trainer_testing import assert_same_grads, grad_gap, record_grads
 
@@ -84,7 +84,7 @@ def test_weighted_update_does_not_depend_on_packing(aggregation):
     and several give the same update with non-uniform weights."""
     g = torch.Generator().manual_seed(3)
     samples = _weighted(_samples(8), lambda i, s: torch.rand(len(s), generator=g) * 3)
-    a, b = Trainer(_cfg("--trainer.loss.aggregation", aggregation), V), Trainer(_cfg("--trainer.loss.aggregation", aggregation), V)
+    a, b = (Trainer(_cfg("--trainer.loss.aggregation", aggregation), V) for _ in range(2))
     ga, gb = record_grads(a), record_grads(b)
     ma = a.train_step(_payload(samples, 64))
     mb = b.train_step(_payload(samples, 10))

@@ -54,8 +54,8 @@ class FakeClient:
 
 def _cfg(tmp_path, *over):
     return load_config(None, ["--output_dir", str(tmp_path), "--orchestrator.batch_size", "3",
-                              "--orchestrator.group_size",
-                              "4", "--orchestrator.seq_len", "64", "--max_steps", "4", "--env.timeout_s", "1", *over])
+                              "--orchestrator.group_size", "4", "--orchestrator.seq_len", "64", "--max_steps", "4",
+                              "--env.timeout_s", "1", *over])
 
 
 def fake_trainer(transport, steps, seen, delay=0.0):
@@ -178,7 +178,7 @@ def test_real_engine_batches_line_up_with_the_trainer(tmp_path, env_id):
     """Sampler log-probs and routing, as packed for the trainer, match the trainer's own forward at
     the same weights on every model token, across environment turns too."""
     from primerl.rl.envs import load_environment
-    from primerl.runtime.job import make_client
+    from primerl.runtime.orchestrator.clients import make_client
     from primerl.runtime.policy import build_model, model_config
     from primerl.runtime.trainer import shifted_logprobs
 

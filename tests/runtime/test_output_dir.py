@@ -12,7 +12,8 @@ import pytest
 
 from primerl.runtime.cli import main
 from primerl.runtime.validate import load_config
-from primerl.runtime.job import first_failure, run_threads
+from primerl.runtime.launch.machine import first_failure
+from primerl.runtime.launch.threads import run_threads
 from primerl.runtime.output_dir import LOCK_NAME, OutputDirBusy, OutputDirNotEmpty, claim_output_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,8 @@ def test_non_empty_output_dir_needs_resume_or_overwrite(tmp_path):
     claim_output_dir(_cfg(out)).release()  # only our lock file in it
     assert sorted(os.listdir(out)) == [LOCK_NAME]
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
-    with pytest.raises(OutputDirNotEmpty, match=r"not empty \(metrics.jsonl\).*--checkpoint.resume true.*--overwrite true"):
+    with pytest.raises(OutputDirNotEmpty,
+                       match=r"not empty \(metrics.jsonl\).*--checkpoint.resume true.*--overwrite true"):
         claim_output_dir(_cfg(out))
     claim_output_dir(_cfg(out, "--checkpoint.resume", "true")).release()
     claim_output_dir(_cfg(out, "--overwrite", "true")).release()
@@ -80,7 +82,8 @@ def test_rl_command_refuses_a_previous_run_and_keeps_its_files(tmp_path, capsys)
     (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n')
     rc, err = _cli(capsys, "--output_dir", str(tmp_path))
     assert rc == 1 and "is not empty (checkpoints, metrics.jsonl)" in err, err
-    assert (tmp_path / "checkpoints" / "step_000004").is_dir() and (tmp_path / "metrics.jsonl").read_text() == '{"step": 3}\n'
+    assert (tmp_path / "checkpoints" / "step_000004").is_dir()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 3}\n'
 
 
 def _running(pid: int) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from primerl.runtime.validate import load_config
-from primerl.runtime.job import run_rl
+from primerl.runtime.launch.machine import run_rl
 
 from vllm_testing import REPO, free_port, need_vllm
 

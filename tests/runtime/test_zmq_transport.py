@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from primerl.runtime.validate import load_config
-from primerl.runtime.job import run_threads
+from primerl.runtime.launch.threads import run_threads
 from primerl.runtime.transport import ProducerDied, TransportTimeout
 from primerl.runtime.zmq_transport import ZmqTransport
 
@@ -78,5 +78,6 @@ def test_a_job_on_zmq_matches_the_job_on_files(tmp_path):
                            "--orchestrator.zmq_port", str(_free_port())))
     assert [r["step"] for r in zmq] == [0, 1, 2]
     for a, b in zip(zmq, files):
-        assert a["reward/mean"] == b["reward/mean"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)  # test_job._same_run's
+        # test_job._same_run's tolerance
+        assert a["reward/mean"] == b["reward/mean"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
     assert not list((tmp_path / "zmq" / "transport" / "rollouts").iterdir())  # nothing went through the disk

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from primerl.runtime.job import run_threads
+from primerl.runtime.launch.threads import run_threads
 
 from vf_testing import (Recorder, assert_replay_is_the_samplers_routing, assert_samples_are_the_sampled_tokens,
                         similarity, small_cfg, spans)

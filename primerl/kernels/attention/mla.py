@@ -2,14 +2,14 @@
 attention: DeepSeek-V3 192/128, GLM-5 256/256).
 
 The Triton backend (``backend="triton"``) runs kernels made for the two widths (:mod:`.mla_triton`:
-each width split into two column parts of at most 128, 192 = 128 + 64, no tile padded). Every other backend, and ring attention under
-context parallelism (:func:`pad_for_square` then a slice), reduces the case to the square op
-:func:`primerl.kernels.attention.attention` by zero-padding the narrower side (v to Dqk, or q and
-k to Dv with the softmax scale kept at ``Dqk ** -0.5``) and slicing the output: exact (the padded
-columns add 0 to every score; output columns beyond Dv and their gradients are dropped), at the
-cost of the padded width in P @ V. (The square op's Triton backend runs the same two-part kernels
-above head dim 128.) The sparse form (DeepSeek sparse attention) takes Dv != Dqk
-natively: :mod:`primerl.kernels.sparse_attention`.
+each width split into two column parts of at most 128, 192 = 128 + 64, no tile padded). Every
+other backend, and ring attention under context parallelism (:func:`pad_for_square` then a
+slice), reduces the case to the square op :func:`primerl.kernels.attention.attention` by
+zero-padding the narrower side (v to Dqk, or q and k to Dv with the softmax scale kept at
+``Dqk ** -0.5``) and slicing the output: exact (the padded columns add 0 to every score; output
+columns beyond Dv and their gradients are dropped), at the cost of the padded width in P @ V.
+(The square op's Triton backend runs the same two-part kernels above head dim 128.) The sparse
+form (DeepSeek sparse attention) takes Dv != Dqk natively: :mod:`primerl.kernels.sparse_attention`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .ops import _AttentionFn, _resolve, attention
+from .spec import _make_spec
 
-def pad_for_square(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+
+def pad_for_square(q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(q, k, v, Dv) with the narrower side zero-padded so all three share a head dim."""
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv < dqk:
@@ -36,8 +40,6 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqle
     """q ``[T, Hq, Dqk]``, k ``[Tk, Hkv, Dqk]``, v ``[Tk, Hkv, Dv]`` -> out ``[T, Hq, Dv]`` (and lse
     ``[Hq, T]`` float32). ``softmax_scale`` defaults to ``Dqk ** -0.5``; other keywords as
     :func:`primerl.kernels.attention.attention` (``cu_seqlens_k``, positions)."""
-    from . import attention
-
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"mla_attention: {name} must be a 3-D tensor [tokens, heads, head_dim], got "
@@ -47,8 +49,6 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqle
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     if v.shape[-1] != q.shape[-1] and backend == "triton":
-        from . import _AttentionFn, _make_spec, _resolve
-
         if v.dtype != q.dtype or v.device != q.device:
             raise ValueError(f"mla_attention: v must share q's dtype and device, got {v.dtype} on {v.device}")
         # validated as the square op validates (k stands in for v: same tokens and heads, checked above)

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import (LOG2E, _block_runs, _dot_precision, _first_query_block, _key_block_summary, _key_loop_bounds,
-                     _last_dim_contiguous, _load_positions, _pos_args, _query_block_sees, _seq_bounds, _visible,
-                     backward_inputs)
+from .triton_common import (LOG2E, _block_runs, _dot_precision, _first_query_block, _key_block_summary,
+                            _key_loop_bounds, _last_dim_contiguous, _load_positions, _pos_args, _query_block_sees,
+                            _seq_bounds, _visible, backward_inputs)
 
 
 def split_width(d: int) -> tuple[int, int]:
@@ -112,7 +112,8 @@ def _mla_fwd_kernel(
         if _block_runs(k_pos, q_pos_max, CAUSAL):
             n_ok = offs_n < len_k
             rows = (k_start + offs_n).to(tl.int64)
-            s = dot_rows(q1, q2, K, rows, n_ok, hk, stride_kt, stride_kh, offs_d1, offs_d2, D1, D2, DOT_PREC) * qk_scale_log2
+            s = dot_rows(q1, q2, K, rows, n_ok, hk, stride_kt, stride_kh, offs_d1, offs_d2, D1, D2, DOT_PREC)
+            s = s * qk_scale_log2
             s = tl.where(_visible(k_pos, q_pos, CAUSAL), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)

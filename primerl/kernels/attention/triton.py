@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-_POS_BIG = tl.constexpr(2**30)  # "no valid key" sentinel for the block-skip test
+from . import mla_triton
+from .triton_common import (LOG2E, _block_runs, _dot_precision, _first_query_block, _key_block_summary,
+                            _key_loop_bounds, _last_dim_contiguous, _load_positions, _pos_args, _query_block_sees,
+                            _seq_bounds, _visible, backward_inputs)
 
 # Blocks under the CPU interpreter, where per-op overhead dominates; tests shrink them to 16 to
 # cover several blocks per sequence at tiny lengths.
@@ -58,87 +60,6 @@ def _dkdv_blocks(head_dim: int, device: torch.device, causal: bool) -> tuple[int
     return block_m, block_n, 4, 3
 
 
-def _dot_precision(dtype: torch.dtype):
-    # float32 inputs: IEEE products (the default TF32 would miss the 2x-of-torch error bound)
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@triton.jit
-def _load_positions(Pos, base, offs, n_valid, HAS_POS: tl.constexpr, shift):
-    """Positions of tokens ``offs`` of one sequence; -1 (masked) beyond ``n_valid``."""
-    valid = offs < n_valid
-    if HAS_POS:
-        return tl.load(Pos + base + offs, mask=valid, other=-1)
-    return tl.where(valid, offs + shift, -1)
-
-
-@triton.jit
-def _seq_bounds(CuQ, CuK, b):
-    """(q_start, len_q, k_start, len_k) of sequence b."""
-    q_start = tl.load(CuQ + b)
-    len_q = tl.load(CuQ + b + 1) - q_start
-    k_start = tl.load(CuK + b)
-    len_k = tl.load(CuK + b + 1) - k_start
-    return q_start, len_q, k_start, len_k
-
-
-@triton.jit
-def _key_loop_bounds(m0, len_q, len_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_POS: tl.constexpr):
-    """(n_full, n_end) for the query block at m0: key blocks before n_full every query of the block
-    sees in full (no mask to apply), none at or after n_end (default positions only)."""
-    n_end = len_k
-    n_full = 0
-    if not HAS_POS:
-        if CAUSAL:
-            n_end = tl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
-            n_full = tl.maximum(tl.minimum(len_k, m0 + len_k - len_q + 1), 0) // BLOCK_N * BLOCK_N
-        else:
-            n_full = len_k // BLOCK_N * BLOCK_N
-    return n_full, n_end
-
-
-@triton.jit
-def _first_query_block(n0, len_q, len_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_POS: tl.constexpr):
-    """The first query block that can see the key block at n0 (default positions; else 0)."""
-    m_begin = 0
-    if CAUSAL and not HAS_POS:
-        m_begin = tl.maximum(0, n0 - (len_k - len_q)) // BLOCK_M * BLOCK_M
-    return m_begin
-
-
-@triton.jit
-def _key_block_summary(k_pos):
-    """(earliest real key position, whether the block has a real key) of a key block."""
-    return tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0), tl.max(k_pos, axis=0) >= 0
-
-
-@triton.jit
-def _query_block_sees(k_pos_min, q_pos, CAUSAL: tl.constexpr):
-    """Whether a query block (positions ``q_pos``) sees any key of a block whose earliest real key is at ``k_pos_min``."""
-    run = True
-    if CAUSAL:
-        run = k_pos_min <= tl.max(q_pos, axis=0)
-    return run
-
-
-@triton.jit
-def _block_runs(k_pos, q_pos_max, CAUSAL: tl.constexpr):
-    """Whether any query of a block (latest position ``q_pos_max``) sees a key of this key block."""
-    if CAUSAL:
-        return tl.min(tl.where(k_pos >= 0, k_pos, _POS_BIG), axis=0) <= q_pos_max
-    return tl.max(k_pos, axis=0) >= 0
-
-
-@triton.jit
-def _visible(k_pos, q_pos, CAUSAL: tl.constexpr):
-    """[BM, BN] mask: the key is real, and (causal) not after the query."""
-    visible = (k_pos >= 0)[None, :]
-    if CAUSAL:
-        visible = visible & (k_pos[None, :] <= q_pos[:, None])
-    return visible
-
-
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, CuQ, CuK, QPos, KPos,
@@ -170,13 +91,15 @@ def _attn_fwd_kernel(
     n_full, n_end = _key_loop_bounds(m0, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_POS)
     for n0 in range(0, n_full, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
+                    mask=d_valid[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
+                    mask=d_valid[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     for n0 in range(n_full, n_end, BLOCK_N):
@@ -185,7 +108,8 @@ def _attn_fwd_kernel(
         if _block_runs(k_pos, q_pos_max, CAUSAL):
             n_valid = offs_n < len_k
             kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
             s = tl.where(_visible(k_pos, q_pos, CAUSAL), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -193,7 +117,8 @@ def _attn_fwd_kernel(
             p = tl.math.exp2(s - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
     seen = l_i > 0
@@ -241,8 +166,10 @@ def _attn_bwd_dkdv_kernel(
                 if _query_block_sees(k_pos_min, q_pos, CAUSAL):
                     m_valid = offs_m < len_q
                     qo_mask = m_valid[:, None] & d_valid[None, :]
-                    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
-                    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qo_mask, other=0.0)
+                    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                                mask=qo_mask, other=0.0)
+                    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
+                                 mask=qo_mask, other=0.0)
                     lse = tl.load(Lse + h * stride_lh + q_start + offs_m, mask=m_valid, other=float("inf"))
                     lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that saw no key: P = 0
                     delta = tl.load(Delta + h * stride_lh + q_start + offs_m, mask=m_valid, other=0.0)
@@ -281,7 +208,8 @@ def _attn_bwd_dq_kernel(
     d_valid = offs_d < HEAD_DIM
     qo_mask = m_valid[:, None] & d_valid[None, :]
     q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
-    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qo_mask, other=0.0)
+    do = tl.load(DO + (q_start + offs_m)[:, None] * stride_dot + h * stride_doh + offs_d[None, :],
+                 mask=qo_mask, other=0.0)
     lse = tl.load(Lse + h * stride_lh + q_start + offs_m, mask=m_valid, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     lse2 = lse * 1.4426950408889634
@@ -292,8 +220,10 @@ def _attn_bwd_dq_kernel(
     n_full, n_end = _key_loop_bounds(m0, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_POS)
     for n0 in range(0, n_full, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
-        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
+                    mask=d_valid[None, :], other=0.0)
+        v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
+                    mask=d_valid[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
@@ -305,8 +235,10 @@ def _attn_bwd_dq_kernel(
         if _block_runs(k_pos, q_pos_max, CAUSAL):
             n_valid = offs_n < len_k
             kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(K + (k_start + offs_n)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(V + (k_start + offs_n)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale_log2
             p = tl.math.exp2(s - lse2[:, None])
             p = tl.where(_visible(k_pos, q_pos, CAUSAL), p, 0.0)
@@ -315,26 +247,6 @@ def _attn_bwd_dq_kernel(
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
     dq = dq * sm_scale
     tl.store(DQ + (q_start + offs_m)[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq, mask=qo_mask)
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def backward_inputs(dout, q, k, v, out, lse, dlse):
-    """(q, k, v, dout) with a contiguous last dim, lse contiguous, and delta ``[Hq, T]`` float32 =
-    rowsum(dO * O) - dlse (the lse gradient enters dS exactly like -delta does)."""
-    q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
-    delta = (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
-    if dlse is not None:
-        delta = delta - dlse.float()
-    return q, k, v, dout, lse.contiguous(), delta
-
-
-def _pos_args(spec):
-    if spec.q_positions is None:
-        return spec.cu_seqlens_q, spec.cu_seqlens_q, False  # dummies, never read
-    return spec.q_positions, spec.k_positions, True
 
 
 def _runs_two_part_kernels(head_dim: int) -> bool:
@@ -347,8 +259,6 @@ def _runs_two_part_kernels(head_dim: int) -> bool:
 def forward(q, k, v, spec, out_dtype: torch.dtype):
     """q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[T, Hq, D]`` (out_dtype), lse ``[Hq, T]`` float32."""
     if _runs_two_part_kernels(q.shape[-1]):
-        from . import mla_triton
-
         return mla_triton.forward(q, k, v, spec, out_dtype)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     T, Hq, D = q.shape
@@ -374,8 +284,6 @@ def forward(q, k, v, spec, out_dtype: torch.dtype):
 def backward(dout, q, k, v, out, lse, dlse, spec):
     """Recomputing backward: dq ``[T, Hq, D]``, dk/dv ``[Tk, Hkv, D]``, all float32."""
     if _runs_two_part_kernels(q.shape[-1]):
-        from . import mla_triton
-
         return mla_triton.backward(dout, q, k, v, out, lse, dlse, spec)
     q, k, v, dout, lse, delta = backward_inputs(dout, q, k, v, out, lse, dlse)
     T, Hq, D = q.shape
@@ -390,8 +298,8 @@ def backward(dout, q, k, v, out, lse, dlse, spec):
     batch = spec.cu_seqlens_q.numel() - 1
     common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                   CAUSAL=spec.causal, HAS_POS=has_pos, DOT_PREC=_dot_precision(q.dtype))
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1),
-               lse.stride(0))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
+               dout.stride(1), lse.stride(0))
     scales = (spec.softmax_scale, spec.softmax_scale * LOG2E)
     # dk/dv rows of tokens outside every sequence are never visited: only cu_seqlens_k[-1] == Tk
     # is allowed, so each token belongs to one key block of one sequence and gets written.
@@ -431,13 +339,16 @@ def _merge_kernel(
     inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
     wa = sa * inv
     wb = sb * inv
-    oa = tl.load(OutA + offs_t[:, None] * stride_at + h * stride_ah + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    ob = tl.load(OutB + offs_t[:, None] * stride_bt + h * stride_bh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    oa = tl.load(OutA + offs_t[:, None] * stride_at + h * stride_ah + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    ob = tl.load(OutB + offs_t[:, None] * stride_bt + h * stride_bh + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
     # a zero-weight block contributes exactly nothing, even when its out holds NaN/garbage
     oa = tl.where(wa[:, None] > 0, oa, 0.0)
     ob = tl.where(wb[:, None] > 0, ob, 0.0)
     out = wa[:, None] * oa + wb[:, None] * ob
-    tl.store(Out + offs_t[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + offs_t[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=mask)
     tl.store(Lse + h * stride_lo + offs_t, lse, mask=t_valid)
 
 

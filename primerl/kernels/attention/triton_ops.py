@@ -1,17 +1,17 @@
 """The attention Triton launchers (:mod:`.triton`, :mod:`.mla_triton`) as ``torch.library`` custom
 ops, so torch.compile, FakeTensorMode and meta tensors see each launch as one node with a fake
 kernel (the launcher's output shapes and dtypes) instead of tracing into Triton.
-``backend="triton"`` / ``"mla_triton"`` run these (:func:`primerl.kernels.attention._impl`); under
+``backend="triton"`` / ``"mla_triton"`` run these (:func:`primerl.kernels.attention.ops._impl`); under
 AOT capture (:func:`primerl.kernels._opaque.launching_directly`) the raw launchers run instead.
 
 The grids are sized by the longest sequence. ``max_seqlen_q`` / ``max_seqlen_k`` (the public ops'
 ``max_seqlen=`` / ``max_seqlen_k=``, flash-attn style) give it; when one is None the op reads
 ``cu_seqlens`` on the host itself, once per offsets tensor (cached,
-:func:`primerl.kernels.attention._host_spec`): that read stays inside the opaque op, so a traced
+:func:`primerl.kernels.attention.spec._host_spec`): that read stays inside the opaque op, so a traced
 graph holds no data-dependent Python int and no graph break, and a caller that knows the lengths
 (the batch builder) passes them and has no host read at all.
 
-No autograd here: :class:`primerl.kernels.attention._AttentionFn` calls the forward op and, in its
+No autograd here: :class:`primerl.kernels.attention.ops._AttentionFn` calls the forward op and, in its
 backward, the backward op.
 
 Legend: T query tokens, Tk key tokens, Hq / Hkv query / key-value heads, D query/key width, Dv
@@ -26,11 +26,10 @@ import torch
 
 from . import mla_triton as M
 from . import triton as T
+from .spec import AttentionSpec, _host_spec
 
 
 def _spec(cu_q, cu_k, q_pos, k_pos, causal, scale, max_q, max_k):
-    from . import AttentionSpec, _host_spec
-
     spec = AttentionSpec(cu_q, cu_k, causal, scale, q_pos, k_pos, max_q, max_k)
     return _host_spec(spec, need_offsets=False)  # a host read of cu_seqlens only when a max_seqlen is None
 

@@ -103,18 +103,16 @@ __all__ = [
 ]
 
 from ._checks import (  # noqa: E402
-    _CUBLAS_FIRST,
     _FLOAT_DTYPES,
-    _PLAIN_BACKENDS,
-    BLOCK,
     FP8_DTYPES,  # noqa: F401
     _check_index,
     _check_offsets_content,
     _check_m_indices_content,
     _check_same_device,
     _check_tensor,
-    _impl,
 )
+from .dispatch import CUBLAS_FIRST, PLAIN_BACKENDS, backend_module  # noqa: E402
+from .layout import BLOCK  # noqa: E402
 from .fp8_gemm import (  # noqa: E402
     fp8_gemm_nt,
     k_grouped_fp8_gemm_tn_contiguous,
@@ -138,11 +136,11 @@ def gemm_nt(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None =
         raise ValueError(f"{op}: K mismatch, a is {tuple(a.shape)} and b is {tuple(b.shape)}")
     out_dtype = a.dtype if out_dtype is None else out_dtype
     dev = _check_same_device(op, a=a, b=b)
-    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=_CUBLAS_FIRST)
+    be = resolve_backend(op, backend, dev, supported=PLAIN_BACKENDS, preference=CUBLAS_FIRST)
     if be == "triton":
         from . import _triton_autograd
 
-        return _triton_autograd.gemm_nt(a, b, out_dtype, _impl(be))
+        return _triton_autograd.gemm_nt(a, b, out_dtype, backend_module(be))
     return reference.gemm_nt(a, b, out_dtype)
 
 
@@ -185,7 +183,7 @@ def grouped_gemm_nt(a: torch.Tensor, b: torch.Tensor, offsets_or_m_indices: torc
         _check_m_indices_content(op, index, b.shape[0], one_group_per_block=False)
     out_dtype = a.dtype if out_dtype is None else out_dtype
     dev = _check_same_device(op, a=a, b=b, index=index)
-    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=_CUBLAS_FIRST)
+    be = resolve_backend(op, backend, dev, supported=PLAIN_BACKENDS, preference=CUBLAS_FIRST)
     if be == "triton":
         from . import _triton_autograd
 
@@ -194,7 +192,7 @@ def grouped_gemm_nt(a: torch.Tensor, b: torch.Tensor, offsets_or_m_indices: torc
                 raise ValueError(f"{op}: the triton backend takes m_indices only in the aligned contiguous layout "
                                  f"(M a multiple of {BLOCK}, see pad_to_contiguous), got M={a.shape[0]}")
             _check_m_indices_content(op, index, b.shape[0], ascending=True)
-        return _triton_autograd.grouped_gemm_nt(a, b, index, kind, out_dtype, _impl(be))
+        return _triton_autograd.grouped_gemm_nt(a, b, index, kind, out_dtype, backend_module(be))
     if kind == "offsets":
         return reference.grouped_gemm_nt_offsets(a, b, index, out_dtype)
     return reference.grouped_gemm_nt_m_indices(a, b, index, out_dtype)
@@ -214,9 +212,9 @@ def k_grouped_gemm_tn(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *
         raise ValueError(f"{op}: offsets must have at least one group")
     _check_offsets_content(op, offsets, a.shape[0])
     dev = _check_same_device(op, a=a, b=b, offsets=offsets)
-    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
+    be = resolve_backend(op, backend, dev, supported=PLAIN_BACKENDS, preference=("triton", "torch"))
     if be == "triton":
         from . import _triton_autograd
 
-        return _triton_autograd.k_grouped_gemm_tn(a, b, offsets, out_dtype, _impl(be))
+        return _triton_autograd.k_grouped_gemm_tn(a, b, offsets, out_dtype, backend_module(be))
     return reference.k_grouped_gemm_tn(a, b, offsets, out_dtype)

@@ -8,19 +8,11 @@ from __future__ import annotations
 import torch
 
 from .._value_checks import check_values
+from .layout import BLOCK
 
-BLOCK = 128
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FP8_BACKENDS = ("torch", "triton", "deep_gemm")
-_PLAIN_BACKENDS = ("torch", "triton")
-# bf16 dense / M-grouped GEMMs default to torch (cuBLAS, torch._grouped_mm) on CUDA: the Triton
-# kernels are chosen explicitly until `python -m bench gemm` measures them faster on a GPU.
-_CUBLAS_FIRST = ("torch", "triton")
-
-
-# ------------------------------------------------------------------------------ validation
 
 
 def _shape(t) -> str:
@@ -75,7 +67,8 @@ def _check_m_indices_content(op: str, m_indices: torch.Tensor, num_groups: int, 
     device-side checks (no host read)."""
     if m_indices.numel() == 0:
         return
-    check_values(((m_indices >= -1) & (m_indices < num_groups)).all(), f"{op}: m_indices values must be in [-1, {num_groups})",
+    check_values(((m_indices >= -1) & (m_indices < num_groups)).all(),
+                 f"{op}: m_indices values must be in [-1, {num_groups})",
                  lambda: f"got min {int(m_indices.min())} max {int(m_indices.max())}")
     if not one_group_per_block:
         return
@@ -88,20 +81,3 @@ def _check_m_indices_content(op: str, m_indices: torch.Tensor, num_groups: int, 
         owners = torch.cummax(hi, 0).values
         check_values(((hi < 0) | (hi == owners)).all(),
                      f"{op}: groups in m_indices must appear in ascending order (pad_to_contiguous's layout)")
-
-
-def _impl(backend: str):
-    if backend == "triton":
-        from .._opaque import launching_directly
-
-        if launching_directly():
-            from . import triton as impl
-        else:
-            from . import triton_ops as impl  # the Triton launchers as custom ops (traceable)
-    elif backend == "deep_gemm":
-        from . import deep_gemm as impl
-    else:
-        from . import reference as impl
-    return impl
-
-

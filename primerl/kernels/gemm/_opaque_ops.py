@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .._opaque import recompute_grads
-from . import reference as R
+from . import grouped_eager as E
 
 Tensor = torch.Tensor
 
@@ -72,15 +72,15 @@ def _grouped_per_group_backward(grad, a, b, offsets, need_a, need_b):
     """The CPU float32/64 path of grouped_gemm_nt_offsets_eager has its own backward (None elsewhere)."""
     if not _per_group_case(a, grad.dtype):
         return None
-    da, db = R.per_group_backward(grad.contiguous(), a, b, offsets.tolist(), need_a, need_b)
+    da, db = E.per_group_backward(grad.contiguous(), a, b, offsets.tolist(), need_a, need_b)
     return (a.new_empty(0) if da is None else da), (b.new_empty(0) if db is None else db)
 
 
 # a [M, K], b [G, N, K], offsets [G] int32 -> [M, N] out_dtype (rows past offsets[-1] zero)
-grouped_gemm_nt_offsets = _grouped_op("grouped_gemm_nt_offsets", R.grouped_gemm_nt_offsets_eager,
+grouped_gemm_nt_offsets = _grouped_op("grouped_gemm_nt_offsets", E.grouped_gemm_nt_offsets_eager,
                                       lambda a, b, offsets: (a.shape[0], b.shape[1]), _grouped_per_group_backward)
 # a [T, N], b [T, K], offsets [G] -> [G, N, K] out_dtype
-k_grouped_gemm_tn = _grouped_op("k_grouped_gemm_tn", R.k_grouped_gemm_tn_eager,
+k_grouped_gemm_tn = _grouped_op("k_grouped_gemm_tn", E.k_grouped_gemm_tn_eager,
                                 lambda a, b, offsets: (offsets.shape[0], a.shape[1], b.shape[1]))
 
 

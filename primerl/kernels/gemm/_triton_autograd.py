@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import BLOCK
+from .layout import BLOCK
 
 
 def _m_indices_segments(m_indices: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -100,7 +100,8 @@ def _distinct(a, b):
 
 def gemm_nt(a, b, out_dtype, impl):
     """a [M, K], b [N, K] -> [M, N]; differentiable in a and b."""
-    return _GroupedGemmNT.apply(a, _distinct(a, b), torch.empty(0, dtype=torch.int32, device=a.device), "dense", out_dtype, impl)
+    no_index = torch.empty(0, dtype=torch.int32, device=a.device)
+    return _GroupedGemmNT.apply(a, _distinct(a, b), no_index, "dense", out_dtype, impl)
 
 
 def grouped_gemm_nt(a, b, index, kind, out_dtype, impl):

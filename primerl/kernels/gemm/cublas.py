@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import BLOCK
+from .layout import BLOCK
 from .offsets import device_capability
 
 SUPPORTED_ARCH = 9
@@ -132,7 +132,8 @@ def support_reason(s: Support, m: int, n: int, k: int) -> str | None:
     if m % 16 and not s.any_m:
         return f"M={m} is not a multiple of 16 and this cuBLAS build got such an M wrong ({s.reason})"
     if (k // BLOCK) % 4 and s.pad_k is None:
-        return f"K/128 = {k // BLOCK} is not a multiple of 4 and this cuBLAS build took neither B-scale layout ({s.reason})"
+        return (f"K/128 = {k // BLOCK} is not a multiple of 4 and this cuBLAS build took neither B-scale layout "
+                f"({s.reason})")
     if n % BLOCK and not s.partial_n:
         return f"N={n} is not a multiple of 128 and this cuBLAS build got a partial N block wrong ({s.reason})"
     return None

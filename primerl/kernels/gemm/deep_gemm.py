@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from ._checks import BLOCK
 from .layout import (
+    BLOCK,
     TMA_ALIGNMENT_BYTES,  # noqa: F401  (re-exported for callers of the earlier module)
     get_mn_major_tma_aligned_tensor,
     get_tma_aligned_size,

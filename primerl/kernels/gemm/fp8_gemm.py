@@ -21,21 +21,18 @@ from .._value_checks import check_values
 from ..fp8.reference import ROUNDINGS
 from ._checks import (
     _OUT_DTYPES,
-    _PLAIN_BACKENDS,
-    BLOCK,
     FP8_DTYPES,
     _check_index,
     _check_m_indices_content,
     _check_offsets_content,
+    _check_out_dtype,
     _check_same_device,
     _check_tensor,
-    _impl,
 )
 from . import reference
-from .layout import RECIPES, unpack_ue8m0
+from .dispatch import FP8_BACKENDS, PLAIN_BACKENDS, backend_module
+from .layout import BLOCK, RECIPES, unpack_ue8m0
 from .offsets import get_mk_alignment_for_contiguous_layout, max_group_blocks, offsets_to_counts, psum_to_m_indices
-
-_FP8_BACKENDS = ("torch", "triton", "deep_gemm")
 
 
 def _fp8_preference(out_dtype: torch.dtype, c=None) -> tuple[str, ...]:
@@ -58,7 +55,8 @@ def _scales(op: str, name: str, q: torch.Tensor, sf, sf_rows: int, layout: str,
     _check_tensor(op, f"{name}[1] (sf)", sf, q.dim(), (torch.float32, torch.int32))
     want = (*lead, sf_rows, groups_k)
     if tuple(sf.shape) != want:
-        raise ValueError(f"{op}: {name} scales must be {want} ({layout} scales of q {tuple(q.shape)}), got {tuple(sf.shape)}")
+        raise ValueError(f"{op}: {name} scales must be {want} ({layout} scales of q {tuple(q.shape)}), "
+                         f"got {tuple(sf.shape)}")
     return sf if keep_layout else sf.contiguous()
 
 
@@ -100,8 +98,7 @@ def _output(op: str, d, shape: tuple, out_dtype, device, c=None) -> tuple[torch.
     """(``d`` checked or None, the output dtype: d's, else ``out_dtype``, bf16 by default)."""
     if d is None:
         out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
-        if out_dtype not in _OUT_DTYPES:
-            raise ValueError(f"{op}: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+        _check_out_dtype(op, out_dtype)
     else:
         if not isinstance(d, torch.Tensor) or tuple(d.shape) != tuple(shape) or d.dtype not in _OUT_DTYPES:
             raise ValueError(f"{op}: d must be a {shape} tensor of one of {_OUT_DTYPES}, got "
@@ -150,7 +147,7 @@ def _dense_backend(op: str, backend, a, b, gran, out_dtype, c, dev: torch.device
         return "cublas"
     if backend is None and dev.type == "cuda" and _cublas_reason(a, b, gran, out_dtype, c, dev) is None:
         return "cublas"
-    return resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype, c))
+    return resolve_backend(op, backend, dev, supported=FP8_BACKENDS, preference=_fp8_preference(out_dtype, c))
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor | None = None, c: torch.Tensor | None = None, *, recipe=None,
@@ -178,8 +175,8 @@ def fp8_gemm_nt(a, b, d: torch.Tensor | None = None, c: torch.Tensor | None = No
         return _into(d, reference.fp8_gemm_nt(a, b, out_dtype, gran, c))
     d = _alloc(d, shape, out_dtype, dev)
     if be == "deep_gemm":
-        return _impl(be).fp8_gemm_nt(a, b, d, c, recipe)
-    return _impl(be).fp8_gemm_nt(a, b, d, c, gran)
+        return backend_module(be).fp8_gemm_nt(a, b, d, c, recipe)
+    return backend_module(be).fp8_gemm_nt(a, b, d, c, gran)
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout: torch.Tensor, d: torch.Tensor | None = None, *,
@@ -205,14 +202,14 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout: torch.Tensor, d: torc
     dev = _check_same_device(op, aq=a[0], bq=b[0], grouped_layout=m_indices)
     shape = (m, b[0].shape[1])
     d, out_dtype = _output(op, d, shape, out_dtype, dev)
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype))
+    be = resolve_backend(op, backend, dev, supported=FP8_BACKENDS, preference=_fp8_preference(out_dtype))
     if be == "torch":
         return _into(d, reference.m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, out_dtype, gran))
     d = _alloc(d, shape, out_dtype, dev)
     if be == "deep_gemm":
         layout = psum if use_psum_layout else m_indices
-        return _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, layout, d, use_psum_layout, recipe, m_indices)
-    return _impl(be).m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, d, gran)
+        return backend_module(be).m_grouped_fp8_gemm_nt_contiguous(a, b, layout, d, use_psum_layout, recipe, m_indices)
+    return backend_module(be).m_grouped_fp8_gemm_nt_contiguous(a, b, m_indices, d, gran)
 
 
 def _check_psum_content(op: str, psum: torch.Tensor, num_rows: int) -> None:
@@ -235,11 +232,10 @@ def m_grouped_fp8_gemm_nt_offsets(a, b, offsets: torch.Tensor, *, out_dtype: tor
     a, b, _, _ = _check_operands(op, a, b, 2, 3, (1, 128, 128))
     offsets = _check_index(op, "offsets", offsets, b[0].shape[0])
     _check_offsets_content(op, offsets, a[0].shape[0])
-    if out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"{op}: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    _check_out_dtype(op, out_dtype)
     dev = _check_same_device(op, aq=a[0], bq=b[0], offsets=offsets)
-    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
-    return _impl(be).m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype)
+    be = resolve_backend(op, backend, dev, supported=PLAIN_BACKENDS, preference=("triton", "torch"))
+    return backend_module(be).m_grouped_fp8_gemm_nt_offsets(a, b, offsets, out_dtype)
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, masked_m: torch.Tensor, expected_m: int, d: torch.Tensor | None = None, *,
@@ -264,13 +260,13 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m: torch.Tensor, expected_m: int, 
     dev = _check_same_device(op, aq=a[0], bq=b[0], masked_m=masked_m)
     shape = (groups, max_m, b[0].shape[1])
     d, out_dtype = _output(op, d, shape, out_dtype, dev)
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=_fp8_preference(out_dtype))
+    be = resolve_backend(op, backend, dev, supported=FP8_BACKENDS, preference=_fp8_preference(out_dtype))
     d = _alloc(d, shape, out_dtype, dev)
     if be == "torch":
         return reference.m_grouped_fp8_gemm_nt_masked(a, b, masked_m, out_dtype, gran, d)
     if be == "deep_gemm":
-        return _impl(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, recipe)
-    return _impl(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, gran)
+        return backend_module(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, recipe)
+    return backend_module(be).m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, d, gran)
 
 
 def _group_offsets(op: str, offsets, ks, num_rows: int, device: torch.device) -> torch.Tensor:
@@ -346,8 +342,8 @@ def quant_per_group_colwise(x: torch.Tensor, offsets: torch.Tensor | None = None
         raise ValueError(f"{op}: dtype must be one of {FP8_DTYPES}, got {dtype}")
     offsets = _group_offsets(op, offsets, ks, x.shape[0], x.device)
     dev = _check_same_device(op, x=x, offsets=offsets)
-    be = resolve_backend(op, backend, dev, supported=_PLAIN_BACKENDS, preference=("triton", "torch"))
-    q, sf = _impl(be).quant_per_group_colwise(x.contiguous(), offsets, dtype, ue8m0, rounding, layout)
+    be = resolve_backend(op, backend, dev, supported=PLAIN_BACKENDS, preference=("triton", "torch"))
+    q, sf = backend_module(be).quant_per_group_colwise(x.contiguous(), offsets, dtype, ue8m0, rounding, layout)
     if compact:
         rows = _compact_rows(offsets)
         sf = sf[:rows].contiguous()
@@ -430,13 +426,13 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, offsets: torch.Tensor | None = None, 
     d, out_dtype = _output(op, d, shape, out_dtype, dev, c)
     # DeepGEMM's input contract (SM100, UE8M0, 128-aligned ks) is narrower than what
     # quant_per_group_colwise gives by default, so the automatic choice never takes it
-    be = resolve_backend(op, backend, dev, supported=_FP8_BACKENDS, preference=("triton", "torch"))
+    be = resolve_backend(op, backend, dev, supported=FP8_BACKENDS, preference=("triton", "torch"))
     if blocks and be != "triton":
         pairs = [(reference.group_blocks_to_rows(q, offsets, num_rows), sf) for q, sf in pairs]
     if be == "torch":
         return _into(d, reference.k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, c))
     if be == "deep_gemm":  # the group sizes go to the op as a tensor: DeepGEMM's host list is read inside it
         pairs = [(q.contiguous(), sf) for q, sf in pairs]
-        return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets_to_counts(offsets),
+        return backend_module(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets_to_counts(offsets),
                                                           _alloc(d, shape, out_dtype, dev), c)
-    return _impl(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, d, c)
+    return backend_module(be).k_grouped_fp8_gemm_tn_contiguous(pairs[0], pairs[1], offsets, out_dtype, d, c)

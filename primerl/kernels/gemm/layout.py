@@ -18,6 +18,7 @@ import torch
 
 from .offsets import current_arch_major
 
+BLOCK = 128  # the FP8 scale block: 128 K-columns per A scale, 128 x 128 per B block scale
 TMA_ALIGNMENT_BYTES = 16
 RECIPES = ((1, 128, 128), (1, 1, 128))
 
@@ -68,7 +69,8 @@ def pack_ue8m0(sf: torch.Tensor) -> torch.Tensor:
     exponents per word, little-endian, zero bytes for the missing groups."""
     op = "pack_ue8m0"
     if not isinstance(sf, torch.Tensor) or sf.dtype != torch.float32 or sf.dim() < 1:
-        raise ValueError(f"{op}: sf must be a float32 tensor with a K dim, got {getattr(sf, 'dtype', type(sf).__name__)}")
+        raise ValueError(f"{op}: sf must be a float32 tensor with a K dim, got "
+                         f"{getattr(sf, 'dtype', type(sf).__name__)}")
     _check_power_of_two(op, sf)
     sk = sf.shape[-1]
     exps = (sf.contiguous().view(torch.int32) >> 23).to(torch.uint8)
@@ -81,7 +83,8 @@ def unpack_ue8m0(packed: torch.Tensor, num_groups_k: int) -> torch.Tensor:
     """Inverse of :func:`pack_ue8m0` (any strides): int32 ``[..., ceil(SK / 4)]`` -> float32
     ``[..., SK]`` with ``SK = num_groups_k``, contiguous."""
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
-        raise ValueError(f"unpack_ue8m0: packed scales must be int32, got {getattr(packed, 'dtype', type(packed).__name__)}")
+        raise ValueError(f"unpack_ue8m0: packed scales must be int32, got "
+                         f"{getattr(packed, 'dtype', type(packed).__name__)}")
     if packed.shape[-1] != -(-num_groups_k // 4):
         raise ValueError(f"unpack_ue8m0: {num_groups_k} K groups pack into {-(-num_groups_k // 4)} int32 words, "
                          f"got {packed.shape[-1]}")
@@ -129,7 +132,8 @@ def transform_sf_into_required_layout(sf: torch.Tensor, mn: int, k: int, recipe:
     elif sf.dtype != torch.float32:
         raise ValueError(f"{op}: sf must be float32 or packed int32, got {sf.dtype}")
     if tuple(sf.shape) != want:
-        raise ValueError(f"{op}: sf must have shape {want} for mn={mn}, k={k}, recipe={tuple(recipe)}, got {tuple(sf.shape)}")
+        raise ValueError(f"{op}: sf must have shape {want} for mn={mn}, k={k}, recipe={tuple(recipe)}, "
+                         f"got {tuple(sf.shape)}")
     if sf.dtype == torch.int32:
         return sf if is_mn_major_tma_aligned(sf) else _mn_major_tma_aligned(sf)
     if arch_major == 9 or disable_ue8m0_cast:

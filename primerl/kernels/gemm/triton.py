@@ -27,30 +27,19 @@ Tile shapes come from :func:`pick_tiles`, a table keyed on (rows per group, N, K
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .._backend import triton_interpreter_enabled as _interpreter_env
 from ..fp8 import reference as fp8_ref
 from ..fp8.reference import fp8_max
 from ..fp8.triton import _abs_bits, _cast_scaled, _scale_from_amax
 from . import offsets as off
+from . import triton_common as common  # SM count and architecture: read through the module (AOT replaces them)
 from . import triton_fp8 as _fp8
-
-BLOCK = 128
-
-
-@functools.lru_cache(maxsize=None)
-def triton_interpreter_enabled() -> bool:
-    """TRITON_INTERPRET=1, read once: it must be set before the first @triton.jit runs, so it does not
-    change later (reading the environment costs ~1-10 us, several times per launch)."""
-    return _interpreter_env()
-
-MODE_DENSE, MODE_TABLE, MODE_M_INDICES, MODE_MASKED = 0, 1, 2, 3  # MASKED: FP8 (TMA) kernel only
-BN_PER_ROW_B = 64
+from .layout import BLOCK
+from .triton_common import (BN_PER_ROW_B, MODE_DENSE, MODE_M_INDICES, MODE_MASKED, MODE_TABLE, cdiv, next_pow2,
+                            pow2_clamp, triton_interpreter_enabled)
 
 
 @triton.jit
@@ -190,8 +179,10 @@ def _k_grouped_gemm_tn_kernel(
             if ROW_MASK:
                 r_ok = r_ok & (tl.load(m_indices_ptr + rows, mask=r_ok, other=-1) >= 0)
             rows64 = rows.to(tl.int64)
-            a = tl.load(a_ptr + rows64[None, :] * stride_a + offs_n[:, None], mask=r_ok[None, :] & n_ok[:, None], other=0.0)
-            b = tl.load(b_ptr + rows64[:, None] * stride_b + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptr + rows64[None, :] * stride_a + offs_n[:, None], mask=r_ok[None, :] & n_ok[:, None],
+                        other=0.0)
+            b = tl.load(b_ptr + rows64[:, None] * stride_b + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         out_offs = g.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
         tl.store(d_ptr + out_offs, acc.to(d_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
@@ -244,35 +235,6 @@ def _quant_group_colwise_kernel(
 # ------------------------------------------------------------------------------ tile heuristics
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms() -> int:
-    if torch.cuda.is_available() and not triton_interpreter_enabled():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 1
-
-
-@functools.lru_cache(maxsize=None)
-def _arch_major() -> int:
-    """The current CUDA device's compute capability major (9 Hopper, 10 Blackwell); 9 without one."""
-    if torch.cuda.is_available() and not triton_interpreter_enabled():
-        return torch.cuda.get_device_capability(torch.cuda.current_device())[0]
-    return 9
-
-
-# host-side integer helpers: triton.cdiv / next_power_of_2 are ConstexprFunctions, ~10 us a call
-# from Python, several per launch
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(int(x) - 1, 0).bit_length()
-
-
-def _pow2_clamp(x: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, _next_pow2(max(int(x), 1))))
-
-
 def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: int = 2,
                interpreter: bool | None = None, num_groups: int = 1, num_sms: int | None = None) -> dict:
     """Tile table (BM, BN, BK, warps, stages) keyed on the rows each group holds, N and K.
@@ -284,15 +246,15 @@ def pick_tiles(rows_per_group: int, n: int, k: int, scaled: bool, element_size: 
     ~200 KB of shared memory. BM depends on ``rows_per_group`` only (callers size tables with it).
     """
     if triton_interpreter_enabled() if interpreter is None else interpreter:
-        return dict(BM=_pow2_clamp(rows_per_group, 16, 128), BN=_pow2_clamp(n, 16, 128),
-                    BK=BLOCK if scaled else _pow2_clamp(k, 16, 128), num_warps=4, num_stages=1)
+        return dict(BM=pow2_clamp(rows_per_group, 16, 128), BN=pow2_clamp(n, 16, 128),
+                    BK=BLOCK if scaled else pow2_clamp(k, 16, 128), num_warps=4, num_stages=1)
     if rows_per_group <= 64:
         bm, warps = 64, 4
     else:
         bm, warps = 128, 8
-    bn = 128 if n > 64 else _pow2_clamp(n, 16, 128)
-    sms = _num_sms() if num_sms is None else num_sms
-    if bn == 128 and num_groups * _cdiv(rows_per_group, bm) * _cdiv(n, 128) < sms:
+    bn = 128 if n > 64 else pow2_clamp(n, 16, 128)
+    sms = common.num_sms() if num_sms is None else num_sms
+    if bn == 128 and num_groups * cdiv(rows_per_group, bm) * cdiv(n, 128) < sms:
         bn = 64
     bk = BLOCK if scaled else (64 if element_size == 2 else 32)
     stage_bytes = (bm + bn) * bk * element_size
@@ -337,13 +299,13 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
         cfg["BN"] = min(cfg["BN"], BN_PER_ROW_B)
     bm = cfg.pop("BM")
     if mode != MODE_TABLE:
-        num_m_tiles = _cdiv(m, bm)
+        num_m_tiles = cdiv(m, bm)
     elif num_m_tiles == 0:
-        num_m_tiles = _cdiv(m, bm) + num_entries
-    total = num_m_tiles * _cdiv(n, cfg["BN"])
+        num_m_tiles = cdiv(m, bm) + num_entries
+    total = num_m_tiles * cdiv(n, cfg["BN"])
     if total == 0 or n == 0:
         return out
-    num_progs = max(1, min(total, _num_sms() * (2 if bm == 64 else 1))) if _num_sms() > 1 else total
+    num_progs = max(1, min(total, common.num_sms() * (2 if bm == 64 else 1))) if common.num_sms() > 1 else total
     dummy = group if group is not None else out
     _m_grouped_gemm_nt_kernel[(num_progs,)](
         a, sa if scaled else a, b, sb if scaled else b, out, c if c is not None else out,
@@ -354,7 +316,7 @@ def _launch_m_grouped(a, sa, b, sb, out, mode, group, row_start=None, row_count=
         c.stride(0) if c is not None else 0,
         sa.stride(0) if scaled else 0, sb.stride(0) if scaled else 0, sb.stride(1) if scaled else 0,
         MODE=mode, SCALED=scaled, HAS_C=c is not None, SB_GRAN=sb_gran, MIXED=mixed,
-        ENTRIES_P2=_next_pow2(max(num_entries, 1)), BM=bm, PRECISION=_precision(a.dtype), **cfg,
+        ENTRIES_P2=next_pow2(max(num_entries, 1)), BM=bm, PRECISION=_precision(a.dtype), **cfg,
     )
     return out
 
@@ -406,12 +368,12 @@ def _k_grouped(a, b, offsets, out_dtype, m_indices=None):
     groups = offsets.numel()
     out = torch.empty(groups, n, k, dtype=out_dtype, device=a.device)
     if triton_interpreter_enabled():
-        bn, bk = _pow2_clamp(n, 16, 128), _pow2_clamp(k, 16, 128)
-        bt, warps, stages = _pow2_clamp(t // max(groups, 1), 16, 128), 4, 1
+        bn, bk = pow2_clamp(n, 16, 128), pow2_clamp(k, 16, 128)
+        bt, warps, stages = pow2_clamp(t // max(groups, 1), 16, 128), 4, 1
     else:
         bn, bk, bt, warps, stages = 128, 128, 64, 8, 3
-    total = groups * _cdiv(n, bn) * _cdiv(k, bk)
-    num_progs = min(total, _num_sms()) if _num_sms() > 1 else total
+    total = groups * cdiv(n, bn) * cdiv(k, bk)
+    num_progs = min(total, common.num_sms()) if common.num_sms() > 1 else total
     _k_grouped_gemm_tn_kernel[(num_progs,)](
         a, b, out, offsets, m_indices if m_indices is not None else offsets, n, k, groups, num_progs,
         a.stride(0), b.stride(0), ROW_MASK=m_indices is not None, BN=bn, BK=bk, BT=bt,
@@ -448,8 +410,9 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m, out, sb_gran=BLOCK)
     groups, max_m, k = aq.shape
     n = bq.shape[1]
     cfg = pick_tiles(max(expected_m, 1), n, k, True, 1, num_groups=groups)
-    _fp8.launch_m_grouped(aq.view(groups * max_m, k), asf.view(groups * max_m, -1), bq, bsf, out.view(groups * max_m, n),
-                          MODE_MASKED, None, None, masked_m, None, 1, 0, None, sb_gran, cfg, max_m=max_m)
+    _fp8.launch_m_grouped(aq.view(groups * max_m, k), asf.view(groups * max_m, -1), bq, bsf,
+                          out.view(groups * max_m, n), MODE_MASKED, None, None, masked_m, None, 1, 0, None, sb_gran,
+                          cfg, max_m=max_m)
     return out
 
 
@@ -469,10 +432,10 @@ def quant_per_group_colwise(x, offsets, dtype, ue8m0, rounding="reciprocal", lay
     used = nblocks.sum(dtype=torch.int32).reshape(1)
     bc = 128 if triton_interpreter_enabled() else 64
     # used blocks + ceil(tail / 128) tail chunks <= bound + 1 (see max_group_blocks)
-    _quant_group_colwise_kernel[(bound + 1, _cdiv(c, bc))](
+    _quant_group_colwise_kernel[(bound + 1, cdiv(c, bc))](
         x, q, sf, offsets, block_start, t, c, groups, bound, used,
         FMAX=fp8_max(dtype), UE8M0=ue8m0, RECIPROCAL=rounding == "reciprocal", BT=BLOCK, BC=bc,
-        G_P2=_next_pow2(groups), BLOCKS=blocks, num_warps=4,
+        G_P2=next_pow2(groups), BLOCKS=blocks, num_warps=4,
     )
     return q, sf
 

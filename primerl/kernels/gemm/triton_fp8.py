@@ -40,8 +40,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import offsets as off
-from . import triton as _base  # SM count, architecture (patched by primerl.kernels.aot), modes
-from ._checks import BLOCK
+from . import triton_common as common  # SM count, architecture (replaced by primerl.kernels.aot), modes
+from .layout import BLOCK
 
 
 @triton.jit
@@ -202,7 +202,8 @@ def _store_tile(acc, d_ptr, c_ptr, rows, offs_n, store_ok, row_ok, foreign, n_ok
 
 @triton.jit
 def _k_grouped_fp8_kernel(
-    a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr, N, K, G, num_progs, stride_sa, stride_sb,
+    a_desc, b_desc, sa_ptr, sb_ptr, d_ptr, c_ptr, offsets_ptr, block_start_ptr, N, K, G, num_progs, stride_sa,
+    stride_sb,
     HAS_C: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SWIZZLE: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr, HALVES: tl.constexpr, PIN: tl.constexpr,
 ):
@@ -314,19 +315,19 @@ def fp8_structure(cfg: dict, sb_gran: int, mode: int, has_c: bool, n: int = 0, n
     tiles) with block B scales and no C where N is a multiple of 256, unless the wider tiles
     would cost more than ~15% in wave quantization (e.g. M = 128: 28 tiles instead of 56). Hopper
     only: on sm_100a the offsets (table) mode spills at 128 x 256 (2 LDL/STL, primerl.kernels.aot)."""
-    interp = _base.triton_interpreter_enabled() if interpreter is None else interpreter
+    interp = common.triton_interpreter_enabled() if interpreter is None else interpreter
     out = dict(cfg, SWIZZLE=8, WARP_SPECIALIZE=False, HALVES=1, PIN=not interp)
     if sb_gran == 1 and not interp:
         # per-row B scales: a thread keeps one B scale per accumulator column; at 128 columns
         # ptxas spills on sm_100a (170 LDL/STL measured with primerl.kernels.aot)
-        out["BN"] = min(out["BN"], _base.BN_PER_ROW_B)
+        out["BN"] = min(out["BN"], common.BN_PER_ROW_B)
     wide = sb_gran == BLOCK and not has_c and out["BN"] == BLOCK and n % (2 * BLOCK) == 0
     if wide and interp:
         out["HALVES"] = 2
-    elif wide and out["BM"] == BLOCK and _base._arch_major() == 9:
-        sms = _base._num_sms()
-        waves = _base._cdiv(num_m_tiles * (n // BLOCK), sms)  # in units of a 128 x 128 tile's time
-        if 2 * _base._cdiv(num_m_tiles * (n // (2 * BLOCK)), sms) <= 1.15 * waves:
+    elif wide and out["BM"] == BLOCK and common.arch_major() == 9:
+        sms = common.num_sms()
+        waves = common.cdiv(num_m_tiles * (n // BLOCK), sms)  # in units of a 128 x 128 tile's time
+        if 2 * common.cdiv(num_m_tiles * (n // (2 * BLOCK)), sms) <= 1.15 * waves:
             out["HALVES"] = 2
     return out
 
@@ -338,19 +339,20 @@ def launch_m_grouped(a, sa, b, sb, out, mode, group, row_start, row_count, b_ind
     m, k = a.shape
     groups, n = b.shape[:2]
     bm = cfg["BM"]
-    if mode == _base.MODE_MASKED:
-        num_m_tiles = groups * _base._cdiv(max_m, bm)
-    elif mode != _base.MODE_TABLE:
-        num_m_tiles = _base._cdiv(m, bm)
+    if mode == common.MODE_MASKED:
+        num_m_tiles = groups * common.cdiv(max_m, bm)
+    elif mode != common.MODE_TABLE:
+        num_m_tiles = common.cdiv(m, bm)
     elif num_m_tiles == 0:
-        num_m_tiles = _base._cdiv(m, bm) + num_entries
+        num_m_tiles = common.cdiv(m, bm) + num_entries
     cfg = fp8_structure(cfg, sb_gran, mode, c is not None, n, num_m_tiles)
     del cfg["BM"]
-    total = num_m_tiles * _base._cdiv(n, cfg["BN"] * cfg["HALVES"])
+    total = num_m_tiles * common.cdiv(n, cfg["BN"] * cfg["HALVES"])
     if total == 0 or n == 0 or m == 0:
         return out
     if a.stride(1) != 1 or b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
-        raise ValueError(f"fp8 gemm (triton): operands must be K-major (a strides {a.stride()}, b strides {b.stride()})")
+        raise ValueError(f"fp8 gemm (triton): operands must be K-major (a strides {a.stride()}, "
+                         f"b strides {b.stride()})")
     b2 = b.view(groups * n, k)
     # TMA needs 16-byte aligned bases (a view can start anywhere): copy such an operand
     a, b2 = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, b2))
@@ -359,7 +361,7 @@ def launch_m_grouped(a, sa, b, sb, out, mode, group, row_start, row_count, b_ind
     # 64-row tiles (4 warps, 96 KB of stages, < 180 registers): two programs fit an SM, and the
     # second overlaps its loads and scale FMAs with the first's wgmma
     per_sm = 2 if bm == 64 else 1
-    num_progs = min(total, per_sm * _base._num_sms()) if _base._num_sms() > 1 else total
+    num_progs = min(total, per_sm * common.num_sms()) if common.num_sms() > 1 else total
     dummy = group if group is not None else out
     _m_grouped_fp8_kernel[(num_progs,)](
         a_desc, b_desc, sa, sb, out, c if c is not None else out,
@@ -367,7 +369,7 @@ def launch_m_grouped(a, sa, b, sb, out, mode, group, row_start, row_count, b_ind
         b_index if b_index is not None else dummy,
         m, n, k, num_entries, max_m, num_m_tiles, num_progs, out.stride(0), c.stride(0) if c is not None else 0,
         sa.stride(0), sb.stride(0), sb.stride(1),
-        MODE=mode, HAS_C=c is not None, SB_GRAN=sb_gran, ENTRIES_P2=_base._next_pow2(max(num_entries, 1)),
+        MODE=mode, HAS_C=c is not None, SB_GRAN=sb_gran, ENTRIES_P2=common.next_pow2(max(num_entries, 1)),
         BM=bm, **cfg,
     )
     return out
@@ -377,10 +379,10 @@ def k_grouped_tiles(interpreter: bool | None = None, arch_major: int | None = No
     """Tiles of the FP8 k-grouped kernel: 128 x 128 outputs (two consumer warpgroups of 64 rows),
     128-wide blocks of the reduction (one scale row each), 4 TMA stages of A+B (128 KB); scale
     prefetch on Hopper (see _k_grouped_fp8_kernel)."""
-    if _base.triton_interpreter_enabled() if interpreter is None else interpreter:
+    if common.triton_interpreter_enabled() if interpreter is None else interpreter:
         return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=True, HALVES=1, PIN=False, num_warps=4,
                     num_stages=1)
-    major = _base._arch_major() if arch_major is None else arch_major
+    major = common.arch_major() if arch_major is None else arch_major
     return dict(BN=128, BK=128, BT=BLOCK, SWIZZLE=8, PREFETCH_SCALES=major == 9, HALVES=1, PIN=True, num_warps=8,
                 num_stages=4)
 
@@ -391,13 +393,13 @@ def k_grouped_halves(cfg: dict, n: int, k: int, groups: int, has_c: bool = False
     2*BN and the wider tiles cost at most ~15% in wave quantization; scale prefetch off there
     (registers). Not on Blackwell, nor with C added in the epilogue: those spill (sm_100a 96, + C on
     sm_90a 4 LDL/STL, primerl.kernels.aot)."""
-    interp = _base.triton_interpreter_enabled() if interpreter is None else interpreter
-    major = _base._arch_major() if arch_major is None else arch_major
+    interp = common.triton_interpreter_enabled() if interpreter is None else interpreter
+    major = common.arch_major() if arch_major is None else arch_major
     if n % (2 * cfg["BN"]) != 0 or (not interp and (major != 9 or has_c)):
         return cfg
-    narrow = groups * (n // cfg["BN"]) * _base._cdiv(k, cfg["BK"])
-    sms = _base._num_sms()
-    if interp or 2 * _base._cdiv(narrow // 2, sms) <= 1.15 * _base._cdiv(narrow, sms):
+    narrow = groups * (n // cfg["BN"]) * common.cdiv(k, cfg["BK"])
+    sms = common.num_sms()
+    if interp or 2 * common.cdiv(narrow // 2, sms) <= 1.15 * common.cdiv(narrow, sms):
         return dict(cfg, HALVES=2, PREFETCH_SCALES=False)
     return cfg
 
@@ -407,10 +409,10 @@ def _group_blocks(q: torch.Tensor, offsets: torch.Tensor, block_start: torch.Ten
     """fp8 q [T, C] -> [num_blocks, C, 128] K-major group blocks (see _group_blocks_kernel)."""
     t, c = q.shape
     out = torch.empty(num_blocks, c, BLOCK, dtype=q.dtype, device=q.device)
-    bc = 128 if _base.triton_interpreter_enabled() else 64
-    _group_blocks_kernel[(num_blocks, _base._cdiv(c, bc))](
+    bc = 128 if common.triton_interpreter_enabled() else 64
+    _group_blocks_kernel[(num_blocks, common.cdiv(c, bc))](
         q, out, offsets, block_start, c, offsets.numel(), used, q.stride(0), q.stride(1),
-        BT=BLOCK, BC=bc, G_P2=_base._next_pow2(offsets.numel()), num_warps=4,
+        BT=BLOCK, BC=bc, G_P2=common.next_pow2(offsets.numel()), num_warps=4,
     )
     return out
 
@@ -435,8 +437,8 @@ def k_grouped(a, sa, b, sb, offsets, out_dtype, out=None, c=None):
     ab, bb = (t.reshape(-1, BLOCK) if t.data_ptr() % 16 == 0 else t.reshape(-1, BLOCK).clone() for t in (ab, bb))
     a_desc = TensorDescriptor(ab, list(ab.shape), [BLOCK, 1], [cfg["BN"], cfg["BT"]])
     b_desc = TensorDescriptor(bb, list(bb.shape), [BLOCK, 1], [cfg["BK"], cfg["BT"]])
-    total = groups * _base._cdiv(n, cfg["BN"] * cfg["HALVES"]) * _base._cdiv(k, cfg["BK"])
-    num_progs = min(total, _base._num_sms()) if _base._num_sms() > 1 else total
+    total = groups * common.cdiv(n, cfg["BN"] * cfg["HALVES"]) * common.cdiv(k, cfg["BK"])
+    num_progs = min(total, common.num_sms()) if common.num_sms() > 1 else total
     _k_grouped_fp8_kernel[(num_progs,)](
         a_desc, b_desc, sa, sb, out, c if c is not None else out, offsets, block_start,
         n, k, groups, num_progs, sa.stride(0), sb.stride(0), HAS_C=c is not None, **cfg,

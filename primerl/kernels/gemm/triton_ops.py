@@ -1,7 +1,7 @@
 """The GEMM Triton launchers (:mod:`.triton`, :mod:`.triton_fp8`) as ``torch.library`` custom ops,
 so torch.compile and FakeTensorMode see each as one node with a fake kernel (the output shapes of
 :mod:`.reference`) instead of tracing into a Triton launch. ``backend="triton"`` runs through this
-module (see ``_checks._impl``); it has the interface of the launchers in :mod:`.triton`.
+module (see :func:`.dispatch.backend_module`); it has the interface of the launchers in :mod:`.triton`.
 
 The 16/32-bit GEMMs are differentiated by the autograd Functions of :mod:`._triton_autograd`, whose
 backwards call these ops too; the FP8 ops and the quantizer are not differentiable.
@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from . import triton as T
-from ._checks import BLOCK
+from .layout import BLOCK
 from .offsets import max_group_blocks
 
 Tensor = torch.Tensor

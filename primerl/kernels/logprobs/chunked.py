@@ -183,12 +183,6 @@ def _gemm(out, a, b, accumulate=False):
     return out.copy_(torch.mm(a, b))
 
 
-def _workspace(n: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    # Two flat buffers reused by every chunk: on CPU a fresh large allocation per chunk costs page
-    # faults comparable to the chunk's arithmetic.
-    return (torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=dtype, device=device))
-
-
 def _block(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buf[: rows * cols].view(rows, cols)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..aot import Case
+from ..aot_case import Case
 
 BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 T_SPARSE, K_SELECT = 4096, 2048
@@ -85,7 +85,8 @@ GLM5 = f"T={T_SPARSE} K={K_SELECT} Hq=64 Hkv=1 Dqk=576 Dv=512"
 CASES = [
     Case("dsa indexer scores T=2x4096 Hi=32 Di=128", _indexer, "bf16", ci=True),
     Case(f"sparse attention fwd (absorbed MLA) {GLM5}", _sparse(64, 1, 576, 512, False), "bf16", ci=True),
-    Case(f"sparse attention bwd (absorbed MLA, fused dKV) {GLM5}", _sparse(64, 1, 576, 512, True, True), "bf16", ci=True),
+    Case(f"sparse attention bwd (absorbed MLA, fused dKV) {GLM5}", _sparse(64, 1, 576, 512, True, True), "bf16",
+         ci=True),
     Case(f"sparse attention bwd (separate K, V) {GLM5}", _sparse(64, 1, 576, 512, True), "bf16"),
     Case("mla attention fwd (native) T=2x4096 H=16 Dqk=192 Dv=128", _native_mla(192, 128, False), "bf16", ci=True),
     Case("mla attention bwd (native) T=2x4096 H=16 Dqk=192 Dv=128", _native_mla(192, 128, True), "bf16", ci=True),

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..attention.mla_triton import _p2, dot_rows, split_width
-from ..attention.triton import LOG2E, _dot_precision, _last_dim_contiguous, backward_inputs
+from ..attention.triton_common import LOG2E, _dot_precision, _last_dim_contiguous, backward_inputs
 
 
 # ----------------------------------------------------------------------------------------- indexer

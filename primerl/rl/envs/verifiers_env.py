@@ -36,7 +36,6 @@ import hashlib
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -268,10 +267,6 @@ def trace_reward(trace) -> float:
     if missing:
         raise BranchError(f"reward(s) {missing} did not run")
     return float(trace.reward)
-
-
-def verifiers_environment(env: dict, **kw: Any) -> VerifiersEnv:
-    return VerifiersEnv(env, **kw)
 
 
 __all__ = ["VerifiersEnv", "BranchError", "branch_sample", "check_branch_against_requests", "sampled_spans",

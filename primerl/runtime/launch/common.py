@@ -7,17 +7,10 @@ import shutil
 from pathlib import Path
 
 from ..config import RLConfig, to_toml
-from ..trainer.checkpoint import latest_checkpoint, remove_stale_tmp_dirs
+from ..trainer.checkpoint import remove_stale_tmp_dirs, start_step
 from ..transport import FileTransport
 
 __all__ = ["JobFailed", "prepare_output", "start_step"]
-
-
-def start_step(cfg: RLConfig) -> int:
-    if not cfg.checkpoint.resume:
-        return 0
-    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
-    return found[0] if found else 0
 
 
 class JobFailed(RuntimeError):

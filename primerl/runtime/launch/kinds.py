@@ -120,7 +120,7 @@ def check_spans_nodes(cfg: RLConfig) -> None:
     trainer ranks per node, the nodes' GPUs and what the inference backend can do across nodes."""
     d = cfg.deployment
     if d.trainer_nodes < 1 or d.ranks_per_node < 0:
-        return  # the field checks (validate_deployment) name these keys
+        return  # the field checks (config.deployment.check_deployment) name these keys
     ranks = cfg.num_trainer_ranks
     if d.ranks_per_node:
         _need(d.ranks_per_node * d.trainer_nodes == ranks, "deployment.ranks_per_node",

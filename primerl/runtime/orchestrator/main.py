@@ -12,7 +12,7 @@ import torch
 
 from ..config import RLConfig
 from ..inference.backend import get_backend
-from ..launch.common import start_step
+from ..trainer.checkpoint import start_step
 from ..lifetime import peer_alive, setup_logging, watch_launcher
 from ..zmq_transport import make_transport
 

@@ -11,11 +11,14 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..transport import TMP_PREFIX, atomic_torch_save, atomic_write_bytes, remove_stale_tmp_dirs  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from ..config import RLConfig
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -32,6 +35,15 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
     dirs = _step_dirs(Path(root))
     return dirs[-1] if dirs else None
+
+
+def start_step(cfg: RLConfig) -> int:
+    """The step the job starts at: with ``checkpoint.resume``, that of the latest complete checkpoint
+    in ``<output_dir>/checkpoints`` (0 without one); else 0. The launcher and the orchestrator read it."""
+    if not cfg.checkpoint.resume:
+        return 0
+    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
+    return found[0] if found else 0
 
 
 def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Tensor], train_state: dict[str, Any],
@@ -70,4 +82,5 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dic
     if not meta_file.exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
     meta = json.loads(meta_file.read_text())
-    return int(meta["step"]), read_safetensors(path / "model.safetensors"), torch.load(path / "state.pt", weights_only=False)
+    train_state = torch.load(path / "state.pt", weights_only=False)
+    return int(meta["step"]), read_safetensors(path / "model.safetensors"), train_state

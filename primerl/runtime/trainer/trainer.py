@@ -470,11 +470,6 @@ def _dummy_like(mb):
                    is_padding=True, num_real_tokens=0)
 
 
-def _num_loss_seqs(mb) -> int:
-    cu, mask = mb.cu_seqlens.tolist(), mb.loss_mask
-    return sum(bool(mask[a:b].any()) for a, b in zip(cu[:-1], cu[1:]))
-
-
 def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[[], bool] | None = None,
                 on_step: Callable[[dict], None] | None = None) -> Trainer:
     """The trainer process's main loop (rank 0 publishes weights, writes metrics and checkpoints)."""

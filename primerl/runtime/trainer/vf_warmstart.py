@@ -69,6 +69,8 @@ def demonstration_tokens(renderer, tokenizer, task, tools) -> tuple[list[int], l
     ids: list[int] = []
     mask: list[bool] = []
     tail: list[dict] = []
+    prev_prompt: list[int] = []  # the previous assistant turn's prompt and completion (bridged from)
+    prev_completion: list[int] = []
     for msg in demo:
         if msg["role"] != "assistant":
             tail.append(msg)
@@ -83,7 +85,8 @@ def demonstration_tokens(renderer, tokenizer, task, tools) -> tuple[list[int], l
         text = msg.get("content") or ""
         for call in msg.get("tool_calls") or []:
             f = call["function"]
-            text += ("\n" if text else "") + f'<tool_call>\n{{"name": "{f["name"]}", "arguments": {f["arguments"]}}}\n</tool_call>'
+            call_json = f'{{"name": "{f["name"]}", "arguments": {f["arguments"]}}}'
+            text += ("\n" if text else "") + f"<tool_call>\n{call_json}\n</tool_call>"
         completion = tokenizer.encode(text, add_special_tokens=False) + [stop]
         parsed = renderer.parse_response(completion, prompt_ids=prompt, tools=tools)
         if msg.get("tool_calls") and len(parsed.tool_calls) != len(msg["tool_calls"]):
@@ -211,7 +214,9 @@ def _model_path(config: str, overrides: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..validate import load_config
+    # the config's own checks (fields, names, trainer layout), not the job's: the warm start runs here,
+    # on the CPU, with none of the job's processes, nodes or devices
+    from ..config import load_config
 
     p = argparse.ArgumentParser(prog="python -m primerl.runtime.trainer.vf_warmstart", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
