@@ -42,7 +42,8 @@ def test_integer_sizes_of_other_int_types_still_work():
 
 def test_fp8_linear_bias_of_the_wrong_shape():
     x, w = torch.randn(4, 128), torch.randn(256, 128)
-    with pytest.raises(ValueError, match=r"fp8_linear: bias must be a tensor of shape \[N\] = \(256,\) on cpu, got \(128,\)"):
+    with pytest.raises(ValueError,
+                       match=r"fp8_linear: bias must be a tensor of shape \[N\] = \(256,\) on cpu, got \(128,\)"):
         fp8_linear(x, w, torch.randn(128))
     with pytest.raises(ValueError, match=r"fp8_linear: bias .* got \(1, 256\)"):
         fp8_linear(x, w, torch.randn(1, 256))
@@ -58,7 +59,8 @@ def _loss_inputs(T=6):
 
 def test_policy_loss_rejects_a_fractional_mask_and_mixed_devices():
     lp, ilp, adv, mask = _loss_inputs()
-    with pytest.raises(ValueError, match=r"a float/int loss_mask must hold only 0 and 1 .*loss_weights=.*loss_mask.bool\(\)"):
+    with pytest.raises(ValueError,
+                       match=r"a float/int loss_mask must hold only 0 and 1 .*loss_weights=.*loss_mask.bool\(\)"):
         policy_loss(lp, ilp, adv, torch.full((6,), 0.5))
     with pytest.raises(ValueError, match="advantages is on meta but logprobs is on cpu"):
         policy_loss(lp, ilp, adv.to("meta"), mask)
@@ -74,7 +76,8 @@ def model():
 
 def test_token_ids_outside_the_vocabulary(model):
     pos, cu = torch.tensor([0, 1, 2]), torch.tensor([0, 3], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"input_ids must be in \[0, vocab_size\): vocab_size=64, got values in \[0, 64\]"):
+    with pytest.raises(ValueError,
+                       match=r"input_ids must be in \[0, vocab_size\): vocab_size=64, got values in \[0, 64\]"):
         model(torch.tensor([0, 5, 64]), pos, cu)
     with pytest.raises(ValueError, match=r"got values in \[-1, 5\]"):
         model(torch.tensor([-1, 5, 3]), pos, cu)
@@ -83,7 +86,8 @@ def test_token_ids_outside_the_vocabulary(model):
 def test_position_ids_that_contradict_cu_seqlens(model):
     ids, cu = torch.tensor([3, 4, 5, 6, 7, 8, 9]), torch.tensor([0, 3, 7], dtype=torch.int32)
     good = model(ids, torch.tensor([0, 1, 2, 0, 1, 2, 3]), cu, return_logits=True)
-    with pytest.raises(ValueError, match=r"position_ids contradict cu_seqlens: .*cu_seqlens \[0, 3, 7\]; index 3 has 3, expected 0"):
+    with pytest.raises(ValueError, match=r"position_ids contradict cu_seqlens: "
+                                         r".*cu_seqlens \[0, 3, 7\]; index 3 has 3, expected 0"):
         model(ids, torch.arange(7), cu)
     with pytest.raises(ValueError, match="index 1 has 2, expected 1"):
         model(ids, torch.tensor([0, 2, 3, 0, 1, 2, 3]), cu)

@@ -44,7 +44,8 @@ def _same(a: Row, b: Row) -> bool:
 def test_rows_round_trip_through_json(tmp_path):
     rows = [Row("fp8_gemm_nt", "4096x7168x16384", "fp8e4m3->bf16", "None", 1.25e-3, tflops=812.5, ratio=1.07,
                 baseline="bf16 mm", extra={"vs_blockwise": "0.93x"}, values={"peak_bytes": 123456789012}),
-            Row("moe_experts_fwd_bwd", "T=1", "bf16", "primerl_bf16", float("nan"), extra={"error": 'Bad "quote"\n2nd'}),
+            Row("moe_experts_fwd_bwd", "T=1", "bf16", "primerl_bf16", float("nan"),
+                extra={"error": 'Bad "quote"\n2nd'}),
             Row("x", "s", "d", "b", 2.0, gbps=float("inf"), values={"v": float("nan"), "nested": [1, 2.5]})]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(row_to_json(r, "gemm") + "\n" for r in rows))
@@ -166,7 +167,8 @@ def test_speedup_target_pass_miss_and_not_run():
     r = T.evaluate(SPEED, T.RunData(base + [_rec("gemm", "fast", "A", "triton", 2.5)]))
     assert r.status == T.MISS and "1 of 2 not run" in r.why
     # the baseline failing is NOT RUN too, named as the baseline
-    r = T.evaluate(SPEED, T.RunData([_rec("gemm", "slow", "A", "torch", float("nan"), extra={"skipped": "budget 70s spent"}),
+    r = T.evaluate(SPEED, T.RunData([_rec("gemm", "slow", "A", "torch", float("nan"),
+                                          extra={"skipped": "budget 70s spent"}),
                                      _rec("gemm", "fast", "A", "triton", 1.0)]))
     assert r.status == T.NOT_RUN and "baseline torch: skipped: budget 70s spent" in r.why
 
@@ -184,7 +186,8 @@ def test_not_run_says_why_the_module_gave_no_rows():
     r = T.evaluate(SPEED, T.RunData([_rec("gemm", "other", "A", "triton", 1.0)]))
     assert "no row 'fast'" in r.why
     # a whole section of a module that failed (attention's section error rows: shape "-")
-    r = T.evaluate(SPEED, T.RunData([_rec("gemm", "_cuda_square_rows", "-", "-", float("nan"), extra={"error": "OOM"})]))
+    r = T.evaluate(SPEED, T.RunData([_rec("gemm", "_cuda_square_rows", "-", "-", float("nan"),
+                                          extra={"error": "OOM"})]))
     assert "bench gemm _cuda_square_rows: error OOM" in r.why
     # the error row of this op comes first; another op's at the same shape and backend only without one
     other = _rec("gemm", "k_grouped", "A", "triton", float("nan"), extra={"error": "other op"})
@@ -196,7 +199,8 @@ def test_not_run_says_why_the_module_gave_no_rows():
 def test_fastest_alternative_counts_and_worst_must_pass():
     fastest = T.RowTarget("23", "fp8", "moe", T.Sel("moe", ("block", "row")), ("S",), T.speedup, ">=", 1.3,
                           base=T.Sel("moe", ("base",)))
-    rows = [_rec("moe", "moe", "S", "base", 2.0), _rec("moe", "moe", "S", "block", 1.8), _rec("moe", "moe", "S", "row", 1.5)]
+    rows = [_rec("moe", "moe", "S", "base", 2.0), _rec("moe", "moe", "S", "block", 1.8),
+            _rec("moe", "moe", "S", "row", 1.5)]
     assert T.evaluate(fastest, T.RunData(rows)).measured == "1.33x"
     # one alternative failing: the other still counts
     rows[2] = _rec("moe", "moe", "S", "row", float("nan"), extra={"error": "x"})
@@ -204,7 +208,8 @@ def test_fastest_alternative_counts_and_worst_must_pass():
     assert (r.status, r.why) == (T.MISS, "only block measured")
     mem = T.RowTarget("24", "mem", "lp", T.Sel("lp", ("a", "a+e")), ("S",), T.value_ratio("peak"), "<=", 1.25,
                       base=T.Sel("lp", ("liger",)), pick="worst")
-    data = [_rec("lp", "lp", "S", "liger", 1.0, values={"peak": 100}), _rec("lp", "lp", "S", "a", 1.0, values={"peak": 110}),
+    data = [_rec("lp", "lp", "S", "liger", 1.0, values={"peak": 100}),
+            _rec("lp", "lp", "S", "a", 1.0, values={"peak": 110}),
             _rec("lp", "lp", "S", "a+e", 2.0, values={"peak": 130})]
     r = T.evaluate(mem, T.RunData(data))
     assert (r.status, r.measured) == (T.MISS, "1.30x")  # the worst of 1.10 and 1.30
@@ -215,7 +220,8 @@ def test_fastest_alternative_counts_and_worst_must_pass():
 
 
 def test_time_ratio_own_ratio_tflops_and_reported_values():
-    lower = T.RowTarget("24", "t", "lp", T.Sel("lp", ("p",)), ("S",), T.time_ratio, "<=", 1.0, base=T.Sel("lp", ("liger",)))
+    lower = T.RowTarget("24", "t", "lp", T.Sel("lp", ("p",)), ("S",), T.time_ratio, "<=", 1.0,
+                        base=T.Sel("lp", ("liger",)))
     rows = [_rec("lp", "lp", "S", "liger", 2.0), _rec("lp", "lp", "S", "p", 1.9)]
     assert (T.evaluate(lower, T.RunData(rows)).status, T.evaluate(lower, T.RunData(rows)).measured) == (T.PASS, "0.95x")
     ring = T.RowTarget("24", "r", "att", T.Sel("ring", ("None",)), ("S",), T.own_ratio, ">=", 1 / 1.2)
@@ -346,8 +352,10 @@ def _cuda_rows_of(module_name: str) -> list[Row]:
     m = __import__(f"bench.{module_name}", fromlist=["run"])
     patches = [mock.patch.object(torch.cuda, n, lambda *a, **k: None)
                for n in ("synchronize", "empty_cache", "reset_peak_memory_stats")]
-    patches += [mock.patch.object(torch.cuda, n, lambda *a, **k: 0) for n in ("memory_allocated", "max_memory_allocated")]
-    patches += [mock.patch.object(torch, "Generator", _CpuGenerator), mock.patch.object(H, "peak_memory", lambda *a, **k: 1)]
+    patches += [mock.patch.object(torch.cuda, n, lambda *a, **k: 0)
+                for n in ("memory_allocated", "max_memory_allocated")]
+    patches += [mock.patch.object(torch, "Generator", _CpuGenerator),
+                mock.patch.object(H, "peak_memory", lambda *a, **k: 1)]
     # the setup steps whose kernels cannot run on fake tensors (their results only feed timed lambdas):
     # Triton launches (the interpreter, as TRITON_INTERPRET=1 here) do nothing, a few helpers are inert
     import triton.runtime.interpreter as interpreter

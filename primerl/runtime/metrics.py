@@ -61,7 +61,8 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
-                raise RuntimeError("log.tensorboard = true needs the tensorboard package (pip install tensorboard)") from e
+                raise RuntimeError("log.tensorboard = true needs the tensorboard package "
+                                   "(pip install tensorboard)") from e
             self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
         if wandb:
             try:
@@ -104,7 +105,8 @@ def progress_line(m: dict, max_steps: int | None = None) -> str:
             f"| loss {_fmt(m.get('loss'), '+.4f')}")
 
 
-def save_plot(metrics: Iterable[dict], path: str | Path, keys: tuple[str, ...] = ("reward/mean", "mismatch_kl/mean", "tokens_per_s")) -> Path | None:
+def save_plot(metrics: Iterable[dict], path: str | Path,
+              keys: tuple[str, ...] = ("reward/mean", "mismatch_kl/mean", "tokens_per_s")) -> Path | None:
     """A figure with one panel per key against the step; None if matplotlib is missing."""
     try:
         import matplotlib

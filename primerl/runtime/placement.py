@@ -113,14 +113,15 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
         if embedded and n == 1:  # one GPU: shared
             trainer_gpus, engine_gpu = (0,), 0
             if node_ranks > 1:
-                raise ConfigError(f"num_trainer_ranks: {node_ranks} trainer ranks need {node_ranks} GPUs; this machine has 1, "
-                                  "which the trainer shares with the engine")
+                raise ConfigError(f"num_trainer_ranks: {node_ranks} trainer ranks need {node_ranks} GPUs; "
+                                  "this machine has 1, which the trainer shares with the engine")
         else:
             engine_ids = list(i.gpu_ids) or ([0] if embedded else [])
             rest = [g for g in range(n) if g not in engine_ids]
             if node_ranks > len(rest):
-                raise ConfigError(f"num_trainer_ranks: {node_ranks} trainer ranks need {node_ranks} GPUs but {len(rest)} of the "
-                                  f"{n} visible are left after the engine's (inference.gpu_ids = {engine_ids})")
+                raise ConfigError(f"num_trainer_ranks: {node_ranks} trainer ranks need {node_ranks} GPUs "
+                                  f"but {len(rest)} of the {n} visible are left after the engine's "
+                                  f"(inference.gpu_ids = {engine_ids})")
             trainer_gpus, engine_gpu = tuple(rest[:node_ranks]), (engine_ids[0] if embedded else None)
     mp = cfg.trainer.mixed_precision
     fsdp_ok = ranks == 1 or cfg.trainer.fsdp  # the policy is FSDP2's: replicated ranks have none

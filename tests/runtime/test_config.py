@@ -15,15 +15,17 @@ EXAMPLE = ROOT / "examples" / "reverse_text.toml"
 
 
 def test_example_loads_and_overrides_apply():
-    cfg = load_config(EXAMPLE, ["--trainer.lr", "1e-2", "--orchestrator.max_async_level=0", "--inference.kv_cache", "false",
-                                "--env.args.num_symbols", "5", "--trainer.loss.hparams", '{"delta_low": 0.1}', "--log.plot"])
+    cfg = load_config(EXAMPLE, ["--trainer.lr", "1e-2", "--orchestrator.max_async_level=0",
+                                "--inference.kv_cache", "false", "--env.args.num_symbols", "5",
+                                "--trainer.loss.hparams", '{"delta_low": 0.1}', "--log.plot"])
     assert cfg.trainer.lr == 1e-2 and cfg.orchestrator.max_async_level == 0
     assert cfg.inference.kv_cache is False and cfg.log.plot is True
     assert cfg.env.args["num_symbols"] == 5 and cfg.trainer.loss.hparams == {"delta_low": 0.1}
 
 
 def test_toml_round_trip(tmp_path):
-    cfg = load_config(EXAMPLE, ["--trainer.loss.corrections", '["icepop"]', "--inference.vllm.extra_args", '["--x", "1"]'])
+    cfg = load_config(EXAMPLE, ["--trainer.loss.corrections", '["icepop"]',
+                                "--inference.vllm.extra_args", '["--x", "1"]'])
     p = tmp_path / "c.toml"
     p.write_text(to_toml(cfg))
     assert load_config(p) == cfg
@@ -53,7 +55,8 @@ def test_unknown_keys_in_file_are_named(data, key):
     (["--log.plot", "maybe"], "log.plot: expected a bool"),
     (["--warm_start.steps", "-1"], "warm_start.steps: must be >= 0"),
     (["--warm_start.lr", "0"], "warm_start.lr: must be > 0"),
-    (["--warm_start.steps", "5", "--model.path", "some/model"], "warm_start.steps: the warm start trains the random init"),
+    (["--warm_start.steps", "5", "--model.path", "some/model"],
+     "warm_start.steps: the warm start trains the random init"),
     (["oops"], "expected --key.sub value"),
 ])
 def test_bad_overrides_are_specific(override, match):
@@ -87,7 +90,8 @@ def test_cli_config_error_exit_code(capsys):
 
 
 def test_console_entry_point_runs_as_module():
-    r = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "orchestrator", "--config", str(EXAMPLE), "--dry-run"],
+    r = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "orchestrator", "--config", str(EXAMPLE),
+                        "--dry-run"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0 and 'id = "reverse-text"' in r.stdout
 

@@ -44,13 +44,14 @@ def test_good_splits_resolve(over, degrees):
      "trainer.parallel.cp_ulysses", "must divide"),
     (["--trainer.parallel.cp_kind", "ulysses_ring", "--trainer.parallel.cp", "4"], "trainer.parallel.cp_ulysses",
      "must be set"),
-    (["--trainer.parallel.cp_kind", "ulysses_ring", "--trainer.parallel.cp_ulysses", "2"], "trainer.parallel.cp_ulysses",
-     "ring degree"),
+    (["--trainer.parallel.cp_kind", "ulysses_ring", "--trainer.parallel.cp_ulysses", "2"],
+     "trainer.parallel.cp_ulysses", "ring degree"),
     (["--trainer.parallel.cp_kind", "ulysses", "--trainer.parallel.cp", "4", "--trainer.parallel.cp_ulysses", "2"],
      "trainer.parallel.cp_ulysses", "ulysses_ring"),
     (["--trainer.parallel.cp_ulysses", "2"], "trainer.parallel.cp_ulysses", "cp_kind = 'ring'"),
     (["--trainer.parallel.cp_kind", "tree"], "trainer.parallel.cp_kind", "'tree'"),
-    (["--trainer.parallel.activation_offload", "true"], "trainer.parallel.activation_offload", "activation_checkpointing"),
+    (["--trainer.parallel.activation_offload", "true"], "trainer.parallel.activation_offload",
+     "activation_checkpointing"),
 ])
 def test_bad_splits_fail_naming_the_key(over, key, words):
     with pytest.raises(ConfigError) as e:

@@ -86,8 +86,9 @@ def test_rewards_are_floats_and_huge_ones_are_clipped():
 
 
 def _cfg(tmp_path, *over):
-    return load_config(None, ["--output_dir", str(tmp_path), "--orchestrator.batch_size", "3", "--orchestrator.group_size",
-                              "4", "--orchestrator.seq_len", "64", "--max_steps", "2", *over])
+    return load_config(None, ["--output_dir", str(tmp_path), "--orchestrator.batch_size", "3",
+                              "--orchestrator.group_size", "4", "--orchestrator.seq_len", "64", "--max_steps", "2",
+                              *over])
 
 
 class OddRewards(ReverseText):

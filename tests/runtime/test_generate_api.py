@@ -55,7 +55,8 @@ def test_generate_matches_the_engine_token_for_token(server):
     prompt = [1, 5, 7, 9, 2]
     sp = {"temperature": 0.9, "max_tokens": 6, "stop_token_ids": [3], "logprobs": 1, "seed": 11,
           "skip_special_tokens": False, "top_k": -1, "min_tokens": 0, "repetition_penalty": 1.0}  # unknown keys ignored
-    code, out = _call(server.url, "/inference/v1/generate", {"model": "tiny", "token_ids": prompt, "sampling_params": sp},
+    code, out = _call(server.url, "/inference/v1/generate",
+                      {"model": "tiny", "token_ids": prompt, "sampling_params": sp},
                       {"X-Session-ID": "trace-1", "Authorization": "Bearer x"})
     assert code == 200, out
     ref = _engine().generate([Request(0, prompt, SamplingParams(max_new_tokens=6, temperature=0.9,
@@ -80,7 +81,8 @@ def test_stop_token_is_returned_and_routed_experts_start_is_honoured(server):
     base = {"temperature": 1.0, "max_tokens": 5, "seed": 3}
     _, first = _call(server.url, "/inference/v1/generate", {"token_ids": prompt, "sampling_params": base})
     stop = first["choices"][0]["token_ids"][1]
-    body = {"token_ids": prompt, "sampling_params": {**base, "stop_token_ids": [stop], "routed_experts_prompt_start": 3}}
+    body = {"token_ids": prompt,
+            "sampling_params": {**base, "stop_token_ids": [stop], "routed_experts_prompt_start": 3}}
     _, out = _call(server.url, "/inference/v1/generate", body)
     ch = out["choices"][0]
     assert ch["finish_reason"] == "stop" and ch["token_ids"][-1] == stop and stop not in ch["token_ids"][:-1]

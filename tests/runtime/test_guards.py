@@ -31,7 +31,8 @@ def test_an_update_that_makes_the_weights_non_finite_stops_the_step():
             t.model.norm.weight[0] = float("inf")
 
     t.optimizer.step = overflowing_step
-    with pytest.raises(NonFiniteParametersError, match="step 0: .*first: norm.weight.*neither published nor checkpointed"):
+    with pytest.raises(NonFiniteParametersError,
+                       match="step 0: .*first: norm.weight.*neither published nor checkpointed"):
         t.train_step(_payload(_samples(), seq_len=64))
     ok = Trainer(_cfg(), V)
     ok.train_step(_payload(_samples(), seq_len=64))  # the real update of the same batch passes the check

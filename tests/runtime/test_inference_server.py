@@ -99,9 +99,9 @@ BAD = [
     ("/inference/v1/generate", b'{"token_ids": [1], "sampling_params": []}'),
     ("/collective_rpc", b'{"method": "rm_rf"}'),
 ]
-NEEDLES = ["Expecting", "JSON object", "non-empty", "outside the vocabulary", ">= 0", "list of token ids", ">= 1", ">= 1",
-           "max_model_len", "integer", "integer", "finite number", "Expecting", "non-empty", "outside the vocabulary",
-           ">= 1", "max_model_len", "must be an object", "unknown method"]
+NEEDLES = ["Expecting", "JSON object", "non-empty", "outside the vocabulary", ">= 0", "list of token ids", ">= 1",
+           ">= 1", "max_model_len", "integer", "integer", "finite number", "Expecting", "non-empty",
+           "outside the vocabulary", ">= 1", "max_model_len", "must be an object", "unknown method"]
 
 
 def test_bad_input_is_400_naming_the_problem_and_the_server_keeps_serving(servers):
@@ -141,8 +141,10 @@ def test_health_and_prometheus_metrics(servers):
 @pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed (requirements-ci.txt)")
 def test_bad_input_through_vllm_router(servers):
     port = free_port()
-    router = subprocess.Popen([str(ROUTER), "--worker-urls", *servers, "--port", str(port), "--prometheus-port", str(free_port()), "--policy", "round_robin",
-                               "--health-check-interval-secs", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    router = subprocess.Popen([str(ROUTER), "--worker-urls", *servers, "--port", str(port),
+                               "--prometheus-port", str(free_port()), "--policy", "round_robin",
+                               "--health-check-interval-secs", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_up(url, router, "vllm-router", timeout=60)
@@ -173,14 +175,17 @@ def test_a_client_leaving_the_router_aborts_the_request_on_the_server(servers):
     import http.client
 
     port = free_port()
-    router = subprocess.Popen([str(ROUTER), "--worker-urls", servers[0], "--port", str(port), "--prometheus-port", str(free_port()), "--policy", "round_robin",
-                               "--health-check-interval-secs", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    router = subprocess.Popen([str(ROUTER), "--worker-urls", servers[0], "--port", str(port),
+                               "--prometheus-port", str(free_port()), "--policy", "round_robin",
+                               "--health-check-interval-secs", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     health = lambda: json.loads(_call(servers[0], "/health")[1])  # noqa: E731
     try:
         _wait_up(f"http://127.0.0.1:{port}", router, "vllm-router", timeout=60)
         before = health()
         for path, body in (("/v1/completions", {"prompt": [0, 3, 1], "max_tokens": 4000}),
-                           ("/inference/v1/generate", {"token_ids": [0, 3, 1], "sampling_params": {"max_tokens": 4000}})):
+                           ("/inference/v1/generate",
+                            {"token_ids": [0, 3, 1], "sampling_params": {"max_tokens": 4000}})):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
             conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
             deadline = time.monotonic() + 30

@@ -70,7 +70,8 @@ def test_impossible_plans_name_the_key(over, key):
 
 
 def test_more_trainer_ranks_than_gpus_names_the_key():
-    with pytest.raises(ConfigError, match=r"^deployment.ranks_per_node: 8 trainer ranks per node plus the engine need 9"):
+    with pytest.raises(ConfigError,
+                       match=r"^deployment.ranks_per_node: 8 trainer ranks per node plus the engine need 9"):
         load_config(None, ["--deployment.kind", "slurm", "--deployment.trainer_nodes", "2",
                            "--deployment.gpus_per_node", "8", "--num_trainer_ranks", "16", "--device", "cuda"])
     with pytest.raises(ConfigError, match=r"^deployment.kind: 'local' runs every process on this machine"):
@@ -175,7 +176,8 @@ def test_nodes_with_different_configs_are_refused_at_the_rendezvous():
     del master
     assert set(errors) == {(0, "trainer"), (0, "orchestrator"), (1, "trainer")}, errors
     assert f"node 1 trainer (127.0.0.2, config {config_hash(b)})" in errors[(1, "trainer")]
-    assert "started with different configs" in errors[(0, "trainer")] and "node 1 trainer (127.0.0.2" in errors[(0, "trainer")]
+    assert "started with different configs" in errors[(0, "trainer")]
+    assert "node 1 trainer (127.0.0.2" in errors[(0, "trainer")]
 
 
 def test_an_unreachable_rendezvous_fails_within_its_timeout_naming_the_address():
@@ -209,8 +211,9 @@ def test_the_sbatch_script_stops_every_step_when_one_fails(tmp_path):
                     "if [ \"$role $node\" = 'trainer 1' ]; then sleep 1; exit 3; fi\n"
                     "for i in $(seq 600); do sleep 0.1; done\n")
     fake.chmod(0o755)
-    cfg = load_config(None, ["--deployment.kind", "slurm", "--deployment.trainer_nodes", "2", "--num_trainer_ranks", "2",
-                             "--device", "cpu", "--deployment.grace_s", "20", "--output_dir", str(tmp_path / "out")])
+    cfg = load_config(None, ["--deployment.kind", "slurm", "--deployment.trainer_nodes", "2",
+                             "--num_trainer_ranks", "2", "--device", "cpu", "--deployment.grace_s", "20",
+                             "--output_dir", str(tmp_path / "out")])
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(cfg, "cfg.toml", python=str(fake)))
     env = dict(os.environ, PATH=f"{STANDINS}{os.pathsep}{os.environ['PATH']}", PRIMERL_TEST_NODELIST="h0,h1")
@@ -221,7 +224,8 @@ def test_the_sbatch_script_stops_every_step_when_one_fails(tmp_path):
     logs = tmp_path / "out" / "logs"
     slurm_out = next(logs.glob("slurm-*.out"))
     assert Path(f"{slurm_out}.rc").read_text().strip() == "3"
-    assert "primerl: node 1 (h1) trainer failed (exit 3); stopping the other steps (grace 20 s)" in slurm_out.read_text()
+    assert ("primerl: node 1 (h1) trainer failed (exit 3); stopping the other steps (grace 20 s)"
+            in slurm_out.read_text())
     assert (logs / "node1-trainer.log").read_text() == "started trainer 1 on h1\n"
     for name, host in (("node0-trainer", "h0"), ("node0-orchestrator", "h0")):
         role = name.split("-")[1]

@@ -79,7 +79,8 @@ def test_rooms_hold_their_processes():
     assert {"cli", "placement", "policy", "transport", "metrics", "output_dir", "lifetime", "validate"} <= top
     assert packages == ROOMS | {"config"}, "a new runtime package: a room for a process, or the config"
     assert top - {"__init__", "cli", "placement", "policy", "transport", "metrics", "output_dir", "validate",
-                  "lifetime", "_lazy", "memory_plan", "job_checks", "zmq_transport", "registry", "processes"} == set(), \
+                  "lifetime", "_lazy", "memory_plan", "job_checks", "zmq_transport", "registry",
+                  "processes"} == set(), \
         "a new top-level runtime module: give it a room"
     for room, members in {"trainer": {"main", "trainer", "_rl", "checkpoint", "dcp_checkpoint", "full_state",
                                       "publish", "guards", "padded_attention"},

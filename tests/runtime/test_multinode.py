@@ -193,8 +193,9 @@ def test_a_killed_trainer_node_stops_the_job_naming_it_and_resume_continues(tmp_
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(6))
     # and once more on one node (the local default), 2 more steps from the step-6 checkpoint
     one = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(cfg_path),
-                          "--checkpoint.resume", "true", "--deployment.kind", "local", "--deployment.trainer_nodes", "1",
-                          "--deployment.hosts", "[]", "--max_steps", "8"], cwd=tmp_path, env=_env(),
+                          "--checkpoint.resume", "true", "--deployment.kind", "local",
+                          "--deployment.trainer_nodes", "1", "--deployment.hosts", "[]", "--max_steps", "8"],
+                         cwd=tmp_path, env=_env(),
                          capture_output=True, text=True, timeout=400)
     assert one.returncode == 0, one.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(8))

@@ -87,7 +87,8 @@ def test_job_runs_through_pd_and_lists_processes(tmp_path):
     r = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(EXAMPLE), "--output_dir",
                         str(tmp_path / "run"), "--max_steps", "2", "--orchestrator.batch_size", "4",
                         "--orchestrator.group_size", "2", "--checkpoint.interval", "0",
-                        "--inference.pd.router_port", str(ports[0]), "--inference.pd.router_metrics_port", str(ports[1]),
+                        "--inference.pd.router_port", str(ports[0]),
+                        "--inference.pd.router_metrics_port", str(ports[1]),
                         "--inference.pd.base_port", str(base)],
                        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -98,4 +99,5 @@ def test_job_runs_through_pd_and_lists_processes(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len([m for m in rows if "reward/mean" in m]) >= 2
     for p in procs:  # all stopped with the job
-        assert not Path(f"/proc/{p['pid']}").exists() or "zombie" in Path(f"/proc/{p['pid']}/status").read_text().lower()
+        status = Path(f"/proc/{p['pid']}/status")
+        assert not Path(f"/proc/{p['pid']}").exists() or "zombie" in status.read_text().lower()

@@ -45,7 +45,8 @@ def test_placement_by_gpu_count(gpus, ranks, gpu_ids, expect):
 
 
 def test_vllm_backend_leaves_the_listed_gpus_to_the_server():
-    p = resolve_placement(_cfg("--inference.backend", "vllm", "--num_trainer_ranks", "2", "--inference.gpu_ids", "[0, 1]"), 4)
+    p = resolve_placement(_cfg("--inference.backend", "vllm", "--num_trainer_ranks", "2",
+                               "--inference.gpu_ids", "[0, 1]"), 4)
     assert (p.trainer_gpus, p.engine_gpu, p.weight_update) == ((2, 3), None, "vllm")
     p = resolve_placement(_cfg("--inference.backend", "vllm", "--num_trainer_ranks", "2"), 2)
     assert p.trainer_gpus == (0, 1)

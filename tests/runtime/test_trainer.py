@@ -10,14 +10,14 @@ from primerl.runtime.trainer import _rl
 from primerl.runtime.trainer.checkpoint import save_checkpoint
 from primerl.runtime.validate import load_config
 from primerl.runtime.trainer import NonFiniteLossError, Trainer, lr_lambda, shifted_logprobs
-from trainer_testing import assert_same_grads, grad_gap, record_grads
+from trainer_testing import assert_same_grads, record_grads
 
 V = 12
 
 
 def _cfg(*over):
-    return load_config(None, ["--model.n_layers", "1", "--model.dim", "32", "--model.moe_dim", "16", "--max_steps", "10",
-                              *over])
+    return load_config(None, ["--model.n_layers", "1", "--model.dim", "32", "--model.moe_dim", "16",
+                              "--max_steps", "10", *over])
 
 
 def _samples(n=6, seed=0, L=2):
@@ -85,10 +85,12 @@ def test_mini_batches_take_several_optimizer_steps():
 @pytest.mark.parametrize("schedule,expect", [
     ("constant", [0.5, 1.0, 1.0, 1.0]),
     ("linear", [0.5, 1.0, 0.875, 0.1 + 0.9 * (1 - 4 / 8)]),
-    ("cosine", [0.5, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 8)), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2))]),
+    ("cosine", [0.5, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 8)),
+                0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2))]),
 ])
 def test_lr_schedule(schedule, expect):
-    f = lr_lambda(_cfg("--trainer.lr_schedule", schedule, "--trainer.warmup_steps", "2", "--trainer.min_lr_ratio", "0.1"))
+    f = lr_lambda(_cfg("--trainer.lr_schedule", schedule, "--trainer.warmup_steps", "2",
+                       "--trainer.min_lr_ratio", "0.1"))
     got = [f(s) for s in (0, 1, 3, 6)]
     if schedule == "linear":
         expect = [0.5, 1.0, 0.1 + 0.9 * (1 - 1 / 8), 0.1 + 0.9 * (1 - 4 / 8)]
@@ -187,7 +189,8 @@ MLA = ["--model.family", "deepseek_v3", "--model.n_kv_heads", "4", "--model.extr
 def test_activation_checkpointing_gives_the_same_step_on_every_attention_path(path, mode):
     """The recompute in backward takes the forward's attention path (padded SDPA's hook included):
     a step under activation checkpointing has the gradients of the step without it."""
-    over = ["--model.n_layers", "2", "--trainer.router_replay", "false", "--trainer.attention", "kernel" if path == "kernel" else "padded",
+    over = ["--model.n_layers", "2", "--trainer.router_replay", "false",
+            "--trainer.attention", "kernel" if path == "kernel" else "padded",
             *(MLA if path.startswith("mla") else [])]
     plain = Trainer(_cfg(*over), V)
     ckpt = Trainer(_cfg(*over, "--trainer.parallel.activation_checkpointing", mode), V)

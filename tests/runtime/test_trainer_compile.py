@@ -26,8 +26,8 @@ pytestmark = pytest.mark.no_poison
 
 
 def _cfg(*over):
-    return load_config(None, ["--model.n_layers", "1", "--model.dim", "32", "--model.moe_dim", "16", "--max_steps", "10",
-                              *over])
+    return load_config(None, ["--model.n_layers", "1", "--model.dim", "32", "--model.moe_dim", "16",
+                              "--max_steps", "10", *over])
 
 
 def test_compile_key_is_off_by_default_and_validated():

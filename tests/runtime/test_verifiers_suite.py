@@ -23,8 +23,8 @@ def vf_python() -> str | None:
     if not Path(cand).exists():
         return None
     probe = ("import importlib.util as u, sys, verifiers; "
-             "sys.exit(0 if verifiers.__version__ == '0.4.0' and u.find_spec('verifiers.v1') and u.find_spec('renderers') "
-             "else 1)")
+             "sys.exit(0 if verifiers.__version__ == '0.4.0' and u.find_spec('verifiers.v1') "
+             "and u.find_spec('renderers') else 1)")
     ok = subprocess.run([cand, "-c", probe], capture_output=True, timeout=120).returncode == 0
     return cand if ok else None
 

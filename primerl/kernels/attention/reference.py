@@ -154,7 +154,8 @@ def attention_forward(
     compute_dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[T, Hq, D]`` (out_dtype, default q.dtype), lse ``[Hq, T]`` float32."""
+    """q ``[T, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> out ``[T, Hq, D]`` (out_dtype, default q.dtype),
+    lse ``[Hq, T]`` float32."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv

@@ -178,15 +178,16 @@ def forward(q, k, v, spec, out_dtype: torch.dtype):
         for r, lq in _row_blocks(lq0, lk, masked):  # a masked run is one sequence (n == 1)
             qs = qs0 + r
             bias, seen = masks(qs, ks, lq, lk, q.dtype) if masked else (None, None)
-            o, l = _kernel_forward(_heads_view(q, qs, n, lq), _heads_view(k, ks, n, lk), _heads_view(v, ks, n, lk),
-                                   spec.causal and not masked, bias, spec.softmax_scale)
+            o, lse_part = _kernel_forward(_heads_view(q, qs, n, lq), _heads_view(k, ks, n, lk),
+                                          _heads_view(v, ks, n, lk), spec.causal and not masked, bias,
+                                          spec.softmax_scale)
             o = o.transpose(1, 2).reshape(n * lq, Hq, D)  # a view: the kernels write [n, L, H, D] memory
-            l = l.transpose(0, 1).reshape(Hq, n * lq)
+            lse_part = lse_part.transpose(0, 1).reshape(Hq, n * lq)
             if seen is not None and not bool(seen.all()):  # rows that see no key: out 0, lse -inf
                 o = torch.where(seen[:, None, None], o, 0)
-                l = torch.where(seen[None, :], l, _NEG_INF)
+                lse_part = torch.where(seen[None, :], lse_part, _NEG_INF)
             outs.append((qs, o))
-            lses.append((qs, l))
+            lses.append((qs, lse_part))
     out = _assemble(outs, T, (Hq, D), out_dtype, q.device)
     lse = _assemble(lses, T, (Hq,), torch.float32, q.device, dim=1)
     return out, _fill_gaps_neg_inf(lse, lses, T)

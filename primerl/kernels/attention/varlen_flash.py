@@ -43,7 +43,8 @@ def _static_reason(device: torch.device, dtype: torch.dtype, head_dim: int, dlse
         return f"Flash Attention 2 takes bf16/fp16, got {dtype}"
     limit = MAX_HEAD_DIM - (_LSE_PAD if dlse else 0)
     if head_dim % 8 or head_dim > limit:
-        return f"head_dim must be a multiple of 8 up to {limit}{' (with a gradient through lse)' if dlse else ''}, got {head_dim}"
+        note = " (with a gradient through lse)" if dlse else ""
+        return f"head_dim must be a multiple of 8 up to {limit}{note}, got {head_dim}"
     return None
 
 
@@ -53,7 +54,8 @@ def unsupported_reason(q: torch.Tensor, spec, dlse: bool = False) -> str | None:
     if reason is not None:
         return reason
     if spec.q_positions is not None:
-        return "explicit q_positions/k_positions are not expressible (FA2's mask is the default bottom-right causal one)"
+        return ("explicit q_positions/k_positions are not expressible "
+                "(FA2's mask is the default bottom-right causal one)")
     return None
 
 

@@ -202,7 +202,8 @@ def unpad_from_contiguous(
     dest, _ = _dest_rows(offsets, num_rows, alignment)
     valid = dest >= 0
     out = y_padded.index_select(0, dest.clamp_min(0).long())
-    return torch.where(valid.view(-1, *([1] * (y_padded.dim() - 1))), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return torch.where(valid.view(-1, *([1] * (y_padded.dim() - 1))), out,
+                       torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def counts_to_psum(counts: torch.Tensor, alignment: int | None = None) -> torch.Tensor:
@@ -257,7 +258,8 @@ def from_masked(y_masked: torch.Tensor, offsets: torch.Tensor, num_rows: int) ->
     valid = (group >= 0) & (local < max_m)
     flat = y_masked.reshape(-1, *y_masked.shape[2:])
     out = flat.index_select(0, torch.where(valid, safe * max_m + local, 0).long())
-    return torch.where(valid.view(-1, *([1] * (flat.dim() - 1))), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return torch.where(valid.view(-1, *([1] * (flat.dim() - 1))), out,
+                       torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def group_block_starts(offsets: torch.Tensor, block: int = 128) -> torch.Tensor:

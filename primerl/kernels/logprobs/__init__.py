@@ -114,19 +114,24 @@ def fused_logprobs(
         raise ValueError(f"fused_logprobs: hidden must be a tensor [T, D] or [B, T, D], got "
                          f"{getattr(hidden, 'shape', type(hidden))}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"fused_logprobs: weight must be a 2-D tensor [V, D], got {getattr(weight, 'shape', type(weight))}")
+        raise ValueError("fused_logprobs: weight must be a 2-D tensor [V, D], got "
+                         f"{getattr(weight, 'shape', type(weight))}")
     lead, D = tuple(hidden.shape[:-1]), hidden.shape[-1]
     V = weight.shape[0]
     if weight.shape[1] != D:
-        raise ValueError(f"fused_logprobs: weight must be [V, {D}] to match hidden [..., {D}], got {tuple(weight.shape)}")
+        raise ValueError(f"fused_logprobs: weight must be [V, {D}] to match hidden [..., {D}], "
+                         f"got {tuple(weight.shape)}")
     if V == 0:
         raise ValueError("fused_logprobs: weight has an empty vocabulary (V = 0)")
     if hidden.dtype not in _FLOAT_DTYPES or weight.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"fused_logprobs: hidden/weight dtype must be one of {_FLOAT_DTYPES}, got {hidden.dtype}/{weight.dtype}")
+        raise ValueError(f"fused_logprobs: hidden/weight dtype must be one of {_FLOAT_DTYPES}, "
+                         f"got {hidden.dtype}/{weight.dtype}")
     if not isinstance(targets, torch.Tensor):
-        raise ValueError(f"fused_logprobs: targets must be an integer tensor of shape {lead}, got {type(targets).__name__}")
+        raise ValueError(f"fused_logprobs: targets must be an integer tensor of shape {lead}, "
+                         f"got {type(targets).__name__}")
     if hidden.device != weight.device or targets.device != hidden.device:
-        raise ValueError(f"fused_logprobs: tensors on different devices: {hidden.device}, {weight.device}, {targets.device}")
+        raise ValueError(f"fused_logprobs: tensors on different devices: {hidden.device}, {weight.device}, "
+                         f"{targets.device}")
     if tuple(targets.shape) != lead or targets.dtype.is_floating_point or targets.dtype.is_complex \
             or targets.dtype == torch.bool:
         raise ValueError(f"fused_logprobs: targets must be an integer tensor of shape {lead} (hidden's leading dims), "

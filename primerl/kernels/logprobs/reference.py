@@ -25,7 +25,8 @@ def logprobs_reference(
     return_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [T, D], weight [V, D], targets [T] int, temperature scalar or [T] ->
-    (logprobs [T] float32 (float64 for float64 inputs), entropy [T] or None); differentiable w.r.t. hidden and weight."""
+    (logprobs [T] float32 (float64 for float64 inputs), entropy [T] or None);
+    differentiable w.r.t. hidden and weight."""
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
     logits = hidden.to(dtype) @ weight.to(dtype).t()
     if isinstance(temperature, torch.Tensor) and temperature.dim() == 1:

@@ -43,7 +43,8 @@ def _check_float(op, name, t, ndim):
 
 def _check_cu(op, cu, total, device):
     """Shape, dtype and device in Python; the values on the device (no host read outside debug mode)."""
-    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
+    if (not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2
+            or cu.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"{op}: cu_seqlens must be an int32 tensor [B+1] with B >= 1, got "
                          f"{getattr(cu, 'dtype', type(cu))} {tuple(getattr(cu, 'shape', ()))}")
     if cu.device != device:
@@ -110,7 +111,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, cu_
             raise ValueError(f"{op}: the non-square form needs cu_seqlens_k, q_positions and k_positions together")
         cu_k = _check_cu(op, cu_seqlens_k, Tk, q.device)
         if cu_k.numel() != cu.numel():
-            raise ValueError(f"{op}: cu_seqlens ({cu.numel() - 1} sequences) and cu_seqlens_k ({cu_k.numel() - 1}) differ")
+            raise ValueError(f"{op}: cu_seqlens ({cu.numel() - 1} sequences) and "
+                             f"cu_seqlens_k ({cu_k.numel() - 1}) differ")
         for name, pos, n in (("q_positions", q_positions, T), ("k_positions", k_positions, Tk)):
             if not isinstance(pos, torch.Tensor) or pos.shape != (n,) or pos.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"{op}: {name} must be an int32 tensor [{n}], got {getattr(pos, 'dtype', type(pos))} "
@@ -169,11 +171,13 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     T, Hq, D = q.shape
     Tk, Hkv, Dk = k.shape
     if v.shape[:2] != (Tk, Hkv) or Dk != D:
-        raise ValueError(f"{op}: k must be [Tk, Hkv, Dqk={D}] and v [Tk, Hkv, Dv]; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"{op}: k must be [Tk, Hkv, Dqk={D}] and v [Tk, Hkv, Dv]; "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     if indices.dim() != 2 or indices.shape[0] != T or indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: indices must be an int32 tensor [T={T}, K], got {indices.dtype} {tuple(indices.shape)}")
+        raise ValueError(f"{op}: indices must be an int32 tensor [T={T}, K], "
+                         f"got {indices.dtype} {tuple(indices.shape)}")
     if indices.numel():
         check_values(((indices >= -1) & (indices < Tk)).all(), f"{op}: indices must be in [-1, Tk)",
                      lambda: f"Tk={Tk}, got [{int(indices.min())}, {int(indices.max())}]")

@@ -198,7 +198,8 @@ class InferenceEngine:
         """Copy new policy weights in (in-flight requests continue with them, keeping their cache)."""
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
         if missing or unexpected:
-            raise EngineError(f"weight update does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise EngineError(f"weight update does not match the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
         if self.fp8_experts:
             self._quantize_experts()
         self.policy_version = int(version)
@@ -230,7 +231,8 @@ class InferenceEngine:
         if p.max_new_tokens < 1:
             raise ValueError(f"request {req.request_id}: max_new_tokens must be >= 1, got {p.max_new_tokens}")
         if p.temperature <= 0 or not 0 < p.top_p <= 1:
-            raise ValueError(f"request {req.request_id}: need temperature > 0 and top_p in (0, 1], got {p.temperature}, {p.top_p}")
+            raise ValueError(f"request {req.request_id}: need temperature > 0 and top_p in (0, 1], "
+                             f"got {p.temperature}, {p.top_p}")
         bad = [t for t in req.prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"request {req.request_id}: prompt token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
@@ -258,7 +260,8 @@ class InferenceEngine:
         for name, t, want in (("k", pf.k, want_k), ("v", pf.v, want_v)):
             if tuple(t.shape) != want or t.dtype != dtype:
                 raise ValueError(f"request {request_id}: handed-over KV cache {name} has shape {tuple(t.shape)} "
-                                 f"{t.dtype}, this model needs {want} {dtype} (layers, prompt positions, heads, head dim)")
+                                 f"{t.dtype}, this model needs {want} {dtype} "
+                                 "(layers, prompt positions, heads, head dim)")
         if not 0 <= pf.first_token < self.cfg.vocab_size:
             raise ValueError(f"request {request_id}: handed-over first token {pf.first_token} outside "
                              f"[0, {self.cfg.vocab_size})")
@@ -299,7 +302,8 @@ class InferenceEngine:
             for c in self.step():
                 done[c.request_id] = c
             if deadline is not None and time.monotonic() > deadline:
-                raise EngineTimeout(f"generation of {len(want - set(done))} request(s) did not finish within {timeout} s")
+                raise EngineTimeout(f"generation of {len(want - set(done))} request(s) "
+                                    f"did not finish within {timeout} s")
         return [done[r.request_id] for r in requests]
 
     # ---------------------------------------------------------------- one engine step
@@ -429,7 +433,8 @@ class InferenceEngine:
         nbytes = (1 if mla else 2) * n_layers * math.prod(shape) * ref.element_size()
         if self.kv_cache_gb and nbytes > self.kv_cache_gb * 2**30:
             raise EngineError(f"the KV cache for {self.max_batch_size} slots x {need} positions needs "
-                              f"{nbytes / 2**30:.3f} GB (capacity {cap}), over inference.kv_cache_gb = {self.kv_cache_gb:g}; "
+                              f"{nbytes / 2**30:.3f} GB (capacity {cap}), "
+                              f"over inference.kv_cache_gb = {self.kv_cache_gb:g}; "
                               "raise it, or lower inference.max_batch_size or the generation length")
         k = torch.zeros((n_layers, *shape), dtype=ref.dtype, device=ref.device)
         v = k[..., :0] if mla else torch.zeros_like(k)

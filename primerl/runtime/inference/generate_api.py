@@ -142,7 +142,8 @@ def parse_generate_request(body, *, max_model_len: int, default_seed: int,
         raise GenerateRequestError("sampling_params must be an object")
     for key, neutral in NEUTRAL.items():
         if key in sp and not any(sp[key] == v and type(sp[key]) is type(v) or sp[key] is v for v in neutral):
-            raise GenerateRequestError(f"sampling_params.{key} = {sp[key]!r:.40} is not supported by the embedded engine "
+            raise GenerateRequestError(f"sampling_params.{key} = {sp[key]!r:.40} "
+                                       "is not supported by the embedded engine "
                                        f"(only {[v for v in neutral if v is not None]})")
     temperature, top_p = _sampling(sp.get("temperature", 1.0), sp.get("top_p", 1.0), "sampling_params.")
     max_tokens = _max_tokens(sp.get("max_tokens"), "sampling_params.max_tokens", len(prompt), max_model_len)
@@ -180,7 +181,8 @@ def generate_response(request_id: str, c: Completion, routed_start: int) -> dict
     choice = {
         "index": 0,
         "token_ids": list(c.tokens),
-        "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": float(lp)} for t, lp in zip(c.tokens, c.logprobs)]},
+        "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": float(lp)}
+                                 for t, lp in zip(c.tokens, c.logprobs)]},
         "finish_reason": c.finish_reason,
     }
     if c.routing is not None:

@@ -158,7 +158,8 @@ def pull_prefilled(params: dict, *, timeout: float) -> tuple[Prefilled, dict, in
             data = r.read()
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:300]
-        raise KVTransferError(f"prefill peer {host}:{port} does not hold transfer {tid} (HTTP {e.code}: {detail})") from None
+        raise KVTransferError(f"prefill peer {host}:{port} does not hold transfer {tid} "
+                              f"(HTTP {e.code}: {detail})") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise KVTransferError(f"prefill peer {host}:{port} unreachable for transfer {tid}: {reason}") from None

@@ -3,8 +3,9 @@
 An episode becomes a ``primerl.rl.packing.Sample`` aligned with its transcript: ``input_ids``,
 ``loss_mask`` (model tokens), ``inference_logprobs`` (token t's log-prob under the sampler, 0
 elsewhere), the episode's advantage, the sampling temperature, optional ``replay_ids
-[T, L, k]`` and the environment's per-token ``loss_weights``; ``pack`` turns them into per-rank ``MicroBatch``es. The trainer reads token t's
-log-prob from the hidden state at t-1 (a sequence's first token is a prompt token, never trained).
+[T, L, k]`` and the environment's per-token ``loss_weights``; ``pack`` turns them into per-rank
+``MicroBatch``es. The trainer reads token t's log-prob from the hidden state at t-1 (a sequence's
+first token is a prompt token, never trained).
 """
 
 from __future__ import annotations

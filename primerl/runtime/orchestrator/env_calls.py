@@ -78,7 +78,8 @@ def check_token_weights(value: Any, num_tokens: int, env_name: str = "environmen
     bad = [(i, w) for i, w in enumerate(value)
            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0]
     if bad:
-        raise ValueError(f"{env_name}: token_weights() must be finite numbers >= 0, got {bad[0][1]!r} at token {bad[0][0]}")
+        raise ValueError(f"{env_name}: token_weights() must be finite numbers >= 0, "
+                         f"got {bad[0][1]!r} at token {bad[0][0]}")
     return [float(w) for w in value]
 
 
@@ -157,7 +158,8 @@ class EnvCalls:
                 del self._running[cid]
                 self.timeouts += 1
                 out.append((key, name, False, EnvCallTimeout(
-                    f"environment {self.env_name!r}: {name}() did not return within env.timeout_s = {self.timeout_s} s")))
+                    f"environment {self.env_name!r}: {name}() did not return "
+                    f"within env.timeout_s = {self.timeout_s} s")))
         self._start()
         return out
 

@@ -59,7 +59,8 @@ class OrchestratorMonitor:
                 p = "primerl_orchestrator_"
                 for key in ("step", "policy_version", "requests_in_flight", "servers_healthy"):
                     yield GaugeMetricFamily(p + key, key.replace("_", " "), value=float(snap[key]))
-                g = GaugeMetricFamily(p + "step_metric", "the last finished step's metrics.jsonl values", labels=["name"])
+                g = GaugeMetricFamily(p + "step_metric", "the last finished step's metrics.jsonl values",
+                                      labels=["name"])
                 for name, v in snap["last_step"].items():
                     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                         g.add_metric([name], float(v))
