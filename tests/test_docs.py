@@ -154,7 +154,6 @@ def test_links_between_pages_resolve():
             if "://" in target or target.startswith("mailto:"):
                 continue
             path = (page.parent / target).resolve()
-            rel = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
             if not path.exists():
                 broken.append(f"{page.relative_to(REPO)}: {target}")
     assert not broken, broken

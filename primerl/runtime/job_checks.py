@@ -31,7 +31,7 @@ def check_packages(cfg) -> None:
         missing = [m for m in ("verifiers", "verifiers.v1", "renderers") if not _installed(m)]
         if missing:
             raise _error("env.id", f"the verifiers environment needs verifiers 0.4.0 and renderers "
-                         f"({', '.join(missing)} not installed: pip install 'primerl[verifiers]'; README: verifiers)",
+                         f"({', '.join(missing)} not installed: pip install 'primerl[verifiers]'; docs/verifiers.md)",
                          cfg.env.id)
 
 

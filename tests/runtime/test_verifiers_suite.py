@@ -36,7 +36,7 @@ def test_verifiers_suite_runs_in_its_venv():
     py = vf_python()
     if py is None:
         msg = ("no interpreter with verifiers 0.4.0: set PRIMERL_VF_PYTHON or create .venv-vf as .ci/run does "
-               "(README: verifiers)")
+               "(docs/verifiers.md)")
         if os.environ.get("PRIMERL_REQUIRE_VERIFIERS") == "1":
             pytest.fail("PRIMERL_REQUIRE_VERIFIERS=1 but " + msg)
         pytest.skip(msg)

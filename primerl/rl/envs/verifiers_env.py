@@ -50,7 +50,7 @@ def _need_verifiers():
         import verifiers.v1 as vf
     except ImportError:
         raise ImportError("the verifiers environment needs verifiers 0.4.0: pip install 'primerl[verifiers]' "
-                          "(README: verifiers)") from None
+                          "(docs/verifiers.md)") from None
     return vf
 
 
