@@ -48,7 +48,9 @@ class VLLMBackend(InferenceBackend):
         if v.launch and not cfg.deployment.inference_nodes:
             from .vllm_launch import serve_command_line
 
-            return f"# inference servers: vLLM launched for the job on {v.host}:{v.port}: {serve_command_line(cfg)}\n"
+            # serving inference.vllm.model, model.path, or the seeded init the job writes when it starts
+            return (f"# inference servers: vLLM launched for the job on {v.host}:{v.port}: "
+                    f"{serve_command_line(cfg, host=v.host)}\n")
         if cfg.deployment.inference_nodes:
             return (f"# inference servers: on the {cfg.deployment.inference_nodes} inference node(s) of the plan "
                     f"(port {v.port}; see the node lines)\n")

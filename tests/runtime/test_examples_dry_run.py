@@ -1,0 +1,28 @@
+"""Every example config passes ``primerl rl --dry-run`` on this machine, or is refused in one line
+naming the key for what this machine lacks (a GPU, verifiers) — never a traceback."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from primerl.runtime.cli import main
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_passes_the_dry_run(path, tmp_path, capsys):
+    rc = main(["rl", "--config", str(path), "--dry-run", "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    gpu = "device = \"cuda\"" in path.read_text() and not torch.cuda.is_available()
+    vf = 'id = "verifiers"' in path.read_text() and importlib.util.find_spec("verifiers") is None
+    if gpu or vf:
+        assert rc == 2 and err.startswith("primerl: config error: ") and len(err.strip().splitlines()) == 1, err
+        assert ("device:" in err) if gpu else ("env.id:" in err), err
+    else:
+        assert rc == 0, err
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
