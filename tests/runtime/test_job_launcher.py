@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from primerl.runtime.validate import load_config
-from primerl.runtime.launch.machine import JobFailed, prepare_output, run_rl
+from primerl.runtime.launch.common import JobFailed, prepare_output
+from primerl.runtime.launch.machine import run_rl
 from primerl.runtime.lifetime import pid_alive
 from primerl.runtime.metrics import read_metrics
 

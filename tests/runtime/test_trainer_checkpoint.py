@@ -12,7 +12,7 @@ import torch
 from primerl.models.checkpoint import CheckpointError
 from primerl.runtime.trainer import checkpoint as ckpt
 from primerl.runtime.validate import load_config
-from primerl.runtime.launch.machine import prepare_output
+from primerl.runtime.launch.common import prepare_output
 from primerl.runtime.transport import FileTransport
 
 
