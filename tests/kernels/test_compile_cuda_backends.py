@@ -595,10 +595,11 @@ def test_flash_attn_backend_with_max_seqlen_reads_nothing_on_the_host(monkeypatc
     backward, bitwise eager; flash-attn gets the caller's max_seqlen. Without max_seqlen the offsets
     are read on the host (once per tensor, cached), which a fullgraph trace refuses: pass it."""
     from primerl.kernels import attention as A
+    from primerl.kernels.attention import ops as attention_ops
 
     calls = []
     monkeypatch.setitem(sys.modules, "flash_attn", _stand_in_flash_attn(calls))
-    monkeypatch.setattr(A, "resolve_backend", lambda op, backend, *args, **kwargs: backend)
+    monkeypatch.setattr(attention_ops, "resolve_backend", lambda op, backend, *args, **kwargs: backend)
     cu = torch.tensor([0, 3, 8, 11], dtype=torch.int32)
 
     def inputs():
