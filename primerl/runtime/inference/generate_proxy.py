@@ -69,6 +69,11 @@ class GenerateProxy:
         lps = [float(e["logprob"]) for e in choice["logprobs"]["content"]]
         self.sessions.record(session_id, prompt, tokens, lps, first, last)
 
+    @property
+    def engine_error(self) -> BaseException | None:
+        """No engine here (vLLM serves the route): nothing of ours can die in between."""
+        return None
+
     def pop_session(self, session_id: str) -> SessionRecord | None:
         """The session's record (and forget it), or None if it made no recorded request."""
         return self.sessions.pop(session_id)

@@ -136,13 +136,14 @@ class EngineServer:
         """(oldest policy version, newest, generate requests) of a session, or None if it made none."""
         return self.sessions.versions(session_id, pop=pop)
 
-    # ---------------------------------------------------------------- used by orchestrator/vf_orchestrator.py
-    # (issue 41: that module moves to ``engine_thread.call_and_wait`` / ``engine_thread.error``, then these go)
-    def _call_in_engine(self, fn, timeout: float):
+    # ---------------------------------------------------------------- for the verifiers orchestrator
+    def call_in_engine(self, fn, timeout: float):
+        """Run ``fn`` on the engine's thread between two steps (a weight load); its result."""
         return self.engine_thread.call_and_wait(fn, timeout)
 
     @property
-    def _engine_error(self) -> BaseException | None:
+    def engine_error(self) -> BaseException | None:
+        """What killed the engine's thread, or None while it runs."""
         return self.engine_thread.error
 
     # ---------------------------------------------------------------- lifetime

@@ -133,7 +133,7 @@ class VerifiersOrchestrator(BatchSteps):
                 await asyncio.to_thread(self.client.update_weights, v, self.transport)
             else:
                 sd = await asyncio.to_thread(self.transport.load_weights, v)
-                await asyncio.to_thread(self.server._call_in_engine, lambda: self.engine.load_weights(sd, v),
+                await asyncio.to_thread(self.server.call_in_engine, lambda: self.engine.load_weights(sd, v),
                                         self.cfg.inference.timeout_s)
             self.version = v
 
@@ -341,7 +341,7 @@ class VerifiersOrchestrator(BatchSteps):
         async with self.env.vf_env.serving():
             try:
                 while self.next_write < max_steps:
-                    dead = getattr(self.server, "_engine_error", None)
+                    dead = self.server.engine_error
                     if dead is not None:
                         raise RuntimeError(f"the inference engine died: {dead!r}") from dead
                     await self._refresh_weights()
