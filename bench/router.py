@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,9 +27,10 @@ ROUTER = Path(sys.executable).parent / "vllm-router"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:

@@ -64,10 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl: config error: {e}", file=sys.stderr)
         return 2
     if args.command == "rl":
-        from .launch.deployment import check_rendezvous_port
+        from .launch.deployment import check_fixed_ports, check_rendezvous_port
 
         try:
             check_rendezvous_port(cfg)
+            check_fixed_ports(cfg)
         except ConfigError as e:
             print(f"primerl: config error: {e}", file=sys.stderr)
             return 2

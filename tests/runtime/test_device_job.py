@@ -4,7 +4,6 @@ broadcast (gloo here, NCCL between GPUs: the same code), the bf16 mixed-precisio
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,10 @@ SMALL = ["--max_steps", "4", "--orchestrator.batch_size", "4", "--orchestrator.g
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def _cfg(out, *over):

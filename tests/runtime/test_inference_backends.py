@@ -2,7 +2,6 @@
 backend chooses, and the weight channels' output (streamed = what the one-shot writers write)."""
 
 import dataclasses
-import socket
 import sys
 
 import pytest
@@ -26,9 +25,10 @@ from primerl.runtime.validate import load_config
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def _model(seed=0, **kw):

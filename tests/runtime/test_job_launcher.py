@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,9 +27,10 @@ SMALL = ["--orchestrator.batch_size", "4", "--orchestrator.group_size", "4", "--
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def _cfg(out, *over):

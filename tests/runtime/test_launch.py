@@ -26,9 +26,10 @@ NODES2 = ["--deployment.kind", "nodes", "--deployment.trainer_nodes", "2",
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def test_plan_of_two_trainer_nodes_and_an_orchestrator_node():

@@ -195,11 +195,10 @@ def test_the_slurm_launcher_runs_the_warm_start_before_sbatch_under_the_standins
                                                                                   monkeypatch):
     """kind = "slurm": prepare_job (warm start included) runs on the submitting machine, the nodes
     (tests/runtime/slurm_standins: every srun step a local process) read its config.toml."""
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from primerl.runtime.ports import held_port
+
+    port = held_port()
     out = tmp_path / "run"
     cfg = _cfg(out, "--deployment.kind", "slurm", "--deployment.rdzv_endpoint", f"127.0.0.1:{port}")
     standins = Path(__file__).resolve().parent / "slurm_standins"

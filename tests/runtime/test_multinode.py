@@ -9,7 +9,6 @@ torchrun agents joined by c10d rendezvous, each node in its own working director
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,9 +29,10 @@ LAYOUT = "hsdp2_shard2_ep2"  # replicas across the nodes, FSDP and experts withi
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def _env(**extra):

@@ -65,23 +65,10 @@ def test_embedded_commands(tmp_path):
 
 
 def test_job_runs_through_pd_and_lists_processes(tmp_path):
-    import random
-    import socket
+    from primerl.runtime.ports import reserve_block
 
-    def free_block(n):
-        """n consecutive free ports below the ephemeral range (a client's outgoing connections take
-        ephemeral ports, so a port picked there can be taken before the server binds it)."""
-        while True:
-            start = random.randrange(20000, 30000)
-            try:
-                for p in range(start, start + n):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", p))
-                return start
-            except OSError:
-                continue
-
-    base = free_block(4)
+    held = reserve_block(4)  # consecutive ports below the ephemeral range, bound until the test ends: no race
+    base = held[0].port
     ports = [base + 2, base + 3]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(EXAMPLE), "--output_dir",

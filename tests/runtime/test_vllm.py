@@ -383,22 +383,20 @@ def test_launcher_stops_the_whole_process_group(tmp_path):
 
 
 def _free_port():
-    import socket
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return held_port()
 
 
 def test_broadcast_weight_transfer_between_trainer_and_worker():
     """The broadcast path's two ends (trainer rank 0 and a worker) over a gloo group, without vLLM."""
-    import socket
 
     from primerl.runtime.inference.weight_broadcast import new_group, receive_weights, send_weights, weight_specs
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from primerl.runtime.ports import held_port
+
+    port = held_port()
     sd = quantize_for_transfer(_model(3).state_dict())
     got = {}
 

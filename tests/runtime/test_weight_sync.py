@@ -4,7 +4,6 @@ for a missing or dead receiver, and the config keys."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -31,9 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def _cfg(tmp_path, port, *over):

@@ -4,7 +4,6 @@ gives the same run as on files, with no rollout file written."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -21,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def test_each_rank_gets_its_own_batches(tmp_path):

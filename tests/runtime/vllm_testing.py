@@ -46,11 +46,10 @@ def need_vllm() -> str:
 
 
 def free_port() -> int:
-    import socket
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return held_port()
 
 
 def primerl_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:

@@ -10,9 +10,10 @@ is the order of the plan when hosts are listed in address order.
 
 Every impossible plan is a ``ConfigError`` naming the key, raised by ``validate.validate``
 (``[deployment]``'s own checks are ``config.deployment.check_deployment``, those against the
-trainer, the device and ``[inference]`` are in ``validate``); :func:`check_rendezvous_port` adds
-the one check that needs this machine (the rendezvous port in use here), run by ``primerl rl``
-before anything starts.
+trainer, the device and ``[inference]`` are in ``validate``); :func:`check_rendezvous_port` and
+:func:`check_fixed_ports` add the checks that need this machine (the rendezvous port, and the
+fixed ports the job's processes will listen on here, in use), run by ``primerl rl`` (``--dry-run``
+too) before anything starts.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..inference.backend import get_backend
 from .kinds import get_launcher
 from .kinds import trainer_ranks_per_node as launcher_ranks_per_node
 
-__all__ = ["Node", "NodePlan", "node_plan", "describe_nodes", "check_rendezvous_port",
+__all__ = ["Node", "NodePlan", "node_plan", "describe_nodes", "check_rendezvous_port", "check_fixed_ports",
            "split_endpoint", "is_loopback", "config_hash", "inference_server", "DEFAULT_RDZV_PORT", "ROLES"]
 
 ROLES = ("trainer", "inference", "orchestrator")
@@ -194,3 +195,30 @@ def config_hash(cfg: RLConfig) -> str:
     from ..config import to_toml
 
     return hashlib.sha256(to_toml(dataclasses.replace(cfg, output_dir="")).encode()).hexdigest()[:16]
+
+
+def _on_this_machine(host: str) -> bool:
+    return is_loopback(host) or host in (socket.gethostname(), socket.getfqdn())
+
+
+def check_fixed_ports(cfg: RLConfig) -> None:
+    """The fixed ports this job's processes will listen on, on this machine, must be free now: the
+    orchestrator's ``orchestrator.metrics_port`` and ``orchestrator.zmq_port`` (rollout batches over
+    ZeroMQ, bound on every address), and the P/D servers' and router's (``inference.pd.*``).
+    ``ConfigError`` naming the key of the first one in use (``ports.check_ports_free``)."""
+    from ..ports import check_ports_free
+    from ..zmq_transport import batch_transport
+
+    o, pd = cfg.orchestrator, cfg.inference.pd
+    orch_here = (not get_launcher(cfg).capabilities.spans_nodes
+                 or _on_this_machine(node_plan(cfg).with_role("orchestrator")[0].host))
+    ports = []
+    if orch_here and o.metrics_port:
+        ports.append(("orchestrator.metrics_port", o.metrics_host, o.metrics_port))
+    if orch_here and batch_transport(cfg) == "zmq":
+        ports.append(("orchestrator.zmq_port", "0.0.0.0", o.zmq_port))
+    if pd.enabled and _on_this_machine(pd.host):
+        ports += [("inference.pd.base_port", pd.host, pd.base_port + i) for i in range(pd.prefill + pd.decode)]
+        ports += [("inference.pd.router_port", pd.host, pd.router_port),
+                  ("inference.pd.router_metrics_port", pd.host, pd.router_metrics_port)]
+    check_ports_free(ports)

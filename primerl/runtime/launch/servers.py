@@ -15,13 +15,16 @@ The pieces, reusable for any role (``"inference"`` here; prefill / decode server
   exits, each at most ``max_restarts`` times; past that ``failure`` names it and the launcher fails
   the job. ``endpoints()`` is what the orchestrator's pool client needs (server URLs, router URL,
   processes.json), passed to a child process as JSON in ``POOL_ENV``.
+
+Ports: the pool reserves every port it hands out (``ports.reserve_port``: bound by the launcher,
+never listening, until the pool stops), so no other process can take one between the pick and the
+server's or router's own bind, and a restarted process binds the same port again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -30,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 from ..lifetime import log_tail
+from ..ports import held_port, reserve_port
 from ..processes import ManagedProcess, ProcessTable
 
 log = logging.getLogger("primerl.launch")
@@ -42,9 +46,9 @@ __all__ = ["POOL_ENV", "ROUTER_POLICIES", "ServerPool", "free_port", "pool_for_j
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A free port of ``host``, reserved for the rest of this process's life (``ports.held_port``;
+    a job's pool reserves its own ports and frees them when it stops)."""
+    return held_port(host)
 
 
 def router_executable() -> Path:
@@ -66,8 +70,9 @@ def server_process(i: int, cfg_path: str, port: int, log_dir: Path, *, role: str
 def router_process(port: int, log_dir: Path, *, policy: str = "consistent_hash", workers: list[str] = (),
                    prefill: list[str] = (), decode: list[str] = (), request_timeout_s: float = 300.0,
                    host: str = "127.0.0.1", env: dict | None = None, table: ProcessTable | None = None,
-                   extra_args: list[str] = ()) -> ManagedProcess:
-    """vllm-router on ``port``. Normal mode: ``workers`` (may be empty: added later with
+                   extra_args: list[str] = (), metrics_port: int | None = None) -> ManagedProcess:
+    """vllm-router on ``port``, its Prometheus exporter on ``metrics_port`` (None: a held free port).
+    Normal mode: ``workers`` (may be empty: added later with
     ``/add_worker``) under ``policy``; P/D mode when ``prefill`` and ``decode`` are given
     (``--vllm-pd-disaggregation``). Its own retries are off: the client retries and counts
     re-dispatches (a dead worker's in-flight request comes back 5xx)."""
@@ -75,7 +80,8 @@ def router_process(port: int, log_dir: Path, *, policy: str = "consistent_hash",
     if not exe.exists():
         raise FileNotFoundError(f"vllm-router is not installed next to {sys.executable} "
                                 "(pip install 'primerl[router]'); needed for inference.num_servers > 1")
-    args = [str(exe), "--host", host, "--port", str(port), "--prometheus-port", str(free_port(host)),
+    args = [str(exe), "--host", host, "--port", str(port), "--prometheus-port",
+            str(held_port(host) if metrics_port is None else metrics_port),
             "--request-timeout-secs", str(int(request_timeout_s)), "--disable-retries"]
     if prefill or decode:
         args += ["--vllm-pd-disaggregation"]
@@ -117,11 +123,13 @@ class ServerPool:
         self.max_restarts, self.health_timeout_s = max_restarts, health_timeout_s
         self.health_interval_s = health_interval_s
         self.startup_timeout_s = startup_timeout_s
-        self.servers = [server_process(i, cfg_path, free_port(host), log_dir, role=role, host=host, env=env,
+        self._ports = [reserve_port(host) for _ in range(n + 2 * bool(router))]  # held until stop()
+        self.servers = [server_process(i, cfg_path, self._ports[i].port, log_dir, role=role, host=host, env=env,
                                        table=table) for i in range(n)]
         self.urls = [s.url for s in self.servers] + list(external_urls)
-        self.router = router_process(free_port(host), log_dir, policy=policy, request_timeout_s=request_timeout_s,
-                                     host=host, env=env, table=table) if router else None
+        self.router = router_process(self._ports[n].port, log_dir, policy=policy, request_timeout_s=request_timeout_s,
+                                     host=host, env=env, table=table,
+                                     metrics_port=self._ports[n + 1].port) if router else None
         self.router_url = self.router.url if self.router else None
         self.failure: str | None = None
         self._up: dict[str, bool] = {}  # server name -> answered /health since its last start
@@ -146,6 +154,8 @@ class ServerPool:
             self._thread.join(timeout=self.health_timeout_s + 5)
         for p in self.servers + ([self.router] if self.router else []):
             p.stop()
+        for r in self._ports:
+            r.close()
 
     def __enter__(self) -> "ServerPool":
         return self.start()
