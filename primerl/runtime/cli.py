@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             return node_main(cfg, args.config, rest, args.role or "", node_rank=args.node_rank, rdzv=args.rdzv)
         except NodeError as e:
             print(f"primerl node: FAILED: {e}", file=sys.stderr)
-            return 1
+            return e.exit_code
     if args.command == "rl":
         from .launch.common import JobFailed
         from .launch.launcher import run_job

@@ -11,6 +11,10 @@ Before its role starts, every node joins that store as a client (waiting at most
 ``deployment.rdzv_timeout_s``, then failing with the address in the message), posts the hash of
 its resolved config (``deployment.config_hash``) and checks the other nodes' hashes: nodes
 started with different configs are refused, naming both.
+
+The agents end together (``node_watch.NodeWatch``): SIGTERM to any agent, or its role failing,
+is posted in the rendezvous store, and every other agent ends its role naming that node; no
+agent's signal handler waits on a process (issue 45).
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +32,7 @@ from ..config import RLConfig
 from ..processes import start_process
 from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, split_endpoint
 from .kinds import get_launcher
+from .node_watch import NodeWatch, exit_process
 
 log = logging.getLogger("primerl")
 
@@ -37,7 +41,12 @@ __all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "join_re
 
 
 class NodeError(RuntimeError):
-    """This node cannot take its part in the job (the message says why, with the address or key)."""
+    """This node cannot take its part in the job (the message says why, with the address or key);
+    ``exit_code``: the agent's exit code (143 when it ended on SIGTERM)."""
+
+    def __init__(self, msg: str, exit_code: int = 1):
+        super().__init__(msg)
+        self.exit_code = exit_code
 
 
 def job_hosts(cfg: RLConfig) -> list[str]:
@@ -150,7 +159,7 @@ def peer_env(plan: NodePlan, role: str) -> dict[str, str]:
             ORCHESTRATOR_NODE_ENV: f"the orchestrator on node {orch.index} ({orch.host})"}
 
 
-def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5) -> int:
+def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5, watch: NodeWatch | None = None) -> int:
     """An inference node with ``inference.vllm.launch = true``: vLLM's server on the node's address
     and ``inference.vllm.port`` (``vllm_launch.launch_for_job``: ``inference.vllm.model`` /
     ``model.path``, or the seeded init in this node's ``output_dir``), its log in
@@ -172,12 +181,25 @@ def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5) -> int:
     except InferenceServerError as e:
         raise NodeError(f"{where}: {e}") from None
 
-    def stop(*_):
-        log.info("%s: SIGTERM, stopping vLLM (grace %g s)", where, cfg.deployment.grace_s)
+    def stop(reason: str) -> None:  # on the watch's thread, also while vLLM loads: it must not outlive this node
+        log.info("%s: stopping vLLM (grace %g s)", where, cfg.deployment.grace_s)
         server.stop(cfg.deployment.grace_s)
-        sys.exit(143)
+        exit_process(143 if watch.signalled else 1, f"primerl node: FAILED: {reason}")
 
-    signal.signal(signal.SIGTERM, stop)  # also while vLLM loads: it must not outlive this node
+    own = watch is None
+    if own:
+        watch = NodeWatch(where, stop, grace_s=cfg.deployment.grace_s).start()
+    watch.on_end = stop
+    try:
+        return _serve_vllm(server, where, poll_s)
+    finally:
+        if own:
+            watch.close()
+
+
+def _serve_vllm(server, where: str, poll_s: float) -> int:
+    from ..inference.vllm_client import InferenceServerError
+
     log.info("%s: starting vLLM: %s (log: %s)", where, " ".join(server.cmd), server.log_path)
     try:
         server.start()
@@ -203,8 +225,35 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     log.info("node %d (%s) role %s; rendezvous %s", node.index, node.host, role, plan.rdzv_endpoint)
     deadline = time.monotonic() + plan.rdzv_timeout_s
     digest = config_hash(cfg)
+    where = f"node {node.index} ({node.host}) {role}"
+    host0 = plan.trainer_nodes[0]
+    store_node = f"trainer node 0 ({host0.host})"
+    grace = cfg.deployment.grace_s
     if role != "trainer":
-        join_rendezvous(plan, node, role, digest, deadline=deadline)
+        # the role runs in this process: ending it (SIGTERM, another node gone) ends the process
+        watch = NodeWatch(where, lambda reason: exit_process(143 if watch.signalled else 1,
+                                                             f"primerl node: FAILED: {reason}"), grace_s=grace).start()
+        try:
+            return _run_role(cfg, plan, node, role, digest, deadline, watch, store_node)
+        finally:
+            watch.close()
+    held = {}
+    # SIGTERM from the scheduler (or the local launcher), or another node's end: the watch's thread stops
+    # torchrun's whole group (no signal handler waits on a process: the wait below would deadlock it)
+    watch = NodeWatch(where, lambda reason: held["proc"].stop(grace) if "proc" in held else None,
+                      grace_s=grace).start()
+    try:
+        return _run_trainer(cfg, config_path, overrides, plan, node, digest, deadline, watch, store_node, held)
+    finally:
+        watch.close()
+
+
+def _run_role(cfg, plan, node, role, digest, deadline, watch, store_node) -> int:
+    """An orchestrator or inference node's role, in this process."""
+    where = watch.where
+    join_rendezvous(plan, node, role, digest, deadline=deadline)
+    watch.attach(plan.rdzv_host, plan.rdzv_port, store_node)
+    try:
         if role == "orchestrator":
             from ..orchestrator.main import orchestrator_main
 
@@ -217,27 +266,46 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
                     cfg.inference.vllm.launch_timeout_s)
             orchestrator_main(cfg)
         elif cfg.inference.vllm.launch:
-            return run_vllm_node(cfg, node)
+            return run_vllm_node(cfg, node, watch=watch)
         else:
             from ..inference.server import serve
 
             serve(cfg, host=node.host, port=cfg.inference.vllm.port)
-        return 0
+    except Exception as e:
+        log.exception("%s failed", where)
+        watch.fail(str(e) if isinstance(e, NodeError) else
+                   f"{where} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise
+    watch.finished()
+    return 0
+
+
+def _run_trainer(cfg, config_path, overrides, plan, node, digest, deadline, watch, store_node, held) -> int:
+    """A trainer node: torchrun over ``primerl trainer``, stopped by ``watch`` when the job ends early."""
+    grace = cfg.deployment.grace_s
     entry = ["-m", "primerl.runtime.cli", "trainer", "--config", config_path, *overrides]
     cmd = trainer_command(plan, node, entry, run_id=os.environ.get("SLURM_JOB_ID", "primerl"))
     log.info("trainer node %d: %s", node.trainer_node, " ".join(cmd))
-    proc = start_process(cmd, name=f"node{node.index}-trainer", role="trainer", log_path=None,
-                         env=dict(os.environ, **peer_env(plan, role)), die_with_parent=False)
-    # SIGTERM from the scheduler (or the local launcher) reaches torchrun's whole group; the handler
-    # reaps with os.waitpid, not Popen.wait: the proc.wait() below that it interrupts holds Popen's lock
-    signal.signal(signal.SIGTERM, lambda *_: (proc.stop_in_signal_handler(cfg.deployment.grace_s), sys.exit(143)))
+    proc = held["proc"] = start_process(cmd, name=f"node{node.index}-trainer", role="trainer", log_path=None,
+                                        env=dict(os.environ, **peer_env(plan, "trainer")), die_with_parent=False)
+    if watch.reason is not None:  # SIGTERM before torchrun was started
+        proc.stop(grace)
+    ranks = f"{node.host}, trainer ranks {node.ranks[0]}-{node.ranks[-1]}"
     try:
-        join_rendezvous(plan, node, role, digest, deadline=deadline, alive=lambda: proc.poll() is None)
-    except NodeError:
+        join_rendezvous(plan, node, "trainer", digest, deadline=deadline, alive=lambda: proc.poll() is None)
+    except NodeError as e:
         proc.stop(5.0)
+        if watch.reason is not None:
+            raise NodeError(watch.reason, 143 if watch.signalled else 1) from None
+        watch.fail(str(e))
         raise
+    watch.attach(plan.rdzv_host, plan.rdzv_port, store_node)
     rc = proc.wait()
+    if watch.reason is not None:
+        raise NodeError(watch.reason, 143 if watch.signalled else 1)
     if rc != 0:
-        raise NodeError(f"node {node.index} ({node.host}, trainer ranks {node.ranks[0]}-{node.ranks[-1]}): torchrun "
-                        f"exited with code {rc}")
+        msg = f"node {node.index} ({ranks}): torchrun exited with code {rc}"
+        watch.fail(msg)
+        raise NodeError(msg)
+    watch.finished()
     return 0

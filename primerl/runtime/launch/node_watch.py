@@ -1,0 +1,177 @@
+"""The node agents of a job end together: :class:`NodeWatch` (issue 45).
+
+Every ``primerl node`` agent (trainer, orchestrator, inference) runs one watch thread:
+
+- SIGTERM reaches it through ``signal.set_wakeup_fd``: the Python-level handler does nothing at
+  all (a handler runs only between bytecodes of the main thread, which may sit in a C call for
+  minutes, and one that waits on a ``Popen`` can deadlock on the lock of the wait it interrupted);
+  the C-level handler writes the signal number to a socket the thread sleeps on, so the thread
+  wakes at once;
+- on that signal, or when this node's role fails (:meth:`NodeWatch.fail`), the thread posts the
+  reason under ``primerl/abort`` in the rendezvous store (the first reason stays), logs it and
+  ends this node: ``on_end(reason)`` (the trainer agent stops torchrun's process group, SIGKILL
+  after ``deployment.grace_s``; the orchestrator and inference agents stop their server and exit);
+- every ``interval_s`` it reads the store: a reason posted by another node ends this node the same
+  way, naming that node; a store that stops answering (trainer node 0's torchrun hosts it, so that
+  node is gone) ends this node ``deployment.grace_s`` later unless its role has finished by itself
+  by then (:meth:`NodeWatch.finished`: the normal end of a job closes the store too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+log = logging.getLogger("primerl")
+
+ABORT_KEY = "primerl/abort"
+_ABORT_COUNT = "primerl/abort_n"
+
+__all__ = ["ABORT_KEY", "NodeWatch"]
+
+
+class NodeWatch:
+    """One node agent's watch (module docstring). ``where``: how the lines name this node, e.g.
+    ``"node 0 (127.0.0.1) trainer"``; ``on_end(reason)`` ends this node's role (called once, on
+    the watch thread); ``reason`` / ``signalled``: why it ended (None while it has not)."""
+
+    def __init__(self, where: str, on_end: Callable[[str], None], *, grace_s: float, interval_s: float = 0.5):
+        self.where, self.on_end, self.grace_s, self.interval_s = where, on_end, grace_s, interval_s
+        self.reason: str | None = None
+        self.signalled = False
+        self._endpoint: tuple[str, int] | None = None
+        self._store_host_node = ""
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._rx, self._tx = socket.socketpair()
+        self._rx.setblocking(False)
+        self._tx.setblocking(False)
+        self._store = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
+
+    # -- the main thread
+    def start(self) -> "NodeWatch":
+        """Install the SIGTERM wake-up (main thread only) and start the thread."""
+        self._old = (signal.set_wakeup_fd(self._tx.fileno(), warn_on_full_buffer=False),
+                     signal.signal(signal.SIGTERM, lambda *_: None))  # the C handler's wake-up byte is what counts
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop watching, join the thread and restore SIGTERM's handling (main thread only). Before
+        the process exits: a thread left inside a store call when the interpreter finalizes aborts
+        the process (C++ frames cannot be unwound by the thread's forced exit)."""
+        self._closed = True
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(30)
+        self._store = None
+        signal.set_wakeup_fd(self._old[0])
+        signal.signal(signal.SIGTERM, self._old[1])
+
+    def attach(self, host: str, port: int, store_host_node: str) -> None:
+        """Watch the rendezvous store at ``host:port`` (hosted by ``store_host_node``, for the line
+        that names it when the store is gone). Called once this node has joined it."""
+        self._store_host_node = store_host_node
+        self._endpoint = (host, port)
+
+    def finished(self) -> None:
+        """This node's role ended by itself (successfully): a store going away is no failure now."""
+        self._done.set()
+
+    def fail(self, reason: str) -> None:
+        """This node's role failed: tell the other nodes (the store) and end this node."""
+        self._end(reason, post=True)
+
+    # -- the thread
+    def _run(self) -> None:
+        lost_at = None
+        while self.reason is None and not self._closed:
+            r, _, _ = select.select([self._rx], [], [], self.interval_s)
+            if r:
+                try:
+                    got = self._rx.recv(64)
+                except BlockingIOError:
+                    got = b""
+                if signal.SIGTERM in got:
+                    self.signalled = True
+                    self._end(f"{self.where}: got SIGTERM; ending the job's processes (grace {self.grace_s:g} s)",
+                              post=True)
+                    return
+            if self._endpoint is None or self._done.is_set():
+                continue
+            try:
+                posted = self._read_abort()
+                lost_at = None
+            except Exception as e:  # noqa: BLE001 - the store's errors differ across torch versions
+                lost_at = lost_at or time.monotonic()
+                if time.monotonic() - lost_at >= self.grace_s:
+                    host, port = self._endpoint
+                    self._end(f"{self.where}: the rendezvous store at {host}:{port} (hosted by "
+                              f"{self._store_host_node}) stopped answering {self.grace_s:g} s ago "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): that node is gone; "
+                              "ending this node", post=False)
+                    return
+                continue
+            if posted:
+                self._end(f"{self.where}: ending: {posted}", post=False)
+                return
+
+    def _client(self):
+        from torch.distributed import TCPStore
+
+        host, port = self._endpoint
+        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(self.interval_s * 4, 2.0)),
+                        wait_for_workers=False)
+
+    def _read_abort(self) -> str | None:
+        store = self._store = self._store or self._client()  # the watch thread's own client
+        try:
+            if not store.check([ABORT_KEY]):
+                return None
+            return store.get(ABORT_KEY).decode()
+        except Exception:
+            self._store = None  # reconnect next time (or count it as lost)
+            raise
+
+    def _post(self, reason: str) -> None:
+        if self._endpoint is None:
+            return
+        try:
+            store = self._client()  # any thread may post: a client of its own
+            if store.add(_ABORT_COUNT, 1) == 1:  # the first reason stays
+                store.set(ABORT_KEY, reason)
+        except Exception as e:  # noqa: BLE001 - the store may be gone already
+            log.warning("%s: could not post to the rendezvous store: %s", self.where, str(e).splitlines()[0])
+
+    def _end(self, reason: str, *, post: bool) -> None:
+        with self._lock:
+            if self.reason is not None:
+                return
+            self.reason = reason
+        log.error("%s", reason)
+        if post:
+            self._post(reason)
+            time.sleep(self.interval_s * 2)  # the other nodes read it before this node's store host may go
+        try:
+            self.on_end(reason)
+        except Exception:  # noqa: BLE001 - the end must go on
+            log.exception("%s: ending this node failed", self.where)
+
+
+def exit_process(code: int, line: str) -> None:
+    """End this process from the watch thread: the final line, then ``os._exit`` (no cleanup that
+    could wait on the main thread, which may be stuck)."""
+    import sys
+
+    for h in logging.getLogger().handlers:
+        h.flush()
+    print(line, file=sys.stderr, flush=True)
+    os._exit(code)
