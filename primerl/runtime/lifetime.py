@@ -21,11 +21,12 @@ import threading
 import time
 
 LAUNCHER_PID_ENV = "PRIMERL_LAUNCHER_PID"
+JOB_RESTARTS_ENV = "PRIMERL_JOB_RESTARTS"  # how many times the launcher restarted the job (launcher.run_job)
 _PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("primerl")
 
-__all__ = ["LAUNCHER_PID_ENV", "die_with_parent", "watch_launcher", "pid_alive", "peer_alive"]
+__all__ = ["JOB_RESTARTS_ENV", "LAUNCHER_PID_ENV", "die_with_parent", "watch_launcher", "pid_alive", "peer_alive"]
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,6 +25,11 @@ class DeploymentConfig:
     rdzv_endpoint: str = ""  # "host:port" of the c10d rendezvous; "": the first trainer host, port 29400
     rdzv_timeout_s: float = 60.0  # a node that cannot join the rendezvous fails after this
     grace_s: float = 30.0  # when one node fails, the others get this long to stop (checkpoints finish)
+    # supervised restarts (issue 45): when a process dies or stalls, stop the rest (grace_s) and restart the job
+    # from the last complete checkpoint, at most this many times; -1: auto (3 for a long job: one that writes
+    # checkpoints, checkpoint.interval > 0 and max_steps >= 2 * interval; else 0); 0: fail at the first death
+    max_restarts: int = -1
+    stall_timeout_s: float = 600.0  # no process of the job made progress this long: a stall (stacks dumped); 0: off
     sbatch_template: str = ""  # a Jinja2 sbatch template; "": primerl/runtime/launch/templates/sbatch.sh.j2
     sbatch_args: list = field(default_factory=list)  # extra #SBATCH options, e.g. ["--partition=gpu", "--time=4:00:00"]
 
@@ -48,8 +53,20 @@ def check_deployment(d: DeploymentConfig) -> None:
     _need(d.gpus_per_node >= 0, "deployment.gpus_per_node", "must be >= 0 (0: CPU nodes)", d.gpus_per_node)
     _need(d.rdzv_timeout_s > 0, "deployment.rdzv_timeout_s", "must be > 0", d.rdzv_timeout_s)
     _need(d.grace_s >= 0, "deployment.grace_s", "must be >= 0", d.grace_s)
+    _need(d.max_restarts >= -1, "deployment.max_restarts", "must be >= 0 (-1: auto)", d.max_restarts)
+    _need(d.stall_timeout_s >= 0, "deployment.stall_timeout_s", "must be >= 0 (0: off)", d.stall_timeout_s)
     _need(all(isinstance(h, str) and h for h in d.hosts), "deployment.hosts", "must be host names or addresses",
           d.hosts)
     _need(all(isinstance(a, str) for a in d.sbatch_args), "deployment.sbatch_args", "must be strings", d.sbatch_args)
     if d.rdzv_endpoint:
         split_endpoint(d.rdzv_endpoint)
+
+
+def effective_max_restarts(cfg) -> int:
+    """``deployment.max_restarts`` with -1 (auto) resolved: 3 for a long job (it writes checkpoints:
+    ``checkpoint.interval > 0`` and ``max_steps >= 2 * checkpoint.interval``), else 0."""
+    n = cfg.deployment.max_restarts
+    if n >= 0:
+        return n
+    i = cfg.checkpoint.interval
+    return 3 if i > 0 and cfg.max_steps >= 2 * i else 0

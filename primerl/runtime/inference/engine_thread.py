@@ -16,6 +16,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
+from ..heartbeat import beat
 from .engine import InferenceEngine, Request
 from .server_metrics import ServerStats
 
@@ -144,6 +145,7 @@ class EngineThread:
                     if f is not None and not f.cancelled():
                         f.set_result(c)
                         self.stats.count("finished")
+                        beat("request finished")
                 self.stats.refresh(self.engine, waiting_extra=self._incoming.qsize())
         except BaseException as e:  # noqa: BLE001 - every waiter gets the error
             self.error = e

@@ -180,6 +180,9 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000, role: str = "both") ->
     from ..policy import build_model
 
     setup_logging("inference")
+    from ..heartbeat import install
+
+    install("inference")  # progress: each request finished (engine_thread); stacks on SIGUSR1
     torch.set_num_threads(cfg.threads)
     env = load_environment(cfg.env.id, **cfg.env.args)
     i = cfg.inference

@@ -29,6 +29,7 @@ class LauncherCapabilities:
     spans_nodes: bool  # processes on several nodes: rollout batches by ZeroMQ when 'auto', no shared cwd
     server_pool: bool  # starts inference.num_servers > 1 servers (or external inference.vllm.urls) and a router
     warm_start: bool = True  # runs [warm_start] in prepare_job (every built-in one does: the shared preparation)
+    restarts: bool = False  # run_job restarts a failed job from its last checkpoint (deployment.max_restarts)
 
 
 @runtime_checkable

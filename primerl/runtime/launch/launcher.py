@@ -98,14 +98,47 @@ def run_job(cfg: RLConfig, *, quiet: bool = False, launcher: Launcher | None = N
             parts: dict | None = None) -> list[dict]:
     """``primerl rl``: the launcher of ``deployment.kind`` (or ``launcher``) prepares (:func:`prepare_job`),
     starts, waits for the job's end and stops what is left; returns the metrics rows (a submitting
-    launcher, ``slurm``, returns none: the job runs later)."""
+    launcher, ``slurm``, returns none: the job runs later).
+
+    Supervised restarts (a launcher with ``capabilities.restarts``): when the job fails
+    (``JobFailed``: a process died or stalled), everything is stopped (``deployment.grace_s``) and
+    the job starts again from its last complete checkpoint (``checkpoint.resume``; the metrics of
+    steps after it are dropped, so each step is in ``metrics.jsonl`` once), at most
+    ``deployment.max_restarts`` times (``config.deployment.effective_max_restarts``); past that it
+    fails naming the cause of every restart. The processes see the count in
+    ``lifetime.JOB_RESTARTS_ENV`` (the trainer logs it as ``job/restarts``)."""
+    import dataclasses
+    import os
+
+    from ..config.deployment import effective_max_restarts
+    from ..lifetime import JOB_RESTARTS_ENV as RESTARTS_ENV
+    from .common import JobFailed
+
     launcher = get_launcher(cfg) if launcher is None else launcher
-    job = prepare_job(cfg, quiet=quiet, parts=parts)
-    try:
+    budget = effective_max_restarts(cfg) if launcher.capabilities.restarts else 0
+    causes: list[str] = []
+    while True:
+        os.environ[RESTARTS_ENV] = str(len(causes))
+        job = prepare_job(cfg, quiet=quiet, parts=parts)
         try:
-            launcher.start(job)
-            return launcher.wait(job)
+            try:
+                launcher.start(job)
+                return launcher.wait(job)
+            finally:
+                launcher.stop(job)
+        except JobFailed as e:
+            causes.append(str(e))
+            if len(causes) > budget:
+                if budget == 0:
+                    raise
+                raise JobFailed(f"the job failed {len(causes)} times (deployment.max_restarts = {budget}); the "
+                                "causes:\n" + "\n".join(f"{i + 1}. {c.splitlines()[0]}" for i, c in enumerate(causes))
+                                + f"\nthe last in full: {causes[-1]}") from None
+            if not quiet:
+                print(f"primerl rl: RESTART {len(causes)} of at most {budget} (from the last checkpoint): "
+                      f"{str(e).splitlines()[0]}", flush=True)
+            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
         finally:
-            launcher.stop(job)
-    finally:
-        job.release()
+            job.release()
+            os.environ.pop(RESTARTS_ENV, None)
+

@@ -54,7 +54,7 @@ class NodesLauncher:
     """The nodes of ``deployment.hosts``: started here when they are 127.x addresses."""
 
     name = "nodes"
-    capabilities = LauncherCapabilities(spans_nodes=True, server_pool=False)
+    capabilities = LauncherCapabilities(spans_nodes=True, server_pool=False, restarts=True)
 
     def check(self, cfg: RLConfig) -> None:
         check_spans_nodes(cfg)

@@ -16,17 +16,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from ..config import RLConfig
+from ..heartbeat import HEARTBEAT_DIR_ENV
 from ..lifetime import LAUNCHER_PID_ENV, log_tail
 from ..metrics import ascii_curve, progress_line, read_metrics, save_plot
 from ..processes import ManagedProcess, ProcessTable, start_process
 from .common import JobFailed
 from .deployment import describe_nodes
 from .launcher import LauncherCapabilities, PreparedJob, check_one_machine, register_launcher, run_job
+from .watchdog import StallWatchdog
 
 __all__ = ["MachineLauncher", "first_failure", "launched_vllm", "run_rl"]
 
@@ -52,7 +55,7 @@ class MachineLauncher:
     """Trainer + orchestrator processes on this machine (with the pool or launched vLLM)."""
 
     name = "local"
-    capabilities = LauncherCapabilities(spans_nodes=False, server_pool=True)
+    capabilities = LauncherCapabilities(spans_nodes=False, server_pool=True, restarts=True)
 
     def check(self, cfg: RLConfig) -> None:
         check_one_machine(cfg)
@@ -65,8 +68,12 @@ class MachineLauncher:
         stack = job.state["stack"] = contextlib.ExitStack()
         stack.enter_context(launched_vllm(cfg, quiet=job.quiet))
         py = sys.executable
+        beats = out / "heartbeats"
+        shutil.rmtree(beats, ignore_errors=True)  # a previous start's processes
         base_env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1",
-                        **{LAUNCHER_PID_ENV: str(os.getpid())})
+                        **{LAUNCHER_PID_ENV: str(os.getpid()), HEARTBEAT_DIR_ENV: str(beats)})
+        job.state["watchdog"] = StallWatchdog(beats, cfg.deployment.stall_timeout_s,
+                                              lambda name: out / "logs" / f"{name.split('-rank')[0]}.log")
         job.state["t0"] = time.perf_counter()
         if not job.quiet:
             print(f"primerl rl: output_dir {out} | start step {job.start_step} | logs in {out / 'logs'}", flush=True)
@@ -111,6 +118,9 @@ class MachineLauncher:
                 raise JobFailed(failure)
             if pool is not None and pool.failure:
                 raise JobFailed(pool.failure)
+            stall = job.state["watchdog"].check()
+            if stall:
+                raise JobFailed(stall)
             if procs["trainer"].returncode == 0:
                 break
             time.sleep(poll_s)

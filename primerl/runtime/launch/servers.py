@@ -11,8 +11,9 @@ The pieces, reusable for any role (``"inference"`` here; prefill / decode server
   once it holds the current weights (``inference.pool_client``).
 - :class:`ServerPool`: starts N servers of a role and, when asked, a router in front; a supervisor
   thread restarts a server that exited or stopped answering ``/health`` within
-  ``health_timeout_s`` (killed first: a hung, e.g. SIGSTOPped, process), and the router when it
-  exits, each at most ``max_restarts`` times; past that ``failure`` names it and the launcher fails
+  ``health_timeout_s`` (killed first: a hung, e.g. SIGSTOPped, process; a hung server's stacks go
+  to its log first, ``heartbeat.dump_stacks``), and the router when it exits or stops answering
+  ``/health`` the same way, each at most ``max_restarts`` times; past that ``failure`` names it and the launcher fails
   the job. ``endpoints()`` is what the orchestrator's pool client needs (server URLs, router URL,
   processes.json), passed to a child process as JSON in ``POOL_ENV``.
 
@@ -32,6 +33,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..heartbeat import dump_stacks
 from ..lifetime import log_tail
 from ..ports import held_port, reserve_port
 from ..processes import ManagedProcess, ProcessTable
@@ -62,7 +64,8 @@ def server_process(i: int, cfg_path: str, port: int, log_dir: Path, *, role: str
     """``primerl inference --config cfg_path --port port`` as server ``i`` of ``role``."""
     args = [sys.executable, "-m", "primerl.runtime.cli", "inference", "--config", cfg_path, "--host", host,
             "--port", str(port), *extra_args]
-    env = dict(os.environ if env is None else env, PRIMERL_SERVER_INDEX=str(i))  # its GPU: server.server_device
+    env = dict(os.environ if env is None else env, PRIMERL_SERVER_INDEX=str(i),  # its GPU: server.server_device
+               PRIMERL_HEARTBEAT_NAME=f"{role}-{i}")  # its heartbeat, named like its log (heartbeat.py)
     return ManagedProcess(f"{role}-{i}", role, args, Path(log_dir) / f"{role}-{i}.log", url=f"http://{host}:{port}",
                           env=env, table=table)
 
@@ -168,7 +171,12 @@ class ServerPool:
         return sum(p.restarts for p in self.servers + ([self.router] if self.router else []))
 
     # -- supervision
-    def _restart(self, p: ManagedProcess, why: str) -> None:
+    def _restart(self, p: ManagedProcess, why: str, *, hung: bool = False) -> None:
+        if hung and p.role != "router":  # a Python server: every thread's stack to its log before it is killed
+            how, text = dump_stacks(p.pid)
+            with open(p.log_path, "a") as f:
+                f.write(f"\n==== primerl pool: {p.name} (pid {p.pid}) {why}; every thread's stack ({how}):\n"
+                        f"{text.rstrip()}\n====\n")
         if p.restarts >= self.max_restarts:
             self.failure = (f"the {p.name} process ({p.url}) {why} after {p.restarts} restart(s) "
                             f"(inference.max_restarts = {self.max_restarts}); end of {p.log_path}:\n"
@@ -188,14 +196,12 @@ class ServerPool:
             if not p.alive():
                 self._restart(p, f"exited with code {p.proc.returncode}")
                 continue
-            if p.role == "router":  # the router is restarted when it exits; its hangs are the client's timeouts
-                continue
             if _healthy(p.url, self.health_timeout_s):
                 self._up[p.name], self._misses[p.name] = True, 0
             elif self._up.get(p.name):
                 self._misses[p.name] = self._misses.get(p.name, 0) + 1
                 if self._misses[p.name] >= 2:  # two health timeouts in a row: hung (e.g. SIGSTOP)
-                    self._restart(p, f"did not answer /health within {self.health_timeout_s} s twice")
+                    self._restart(p, f"did not answer /health within {self.health_timeout_s} s twice", hung=True)
             elif time.monotonic() - p.started_at > self.startup_timeout_s:
                 self._restart(p, f"did not answer /health within {self.startup_timeout_s} s of its start")
 

@@ -13,6 +13,7 @@ import torch
 from ..config import RLConfig
 from ..inference.backend import get_backend
 from ..trainer.checkpoint import start_step
+from ..heartbeat import install
 from ..lifetime import peer_alive, setup_logging, watch_launcher
 from ..zmq_transport import make_transport
 
@@ -27,6 +28,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
 
     setup_logging("orchestrator")
     watch_launcher()
+    install("orchestrator")  # progress: each request finished and batch handed over; stacks on SIGUSR1
     torch.set_num_threads(cfg.threads)
     env = load_environment(cfg.env.id, **cfg.env.args)
     start = start_step(cfg)

@@ -36,6 +36,7 @@ from ..config import RLConfig
 from .env_calls import EnvCalls, EnvCallTimeout, RewardRejected, check_reward, check_token_weights
 from .rollout import EpisodeState, mix_seed
 from .steps import BatchSteps
+from ..heartbeat import beat
 from ..transport import FileTransport, ProducerDied, TransportTimeout
 
 log = logging.getLogger("primerl.orchestrator")
@@ -234,6 +235,7 @@ class Orchestrator(BatchSteps):
                                    "in flight")
             for c in self.client.poll():
                 self._on_completion(c)
+                beat(f"batch {self.next_write}: a request finished")
 
 
 class EmbeddedClient:

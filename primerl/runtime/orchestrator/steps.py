@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..heartbeat import beat
 
 HEALTH_EVERY_S = 10.0  # with a monitor: servers' health asked at least this often between steps
 
@@ -70,6 +71,7 @@ class BatchSteps:
                 self.monitor.step_done(step, metrics)
             if on_batch is not None:
                 on_batch(step, metrics)
+            beat(f"batch {step} handed over")
             self.next_write += 1
         return True
 

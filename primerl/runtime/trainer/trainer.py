@@ -56,6 +56,8 @@ from .dcp_checkpoint import is_dcp_checkpoint, load_dcp_checkpoint, save_dcp_che
 from ..config import RLConfig, cp_degrees, parallel_dims
 from .guards import nonfinite_parameters, raise_nonfinite_parameters
 from .padded_attention import PaddedPlan, padded_forward
+from ..heartbeat import beat
+from ..lifetime import JOB_RESTARTS_ENV
 from ..placement import resolve_placement
 from ..policy import build_model
 from ..zmq_transport import make_transport
@@ -504,6 +506,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
         logger = MetricsLogger(out, start_step=start, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project)
     t_prev = time.perf_counter()
+    restarts = int(os.environ.get(JOB_RESTARTS_ENV, "0"))  # the launcher's supervised restarts so far
     try:
         for step in range(start, cfg.max_steps):
             t0 = time.perf_counter()
@@ -519,7 +522,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             if bool(cfg.checkpoint.interval) and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 < cfg.max_steps:
                 trainer.save_checkpoint(ckpt_root, step + 1, async_save=cfg.checkpoint.async_save)
             now = time.perf_counter()
-            row = {"step": step, **payload["metrics"], **m,
+            row = {"step": step, **payload["metrics"], **m, "job/restarts": restarts,
                    "tokens_per_s": m["tokens"] / max(now - t_prev, 1e-9),
                    "time/step_s": now - t_prev, "time/wait_s": t1 - t0, "time/train_s": t2 - t1}
             if trainer.device.type == "cuda":
@@ -531,6 +534,7 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
                     print(progress_line(row, cfg.max_steps), flush=True)
             if on_step is not None:
                 on_step(row)
+            beat(f"step {step}")
         trainer.save_checkpoint(ckpt_root, cfg.max_steps)
     finally:
         if logger is not None:

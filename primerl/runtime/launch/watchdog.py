@@ -1,0 +1,74 @@
+"""The launcher's stall watchdog (issue 45): a job none of whose processes made progress for
+``deployment.stall_timeout_s`` is stalled.
+
+The job's processes beat (``heartbeat.beat``) into ``<output_dir>/heartbeats`` when their work
+advances. A process that waits on a peer (a trainer rank for its batch, the orchestrator for new
+weights) does not beat, so one process alone going quiet is no stall; the job is stalled when the
+newest beat of every live process is older than the timeout. The process named is the one
+stopped by a signal (state ``T`` in ``/proc``: SIGSTOP) if any, else the one whose progress
+stopped first. Every stalled process's threads' Python stacks go to its log first
+(``heartbeat.dump_stacks``: ``py-spy dump --nonblocking``, which also reads a stopped process, or
+faulthandler on SIGUSR1), and the failure line names the process, its host, its last progress and
+where the stacks are; then the launcher applies the restart policy (``launcher.run_job``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..heartbeat import dump_stacks, read_heartbeats
+
+__all__ = ["StallWatchdog", "process_state"]
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` in ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z``...); None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+class StallWatchdog:
+    """``check()``: None while the job progresses, else the failure line (stacks already dumped).
+    ``log_for(name)``: the log file of the process whose heartbeat is ``name``."""
+
+    def __init__(self, directory: str | Path, timeout_s: float, log_for: Callable[[str], Path]):
+        self.directory, self.timeout_s, self.log_for = Path(directory), timeout_s, log_for
+
+    def live(self) -> list[dict]:
+        return [r for r in read_heartbeats(self.directory) if process_state(r["pid"]) not in (None, "Z", "X")]
+
+    def check(self, now: float | None = None) -> str | None:
+        if self.timeout_s <= 0:
+            return None
+        rows = self.live()
+        now = time.time() if now is None else now
+        if not rows or now - max(r["time"] for r in rows) < self.timeout_s:
+            return None
+        stopped = [r for r in rows if process_state(r["pid"]) in ("T", "t")]
+        culprit = stopped[0] if stopped else min(rows, key=lambda r: r["time"])
+        how_culprit = ""
+        for r in [culprit] + [r for r in rows if r is not culprit]:
+            how, text = dump_stacks(r["pid"])
+            path = self.log_for(r["name"])
+            state = process_state(r["pid"])
+            head = (f"\n==== primerl watchdog: {r['name']} (pid {r['pid']} on {r['host']}, state {state}) made no "
+                    f"progress for {now - r['time']:.0f} s; its last: {r['what']}; every thread's stack ({how}):\n")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "a") as f:
+                    f.write(head + text.rstrip() + "\n====\n")
+            except OSError:
+                pass
+            if r is culprit:
+                how_culprit = how
+        age = now - culprit["time"]
+        when = time.strftime("%H:%M:%S", time.localtime(culprit["time"]))
+        why = ", stopped by a signal (SIGSTOP)" if stopped else ""
+        return (f"the {culprit['name']} process (pid {culprit['pid']} on {culprit['host']}{why}) made no progress for "
+                f"{age:.0f} s, nor did any other process of the job (deployment.stall_timeout_s = {self.timeout_s:g});"
+                f" its last progress: {culprit['what']} at {when}; every thread's stack ({how_culprit}) is in "
+                f"{self.log_for(culprit['name'])}")
