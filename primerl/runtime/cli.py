@@ -141,10 +141,30 @@ def _describe_launch(cfg) -> int:
 
     try:
         print(get_launcher(cfg).describe(cfg), end="")
+        print(_describe_supervision(cfg), end="")
     except ConfigError as e:
         print(f"primerl: config error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _describe_supervision(cfg) -> str:
+    """The plan's supervision line: checkpoint interval, restart budget, stall timeout (issue 45)."""
+    from .config.deployment import effective_max_restarts
+    from .launch.launcher import get_launcher
+
+    d, c = cfg.deployment, cfg.checkpoint
+    n = effective_max_restarts(cfg)
+    every = f"every {c.interval} steps" if c.interval else "at the end only"
+    if not get_launcher(cfg).capabilities.restarts:
+        restarts = f"none by this launcher (deployment.kind {d.kind!r})"
+    elif n:
+        restarts = (f"up to {n} (deployment.max_restarts{' auto' if d.max_restarts < 0 else ''}), each from the last "
+                    f"complete checkpoint, the rest stopped within grace_s {d.grace_s:g} s")
+    else:
+        restarts = "none (deployment.max_restarts = 0: the first death or stall fails the job)"
+    stall = f"{d.stall_timeout_s:g} s without progress" if d.stall_timeout_s else "off"
+    return f"# supervision: checkpoints {every}; restarts {restarts}; stall watchdog {stall}\n"
 
 
 if __name__ == "__main__":

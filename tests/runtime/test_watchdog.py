@@ -143,3 +143,74 @@ def test_a_stopped_trainer_rank_fails_the_job_with_its_stack(tmp_path):
     log = (out / "logs" / "trainer.log").read_text(errors="replace")
     assert f"primerl watchdog: trainer-rank1 (pid {rank1['pid']}" in log and "train_step" in log, log[-3000:]
     assert took < stall + grace + 30, took  # the stall seen after stall_timeout_s, the rest stopped in grace_s
+    assert process_state(rank1["pid"]) in (None, "Z"), "the stopped rank (own session under torchrun) was left behind"
+
+
+class _FlakyLauncher:
+    """A launcher whose job fails ``fails`` times (JobFailed), then ends; records each start's resume step."""
+
+    name = "flaky"
+
+    def __init__(self, fails: int):
+        from primerl.runtime.launch.kinds import LauncherCapabilities
+
+        self.capabilities = LauncherCapabilities(spans_nodes=False, server_pool=False, restarts=True)
+        self.fails, self.starts, self.stops = fails, [], 0
+
+    def start(self, job):
+        self.starts.append((job.cfg.checkpoint.resume, os.environ.get("PRIMERL_JOB_RESTARTS")))
+
+    def wait(self, job):
+        from primerl.runtime.launch.common import JobFailed
+
+        if len(self.starts) <= self.fails:
+            raise JobFailed(f"the trainer exited with code -9 (start {len(self.starts)})\nend of its log: ...")
+        return [{"step": 0}]
+
+    def stop(self, job):
+        self.stops += 1
+
+
+def _small_cfg(tmp_path, *over):
+    from primerl.runtime.validate import load_config
+
+    return load_config(ROOT / "examples" / "reverse_text.toml", ["--output_dir", str(tmp_path / "out"), *over])
+
+
+def test_run_job_restarts_from_the_checkpoint_then_names_every_cause(tmp_path):
+    from primerl.runtime.launch.common import JobFailed
+    from primerl.runtime.launch.launcher import run_job
+
+    flaky = _FlakyLauncher(fails=2)
+    assert run_job(_small_cfg(tmp_path, "--deployment.max_restarts", "2"), quiet=True, launcher=flaky) == [{"step": 0}]
+    assert flaky.starts == [(False, "0"), (True, "1"), (True, "2")] and flaky.stops == 3  # resumed, counted
+    flaky = _FlakyLauncher(fails=5)
+    with pytest.raises(JobFailed) as e:
+        run_job(_small_cfg(tmp_path, "--deployment.max_restarts", "2"), quiet=True, launcher=flaky)
+    msg = str(e.value)
+    assert msg.startswith("the job failed 3 times (deployment.max_restarts = 2); the causes:\n"
+                          "1. the trainer exited with code -9 (start 1)\n2. the trainer exited with code -9 (start 2)\n"
+                          "3. the trainer exited with code -9 (start 3)"), msg
+    flaky = _FlakyLauncher(fails=1)  # 0: today's behaviour, the first failure as it is
+    with pytest.raises(JobFailed, match=r"^the trainer exited with code -9 \(start 1\)"):
+        run_job(_small_cfg(tmp_path, "--deployment.max_restarts", "0"), quiet=True, launcher=flaky)
+    assert len(flaky.starts) == 1
+
+
+def test_auto_restarts_and_the_dry_run_plan_line(tmp_path, capsys):
+    from primerl.runtime import cli
+    from primerl.runtime.config.deployment import effective_max_restarts
+
+    assert effective_max_restarts(_small_cfg(tmp_path)) == 3  # the example: 1200 steps, a checkpoint every 100
+    assert effective_max_restarts(_small_cfg(tmp_path, "--max_steps", "50")) == 0
+    assert effective_max_restarts(_small_cfg(tmp_path, "--checkpoint.interval", "0")) == 0
+    rc = cli.main(["rl", "--config", str(ROOT / "examples" / "reverse_text.toml"), "--output_dir", str(tmp_path / "o"),
+                   "--checkpoint.interval", "20", "--deployment.max_restarts", "2", "--deployment.stall_timeout_s",
+                   "300", "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert ("# supervision: checkpoints every 20 steps; restarts up to 2 (deployment.max_restarts), each from the last "
+            "complete checkpoint, the rest stopped within grace_s 30 s; stall watchdog 300 s without progress") in out
+    rc = cli.main(["rl", "--config", str(ROOT / "examples" / "reverse_text.toml"), "--output_dir", str(tmp_path / "o"),
+                   "--deployment.stall_timeout_s", "-1", "--dry-run"])
+    assert rc == 2 and "deployment.stall_timeout_s: must be >= 0" in capsys.readouterr().err

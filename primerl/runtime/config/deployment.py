@@ -26,8 +26,8 @@ class DeploymentConfig:
     rdzv_timeout_s: float = 60.0  # a node that cannot join the rendezvous fails after this
     grace_s: float = 30.0  # when one node fails, the others get this long to stop (checkpoints finish)
     # supervised restarts (issue 45): when a process dies or stalls, stop the rest (grace_s) and restart the job
-    # from the last complete checkpoint, at most this many times; -1: auto (3 for a long job: one that writes
-    # checkpoints, checkpoint.interval > 0 and max_steps >= 2 * interval; else 0); 0: fail at the first death
+    # from the last complete checkpoint, at most this many times; -1: auto (3 for a long job: max_steps >= 1000
+    # with checkpoints, checkpoint.interval > 0; else 0); 0: fail at the first death
     max_restarts: int = -1
     stall_timeout_s: float = 600.0  # no process of the job made progress this long: a stall (stacks dumped); 0: off
     sbatch_template: str = ""  # a Jinja2 sbatch template; "": primerl/runtime/launch/templates/sbatch.sh.j2
@@ -63,10 +63,12 @@ def check_deployment(d: DeploymentConfig) -> None:
 
 
 def effective_max_restarts(cfg) -> int:
-    """``deployment.max_restarts`` with -1 (auto) resolved: 3 for a long job (it writes checkpoints:
-    ``checkpoint.interval > 0`` and ``max_steps >= 2 * checkpoint.interval``), else 0."""
+    """``deployment.max_restarts`` with -1 (auto) resolved: 3 for a long job (``max_steps >=
+    LONG_JOB_STEPS`` with checkpoints: ``checkpoint.interval > 0``), else 0."""
     n = cfg.deployment.max_restarts
     if n >= 0:
         return n
-    i = cfg.checkpoint.interval
-    return 3 if i > 0 and cfg.max_steps >= 2 * i else 0
+    return 3 if cfg.checkpoint.interval > 0 and cfg.max_steps >= LONG_JOB_STEPS else 0
+
+
+LONG_JOB_STEPS = 1000

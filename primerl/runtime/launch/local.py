@@ -13,17 +13,20 @@ each host (``--dry-run`` prints them too).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from ..config import ConfigError, RLConfig
+from ..heartbeat import HEARTBEAT_DIR_ENV
 from ..lifetime import LAUNCHER_PID_ENV, log_tail
 from ..metrics import ascii_curve, progress_line, read_metrics
 from ..processes import start_process
 from .common import JobFailed
 from .deployment import Node, describe_nodes, is_loopback, node_plan
 from .launcher import LauncherCapabilities, PreparedJob, check_spans_nodes, register_launcher
+from .watchdog import StallWatchdog
 
 __all__ = ["NodesLauncher", "is_local_nodes", "node_commands"]
 
@@ -78,8 +81,18 @@ class NodesLauncher:
             cmds = "\n".join(" ".join(argv) for _, _, argv in node_commands(cfg, cfg_path))
             raise JobFailed("deployment.hosts are not all 127.x addresses, so this machine cannot start them; run "
                             f"on each host (the config at {cfg_path} copied there):\n{cmds}")
+        beats = out / "heartbeats"
+        shutil.rmtree(beats, ignore_errors=True)  # a previous start's processes
         env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1",
-                   **{LAUNCHER_PID_ENV: str(os.getpid())})
+                   **{LAUNCHER_PID_ENV: str(os.getpid()), HEARTBEAT_DIR_ENV: str(beats)})
+        plan = node_plan(cfg)
+
+        def log_for(name: str) -> Path:  # trainer-rank<R> -> the log of R's node; orchestrator / inference -> theirs
+            role, _, rank = name.partition("-rank")
+            node = next((n for n in plan.nodes if rank and int(rank) in n.ranks), None) or plan.with_role(role)[0]
+            return out / "logs" / f"node{node.index}-{role}.log"
+
+        job.state["watchdog"] = StallWatchdog(beats, cfg.deployment.stall_timeout_s, log_for)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH"))
                                             if p)
         procs = job.state["procs"] = {}
@@ -124,6 +137,9 @@ class NodesLauncher:
                                 f"{out / 'logs' / (name + '.log')}:\n{log_tail(out / 'logs' / (name + '.log'))}")
             if all(p.returncode == 0 for p in trainers):
                 break
+            stall = job.state["watchdog"].check()
+            if stall:
+                raise JobFailed(stall)
             time.sleep(poll_s)
         rows = read_metrics(out / "metrics.jsonl")
         if not rows or rows[-1]["step"] != cfg.max_steps - 1:
@@ -137,6 +153,8 @@ class NodesLauncher:
     def stop(self, job: PreparedJob) -> None:
         for _, _, p in job.state.get("procs", {}).values():
             p.stop(job.cfg.deployment.grace_s)
+        if "watchdog" in job.state:  # torchrun's workers (own sessions), a stopped one too
+            job.state["watchdog"].end_leftovers()
 
 
 register_launcher("nodes", NodesLauncher())

@@ -143,9 +143,11 @@ class MachineLauncher:
             for name in ("trainer", "orchestrator"):
                 p = job.state.get("procs", {}).get(name)
                 if p is not None:
-                    p.stop()
+                    p.stop(job.cfg.deployment.grace_s)
             if job.state.get("pool") is not None:
                 job.state["pool"].stop()
+            if "watchdog" in job.state:  # torchrun's workers (own sessions), a stopped one too
+                job.state["watchdog"].end_leftovers()
         finally:
             if "stack" in job.state:
                 job.state["stack"].close()  # launched vLLM

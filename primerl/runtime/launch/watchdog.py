@@ -38,6 +38,24 @@ class StallWatchdog:
     def __init__(self, directory: str | Path, timeout_s: float, log_for: Callable[[str], Path]):
         self.directory, self.timeout_s, self.log_for = Path(directory), timeout_s, log_for
 
+    def end_leftovers(self, grace_s: float = 3.0) -> list[str]:
+        """After the launcher stopped its process groups: end every job process that still beats
+        here (torchrun's workers run in sessions of their own, and a stopped one ignores the SIGTERM
+        torchrun forwards): SIGCONT + SIGTERM, SIGKILL after ``grace_s``. Returns their names."""
+        import signal
+
+        left = [r for r in self.live() if _is_job_process(r["pid"])]
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            for r in left:
+                _kill(r["pid"], sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(process_state(r["pid"]) not in (None, "Z", "X") for r in left):
+            time.sleep(0.05)
+        for r in left:
+            if process_state(r["pid"]) not in (None, "Z", "X"):
+                _kill(r["pid"], signal.SIGKILL)
+        return [r["name"] for r in left]
+
     def live(self) -> list[dict]:
         return [r for r in read_heartbeats(self.directory) if process_state(r["pid"]) not in (None, "Z", "X")]
 
@@ -72,3 +90,20 @@ class StallWatchdog:
                 f"{age:.0f} s, nor did any other process of the job (deployment.stall_timeout_s = {self.timeout_s:g});"
                 f" its last progress: {culprit['what']} at {when}; every thread's stack ({how_culprit}) is in "
                 f"{self.log_for(culprit['name'])}")
+
+
+def _is_job_process(pid: int) -> bool:
+    """``pid`` still runs a primerl process (not a reused pid)."""
+    try:
+        return b"primerl" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _kill(pid: int, sig: int) -> None:
+    import os
+
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
