@@ -36,18 +36,29 @@ __all__ = ["ManagedProcess", "ProcessTable", "start_process"]
 
 
 class ProcessTable:
-    """``processes.json``: every process the launcher started, by name; rewritten atomically."""
+    """``processes.json``: every process the launcher started, by name; rewritten atomically.
+    ``merge``: keep the rows another process wrote there (not ours by role and URL), as the
+    orchestrator's P/D deployment does beside the launcher's table."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, merge: bool = False):
         self.path = Path(path)
+        self.merge = merge
         self._rows: dict[str, dict] = {}
         self._lock = threading.Lock()
 
     def set(self, name: str, role: str, pid: int, url: str | None = None, restarts: int = 0) -> None:
         with self._lock:
             self._rows[name] = {"role": role, "pid": pid, "url": url, "restarts": restarts}
+            rows = list(self._rows.values())
+            if self.merge:
+                ours = {(r["role"], r["url"]) for r in rows}
+                try:
+                    old = json.loads(self.path.read_text())
+                except (OSError, ValueError):
+                    old = []
+                rows = [r for r in old if (r.get("role"), r.get("url")) not in ours] + rows
             tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(list(self._rows.values()), indent=1))
+            tmp.write_text(json.dumps(rows, indent=1))
             os.replace(tmp, self.path)
 
 

@@ -5,6 +5,13 @@ A request whose hand-off fails (the decode server answers ``KVTransferError``: u
 cache shape mismatch, vanished prefill peer) or that the router answers 5xx (its prefill leg
 failed) is sent again, up to ``resamples`` times; ``counts`` records each by cause and the
 orchestrator logs them. After the last attempt the error is raised (the run stops, nothing hangs).
+
+With the deployment it started (``pd_launch.PDDeployment``, supervised): a request that fails
+while a process of it is down or restarting (a connection error) is resent too (cause
+``server_down``, counted as ``inference/redispatched``); a weight update skips a server that is
+restarting, and the server takes the current weights once it answers ``/health`` again; once the
+deployment gives up on a process (``inference.max_restarts``), its ``failure``, naming that
+process, is the error raised. ``inference/restarts``: the deployment's restarts so far.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 from .vllm_client import InferenceServerError, VLLMClient
 
@@ -35,7 +43,7 @@ def handoff_cause(err: InferenceServerError) -> str | None:
 class PDClient(VLLMClient):
     """``VLLMClient`` on the router's URL, whose weight updates go to each of ``servers``."""
 
-    CAUSES = ("peer_unreachable", "unknown_transfer", "bad_cache", "server_error")
+    CAUSES = ("peer_unreachable", "unknown_transfer", "bad_cache", "server_error", "server_down")
 
     def __init__(self, cfg, servers: list[str], *, resamples: int = 3, deployment=None, **kw):
         super().__init__(cfg, **kw)
@@ -46,6 +54,10 @@ class PDClient(VLLMClient):
         self.servers = [VLLMClient(dataclasses.replace(cfg, url=u), timeout_s=self.timeout_s) for u in servers]
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(self.CAUSES, 0)
+        self._redispatched_reported = 0
+        self._transport = None  # the last weight update's, for a restarted server
+        if deployment is not None:
+            deployment.on_up = self._restarted
 
     @property
     def resampled(self) -> int:
@@ -56,13 +68,44 @@ class PDClient(VLLMClient):
         return sum(s.health() for s in self.servers)
 
     def metrics(self) -> dict:
-        """``inference/pd_resampled``: requests resent after a failed KV hand-off (since the start)."""
-        return {"inference/pd_resampled": self.resampled}
+        """``inference/pd_resampled``: requests resent after a failed KV hand-off (since the start);
+        ``inference/redispatched``: requests resent because a process was down, since the previous
+        call; ``inference/restarts``: the deployment's restarts."""
+        with self._lock:
+            down = self.counts["server_error"] + self.counts["server_down"]
+            n, self._redispatched_reported = down - self._redispatched_reported, down
+        out = {"inference/pd_resampled": self.resampled, "inference/redispatched": n}
+        if self.deployment is not None:
+            out["inference/restarts"] = self.deployment.restarts
+        return out
+
+    def _check_deployment(self) -> None:
+        if self.deployment is not None and self.deployment.failure:
+            raise InferenceServerError(self.deployment.failure)
 
     def update_weights(self, version: int, transport) -> None:
+        self._check_deployment()
+        self._transport = transport
         for s in self.servers:  # prefill and decode servers must sample from the same policy
-            s.update_weights(version, transport)
+            try:
+                s.update_weights(version, transport)
+            except InferenceServerError as e:
+                if self.deployment is None:
+                    raise
+                self.deployment.check_now()  # names (and restarts) the process that died, before this line
+                if s.health():
+                    raise
+                self._check_deployment()  # a server down: the supervisor restarts it, _restarted hands it the weights
+                log.info("P/D server %s is down (the deployment restarts it; it takes weights version %d when it "
+                         "answers /health): %s", s.url, version, str(e)[:200])
         self.version = version
+
+    def _restarted(self, proc) -> None:
+        """The supervisor's call once a restarted process answers /health: the current weights."""
+        s = next((s for s in self.servers if s.url == proc.url), None)
+        if s is not None and self._transport is not None and self.version >= 0:
+            log.info("P/D server %s is back: loading weights version %d", s.url, self.version)
+            s.update_weights(self.version, self._transport)
 
     def complete(self, req):
         for attempt in range(self.resamples + 1):
@@ -70,6 +113,15 @@ class PDClient(VLLMClient):
                 return super().complete(req)
             except InferenceServerError as e:
                 cause = handoff_cause(e)
+                if self.deployment is not None and "HTTP 4" not in str(e):
+                    self.deployment.check_now()  # a process that died is named (and restarted) first
+                    self._check_deployment()  # one the deployment gave up on: its failure, not this request's
+                    if cause is None:
+                        cause = "server_down"  # the router or a server is down / restarting
+                    if cause in ("server_down", "server_error", "peer_unreachable"):  # wait for it, then resend
+                        time.sleep(1.0)
+                        self.deployment.wait_up(self.deployment.cfg.inference.pd.launch_timeout_s)
+                        self._check_deployment()
                 if cause is None or attempt == self.resamples:
                     if cause is not None:
                         raise InferenceServerError(f"request {req.request_id} failed its P/D hand-off "

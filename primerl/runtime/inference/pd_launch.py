@@ -7,8 +7,13 @@ resolved config (written to ``<output_dir>/pd/config.toml``); vLLM (``backend = 
 same deployment as vLLM servers with ``--kv-transfer-config`` (NixlConnector, ``kv_role =
 kv_both``, its own side-channel port each). The router:
 ``vllm-router --vllm-pd-disaggregation --prefill URL ... --decode URL ... --port pd.router_port``.
-Every process runs in its own process group tied to this one's life (``die_with_parent``) and is
-listed in ``<output_dir>/processes.json`` as ``{"role": "prefill" | "decode" | "router", "pid", "url"}``.
+Every process runs in its own process group tied to this one's life (``die_with_parent``), logs to
+``<output_dir>/logs/<role>-<i>.log`` (``router.log``) like the pool's, and is listed in
+``<output_dir>/processes.json`` as ``{"role": "prefill" | "decode" | "router", "pid", "url",
+"restarts"}``. Once up, the deployment is supervised like the pool (``supervise.Supervisor``): a
+process that exits or stops answering ``/health`` (the router too) is named, killed and restarted
+on the same port, at most ``inference.max_restarts`` times; past that ``failure`` names it and the
+P/D client stops the job with it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..processes import ManagedProcess, start_process
+from ..processes import ManagedProcess, ProcessTable
+from ..supervise import Supervisor
 from .vllm_client import InferenceServerError
 
 log = logging.getLogger("primerl.inference")
@@ -108,22 +114,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def write_processes(output_dir: str | Path, entries: list[dict]) -> Path:
-    """Add ``entries`` to ``<output_dir>/processes.json`` (a list of {"role", "pid", "url"}; entries
-    already there from other launchers are kept)."""
-    path = Path(output_dir) / "processes.json"
-    old = []
-    if path.exists():
-        try:
-            old = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            old = []
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps([*old, *entries], indent=1))
-    tmp.replace(path)
-    return path
-
-
 class PDDeployment:
     """The job's P/D processes. ``start()`` returns once the router answers ``/health`` (or raises
     naming the process that failed, with the end of its log); ``stop()`` ends them all."""
@@ -133,6 +123,26 @@ class PDDeployment:
         self.out = Path(cfg.output_dir)
         self.commands = commands if commands is not None else self._commands()
         self.procs: list[tuple[str, str, ManagedProcess]] = []
+        self.supervisor: Supervisor | None = None
+        self.on_up = None  # called with a restarted process once it answers /health (the client: its weights)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the deployment cannot go on (a process died past ``inference.max_restarts``), or None."""
+        return self.supervisor.failure if self.supervisor is not None else None
+
+    @property
+    def restarts(self) -> int:
+        return self.supervisor.restarts if self.supervisor is not None else 0
+
+    def check_now(self) -> None:
+        """A supervision pass now (a client met a failure: the process that died is named first)."""
+        if self.supervisor is not None:
+            self.supervisor.check_once()
+
+    def wait_up(self, timeout: float) -> bool:
+        """Every process up again after a restart (``supervise.Supervisor.wait_up``)."""
+        return self.supervisor.wait_up(timeout) if self.supervisor is not None else True
 
     def _commands(self):
         from .backend import get_backend
@@ -153,19 +163,29 @@ class PDDeployment:
         logs.mkdir(parents=True, exist_ok=True)
         urls = self.server_urls + [self.router_url]
         env0 = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(self.cfg.threads))}
+        env0.pop("PRIMERL_HEARTBEAT_DIR", None)  # supervised here (Supervisor), not by the launcher's watchdog
+        table = ProcessTable(self.out / "processes.json", merge=True)
+        seen: dict[str, int] = {}
         try:
-            for i, ((role, argv, env), url) in enumerate(zip(self.commands, urls)):
+            for (role, argv, env), url in zip(self.commands, urls):
                 if role == "router":  # the router waits for healthy workers itself; start it last
                     for (r, u, p) in self.procs:
                         self._wait(r, u, p)
-                proc = start_process(argv, name=f"{role}{i}", role=role, log_path=logs / f"{role}{i}.log",
-                                     env={**env0, **env}, url=url)
-                self.procs.append((role, url, proc))
+                k = seen[role] = seen.get(role, -1) + 1
+                name = role if role == "router" else f"{role}-{k}"
+                proc = ManagedProcess(name, role, argv, logs / f"{name}.log", env={**env0, **env}, url=url, table=table)
+                self.procs.append((role, url, proc.start()))
             self._wait(*self.procs[-1])
         except BaseException:
             self.stop()
             raise
-        write_processes(self.out, [{"role": r, "pid": p.pid, "url": u} for r, u, p in self.procs])
+        i = self.cfg.inference
+        embedded = ("prefill", "decode") if all("primerl.runtime.cli" in a for r, a, _ in self.commands
+                                                if r != "router") else ()
+        self.supervisor = Supervisor([p for _, _, p in self.procs], max_restarts=i.max_restarts,
+                                     health_timeout_s=i.health_timeout_s, startup_timeout_s=i.pd.launch_timeout_s,
+                                     on_up=lambda p: self.on_up(p) if self.on_up is not None else None,
+                                     python_roles=embedded).start()
         log.info("P/D deployment up: router %s, prefill+decode %s", self.router_url, self.server_urls)
         return self
 
@@ -176,10 +196,11 @@ class PDDeployment:
             if proc.poll() is not None:
                 from ..lifetime import log_tail as _tail
 
-                i = [p for _, _, p in self.procs].index(proc)
-                log_path = self.out / "logs" / f"{role}{i}.log"
-                raise InferenceServerError(f"the {role} process ({url}) exited with code {proc.returncode} before "
-                                           f"answering /health; end of its log:\n{_tail(log_path)}")
+                from ..supervise import describe_exit
+
+                raise InferenceServerError(f"the {role} process {proc.name} (pid {proc.pid}, {url}) "
+                                           f"{describe_exit(proc.returncode)} before answering /health; end of "
+                                           f"{proc.log_path}:\n{_tail(proc.log_path)}")
             if _healthy(url):
                 return
             if time.monotonic() > deadline:
@@ -190,6 +211,8 @@ class PDDeployment:
     def stop(self, grace: float = 10.0) -> None:
         import signal
 
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for _, _, p in reversed(self.procs):
             if p.poll() is None:
                 try:
