@@ -151,6 +151,8 @@ def test_pool_survives_a_hung_server(tmp_path):
     assert after["inference-0"]["restarts"] == 1 and after["inference-0"]["pid"] != victim["pid"]
     assert sum(r["inference/redispatched"] for r in rows) >= 1
     assert "inference-0 (" in text and "did not answer /health within 3.0 s twice" in text  # the launcher says why
+    log = (out / "logs" / "inference-0.log").read_text(errors="replace")
+    assert f"primerl pool: inference-0 (pid {victim['pid']})" in log and "Thread " in log  # its stacks (py-spy)
     with pytest.raises(ProcessLookupError):
         os.kill(victim["pid"], 0)  # the hung process was killed, not left behind
 
