@@ -2,6 +2,7 @@
 than 2 workers, so the pool's router starts with its initial servers under that policy, and a
 deployment that cannot give it 2 is refused at ``--dry-run`` naming the key."""
 
+import json
 import os
 import subprocess
 import sys
@@ -52,12 +53,20 @@ def test_the_power_of_two_router_gets_the_initial_workers_on_its_command_line(tm
         router_process(9, tmp_path, policy="power_of_two", workers=urls[:1])
 
 
-def test_a_power_of_two_pool_runs_to_the_end(tmp_path):
+def test_a_power_of_two_pool_runs_to_the_end_and_samples_name_their_server(tmp_path):
+    """Also: with ``orchestrator.save_samples``, each sample names the server that sampled it, not
+    the router every request went through."""
     _router_or_skip()
     out = tmp_path / "job"
-    r = _rl("--output_dir", str(out), "--max_steps", "2", "--orchestrator.batch_size", "4",
+    r = _rl("--output_dir", str(out), "--max_steps", "2", "--orchestrator.batch_size", "8",
             "--orchestrator.group_size", "4", "--log.plot", "false", "--inference.num_servers", "2",
-            "--inference.router_policy", "power_of_two")
+            "--inference.router_policy", "power_of_two", "--orchestrator.save_samples", "true")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [0, 1]
     assert "Power-of-two policy requires" not in (out / "logs" / "router.log").read_text()
+    procs = json.loads((out / "processes.json").read_text())
+    servers = {p["url"] for p in procs if p["role"] == "inference"}
+    router = next(p["url"] for p in procs if p["role"] == "router")
+    named = [u for step in (0, 1) for line in (out / "samples" / f"step_{step}.jsonl").read_text().splitlines()
+             for u in json.loads(line)["servers"]]
+    assert len(servers) == 2 and named and set(named) <= servers and router not in named, (servers, set(named))
