@@ -4,7 +4,10 @@ TRITON_INTERPRET must be set before any @triton.jit decorator runs, so it is set
 primerl is imported. primerl.kernels then applies its interpreter corrections itself.
 """
 
+import functools
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,11 +30,28 @@ HAS_CUDA = torch.cuda.is_available()
 torch.utils._device._device_constructors()
 
 
+# pytest-xdist (README's command: -n 2 --dist loadgroup): the test files that start servers or jobs
+# on the config's fixed default ports (P/D 8100/8090, vLLM 8000/8011/8013, broadcast 29600/29610,
+# zmq 29620, nodes / slurm jobs) or run vLLM / verifiers run one at a time, on one worker, in the
+# group "fixed_ports"; every other test is spread over the workers. Found by their source text, so a
+# new file that names these is grouped too (a false positive only costs parallelism).
+_FIXED_PORTS = re.compile(r"reverse_text_pd|inference\.pd|pd\.prefill|zmq|broadcast_port|\"broadcast\"|Broadcast\(|"
+                          r"vllm|metrics_port|\b8000\b|2960|2961|2962|8100|8090|8011|8013|2node|\"nodes\"|slurm|"
+                          r"import verifiers|verifiers_suite|num_servers|router_policy|ServerPool")
+
+
+@functools.lru_cache(maxsize=None)
+def _uses_fixed_ports(path: str) -> bool:
+    return bool(_FIXED_PORTS.search(Path(path).read_text(errors="replace")))
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        if _uses_fixed_ports(str(item.path)):
+            item.add_marker(pytest.mark.xdist_group("fixed_ports"))
 
 
 _INT_POISON = {torch.int8: -99, torch.uint8: 0xA5, torch.int16: -30000, torch.int32: -(2**30), torch.int64: -(2**40)}

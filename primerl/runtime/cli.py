@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = _parser().parse_known_args(argv)
     try:
-        cfg = load_config(args.config, rest)
+        # plan: the config's own checks, not this machine's (a GPU cluster is planned from a laptop)
+        cfg = load_config(args.config, rest, this_machine=args.command != "plan")
     except ConfigError as e:
         print(f"primerl: config error: {e}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["check_packages", "check_output_dir"]
+__all__ = ["check_packages", "check_output_dir", "check_programs"]
 
 
 def _error(key: str, msg: str, value):
@@ -27,12 +27,34 @@ def check_packages(cfg) -> None:
     for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if getattr(cfg.log, key) and not _installed(package):
             raise _error(f"log.{key}", f"needs the {package} package (pip install {package})", True)
+    if cfg.orchestrator.metrics_port and not _installed("prometheus_client"):
+        raise _error("orchestrator.metrics_port", "GET /metrics needs the prometheus-client package "
+                     "(pip install 'primerl[serve]')", cfg.orchestrator.metrics_port)
     if cfg.env.id == "verifiers":
         missing = [m for m in ("verifiers", "verifiers.v1", "renderers") if not _installed(m)]
         if missing:
             raise _error("env.id", f"the verifiers environment needs verifiers 0.4.0 and renderers "
                          f"({', '.join(missing)} not installed: pip install 'primerl[verifiers]'; docs/verifiers.md)",
                          cfg.env.id)
+
+
+def check_programs(cfg) -> None:
+    """``inference.vllm.python``, where this machine starts vLLM with it (a backend that launches
+    servers, ``inference.vllm.launch`` or ``inference.pd``, on a launcher that keeps the job here),
+    is an executable file."""
+    from .inference.backend import get_backend
+    from .launch.kinds import get_launcher
+
+    i = cfg.inference
+    py = i.vllm.python
+    if not py or not (i.vllm.launch or i.pd.enabled) or not get_backend(cfg).capabilities.launch:
+        return
+    if get_launcher(cfg).capabilities.spans_nodes:  # the path is the nodes', not this machine's
+        return
+    p = Path(py).expanduser()
+    if not (p.is_file() and os.access(p, os.X_OK)):
+        raise _error("inference.vllm.python", "is not an executable file on this machine (the interpreter "
+                     "with vLLM installed; docs/vllm.md)", py)
 
 
 def _installed(module: str) -> bool:

@@ -556,9 +556,11 @@ def plan_for_config(cfg: RLConfig, *, device_memory: int = 141 * 10**9, seq_len:
         try:
             vocab = load_environment(cfg.env.id, **cfg.env.args).vocab_size
         except Exception as e:  # e.g. an optional package the environment needs is not installed here
-            raise ConfigError(f"model.vocab_size: 0 takes the environment's vocab_size, and building env.id = "
-                              f"{cfg.env.id!r} here failed ({type(e).__name__}: {e}); set --model.vocab_size for "
-                              "the plan") from None
+            vocab = _tokenizer_vocab(cfg.env.args)  # its tokenizer's size, without the environment's package
+            if vocab is None:
+                raise ConfigError(f"model.vocab_size: 0 takes the environment's vocab_size, and building env.id = "
+                                  f"{cfg.env.id!r} here failed ({type(e).__name__}: {e}); set --model.vocab_size "
+                                  "for the plan") from None
     mc = model_config(cfg, vocab)
     lay = TrainerLayout.from_config(cfg, device)
     if seq_len is not None:
@@ -569,6 +571,25 @@ def plan_for_config(cfg: RLConfig, *, device_memory: int = 141 * 10**9, seq_len:
 
     inf = get_backend(cfg).inference_plan(cfg, mc, lay, device_memory)  # one server of the job's backend
     return Plan(mc, trainer_plan(mc, lay), inf, device_memory, max_seq_len(mc, lay, device_memory))
+
+
+def _tokenizer_vocab(env_args: dict) -> int | None:
+    """The size of ``env.args.tokenizer`` (the vocabulary an environment with a tokenizer has), read
+    without building the environment: the built-in ``builtin:qwen3-tiny`` is ``QWEN3_TINY_VOCAB``
+    ids by construction; a path is loaded with transformers. None without a tokenizer (or transformers)."""
+    tok = env_args.get("tokenizer") if isinstance(env_args, dict) else None
+    if not tok:
+        return None
+    if tok == "builtin:qwen3-tiny":
+        from primerl.rl.envs.vf_tokenizer import QWEN3_TINY_VOCAB
+
+        return QWEN3_TINY_VOCAB
+    try:
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(str(tok)))
+    except Exception:  # noqa: BLE001 - not readable here: the caller asks for model.vocab_size
+        return None
 
 
 def _count(n: float) -> str:

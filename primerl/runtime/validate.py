@@ -41,9 +41,11 @@ so ``primerl rl --dry-run`` refuses a config with one line before anything start
 6. ``trainer.parallel.*`` (and ``trainer.fsdp``, ``trainer.attention``) against
    ``num_trainer_ranks``, the model's heads and dims and the loss (``config/parallel.py``
    ``validate_parallel``).
-7. this machine: ``log.tensorboard`` / ``log.wandb`` / ``env.id = "verifiers"`` need their
-   packages (``job_checks.check_packages``), ``warm_start.steps`` needs the environment's task
-   demonstrations (``check_warm_start_tasks`` below), ``output_dir`` can be written
+7. this machine: ``log.tensorboard`` / ``log.wandb`` / ``env.id = "verifiers"`` /
+   ``orchestrator.metrics_port`` need their packages (``job_checks.check_packages``),
+   ``inference.vllm.python`` is an executable where vLLM is launched here
+   (``job_checks.check_programs``), ``warm_start.steps`` needs the environment's task demonstrations
+   (``check_warm_start_tasks`` below), ``output_dir`` can be written
    (``job_checks.check_output_dir``).
 8. the device placement on this machine's GPUs: ``device``, ``inference.gpu_ids``,
    ``num_trainer_ranks`` against the GPUs, ``trainer.mixed_precision`` against ``trainer.fsdp``,
@@ -68,9 +70,10 @@ from .policy import model_config
 __all__ = ["load_config", "validate", "check_between_sections", "check_warm_start_tasks"]
 
 
-def validate(cfg: RLConfig) -> None:
+def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
     """Every check of ``cfg`` before the job starts (the module docstring lists them); raises
-    ``ConfigError`` naming the key."""
+    ``ConfigError`` naming the key. ``this_machine = False`` (``primerl plan``: planning a cluster
+    from a laptop) leaves out 7. and 8., what this machine has: packages, programs, GPUs."""
     config.validate_fields(cfg)  # 1. every section on its own
     check_backend(cfg)  # 2. inference.backend registered, its capabilities cover the config, its own checks
     check_launcher(cfg)  # 2. deployment.kind registered, its capabilities cover the config, its own checks
@@ -79,17 +82,21 @@ def validate(cfg: RLConfig) -> None:
     if not cfg.model.path:  # 5. a random init: its fields are checked by the model's own config
         model_config(cfg, 1)
     config.validate_parallel(cfg)  # 6.
+    if not this_machine:
+        return
     job_checks.check_packages(cfg)  # 7.
+    job_checks.check_programs(cfg)
     check_warm_start_tasks(cfg)
     job_checks.check_output_dir(cfg.output_dir)
     resolve_placement(cfg)  # 8. device, GPUs, precision and weight path
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, check: bool = True) -> RLConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, check: bool = True,
+                this_machine: bool = True) -> RLConfig:
     """``config.load_config`` (TOML + ``--key.sub value`` overrides), then, with ``check``, ``validate``."""
     cfg = config.load_config(path, overrides, check=False)
     if check:
-        validate(cfg)
+        validate(cfg, this_machine=this_machine)
     return cfg
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 from primerl.kernels.testing import sqnr_db
@@ -34,7 +33,6 @@ def test_default_filter_selects_decoder_matrices():
 
 
 def test_fp8_logits_sqnr():
-    pytest.importorskip("primerl.kernels.fp8_training")
     ref = _fp8_sized_model()
     fp8 = convert_to_fp8(copy.deepcopy(ref), "blockwise")
     assert type(fp8.layers[0].attention.q_proj) is not torch.nn.Linear

@@ -156,8 +156,7 @@ def test_packed_batch_feeds_sequence_level_losses():
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_shard_for_context_splits_every_per_token_tensor(layout):
-    context = pytest.importorskip("primerl.parallel.context",
-                                  reason="primerl.parallel.context (ContextShardPlan, issue 5) not written yet")
+    from primerl.parallel import context  # primerl's own module: an import error fails, never skips
     samples = [_sample(L, i, temperature=0.5 + i, replay=(2, 2)) for i, L in enumerate([5, 6, 9])]
     samples[1].loss_weights = torch.rand(len(samples[1])) + 0.5
     (mbs,) = pack(samples, seq_len=24, num_ranks=1)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from primerl.runtime.cli import main
+from primerl.runtime.config import load_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml"))
 
@@ -20,9 +21,12 @@ def test_every_example_passes_the_dry_run(path, tmp_path, capsys):
     err = capsys.readouterr().err
     gpu = "device = \"cuda\"" in path.read_text() and not torch.cuda.is_available()
     vf = 'id = "verifiers"' in path.read_text() and importlib.util.find_spec("verifiers") is None
-    if gpu or vf:
+    cfg = load_config(path, check=False)
+    v = cfg.inference.vllm
+    vllm = bool(v.launch and v.python) and not Path(v.python).is_file()  # relative to the cwd, like the job's
+    if gpu or vf or vllm:
         assert rc == 2 and err.startswith("primerl: config error: ") and len(err.strip().splitlines()) == 1, err
-        assert ("device:" in err) if gpu else ("env.id:" in err), err
+        assert ("device:" in err) if gpu else ("env.id:" in err) if vf else ("inference.vllm.python:" in err), err
     else:
         assert rc == 0, err
     assert not (tmp_path / "out").exists()  # a dry run writes nothing

@@ -14,6 +14,7 @@ from primerl.runtime.validate import load_config
 from primerl.runtime.launch.machine import run_rl
 from primerl.runtime.launch.threads import run_threads
 from primerl.runtime.metrics import read_metrics
+from primerl.runtime.trainer.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--max_steps", "6", "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
@@ -54,7 +55,7 @@ def _start_until_checkpoint(cfg, tmp_path, *, timeout: float):
 
 
 @pytest.mark.slow
-def test_kill_trainer_then_resume_matches_uninterrupted_run(tmp_path):
+def test_kill_trainer_then_resume_matches_uninterrupted_run(tmp_path, caplog):
     full = run_threads(_cfg(tmp_path / "full"))
     cfg = _cfg(tmp_path / "killed")
     proc = _start_until_checkpoint(cfg, tmp_path, timeout=180)
@@ -64,9 +65,16 @@ def test_kill_trainer_then_resume_matches_uninterrupted_run(tmp_path):
     assert proc.returncode == 1 and "trainer exited with code -9" in err, err
     killed_at = max(r["step"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl"))
     assert killed_at < 5
+    ckpt = latest_checkpoint(tmp_path / "killed" / "checkpoints")[0]  # the step the resume starts at
+    before = [r for r in read_metrics(tmp_path / "killed" / "metrics.jsonl") if r["step"] < ckpt]
     cfg.checkpoint.resume = True
-    resumed = run_threads(cfg)
+    with caplog.at_level("INFO"):
+        resumed = run_threads(cfg)
     _same_run(full, resumed, 6)
+    # resumed, not restarted: the rows before the checkpoint are the killed run's own (a rerun from
+    # step 0 writes them again, with other timings) and the trainer names the step it resumed from
+    assert ckpt >= 2 and resumed[:ckpt] == before
+    assert f"step_{ckpt:06d} (step {ckpt})" in caplog.text, caplog.text[-2000:]
 
 
 @pytest.mark.slow

@@ -133,9 +133,7 @@ def test_kill_orchestrator_mid_broadcast_fails_the_trainer_naming_it(tmp_path):
         assert trainer.poll() is None, "the trainer finished before the kill: the test needs a slower trainer"
         orch.send_signal(signal.SIGKILL)
         orch.wait(10)
-        t0 = time.monotonic()
         rc = trainer.wait(20 + 30)  # its weights timeout, and a margin for a loaded machine
-        took = time.monotonic() - t0
     finally:
         for p in (orch, trainer):
             if p.poll() is None:
@@ -146,7 +144,7 @@ def test_kill_orchestrator_mid_broadcast_fails_the_trainer_naming_it(tmp_path):
     assert "WeightSyncError" in log and "the orchestrator" in log, log[-3000:]
     assert "broadcast of weights version" in log and ("Connection closed by peer" in log
                                                        or "Connection reset by peer" in log), log[-3000:]
-    assert took < 50, took
+    # no wall-clock bound on 2 shared cores: the cause above is the closed connection, not a timeout
 
 
 @pytest.mark.slow

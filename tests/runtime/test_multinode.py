@@ -173,7 +173,13 @@ def test_a_killed_trainer_node_stops_the_job_naming_it_and_resume_continues(tmp_
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no step-2 checkpoint and 2 metrics rows in 300 s"
         time.sleep(0.05)
+    # processes.json lists every process the launcher started: one per (node, role)
+    import json
+
+    rows = json.loads((out / "processes.json").read_text())
+    assert sorted(r["role"] for r in rows) == ["orchestrator", "trainer", "trainer"], rows
     pids = dict(line.split() for line in (out / "pids").read_text().splitlines())
+    assert {r["pid"] for r in rows} == {int(p) for p in pids.values()}
     for pid in _descendants(int(pids["node1-trainer"])):
         try:
             os.kill(pid, 9)
@@ -190,7 +196,12 @@ def test_a_killed_trainer_node_stops_the_job_naming_it_and_resume_continues(tmp_
     res = rl("--checkpoint.resume", "true")
     stdout, stderr = res.communicate(timeout=400)
     assert res.returncode == 0, stderr[-3000:]
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(6))
+    resumed = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(6))
+    # resumed, not restarted: the rows before the checkpoint are the first run's (a rerun from step 0
+    # writes them again, with other timings), and the trainer says where it resumed
+    assert resumed[:2] == before[:2]
+    assert "step_000002 (step 2)" in (out / "logs" / "node0-trainer.log").read_text()
     # and once more on one node (the local default), 2 more steps from the step-6 checkpoint
     one = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(cfg_path),
                           "--checkpoint.resume", "true", "--deployment.kind", "local",

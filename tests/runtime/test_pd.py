@@ -75,6 +75,13 @@ def test_replay_training_on_pd_record_equals_colocated():
     l2, g2 = _replay_loss_grads(trainer, pd)
     assert torch.equal(l1, l2) and g1.keys() == g2.keys() and len(g1) > 0
     assert all(torch.equal(g1[n], g2[n]) for n in g1)
+    # the replayed experts are what the gradients follow: other experts give another loss and other
+    # expert gradients (a MoE that ignored replay_ids would give the same, so the equality above proves nothing)
+    E = trainer.config.num_experts
+    other = dataclasses.replace(pd, routing=((pd.routing.long() + 1) % E).to(pd.routing.dtype))
+    l3, g3 = _replay_loss_grads(trainer, other)
+    assert not torch.equal(l3, l1)
+    assert any(not torch.equal(g1[n], g3[n]) for n in g1 if "expert" in n)
 
 
 def test_prefilled_first_token_can_finish_the_request():

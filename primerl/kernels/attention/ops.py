@@ -30,6 +30,10 @@ def _impl(backend: str):
         return triton_ops if backend == "triton" else triton_ops.MLA
     elif backend == "flash_attn":
         from . import flash_attn_backend as impl
+    elif backend in ("sdpa", "torch") and not _launching_directly():
+        from . import host_ops  # custom ops: their host read of the offsets stays inside (traceable)
+
+        return host_ops.SDPA if backend == "sdpa" else host_ops.TORCH
     elif backend == "sdpa":
         from . import sdpa as impl
     elif backend == "varlen_flash":
@@ -97,22 +101,25 @@ def _launching_directly() -> bool:
 
 
 class _AttentionFn(torch.autograd.Function):
+    """``(out, lse)``, or ``out`` alone when ``lse_grad`` is False (lse is then no output, so a traced
+    graph passes no zero dlse: the backward is the one eager runs, bitwise)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, spec, backend):
+    def forward(ctx, q, k, v, spec, backend, lse_grad=True):
         impl = _impl(backend)
         out, lse = impl.forward(q, k, v, spec, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec, ctx.backend = spec, backend
         ctx.set_materialize_grads(False)
-        return out, lse
+        return (out, lse) if lse_grad else out
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse=None):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = _impl(ctx.backend).backward(dout.contiguous(), q, k, v, out, lse, dlse, ctx.spec)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def attention(
@@ -156,7 +163,9 @@ def attention(
     elif be == "flash_attn":
         out, lse = _impl(be).differentiable(q, k, v, spec)
     else:
-        out, lse = _AttentionFn.apply(q, k, v, spec, be)
+        if not return_lse:
+            return _AttentionFn.apply(q, k, v, spec, be, False)
+        out, lse = _AttentionFn.apply(q, k, v, spec, be, True)
     return (out, lse) if return_lse else out
 
 

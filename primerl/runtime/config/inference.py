@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from .errors import _need
 
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "consistent_hash")
+# vllm-router 0.1.17 refuses to start under these policies with fewer workers ("Power-of-two policy requires at
+# least 2 workers"); the pool's router starts with its initial servers (launch.servers.ROUTER_MIN_WORKERS)
+ROUTER_MIN_WORKERS = {"power_of_two": 2}
 ALL2ALL_BACKENDS = ("", "deepep_high_throughput", "deepep_low_latency", "pplx", "naive", "allgather_reducescatter")
 
 @dataclass
@@ -123,6 +126,11 @@ def check_inference(i: InferenceConfig) -> None:
           i.num_servers)
     _need(i.router_policy in ROUTER_POLICIES, "inference.router_policy",
           "must be consistent_hash, round_robin, power_of_two, cache_aware or random", i.router_policy)
+    workers = len(i.vllm.urls) if i.vllm.urls else i.num_servers
+    need = ROUTER_MIN_WORKERS.get(i.router_policy, 0)
+    _need(not i.pool or workers >= need, "inference.router_policy",
+          f"{i.router_policy!r} needs at least {need} servers behind the router (vllm-router refuses to "
+          f"start with fewer), inference.num_servers / inference.vllm.urls", workers)
     _need(i.max_restarts >= 0, "inference.max_restarts", "must be >= 0", i.max_restarts)
     _need(i.health_timeout_s > 0, "inference.health_timeout_s", "must be > 0", i.health_timeout_s)
     v = i.vllm
@@ -170,6 +178,10 @@ def _check_pd(i: InferenceConfig) -> None:
           "must be a free TCP port apart from the router's and the servers'", pd.router_metrics_port)
     _need(pd.policy in ROUTER_POLICIES, "inference.pd.policy",
           "must be a vllm-router policy (random, round_robin, cache_aware, power_of_two, consistent_hash)", pd.policy)
+    need = ROUTER_MIN_WORKERS.get(pd.policy, 0)
+    _need(pd.prefill >= need and pd.decode >= need, "inference.pd.policy",
+          f"{pd.policy!r} needs at least {need} prefill and {need} decode servers (vllm-router refuses to start "
+          f"with fewer), inference.pd.prefill/decode", (pd.prefill, pd.decode))
     _need(pd.resamples >= 0, "inference.pd.resamples", "must be >= 0", pd.resamples)
     _need(pd.launch_timeout_s > 0, "inference.pd.launch_timeout_s", "must be > 0", pd.launch_timeout_s)
     _need(i.kv_cache, "inference.pd", "needs inference.kv_cache = true (the prefill server hands over its cache)",

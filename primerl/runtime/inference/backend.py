@@ -116,6 +116,11 @@ class InferenceBackend(ABC):
     def describe_placement(self, cfg: "RLConfig", placement) -> str:
         """The ``# inference: ...`` line of ``placement.describe_placement`` (no newline)."""
 
+    def beside_orchestrator(self, cfg: "RLConfig") -> str:
+        """``--dry-run``'s node line: what runs on the orchestrator's node with it for this backend
+        (its in-process engine, the servers and router it or the launcher starts there); "" for nothing."""
+        return f"{self.name} engine" if self.capabilities.engine_in_process else ""
+
     @abstractmethod
     def make_client(self, cfg: "RLConfig", vocab_size: int, *, pool: dict | None = None) -> InferenceClient:
         """The orchestrator's client. ``pool``: ``launch.servers.ServerPool.endpoints()`` of the job's

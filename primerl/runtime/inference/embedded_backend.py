@@ -49,10 +49,34 @@ class EmbeddedBackend(InferenceBackend):
                     f"behind vllm-router (policy {i.router_policy}), supervised (max_restarts {i.max_restarts})\n")
         return "# inference servers: none started (the embedded engine runs in the orchestrator's process)\n"
 
+    def beside_orchestrator(self, cfg) -> str:
+        i = cfg.inference
+        if i.pd.enabled:
+            from .pd_launch import pd_servers
+
+            servers = ", ".join(f"{role} server {h}:{port}" for role, h, port in pd_servers(cfg))
+            return f"P/D (started by the orchestrator): {servers}, vllm-router {i.pd.host}:{i.pd.router_port}"
+        if i.num_servers > 1:
+            return (f"{i.num_servers} inference servers inference-0..{i.num_servers - 1} and a vllm-router (ports "
+                    "chosen at start, listed in output_dir/processes.json)")
+        return "embedded engine"
+
     def describe_placement(self, cfg, placement) -> str:
         from ..launch.kinds import get_launcher
 
         p = placement
+        i = cfg.inference
+        if i.pd.enabled or i.num_servers > 1:  # the engines are the servers', one each
+            from .server import server_device
+
+            kind = "cpu" if p.device == "cpu" else "cuda"
+            n = i.pd.prefill + i.pd.decode if i.pd.enabled else i.num_servers
+            names = ([f"{r}-{k}" for r in ("prefill", "decode") for k in range(getattr(i.pd, r))] if i.pd.enabled
+                     else [f"inference-{k}" for k in range(n)])
+            devs = ", ".join(f"{name} on {server_device(kind, i.gpu_ids, k)}" for k, name in enumerate(names))
+            return (f"# inference: {n} `primerl inference` server processes, each its own embedded engine "
+                    f"({devs}), {str(p.param_dtype).removeprefix('torch.')}; weights by files in "
+                    "output_dir/transport, loaded by each server")
         where = "the CPU" if p.engine_gpu is None else f"cuda:{p.engine_gpu}"
         kv = f"KV cache <= {cfg.inference.kv_cache_gb:g} GB" if cfg.inference.kv_cache_gb else "KV cache uncapped"
         share = " (shared with the trainer, which takes the memory the engine leaves)" if p.shared else ""

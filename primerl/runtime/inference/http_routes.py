@@ -27,8 +27,9 @@ class RouteTable:
     route's response body."""
 
     def __init__(self, engine_thread: EngineThread, pd: PDLeg, weights: WeightRPCs, sessions: SessionStore,
-                 stats: ServerStats, *, model_name: str, max_model_len: int):
+                 stats: ServerStats, *, model_name: str, max_model_len: int, server_url: str = ""):
         self.engine_thread = engine_thread
+        self.server_url = server_url  # named in each completion ("server"): through a router, who sampled it
         self.pd = pd
         self.weights = weights
         self.sessions = sessions
@@ -102,6 +103,8 @@ class RouteTable:
                 choice["token_times"] = c.token_times
             out = {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice],
                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens)}}
+            if self.server_url:  # beyond vLLM's body: the router passes it through to the client
+                out["server"] = self.server_url
             return out if extra is None else {**out, **extra(c)}
 
         fut, extra = self.pd.submit(body, rid, prompt, params)

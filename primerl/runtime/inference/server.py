@@ -113,7 +113,7 @@ class EngineServer:
         self.pd = PDLeg(pd_state, self.engine_thread, self.host, self.port)
         self.weights = WeightRPCs(self.engine_thread, request_timeout)
         self.routes = RouteTable(self.engine_thread, self.pd, self.weights, self.sessions, self.stats,
-                                 model_name=model_name, max_model_len=self.max_model_len)
+                                 model_name=model_name, max_model_len=self.max_model_len, server_url=self.url)
         self._http_thread = None
         log.info("engine server on %s (%s)", self.url, http)
 

@@ -56,6 +56,19 @@ class VLLMBackend(InferenceBackend):
                     f"(port {v.port}; see the node lines)\n")
         return f"# inference servers: none started (the server at {v.url} is the user's)\n"
 
+    def beside_orchestrator(self, cfg) -> str:
+        i, v = cfg.inference, cfg.inference.vllm
+        if i.pd.enabled:
+            from .pd_launch import pd_servers
+
+            servers = ", ".join(f"vLLM {role} {h}:{port}" for role, h, port in pd_servers(cfg))
+            return f"P/D (started by the orchestrator): {servers}, vllm-router {i.pd.host}:{i.pd.router_port}"
+        if v.urls:
+            return f"vllm-router (port chosen at start) in front of {', '.join(v.urls)}"
+        if v.launch and not cfg.deployment.inference_nodes:
+            return f"vLLM server {v.host}:{v.port}"
+        return ""
+
     def describe_placement(self, cfg, placement) -> str:
         i = cfg.inference
         return (f"# inference: vLLM at {i.vllm.url} (GPUs reserved: {i.gpu_ids or 'none'}); "

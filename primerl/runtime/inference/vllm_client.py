@@ -384,8 +384,11 @@ class VLLMClient:
             raise InferenceServerError(f"{self.url}: the completion has no routed_experts (start vLLM with "
                                        "--enable-return-routed-experts, or set inference.capture_routing = false)")
         reason = "stop" if choice.get("finish_reason") == "stop" else "length"
+        # the server that sampled it: primerl's server names itself in the body (through a router too);
+        # vLLM's does not, and the completion is then the URL it was sent to's
+        server = out.get("server") if isinstance(out.get("server"), str) else self.url
         return Completion(req.request_id, list(req.prompt), tokens, lps, routing, reason, version, self.version,
-                          server=self.url)
+                          server=server)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         return list(self._pool.map(self.complete, requests))

@@ -139,8 +139,8 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
         if "inference" in n.roles:
             parts.append(f"inference server (GPUs {list(n.gpus) or 'none'}): {inference_server(cfg, n.host)}")
         if "orchestrator" in n.roles:
-            b = get_backend(cfg)
-            parts.append("orchestrator" + (f" + {b.name} engine" if b.capabilities.engine_in_process else ""))
+            beside = get_backend(cfg).beside_orchestrator(cfg)  # its engine, or the servers and router it starts
+            parts.append("orchestrator" + (f" + {beside}" if beside else ""))
         lines.append(f"# node {n.index} {n.host}: " + "; ".join(parts))
     if spans:
         from ..zmq_transport import batch_transport

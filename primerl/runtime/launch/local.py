@@ -2,7 +2,8 @@
 
 When every host is a 127.x address, ``primerl rl`` starts the nodes on this machine: each process
 in its own working directory ``<output_dir>/nodes/node<i>``, logging to
-``<output_dir>/logs/node<i>-<role>.log`` (``processes.start_process``; the node processes do not
+``<output_dir>/logs/node<i>-<role>.log``, a row each in ``<output_dir>/processes.json``
+(``processes.start_process``; the node processes do not
 die with the launcher: each stops its own group on SIGTERM). ``wait`` prints progress from
 ``metrics.jsonl``; when a node's process fails it names the node, its host and role (with the end
 of its log) and ``stop`` stops the others, each given ``deployment.grace_s`` to finish (a
@@ -22,7 +23,7 @@ from ..config import ConfigError, RLConfig
 from ..heartbeat import HEARTBEAT_DIR_ENV
 from ..lifetime import LAUNCHER_PID_ENV, log_tail
 from ..metrics import ascii_curve, progress_line, read_metrics
-from ..processes import start_process
+from ..processes import ProcessTable, start_process
 from .common import JobFailed
 from .deployment import Node, describe_nodes, is_loopback, node_plan
 from .launcher import LauncherCapabilities, PreparedJob, check_spans_nodes, register_launcher
@@ -100,12 +101,14 @@ class NodesLauncher:
         if not job.quiet:
             print(f"primerl rl: {len(node_plan(cfg).nodes)} local nodes | output_dir {out} | start step "
                   f"{job.start_step} | logs in {out / 'logs'}", flush=True)
+        table = ProcessTable(out / "processes.json")  # a row per node process (the inference node's: its URL)
         for node, role, argv in node_commands(cfg, cfg_path):
             name = f"node{node.index}-{role}"
             wd = out / "nodes" / f"node{node.index}"
             wd.mkdir(parents=True, exist_ok=True)
+            url = f"http://{node.host}:{cfg.inference.vllm.port}" if role == "inference" else None
             procs[name] = (node, role, start_process(argv, name=name, role=role, log_path=out / "logs" / f"{name}.log",
-                                                     env=env, cwd=wd, die_with_parent=False))
+                                                     env=env, cwd=wd, die_with_parent=False, table=table, url=url))
         (out / "pids").write_text("".join(f"{name} {p.pid}\n" for name, (_, _, p) in procs.items()))
 
     def wait(self, job: PreparedJob, *, poll_s: float = 0.2) -> list[dict]:

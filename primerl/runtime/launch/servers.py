@@ -33,6 +33,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..config.inference import ROUTER_MIN_WORKERS  # policies that need workers at the router's start
 from ..heartbeat import dump_stacks
 from ..lifetime import log_tail
 from ..ports import held_port, reserve_port
@@ -73,12 +74,22 @@ def server_process(i: int, cfg_path: str, port: int, log_dir: Path, *, role: str
 def router_process(port: int, log_dir: Path, *, policy: str = "consistent_hash", workers: list[str] = (),
                    prefill: list[str] = (), decode: list[str] = (), request_timeout_s: float = 300.0,
                    host: str = "127.0.0.1", env: dict | None = None, table: ProcessTable | None = None,
-                   extra_args: list[str] = (), metrics_port: int | None = None) -> ManagedProcess:
+                   extra_args: list[str] = (), metrics_port: int | None = None,
+                   startup_timeout_s: float = 600.0) -> ManagedProcess:
     """vllm-router on ``port``, its Prometheus exporter on ``metrics_port`` (None: a held free port).
-    Normal mode: ``workers`` (may be empty: added later with
-    ``/add_worker``) under ``policy``; P/D mode when ``prefill`` and ``decode`` are given
+    Normal mode: ``workers`` (may be empty: added later with ``/add_worker``, except under a policy of
+    ``ROUTER_MIN_WORKERS``) under ``policy``; P/D mode when ``prefill`` and ``decode`` are given
     (``--vllm-pd-disaggregation``). Its own retries are off: the client retries and counts
-    re-dispatches (a dead worker's in-flight request comes back 5xx)."""
+    re-dispatches (a dead worker's in-flight request comes back 5xx). With ``workers``, the router
+    listens once they all answer ``/health`` (checked every second, for at most ``startup_timeout_s``)."""
+    need = ROUTER_MIN_WORKERS.get(policy, 0)
+    if prefill or decode:
+        if need and (len(prefill) < need or len(decode) < need):
+            raise ValueError(f"vllm-router policy {policy!r} needs at least {need} prefill and {need} decode "
+                             f"servers, got {len(prefill)} and {len(decode)}")
+    elif need and len(workers) < need:
+        raise ValueError(f"vllm-router policy {policy!r} needs at least {need} workers at its start, "
+                         f"got {len(workers)}")
     exe = router_executable()
     if not exe.exists():
         raise FileNotFoundError(f"vllm-router is not installed next to {sys.executable} "
@@ -96,7 +107,8 @@ def router_process(port: int, log_dir: Path, *, policy: str = "consistent_hash",
     else:
         args += ["--policy", policy]
         if workers:
-            args += ["--worker-urls", *workers]
+            args += ["--worker-urls", *workers, "--worker-startup-check-interval", "1",
+                     "--worker-startup-timeout-secs", str(max(int(startup_timeout_s), 1))]
     return ManagedProcess("router", "router", args + list(extra_args), Path(log_dir) / "router.log",
                           url=f"http://{host}:{port}", env=env, table=table)
 
@@ -130,9 +142,14 @@ class ServerPool:
         self.servers = [server_process(i, cfg_path, self._ports[i].port, log_dir, role=role, host=host, env=env,
                                        table=table) for i in range(n)]
         self.urls = [s.url for s in self.servers] + list(external_urls)
+        # a policy that cannot start empty gets the initial servers (they hold the seeded initial weights,
+        # the pool's version before any update; a restarted router gets them again and the pool client
+        # takes out any that lacks the current version on its next pass)
+        initial = self.urls if policy in ROUTER_MIN_WORKERS else []
         self.router = router_process(self._ports[n].port, log_dir, policy=policy, request_timeout_s=request_timeout_s,
-                                     host=host, env=env, table=table,
-                                     metrics_port=self._ports[n + 1].port) if router else None
+                                     host=host, env=env, table=table, workers=initial,
+                                     metrics_port=self._ports[n + 1].port,
+                                     startup_timeout_s=startup_timeout_s) if router else None
         self.router_url = self.router.url if self.router else None
         self.failure: str | None = None
         self._up: dict[str, bool] = {}  # server name -> answered /health since its last start

@@ -52,6 +52,13 @@ def render_sbatch(cfg: RLConfig, config_path: str, *, python: str = sys.executab
         tmpl = env.from_string(template.read_text())
     except jinja2.TemplateSyntaxError as e:
         raise ConfigError(f"deployment.sbatch_template: {template}:{e.lineno}: {e.message}") from None
+    try:
+        return _render(tmpl, template, d, plan, out, python, config_path, rdzv, cfg)
+    except jinja2.TemplateError as e:  # e.g. a name the template uses that primerl does not pass
+        raise ConfigError(f"deployment.sbatch_template: {template}: {type(e).__name__}: {e}") from None
+
+
+def _render(tmpl, template, d, plan, out, python, config_path, rdzv, cfg) -> str:
     return tmpl.render(
         template=str(template), job_name=f"primerl-{out.name}", num_nodes=len(plan.nodes),
         gpus_per_node=d.gpus_per_node, sbatch_args=list(d.sbatch_args), grace_s=f"{d.grace_s:g}",
@@ -95,6 +102,9 @@ class SlurmLauncher:
         if cfg.deployment.hosts:
             raise ConfigError("deployment.hosts: comes from SLURM_JOB_NODELIST under kind = 'slurm'; leave it empty, "
                               f"got {cfg.deployment.hosts!r}")
+        # deployment.sbatch_template exists, parses and renders (before --dry-run prints the plan or
+        # anything is written)
+        render_sbatch(cfg, str(Path(cfg.output_dir).resolve() / "config.toml"))
 
     def describe(self, cfg: RLConfig) -> str:
         script = render_sbatch(cfg, str(Path(cfg.output_dir).resolve() / "config.toml"))
