@@ -70,9 +70,9 @@ def test_fp8_pieces_are_deepgemm_blocks_within_fp8_error_and_about_half_the_byte
     assert (blocks <= amax / 16).all(), "e4m3 rounds to 3 mantissa bits: error <= 1/16 of the block's amax"
     assert p.nbytes <= 0.55 * _whole("x", w).nbytes
     assert fp8_transferable("layers.0.ffn.experts.w1", torch.float32, (4, 8, 8))
-    assert not fp8_transferable("embed.weight", torch.float32, (10, 8))
-    assert not fp8_transferable("lm_head.weight", torch.float32, (10, 8))
+    assert fp8_transferable("embed.weight", torch.float32, (10, 8))
     assert not fp8_transferable("layers.0.norm.weight", torch.float32, (8,))
+    assert not fp8_transferable("steps", torch.int64, (10, 8))
 
 
 def test_a_delta_is_bitwise_and_a_wrong_base_or_corruption_is_detected():
@@ -288,12 +288,81 @@ def test_every_fsdp2_rank_sends_its_own_shards_and_the_receiver_assembles_them(t
         assert set(weights) == set(ref)
         for k, t in ref.items():
             want = (t * (1 + v)).bfloat16()
-            if fp8 and k in ("proj.weight", "experts"):
+            if fp8 and k in ("proj.weight", "experts", "embed.weight"):
                 q, sf = quant_per_block((t * (1 + v)).float(), FP8_BLOCK)
                 full = dequant(q, sf, group_shape=FP8_BLOCK, out_dtype=torch.bfloat16)
                 if k == "experts":  # sharded along the experts: the blocks of the full tensor, bitwise
                     assert torch.equal(weights[k], full), k
-                else:  # 4 + 3 rows: other blocks than the full tensor's, within FP8 error
+                else:  # 4 + 3 / 5 + 5 rows: other blocks than the full tensor's, within FP8 error
                     assert (weights[k].float() - t * (1 + v)).abs().max() <= (t * (1 + v)).abs().max() / 16, k
             else:
                 assert torch.equal(weights[k], want), (v, k)
+
+
+# ------------------------------------------------------------------------------- the plan
+def test_update_plan_full_fp8_delta_and_the_command(capsys):
+    from primerl.runtime.cli import main
+    from primerl.runtime.update_plan import estimate_update
+
+    one = {e.form: e for e in estimate_update(1e9, senders=1, receiver_gpus=8, link_gbps=400)}
+    four = {e.form: e for e in estimate_update(1e9, senders=4, receiver_gpus=8, link_gbps=400)}
+    assert one["full"].bytes == 2e9 and 0.5 <= one["fp8"].bytes / one["full"].bytes <= 0.51
+    assert one["full"].seconds == pytest.approx(2e9 / 50e9) and one["full"].bound == "senders"
+    assert four["full"].seconds == pytest.approx(one["full"].seconds / 4)  # sharded: every rank's link
+    assert estimate_update(1e9, senders=64, receiver_gpus=8)[0].bound == "receiver"
+    assert main(["plan", "--config", "examples/reverse_text_4rank.toml", "--link-gbps", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "# weight update (predicted" in out and "4 sending rank(s)" in out
+    assert all(f"#   {f}" in out for f in ("full ", "fp8  ", "delta"))
+    assert main(["plan", "--config", "examples/reverse_text_4rank.toml", "--link-gbps", "-1"]) == 2
+    assert "--link-gbps must be > 0" in capsys.readouterr().err
+
+
+def test_fp8_or_delta_with_a_receiver_that_cannot_take_them_is_refused_at_dry_run(capsys):
+    from primerl.runtime.cli import main
+
+    base = ["rl", "--config", "examples/reverse_text.toml", "--dry-run"]
+    assert main([*base, "--inference.weight_transfer.dtype", "fp8"]) == 2  # files on one machine's CPU
+    assert "inference.weight_transfer.dtype: is a form of the broadcast" in capsys.readouterr().err
+    assert main([*base, "--inference.weight_transfer.delta", "true", "--inference.num_servers", "2"]) == 2
+    assert "inference.weight_transfer.delta: a pool / P/D servers take weights as files" in capsys.readouterr().err
+    assert main([*base, "--inference.weight_transfer.dtype", "fp8", "--inference.backend", "vllm"]) == 2
+    assert "inference.weight_transfer.dtype" in capsys.readouterr().err
+    assert main([*base, "--inference.weight_transfer.full_every", "0"]) == 2
+    assert "inference.weight_transfer.full_every: must be an integer >= 1" in capsys.readouterr().err
+    assert main([*base, "--inference.weight_transfer.dtype", "fp8", "--inference.weight_transfer.delta", "true",
+                 "--inference.weight_update", "broadcast"]) == 0
+
+
+# ------------------------------------------------------------------------------- through the job
+def test_the_job_with_delta_transfer_trains_exactly_as_with_files_and_fp8_runs(tmp_path):
+    """The main task (synchronous, so the same versions are sampled) through the threads launcher:
+    deltas (a full version every 2) give bitwise the run of files; FP8 in transit runs its steps."""
+    from pathlib import Path
+
+    from primerl.runtime.launch.threads import run_threads
+    from primerl.runtime.validate import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    small = ["--max_steps", "4", "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
+             "--orchestrator.max_async_level", "0", "--checkpoint.interval", "0", "--log.plot", "false",
+             "--log.progress", "false", "--orchestrator.weights_timeout_s", "60", "--trainer.batch_timeout_s", "60"]
+
+    def cfg(name, *over):
+        return load_config(root / "examples" / "reverse_text.toml", ["--output_dir", str(tmp_path / name), *small,
+                                                                     *over])
+
+    files = run_threads(cfg("files"))
+    parts: dict = {}
+    delta = run_threads(cfg("delta", "--inference.weight_update", "broadcast", "--inference.broadcast_port",
+                            str(_port()), "--inference.weight_transfer.delta", "true",
+                            "--inference.weight_transfer.full_every", "2",
+                            "--inference.weight_transfer.bucket_mb", "0.05"), parts=parts)
+    for a, b in zip(files, delta, strict=True):
+        assert (a["reward/mean"], a["loss"], a["policy_version"]) == (b["reward/mean"], b["loss"], b["policy_version"])
+    assert parts["client"].receiver.corrupt == 0 and parts["client"].receiver.last_version == 4
+    assert [r["weights/delta_versions"] for r in delta] == [1, 1, 2, 2]  # versions 1..4: delta, full, delta, full
+    assert all(r["weights/wire_fraction"] < 1 for r in delta[::2]) and delta[1]["weights/wire_fraction"] == 1
+    fp8 = run_threads(cfg("fp8", "--inference.weight_update", "broadcast", "--inference.broadcast_port", str(_port()),
+                          "--inference.weight_transfer.dtype", "fp8"))
+    assert [r["step"] for r in fp8] == list(range(4))

@@ -51,12 +51,10 @@ def _numel(shape) -> int:
 
 
 def fp8_transferable(name: str, dtype: torch.dtype, shape) -> bool:
-    """Whether a weight travels as block-FP8 with ``dtype = "fp8"``: a floating 2-D / 3-D weight
-    (``[N, K]`` or experts ``[G, N, K]``) other than the token embedding and the output head (kept
-    in the engine's dtype, as FP8 checkpoints keep them)."""
-    leaf = name.rsplit(".", 2)
-    return (dtype.is_floating_point and len(shape) in (2, 3) and "embed" not in name
-            and not (len(leaf) >= 2 and leaf[-2].endswith("head")))
+    """Whether a weight travels as block-FP8 with ``dtype = "fp8"``: every floating 2-D / 3-D weight
+    (``[N, K]``, experts ``[G, N, K]``; the embedding and the output head too: in transit, what
+    counts is the bytes, and the receiver dequantizes what it does not compute with in FP8)."""
+    return dtype.is_floating_point and len(shape) in (2, 3)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,10 @@ class WeightChannel(ABC):
         """Rank 0: deliver ``tensors`` (``(name, full tensor)`` in the order of ``weights.specs``),
         exhausting the iterator (the other ranks gather in step with it)."""
 
+    def metrics(self) -> dict:
+        """This rank's figures of the last version sent, for the trainer's metrics row ({}: none)."""
+        return {}
+
     def close(self) -> None:
         """The end of the updates (the trainer's ``finally``)."""
 
@@ -267,6 +271,19 @@ class BucketedBroadcast(WeightChannel):
     @property
     def stats(self):
         return None if self.sender is None else self.sender.stats
+
+    def metrics(self) -> dict:
+        """``weights/wire_mb`` and ``weights/raw_mb`` (this rank's last version, on the wire and whole),
+        ``weights/wire_fraction`` (their ratio: what a delta saves), ``weights/send_s``, and the running
+        counts ``weights/delta_versions`` and ``weights/repairs``."""
+        if self.sender is None or not self.sender.stats.last:
+            return {}
+        s = self.sender.stats
+        last = s.last
+        return {"weights/wire_mb": last["wire_bytes"] / 2**20, "weights/raw_mb": last["raw_bytes"] / 2**20,
+                "weights/wire_fraction": last["wire_bytes"] / max(1, last["raw_bytes"]),
+                "weights/send_s": last["seconds"], "weights/delta_versions": s.delta_versions,
+                "weights/repairs": s.repairs}
 
     def close(self) -> None:
         if self.sender is not None:
