@@ -67,7 +67,7 @@ def _port() -> int:
     return p
 
 
-def _worker(rank, T, R, sizes, modes, store, port, tmp, out_q):
+def _worker(rank, T, R, sizes, modes, repeats, store, port, tmp, out_q):
     import torch.distributed as dist
 
     from primerl.runtime.inference.weight_broadcast import receive_update, send_update_stream
@@ -163,75 +163,78 @@ def _worker(rank, T, R, sizes, modes, store, port, tmp, out_q):
         def limit_recv():
             _b(g0, torch.empty(total, dtype=torch.uint8))
 
-        timed("wire limit", limit_send, limit_recv)
-        for mode in modes:
-            if mode == "files":
-                path = os.path.join(tmp, f"v{params}.safetensors")
-                specs = [(n, torch.bfloat16, s) for n, s in shapes]
+        def _modes(modes):
+            for mode in modes:
+                if mode == "files":
+                    path = os.path.join(tmp, f"v{params}.safetensors")
+                    specs = [(n, torch.bfloat16, s) for n, s in shapes]
 
-                def fsend():
-                    it = full_tensors()
+                    def fsend():
+                        it = full_tensors()
+                        if rank == 0:
+                            write_safetensors_stream(path, specs, it)
+                        else:
+                            for _ in it:
+                                pass
+                        dist.barrier()
+
+                    def frecv():
+                        from safetensors.torch import load_file
+
+                        dist.barrier()
+                        load_file(path)
+
+                    timed("files", fsend, frecv)
                     if rank == 0:
-                        write_safetensors_stream(path, specs, it)
-                    else:
-                        for _ in it:
-                            pass
-                    dist.barrier()
+                        os.remove(path)
+                elif mode == "broadcast":
+                    def bsend():
+                        it = full_tensors()
+                        if rank == 0:
+                            send_update_stream(g0, 1, [(n, torch.bfloat16, s) for n, s in shapes], it)
+                        else:
+                            for _ in it:
+                                pass
 
-                def frecv():
-                    from safetensors.torch import load_file
+                    timed("broadcast", bsend, lambda: receive_update(g0))
+                elif mode == "bucketed":
+                    def ksend():
+                        it = full_tensors()
+                        if rank != 0:
+                            for _ in it:
+                                pass
+                            return {}
+                        s = senders.setdefault("bucketed", BucketSender(g0, bucket_bytes=bucket))
+                        return s.send(1, regions(whole=True), (t for _, t in it))
 
-                    dist.barrier()
-                    load_file(path)
+                    timed("bucketed", ksend, lambda: recv_bucketed(1))
+                elif mode in ("sharded", "fp8"):
+                    def ssend(fp8=mode == "fp8"):
+                        s = senders.setdefault(mode, BucketSender(groups[rank], bucket_bytes=bucket))
+                        return s.send(1, regions(fp8), (chunks[p.name] for p in regions(fp8)))
 
-                timed("files", fsend, frecv)
-                if rank == 0:
-                    os.remove(path)
-            elif mode == "broadcast":
-                def bsend():
-                    it = full_tensors()
-                    if rank == 0:
-                        send_update_stream(g0, 1, [(n, torch.bfloat16, s) for n, s in shapes], it)
-                    else:
-                        for _ in it:
-                            pass
+                    timed(mode, ssend, lambda: recv_bucketed(T))
+                elif mode == "delta":
+                    def dsend(step):
+                        s = senders.setdefault("delta", BucketSender(groups[rank], bucket_bytes=bucket, delta=True))
+                        info = {}
+                        if step:
+                            changed = n = 0
+                            gen = torch.Generator().manual_seed(100 + rank)
+                            for name, t in chunks.items():
+                                new = (t.float() + torch.randn(t.shape, generator=gen) * 1e-4).bfloat16()
+                                changed += int((new.view(torch.int16) != t.view(torch.int16)).sum())
+                                n += t.numel()
+                                chunks[name] = new
+                            info["changed"] = changed / n
+                        out = s.send(step, regions(), (chunks[p.name] for p in regions()))
+                        return {**out, **info}
 
-                timed("broadcast", bsend, lambda: receive_update(g0))
-            elif mode == "bucketed":
-                def ksend():
-                    it = full_tensors()
-                    if rank != 0:
-                        for _ in it:
-                            pass
-                        return {}
-                    s = senders.setdefault("bucketed", BucketSender(g0, bucket_bytes=bucket))
-                    return s.send(1, regions(whole=True), (t for _, t in it))
-
-                timed("bucketed", ksend, lambda: recv_bucketed(1))
-            elif mode in ("sharded", "fp8"):
-                def ssend(fp8=mode == "fp8"):
-                    s = senders.setdefault(mode, BucketSender(groups[rank], bucket_bytes=bucket))
-                    return s.send(1, regions(fp8), (chunks[p.name] for p in regions(fp8)))
-
-                timed(mode, ssend, lambda: recv_bucketed(T))
-            elif mode == "delta":
-                def dsend(step):
-                    s = senders.setdefault("delta", BucketSender(groups[rank], bucket_bytes=bucket, delta=True))
-                    info = {}
-                    if step:
-                        changed = n = 0
-                        gen = torch.Generator().manual_seed(100 + rank)
-                        for name, t in chunks.items():
-                            new = (t.float() + torch.randn(t.shape, generator=gen) * 1e-4).bfloat16()
-                            changed += int((new.view(torch.int16) != t.view(torch.int16)).sum())
-                            n += t.numel()
-                            chunks[name] = new
-                        info["changed"] = changed / n
-                    out = s.send(step, regions(), (chunks[p.name] for p in regions()))
-                    return {**out, **info}
-
-                timed("delta (first, full)", lambda: dsend(0), lambda: recv_bucketed(T))
-                timed("delta", lambda: dsend(1), lambda: recv_bucketed(T))
+                    timed("delta (first, full)", lambda: dsend(0), lambda: recv_bucketed(T))
+                    timed("delta", lambda: dsend(1), lambda: recv_bucketed(T))
+        for _rep in range(repeats):
+            timed("wire limit", limit_send, limit_recv)
+            _modes(modes)
         for s in senders.values():
             s._base = None
         chunks.clear()
@@ -254,34 +257,118 @@ def _b(group, t):
     group.broadcast([t], opts).wait()
 
 
-def measure(T: int, R: int, sizes, modes=MODES) -> list[dict]:
+def measure(T: int, R: int, sizes, modes=MODES, repeats: int = 1) -> list[dict]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["OMP_NUM_THREADS"] = "1"
-        mp.start_processes(_worker, args=(T, R, list(sizes), list(modes), os.path.join(tmp, "store"), _port(), tmp, q),
-                           nprocs=T + R, join=True, start_method="spawn")
+        args = (T, R, list(sizes), list(modes), repeats, os.path.join(tmp, "store"), _port(), tmp, q)
+        mp.start_processes(_worker, args=args, nprocs=T + R, join=True, start_method="spawn")
         return q.get()
 
 
 def run(args) -> list[Row]:
+    """``--quick``: 2M parameters, (1, 1) and (2, 2). Otherwise: every mode once at 0.1B (T1 R1,
+    T4 R1, T4 R3) and 0.5B (T4 R1), then the done-when case (0.5B, T4 R1: wire limit, bucketed,
+    sharded) three times interleaved, medians; then the generation stall during an update."""
     if args.quick:
-        plan = [(1, 1, [2e6]), (2, 2, [2e6])]
+        plan = [(1, 1, [2e6], MODES, 1), (2, 2, [2e6], MODES, 1)]
     else:
-        plan = [(1, 1, [1e8]), (4, 1, [1e8, 5e8]), (4, 3, [1e8])]
+        plan = [(1, 1, [1e8], MODES, 1), (4, 1, [1e8, 5e8], MODES, 1), (4, 3, [1e8], MODES, 1),
+                (4, 1, [5e8], ("bucketed", "sharded"), 3)]
     rows = []
-    for T, R, sizes in plan:
-        res = measure(T, R, sizes)
-        limit = {r["params"]: r["seconds"] for r in res if r["mode"] == "wire limit"}
+    for T, R, sizes, modes, repeats in plan:
+        res = measure(T, R, sizes, modes, repeats)
+        by: dict = {}
         for r in res:
-            lim = limit[r["params"]]
+            by.setdefault((r["params"], r["mode"]), []).append(r)
+        for (params, mode), rs in by.items():
+            r = sorted(rs, key=lambda x: x["seconds"])[len(rs) // 2]
+            lim = sorted(x["seconds"] for x in by[(params, "wire limit")])[len(rs) // 2]
             extra = {"x_limit": round(r["seconds"] / lim, 2), "wire_MB": round(r["wire_bytes"] / 2**20, 1),
-                     "x_bf16_bytes": round(r["wire_bytes"] / r["total"], 3)}
+                     "x_bf16_bytes": round(r["wire_bytes"] / r["total"], 3), "n": len(rs)}
             if "changed" in r:
                 extra["bf16_changed"] = round(r["changed"], 3)
-            rows.append(Row("weights", f"{r['params'] / 1e9:.2f}B T{T} R{R}", "bf16", r["mode"], r["seconds"],
+            rows.append(Row("weights", f"{params / 1e9:.2f}B T{T} R{R}", "bf16", mode, r["seconds"],
                             gbps=r["wire_bytes"] / r["seconds"] / 1e9, ratio=lim / r["seconds"],
                             baseline="wire limit (same run)", extra=extra, values=r))
+    st = measure_stall(dim=128 if args.quick else 512, n_layers=2 if args.quick else 8,
+                       bucket_mb=1.0 if args.quick else 4.0)
+    rows.append(Row("weights stall", f"engine {st['model_mb']:.0f} MB", "fp32", "swap between steps",
+                    st["max_gap_during_s"], ratio=st["max_gap_before_s"] / st["max_gap_during_s"],
+                    baseline="longest gap before the update",
+                    extra={k: (round(v, 4) if isinstance(v, float) else v) for k, v in st.items()}, values=st))
     return rows
+
+
+def measure_stall(*, dim: int = 512, n_layers: int = 8, bucket_mb: float = 4.0, steps_before: int = 20) -> dict:
+    """The longest gap between two decode steps of running requests while a version arrives by the
+    bucketed transfer (a sender thread, the engine's receiver threads) and is swapped in between two
+    steps (``load_weights(assign=True)``), against the longest gap before the transfer and against
+    one bucket's load (a copy of ``bucket_mb``)."""
+    import threading
+    from pathlib import Path
+
+    from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
+    from primerl.runtime.inference.weight_buckets import Piece
+    from primerl.runtime.inference.weight_transfer import BucketSender, bucketed_engine_receiver, join_transfer_groups
+    from primerl.runtime.policy import build_model
+    from primerl.runtime.validate import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "examples" / "reverse_text.toml", ["--model.dim", str(dim), "--model.n_layers",
+                                                                 str(n_layers)], check=False)
+    torch.manual_seed(0)
+    model = build_model(cfg, 64, device="cpu", dtype=torch.float32)
+    engine = InferenceEngine(model, max_batch_size=8)
+    new = {k: (v + 0.01).clone() if v.is_floating_point() else v.clone() for k, v in model.state_dict().items()}
+    nbytes = sum(v.numel() * v.element_size() for v in new.values())
+    for i in range(4):
+        engine.add_request(Request(i, [1, 2, 3], SamplingParams(max_new_tokens=4000, seed=i)))
+    port = _port()
+    rx = bucketed_engine_receiver("127.0.0.1", port, sources=1, backend="gloo", device="cpu", timeout_s=120)
+    sent = {}
+
+    def send():
+        group = join_transfer_groups("127.0.0.1", port, sources=1, receivers=1, source=0, store_master=False,
+                                     timeout_s=120)[0]
+        s = BucketSender(group, bucket_bytes=int(bucket_mb * 2**20))
+        regions = [Piece(k, str(v.dtype).removeprefix("torch."), tuple(v.shape), (0,) * v.dim(), tuple(v.shape))
+                   for k, v in new.items()]
+        sent["t0"] = time.monotonic()
+        s.send(1, regions, list(new.values()))
+        s.close()
+
+    gaps_before, gaps_during = [], []
+    t = time.monotonic()
+    for _ in range(steps_before):
+        engine.step()
+        now = time.monotonic()
+        gaps_before.append(now - t)
+        t = now
+    th = threading.Thread(target=send)
+    th.start()
+    swap = None
+    while swap is None or len(gaps_during) < steps_before:
+        if swap is None and rx.versions():
+            t_swap = time.monotonic()
+            engine.load_weights(rx.take(1), 1, assign=True)
+            swap = time.monotonic() - t_swap
+        engine.step()
+        now = time.monotonic()
+        gaps_during.append(now - t)
+        t = now
+    th.join()
+    rx.close(timeout=30)
+    assert engine.policy_version == 1 and torch.equal(model.state_dict()[next(iter(new))], next(iter(new.values())))
+    a = torch.empty(int(bucket_mb * 2**20), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    t = time.monotonic()
+    for _ in range(5):
+        b.copy_(a)
+    bucket_load = (time.monotonic() - t) / 5
+    return {"model_mb": nbytes / 2**20, "step_median_s": sorted(gaps_before)[len(gaps_before) // 2],
+            "max_gap_before_s": max(gaps_before), "max_gap_during_s": max(gaps_during), "swap_s": swap,
+            "bucket_load_s": bucket_load, "steps_during": len(gaps_during)}
