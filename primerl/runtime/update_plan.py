@@ -75,8 +75,9 @@ def format_update_plan(cfg, params: float, *, link_gbps: float = 400.0) -> str:
     w = cfg.inference.weight_transfer
     senders = cfg.num_trainer_ranks if w.sharded else 1
     receiver_gpus = max(1, cfg.inference.vllm.tensor_parallel) if cfg.inference.backend == "vllm" else 1
-    nvlink = not cfg.deployment.inference_nodes and cfg.deployment.orchestrator != "own" \
-        and cfg.deployment.trainer_nodes == 1
+    d = cfg.deployment  # NVLink: the trainer ranks and the receiver's GPUs fit one node of 8 GPUs
+    nvlink = (not d.inference_nodes and d.orchestrator != "own" and d.trainer_nodes == 1
+              and cfg.num_trainer_ranks + receiver_gpus <= 8)
     where = f"NVLink {NVLINK_GBS:g} GB/s per GPU (one node)" if nvlink else f"{link_gbps:g} Gb/s per GPU link"
     lines = [f"# weight update (predicted, primerl.runtime.update_plan): {params / 1e9:.4g}B parameters, "
              f"{senders} sending rank(s), a receiver of {receiver_gpus} GPU(s), {where}"]
