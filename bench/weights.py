@@ -328,19 +328,25 @@ def measure_stall(*, dim: int = 512, n_layers: int = 8, bucket_mb: float = 4.0, 
     for i in range(4):
         engine.add_request(Request(i, [1, 2, 3], SamplingParams(max_new_tokens=4000, seed=i)))
     port = _port()
-    rx = bucketed_engine_receiver("127.0.0.1", port, sources=1, backend="gloo", device="cpu", timeout_s=120)
-    sent = {}
+    rx = bucketed_engine_receiver("127.0.0.1", port, sources=1, backend="gloo", device="cpu", timeout_s=300)
+    go, joined = threading.Event(), threading.Event()
 
-    def send():
+    def send():  # both ends join the group before the steps are timed
         group = join_transfer_groups("127.0.0.1", port, sources=1, receivers=1, source=0, store_master=False,
-                                     timeout_s=120)[0]
+                                     timeout_s=300)[0]
         s = BucketSender(group, bucket_bytes=int(bucket_mb * 2**20))
         regions = [Piece(k, str(v.dtype).removeprefix("torch."), tuple(v.shape), (0,) * v.dim(), tuple(v.shape))
                    for k, v in new.items()]
-        sent["t0"] = time.monotonic()
+        joined.set()
+        go.wait()
         s.send(1, regions, list(new.values()))
         s.close()
 
+    th = threading.Thread(target=send)
+    th.start()
+    joined.wait(300)
+    while not rx.receivers:
+        time.sleep(0.05)
     gaps_before, gaps_during = [], []
     t = time.monotonic()
     for _ in range(steps_before):
@@ -348,10 +354,11 @@ def measure_stall(*, dim: int = 512, n_layers: int = 8, bucket_mb: float = 4.0, 
         now = time.monotonic()
         gaps_before.append(now - t)
         t = now
-    th = threading.Thread(target=send)
-    th.start()
+    go.set()
     swap = None
     while swap is None or len(gaps_during) < steps_before:
+        if swap is None and not th.is_alive():
+            rx.wait_version(1, timeout=60)  # raises when the sender ended without delivering the version
         if swap is None and rx.versions():
             t_swap = time.monotonic()
             engine.load_weights(rx.take(1), 1, assign=True)
