@@ -7,7 +7,8 @@
     primerl vllm-command --config ...   (print the `vllm serve` command the config maps to)
     primerl node         --config ... --role trainer|orchestrator|inference [--node-rank R] [--rdzv HOST:PORT]
                          (one node of a multi-node job, [deployment]; rank from SLURM_NODEID if not given)
-    primerl plan         --config ... [--device-memory 141GB] [--seq-len N]   (the memory plan)
+    primerl plan         --config ... [--device-memory 141GB] [--seq-len N] [--link-gbps 400]
+                         (the memory plan, and the predicted weight-update time)
 
 Every subcommand takes the same config file and overrides, so a cluster can run the pieces
 separately against one ``output_dir`` on a shared filesystem.
@@ -40,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=None, help="node: index in the plan (default: SLURM_NODEID)")
     p.add_argument("--rdzv", default=None, help="node: rendezvous HOST:PORT (default: deployment.rdzv_endpoint)")
     p.add_argument("--device-memory", default="141GB", help="plan / --dry-run: memory of one device (141GB, 80GiB)")
+    p.add_argument("--link-gbps", type=float, default=400.0,
+                   help="plan: one GPU's network link in Gb/s for the predicted weight-update time (default 400, RDMA)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="plan: tokens per micro-batch (default orchestrator.seq_len)")
     return p
@@ -52,7 +55,17 @@ def _memory_plan(cfg, args) -> str:
         device_memory = parse_bytes(args.device_memory)
     except ValueError as e:
         raise ConfigError(f"--device-memory: {e}") from None
-    return format_plan(plan_for_config(cfg, device_memory=device_memory, seq_len=args.seq_len))
+    plan = plan_for_config(cfg, device_memory=device_memory, seq_len=args.seq_len)
+    return format_plan(plan) + _update_plan(cfg, plan, args)
+
+
+def _update_plan(cfg, plan, args) -> str:
+    from .memory_plan import param_counts
+    from .update_plan import format_update_plan
+
+    if not args.link_gbps > 0:
+        raise ConfigError(f"--link-gbps must be > 0, got {args.link_gbps}")
+    return format_update_plan(cfg, param_counts(plan.model).total, link_gbps=args.link_gbps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plan = _memory_plan(cfg, args)
         except ConfigError as e:
-            if args.command == "plan" or e.args[0].startswith("--device-memory"):
+            if args.command == "plan" or e.args[0].startswith(("--device-memory", "--link-gbps")):
                 print(f"primerl: config error: {e}", file=sys.stderr)
                 return 2
             plan = f"# memory plan: not made: {e}\n"  # the dry run's checks passed; say why there is no plan

@@ -67,7 +67,7 @@ from .launch.kinds import check_launcher
 from .placement import resolve_placement
 from .policy import model_config
 
-__all__ = ["load_config", "validate", "check_between_sections", "check_warm_start_tasks"]
+__all__ = ["load_config", "validate", "check_between_sections", "check_warm_start_tasks", "check_weight_transfer"]
 
 
 def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
@@ -88,7 +88,24 @@ def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
     job_checks.check_programs(cfg)
     check_warm_start_tasks(cfg)
     job_checks.check_output_dir(cfg.output_dir)
-    resolve_placement(cfg)  # 8. device, GPUs, precision and weight path
+    check_weight_transfer(resolve_placement(cfg), cfg)  # 8. device, GPUs, precision and weight path
+
+
+def check_weight_transfer(placement, cfg: RLConfig) -> None:
+    """``inference.weight_transfer.dtype = "fp8"`` / ``delta`` against the placement's weight path:
+    both are forms of the bucketed broadcast (files carry the engine's dtype in full; a pool or P/D
+    servers load files)."""
+    w, i = cfg.inference.weight_transfer, cfg.inference
+    for key, asked in (("dtype", w.dtype != "auto"), ("delta", w.delta)):
+        if not asked:
+            continue
+        value = getattr(w, key)
+        _need(not (i.pool or i.pd.enabled), f"inference.weight_transfer.{key}",
+              "a pool / P/D servers take weights as files (full, in the engine's dtype); the bucketed transfer's "
+              "FP8 / delta forms reach the embedded engine by broadcast", value)
+        _need(placement.weight_update == "broadcast", f"inference.weight_transfer.{key}",
+              "is a form of the broadcast, but the weights go by files here (set inference.weight_update = "
+              "'broadcast')", value)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, check: bool = True,

@@ -15,8 +15,8 @@ from primerl.runtime.inference.backend import (BACKENDS, BackendCapabilities, In
                                                get_backend, register_backend)
 from primerl.runtime.inference.embedded_backend import EmbeddedBackend
 from primerl.runtime.inference.hf_weights import hf_stream, hf_weights, publish_hf
-from primerl.runtime.inference.weight_channels import (EngineBroadcast, FileChannel, HFFileChannel, ServerBroadcast,
-                                                       WeightVersions)
+from primerl.runtime.inference.weight_channels import (BucketedBroadcast, EngineBroadcast, FileChannel, HFFileChannel,
+                                                       ServerBroadcast, WeightVersions)
 from primerl.runtime.inference.weight_sync import (BroadcastWeightSender, EngineWeightReceiver, FileWeightVersions,
                                                    ServerWeightVersions)
 from primerl.runtime.trainer.publish import WeightStream, weight_specs
@@ -169,7 +169,7 @@ def test_each_backend_chooses_its_channel(tmp_path):
 
     assert type(channel("--inference.weight_update", "filesystem")) is FileChannel
     bc = channel("--inference.weight_update", "broadcast", rank=1)
-    assert type(bc) is EngineBroadcast and bc.sender is None  # ranks other than 0 only gather
+    assert type(bc) is BucketedBroadcast and bc.sender is None and bc.sharded  # every rank joins at its first publish
     hf = channel("--inference.backend", "vllm", "--inference.vllm.update_fp8", "true")
     assert type(hf) is HFFileChannel and hf.fp8
     sb = channel("--inference.backend", "vllm", "--inference.vllm.weight_update", "broadcast")

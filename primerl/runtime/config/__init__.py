@@ -31,13 +31,14 @@ from .parse import apply_override, from_dict, load_config, parse_overrides, to_d
 from .schema import (  # noqa: F401
     CheckpointConfig, DeploymentConfig, EnvConfig, InferenceConfig, LogConfig, LossConfig,
     ModelConfig, OrchestratorConfig, PDConfig, ParallelConfig, RLConfig, TrainerConfig, VLLMConfig,
-    WarmStartConfig
+    WarmStartConfig, WeightTransferConfig
 )
 
 __all__ = [
     "CP_KINDS", "CheckpointConfig", "ConfigError", "DeploymentConfig", "EnvConfig", "FP8_RECIPES",
     "InferenceConfig", "LogConfig", "LossConfig", "ModelConfig", "OrchestratorConfig", "PDConfig",
-    "ParallelConfig", "RLConfig", "TrainerConfig", "VLLMConfig", "WarmStartConfig", "apply_override",
+    "ParallelConfig", "RLConfig", "TrainerConfig", "VLLMConfig", "WarmStartConfig", "WeightTransferConfig",
+    "apply_override",
     "cp_degrees", "describe_cp", "describe_parallel", "from_dict", "load_config", "parallel_dims",
     "parse_overrides", "to_dict", "to_toml", "validate", "validate_cp_split",
     "validate_fields", "validate_finite", "validate_names", "validate_parallel"

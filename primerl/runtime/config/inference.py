@@ -72,6 +72,40 @@ class PDConfig:
         return self.prefill > 0 or self.decode > 0
 
 
+TRANSFER_DTYPES = ("auto", "fp8")
+
+
+@dataclass
+class WeightTransferConfig:
+    """``[inference.weight_transfer]`` (issue 42): how a broadcast moves one version (the bucketed
+    channel of ``inference.weight_transfer``; files are written as before).
+
+    ``bucket_mb``: tensors are packed into flat buckets of this size, the next one packed while the
+    previous is on the wire. ``dtype``: "auto" (the engine's dtype) or "fp8" (block-scaled e4m3,
+    128x128 blocks, for every 2-/3-D weight but the embedding and the output head). ``delta``: xor
+    with the previous version + zstd, per bucket, with a checksum; a full version every
+    ``full_every`` versions and whenever a receiver is new or its checksum disagreed. ``sharded``:
+    every trainer rank sends the shards it owns (false: rank 0 gathers and sends everything)."""
+
+    bucket_mb: float = 64.0
+    dtype: str = "auto"
+    delta: bool = False
+    full_every: int = 10
+    sharded: bool = True
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
+
+
+def check_weight_transfer(w: WeightTransferConfig) -> None:
+    _need(w.bucket_mb > 0, "inference.weight_transfer.bucket_mb", "must be > 0", w.bucket_mb)
+    _need(w.dtype in TRANSFER_DTYPES, "inference.weight_transfer.dtype",
+          "must be 'auto' (the engine's dtype) or 'fp8'", w.dtype)
+    _need(isinstance(w.full_every, int) and not isinstance(w.full_every, bool) and w.full_every >= 1,
+          "inference.weight_transfer.full_every", "must be an integer >= 1", w.full_every)
+
+
 @dataclass
 class InferenceConfig:
     backend: str = "embedded"  # "embedded" (this process, CPU or one GPU) or "vllm"
@@ -94,6 +128,7 @@ class InferenceConfig:
     timeout_s: float = 300.0  # one generation batch
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     pd: PDConfig = field(default_factory=PDConfig)
+    weight_transfer: WeightTransferConfig = field(default_factory=WeightTransferConfig)
     # > 1: that many `primerl inference` server processes (each its own engine) behind vllm-router;
     # 1: the engine inside the orchestrator (launch.servers, inference.pool_client)
     num_servers: int = 1
@@ -118,6 +153,7 @@ def check_inference(i: InferenceConfig) -> None:
     _need(i.router_noise >= 0, "inference.router_noise", "must be >= 0", i.router_noise)
     _check_vllm(i.vllm)
     _check_pd(i)
+    check_weight_transfer(i.weight_transfer)
     _need(i.kv_cache_gb >= 0, "inference.kv_cache_gb", "must be >= 0 (0: no cap)", i.kv_cache_gb)
     _need(i.weight_update in ("auto", "filesystem", "broadcast"), "inference.weight_update",
           "must be auto, filesystem or broadcast", i.weight_update)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .deployment import DeploymentConfig
 from .errors import ConfigError, _need
-from .inference import InferenceConfig, PDConfig, VLLMConfig
+from .inference import InferenceConfig, PDConfig, VLLMConfig, WeightTransferConfig
 from .model import ModelConfig
 from .orchestrator import OrchestratorConfig
 from .parallel import ParallelConfig
@@ -21,7 +21,8 @@ from .trainer import LossConfig, TrainerConfig
 
 __all__ = ["CheckpointConfig", "ConfigError", "DeploymentConfig", "EnvConfig", "InferenceConfig", "LogConfig",
            "LossConfig", "ModelConfig", "OrchestratorConfig", "PDConfig", "ParallelConfig", "RLConfig",
-           "TrainerConfig", "VLLMConfig", "WarmStartConfig", "_need", "check_env", "check_env_names", "check_root"]
+           "TrainerConfig", "VLLMConfig", "WarmStartConfig", "WeightTransferConfig", "_need", "check_env",
+           "check_env_names", "check_root"]
 
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -62,6 +62,8 @@ class BackendCapabilities:
     # the engine runs in the orchestrator's process on a device the placement picks
     # (inference.gpu_ids[0]); False: its servers run elsewhere, on the GPUs inference.gpu_ids reserves
     engine_in_process: bool = False
+    # takes the bucketed transfer's FP8 / delta forms (inference.weight_transfer.dtype / delta)
+    weight_transfer: bool = False
 
 
 @runtime_checkable
@@ -219,6 +221,13 @@ def check_backend(cfg: "RLConfig") -> None:
         raise _refuse("inference.vllm.urls", b, "external servers behind a router", "external_servers", v.urls)
     if v.launch and not c.launch:
         raise _refuse("inference.vllm.launch", b, "starting the backend's own server", "launch", v.launch)
+    wt = i.weight_transfer
+    if wt.dtype != "auto" and not c.weight_transfer:
+        raise _refuse("inference.weight_transfer.dtype", b, f"{wt.dtype!r} in transit needs a receiver that takes "
+                      "the bucketed transfer", "weight_transfer", wt.dtype)
+    if wt.delta and not c.weight_transfer:
+        raise _refuse("inference.weight_transfer.delta", b, "a delta needs a receiver that takes the bucketed "
+                      "transfer", "weight_transfer", wt.delta)
     if cfg.deployment.inference_nodes and not c.inference_nodes:
         raise _refuse("deployment.inference_nodes", b, "inference servers on nodes of their own", "inference_nodes",
                       cfg.deployment.inference_nodes)

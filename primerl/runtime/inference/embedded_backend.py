@@ -19,7 +19,7 @@ class EmbeddedBackend(InferenceBackend):
     name = "embedded"
     capabilities = BackendCapabilities(pd=True, broadcast=True, routed_experts=True, server_pool=True,
                                        external_servers=False, launch=False, inference_nodes=False,
-                                       engine_in_process=True)
+                                       engine_in_process=True, weight_transfer=True)
 
     def check(self, cfg) -> None:
         from ..config import ConfigError
@@ -121,24 +121,38 @@ class EmbeddedBackend(InferenceBackend):
     # ------------------------------------------------------------------ trainer side
     def weight_channel(self, cfg, *, model, transport, rank):
         from ..placement import resolve_placement
-        from .weight_channels import EngineBroadcast, FileChannel
+        from .weight_channels import BucketedBroadcast, FileChannel
 
         placement = resolve_placement(cfg)
         if placement.weight_update != "broadcast":
             return FileChannel(transport, rank=rank)
-        sender = None
-        if rank == 0:
-            import os
+        w = cfg.inference.weight_transfer
+        sources = cfg.num_trainer_ranks if w.sharded else 1
 
-            from ..transport import ORCHESTRATOR_NODE_ENV
-            from .weight_sync import BroadcastWeightSender, engine_broadcast_host
+        def join(source: int):
+            from .weight_sync import WeightSyncError, engine_broadcast_host
+            from .weight_transfer import join_transfer_groups
 
-            who = os.environ.get(ORCHESTRATOR_NODE_ENV) or "the orchestrator"
-            sender = BroadcastWeightSender(engine_broadcast_host(), cfg.inference.broadcast_port, 1,
-                                           timeout_s=cfg.orchestrator.weights_timeout_s,
-                                           backend=placement.broadcast_backend, store_rank=1,
-                                           peer=f"{who} (embedded engine's receiver)")
-        return EngineBroadcast(sender, transport, rank=rank, dtype=placement.param_dtype)
+            host, port = engine_broadcast_host(), cfg.inference.broadcast_port
+            try:
+                return join_transfer_groups(host, port, sources=sources, receivers=1, source=source, store_master=False,
+                                            timeout_s=cfg.orchestrator.weights_timeout_s,
+                                            backend=placement.broadcast_backend)[source]
+            except Exception as e:  # noqa: BLE001 (the store raises a bare RuntimeError/DistNetworkError on timeout)
+                raise WeightSyncError(f"weight transfer group at {host}:{port}: {_orchestrator()} "
+                                      f"did not join within {cfg.orchestrator.weights_timeout_s} s ({e})") from e
+
+        return BucketedBroadcast(join, transport if rank == 0 else None, rank=rank, dtype=placement.param_dtype,
+                                 bucket_bytes=w.bucket_bytes, fp8=w.dtype == "fp8", delta=w.delta,
+                                 full_every=w.full_every, sharded=w.sharded, peer=_orchestrator())
+
+
+def _orchestrator() -> str:
+    import os
+
+    from ..transport import ORCHESTRATOR_NODE_ENV
+
+    return f"{os.environ.get(ORCHESTRATOR_NODE_ENV) or 'the orchestrator'} (embedded engine's receiver)"
 
 
 register_backend("embedded", EmbeddedBackend())

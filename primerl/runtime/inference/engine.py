@@ -194,9 +194,12 @@ class InferenceEngine:
 
     # ---------------------------------------------------------------- weights
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy new policy weights in (in-flight requests continue with them, keeping their cache)."""
-        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, *, assign: bool = False) -> None:
+        """Copy new policy weights in (in-flight requests continue with them, keeping their cache).
+        ``assign``: take the tensors themselves instead of copying (fresh tensors in the engine's
+        dtype and device that nobody else holds, e.g. a received version): the swap between two
+        steps then costs no copy of the model."""
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False, assign=assign)
         if missing or unexpected:
             raise EngineError(f"weight update does not match the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}")

@@ -19,6 +19,8 @@ Channels (one class each, chosen by the backend):
                            the orchestrator process (in the engine's dtype), then a marker
 :class:`ServerBroadcast`   broadcast of the Hugging Face tensors (``fp8`` optional) to vLLM-protocol
                            workers, then a marker once every receiver acknowledged
+:class:`BucketedBroadcast` ``inference.weight_transfer``: buckets, pipelined, sharded (every rank
+                           sends its shards), FP8 in transit, deltas (``weight_transfer``)
 =========================  =====================================================================
 
 The receiving side is a ``WeightVersions`` (``weight_sync``): ``versions()``,
@@ -41,7 +43,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("primerl.weight_sync")
 
-__all__ = ["EngineBroadcast", "FileChannel", "HFFileChannel", "ServerBroadcast", "WeightChannel", "WeightVersions",
+__all__ = ["BucketedBroadcast", "EngineBroadcast", "FileChannel", "HFFileChannel", "ServerBroadcast", "WeightChannel",
+           "WeightVersions",
            "fp8_stream"]
 
 
@@ -85,6 +88,10 @@ class WeightChannel(ABC):
              tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Rank 0: deliver ``tensors`` (``(name, full tensor)`` in the order of ``weights.specs``),
         exhausting the iterator (the other ranks gather in step with it)."""
+
+    def metrics(self) -> dict:
+        """This rank's figures of the last version sent, for the trainer's metrics row ({}: none)."""
+        return {}
 
     def close(self) -> None:
         """The end of the updates (the trainer's ``finally``)."""
@@ -193,6 +200,90 @@ class ServerBroadcast(WeightChannel):
         self.sender.send_stream(version, specs, hf)
         self.transport.publish_weights(version, None)
         log.info("weights version %d broadcast to %d receiver(s)", version, self.sender.num_receivers)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+class BucketedBroadcast(WeightChannel):
+    """The bucketed transfer (``inference.weight_transfer``, protocol in ``weight_transfer``): pieces
+    packed into buckets of ``bucket_bytes``, bucket i+1 packed while bucket i is on the wire, in the
+    engine's ``dtype`` or block-FP8 (``fp8``), whole or as deltas (``delta``, ``full_every``).
+    ``sharded``: every trainer rank sends the regions it owns (``WeightStream.owned``: FSDP2 / EP
+    shards, replicated tensors shared out) to the receivers over a group of its own; otherwise rank 0
+    gathers one full tensor at a time and sends everything. ``join(source)`` makes a rank's
+    ``BucketSender`` (``None`` on the ranks that send nothing). ``close()`` sends the end of updates."""
+
+    to_cpu = False
+
+    def __init__(self, join: Callable[[int], object], transport: "FileTransport | None", *, rank: int,
+                 dtype: torch.dtype, bucket_bytes: int, fp8: bool = False, delta: bool = False, full_every: int = 10,
+                 sharded: bool = True, peer: str = "the receivers"):
+        super().__init__(rank=rank)
+        self.peer = peer
+        self._join, self.transport, self.dtype, self.fp8 = join, transport, dtype, fp8
+        self.bucket_bytes, self.delta, self.full_every, self.sharded = bucket_bytes, delta, full_every, sharded
+        self.sender = None
+
+    def _sender(self):
+        if self.sender is None:
+            from .weight_transfer import BucketSender
+
+            group = self._join(self.rank)
+            self.sender = BucketSender(group, bucket_bytes=self.bucket_bytes, delta=self.delta,
+                                       full_every=self.full_every)
+        return self.sender
+
+    def piece(self, name: str, dtype: torch.dtype, shape, offset, size):
+        from .weight_buckets import Piece, fp8_transferable
+
+        out = self.dtype if dtype.is_floating_point else dtype
+        return Piece(name, str(out).removeprefix("torch."), tuple(shape), tuple(offset), tuple(size),
+                     self.fp8 and fp8_transferable(name, dtype, shape))
+
+    def publish(self, version: int, weights: "WeightStream") -> None:
+        from .weight_sync import WeightSyncError
+
+        if not self.sharded and self.rank != 0:
+            weights.drain()
+            return
+        owned = weights.owned() if self.sharded else None  # collective: before anything that can fail alone
+        sender = self._sender()
+        try:
+            if owned is not None:
+                regions = [self.piece(n, d, s, o, tuple(t.shape)) for n, d, s, o, t in owned]
+                sender.send(version, regions, (t for *_, t in owned))
+            else:
+                self.send(version, weights, weights.tensors(to_cpu=self.to_cpu))
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a receiver that died or timed out
+            raise WeightSyncError(f"broadcast of weights version {version} from trainer rank {self.rank} failed (the "
+                                  f"receivers, {self.peer}, died or timed out): {e}") from e
+        if self.rank == 0 and self.transport is not None:
+            self.transport.publish_weights(version, None)
+
+    def send(self, version, weights, tensors) -> None:
+        regions = [self.piece(n, d, s, (0,) * len(s), s) for n, d, s in weights.specs]
+        self._sender().send(version, regions, (t for _, t in tensors))
+
+    @property
+    def stats(self):
+        return None if self.sender is None else self.sender.stats
+
+    def metrics(self) -> dict:
+        """``weights/wire_mb`` and ``weights/raw_mb`` (this rank's last version, on the wire and whole),
+        ``weights/wire_fraction`` (their ratio: what a delta saves), ``weights/send_s``, and the running
+        counts ``weights/delta_versions`` and ``weights/repairs``."""
+        if self.sender is None or not self.sender.stats.last:
+            return {}
+        s = self.sender.stats
+        last = s.last
+        return {"weights/wire_mb": last["wire_bytes"] / 2**20, "weights/raw_mb": last["raw_bytes"] / 2**20,
+                "weights/wire_fraction": last["wire_bytes"] / max(1, last["raw_bytes"]),
+                "weights/send_s": last["seconds"], "weights/delta_versions": s.delta_versions,
+                "weights/repairs": s.repairs}
 
     def close(self) -> None:
         if self.sender is not None:

@@ -211,17 +211,29 @@ class EngineWeightReceiver:
         self._thread.start()
         return self
 
-    def _run(self) -> None:
-        from .weight_broadcast import new_group, receive_update
+    def _join(self):
+        """This receiver's group(s) (``_receive`` takes them; ``_leave`` shuts them)."""
+        from .weight_broadcast import new_group
 
+        return new_group(self.host, self.port, 1, 2, timeout_s=self.timeout_s, backend=self.backend, store_rank=1)
+
+    def _receive(self, group) -> tuple[int, dict]:
+        from .weight_broadcast import receive_update
+
+        return receive_update(group, self.device)
+
+    def _leave(self, group) -> None:
+        _shutdown(group)
+
+    def _run(self) -> None:
         group = None
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
                 torch.cuda.set_stream(torch.cuda.Stream(self.device))  # this thread's current stream
-            group = new_group(self.host, self.port, 1, 2, timeout_s=self.timeout_s, backend=self.backend, store_rank=1)
+            group = self._join()
             while True:
-                version, weights = receive_update(group, self.device)
+                version, weights = self._receive(group)
                 if version == END_OF_UPDATES:
                     break
                 if self.device.type == "cuda":
@@ -237,7 +249,7 @@ class EngineWeightReceiver:
                 self._cv.notify_all()
             return
         finally:
-            _shutdown(group)
+            self._leave(group)
         with self._cv:
             self._ended = True
             self._cv.notify_all()

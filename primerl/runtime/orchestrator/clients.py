@@ -94,10 +94,13 @@ def make_embedded_client(cfg: RLConfig, vocab_size: int):
     log.info("embedded engine on %s in %s; weights by %s", device, placement.param_dtype, placement.weight_update)
     receiver = None
     if placement.weight_update == "broadcast":
-        from ..inference.weight_sync import EngineWeightReceiver, engine_broadcast_host
+        from ..inference.weight_sync import engine_broadcast_host
+        from ..inference.weight_transfer import bucketed_engine_receiver
 
-        receiver = EngineWeightReceiver(engine_broadcast_host(), i.broadcast_port, backend=placement.broadcast_backend,
-                                        device=device, timeout_s=cfg.orchestrator.weights_timeout_s).start()
+        sources = cfg.num_trainer_ranks if i.weight_transfer.sharded else 1
+        receiver = bucketed_engine_receiver(engine_broadcast_host(), i.broadcast_port, sources=sources,
+                                            backend=placement.broadcast_backend, device=device,
+                                            timeout_s=cfg.orchestrator.weights_timeout_s)
     return EmbeddedClient(engine, timeout_s=i.timeout_s, receiver=receiver)
 
 

@@ -282,7 +282,7 @@ class EmbeddedClient:
 
     def update_weights(self, version: int, transport: FileTransport) -> None:
         if self.receiver is not None:  # the marker is written once the broadcast is complete
-            self.engine.load_weights(self.receiver.take(version), version)
+            self.engine.load_weights(self.receiver.take(version), version, assign=True)  # fresh tensors: a swap
         else:
             self.engine.load_weights(transport.load_weights(version), version)
 

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["WeightStream", "iter_full_weights", "weight_specs", "write_safetensors_stream"]
+__all__ = ["WeightStream", "iter_full_weights", "local_regions", "owned_regions", "weight_specs",
+           "write_safetensors_stream"]
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -69,6 +70,56 @@ def iter_full_weights(model: nn.Module, *, dst: int = 0,
             t = _gather_experts(t, *ep[name], rank=rank, dst=dst)
         yield name, ((t.cpu() if to_cpu else t) if rank == dst else None)
         del t
+
+
+def local_regions(model: nn.Module) -> list[tuple[str, torch.dtype, tuple, tuple, torch.Tensor, bool]]:
+    """What this rank holds of every ``model.state_dict()`` entry, without communication:
+    ``(name, dtype, global shape, global offset, local tensor, replicated)``. An FSDP2 / TP DTensor's
+    local shard sits where ``compute_local_shape_and_global_offset`` says (``replicated``: this
+    rank's copy is one of several, a Replicate mesh dim); an expert-parallel slice ``[E/ep, ...]``
+    at ``ep rank * E/ep`` of dim 0; any other tensor is all of it (``replicated`` with several ranks)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    distributed = dist.is_available() and dist.is_initialized()
+    ep = _ep_slices(model) if distributed else {}
+    out = []
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        if hasattr(t, "to_local"):
+            local = t.to_local()
+            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            offset = list(offset)
+            replicated = any(not p.is_shard() for p in t.placements)
+            shape = list(t.shape)
+        else:
+            local, offset, shape = t, [0] * t.dim(), list(t.shape)
+            replicated = distributed and dist.get_world_size() > 1 and name not in ep
+        if name in ep:
+            group, ep_size, num_experts = ep[name]
+            offset[0] += dist.get_rank(group) * (num_experts // ep_size)
+            shape[0] = num_experts
+        out.append((name, local.dtype, tuple(shape), tuple(offset), local, replicated))
+    return out
+
+
+def owned_regions(model: nn.Module) -> list[tuple[str, torch.dtype, tuple, tuple, torch.Tensor]]:
+    """This rank's share of the sending: ``(name, dtype, global shape, offset, local tensor)`` for
+    every region it holds; exactly one rank sends each distinct region:
+    the holders of a region (every rank, for a replicated tensor) take turns by the region's index.
+    Collective (one ``all_gather_object`` of the regions' keys) when torch.distributed is up."""
+    mine = [r for r in local_regions(model) if r[4].numel()]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [r[:5] for r in mine]
+    keys = [(n, off, tuple(t.shape)) for n, _, _, off, t, _ in mine]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, keys)
+    holders: dict = {}
+    for rank, ks in enumerate(every):
+        for k in ks:
+            holders.setdefault(k, []).append(rank)
+    order = {k: i for i, k in enumerate(sorted(holders))}
+    me = dist.get_rank()
+    return [r[:5] for r, k in zip(mine, keys) if holders[k][order[k] % len(holders[k])] == me]
 
 
 def _gather_experts(block: torch.Tensor, group, ep_size: int, num_experts: int, *, rank: int, dst: int):
@@ -152,6 +203,14 @@ class WeightStream:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         return self.tensors()
+
+    def owned(self) -> list[tuple[str, torch.dtype, tuple, tuple, torch.Tensor]]:
+        """The regions this rank sends in a sharded transfer (:func:`owned_regions`; collective), instead
+        of :meth:`tensors`'s gather."""
+        if self._taken:
+            raise RuntimeError("WeightStream.owned: a stream is taken once (make a new WeightStream per version)")
+        self._taken = True
+        return owned_regions(self.model)
 
     def drain(self) -> None:
         """Take part in the gather without keeping anything (the ranks that do not send)."""

@@ -524,7 +524,8 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             now = time.perf_counter()
             row = {"step": step, **payload["metrics"], **m, "job/restarts": restarts,
                    "tokens_per_s": m["tokens"] / max(now - t_prev, 1e-9),
-                   "time/step_s": now - t_prev, "time/wait_s": t1 - t0, "time/train_s": t2 - t1}
+                   "time/step_s": now - t_prev, "time/wait_s": t1 - t0, "time/train_s": t2 - t1,
+                   **channel.metrics()}
             if trainer.device.type == "cuda":
                 row["memory/trainer_peak_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
             t_prev = now

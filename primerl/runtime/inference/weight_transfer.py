@@ -1,0 +1,405 @@
+"""The bucketed weight transfer (issue 42): both ends of one version's trip, below the channel.
+
+Groups (:func:`join_transfer_groups`): one ``torch.distributed`` group per sending trainer rank
+``r`` ("source"), ``{source r (rank 0), receiver 0 (rank 1), ..., receiver R-1 (rank R)}``, all on
+one TCPStore (prefix ``weights/src<r>``), so every source streams to the receivers on its own links
+at the same time (sharded sending) and no collective orders one source behind another.
+
+One version on one source's group (:class:`BucketSender` / :class:`SourceReceiver`):
+
+1. ``allreduce(MIN)`` of the version each receiver holds intact from this source (-1: none, a new
+   receiver, or one whose last bucket failed its checksum); the sender sends a delta only when
+   every receiver holds the sender's previous version (and it is not a ``full_every`` version);
+2. the header (length, then JSON ``{"version", "mode", "delta", "layout"}``; version -1 = no more
+   updates): the buckets' pieces (``weight_buckets``), known before any byte is packed;
+3. per bucket ``[kind, wire bytes, crc32, raw bytes]`` (int64) then the payload; the sender packs
+   bucket i+1 (gathers, casts, quantizes, xors + compresses it) while bucket i is on the wire (the
+   broadcasts are asynchronous, at most ``window`` buckets in flight);
+4. ``allreduce(SUM)`` of the receivers' failed buckets: 0 ends the version; otherwise the failure
+   is counted (``repairs``) and the version is sent again in full, from the raw buckets the
+   sender keeps (it never reaches the engine: the receiver discards what it got).
+
+:func:`receive_version` runs every source's receiver (a thread each) and assembles the version
+(full tensors of the global shapes, in the engine's dtype); the sources must agree on the version
+and cover every element of every tensor, or nothing is handed over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from .weight_buckets import (
+    DELTA, FULL, DeltaDecodeError, Piece, checksum, decode_bucket, decode_delta, encode_bucket, encode_delta,
+    header_bytes, layout_from_json, layout_to_json, plan_buckets, split_pieces
+)
+
+log = logging.getLogger("primerl.weight_sync")
+
+__all__ = ["BucketSender", "SourceReceiver", "TransferStats", "join_transfer_groups", "receive_version"]
+
+END_OF_UPDATES = -1
+_NO_VERSION = 2**62
+
+
+def _pg(store, rank: int, size: int, timeout_s: float, backend: str):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def join_transfer_groups(host: str, port: int, *, sources: int, receivers: int, source: int | None = None,
+                         receiver: int | None = None, store_master: bool, timeout_s: float = 300.0,
+                         backend: str = "gloo") -> dict:
+    """Join the transfer groups as ``source`` (a trainer rank: ``{source: its group}``) or as
+    ``receiver`` j (``{r: group of source r}`` for every source). ``store_master``: this process
+    hosts the TCPStore at ``host:port`` (exactly one process does)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    if (source is None) == (receiver is None):
+        raise ValueError("join_transfer_groups: give exactly one of source / receiver")
+    store = dist.TCPStore(host, port, None, is_master=store_master, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    if source is not None:
+        return {source: _pg(dist.PrefixStore(f"weights/src{source}", store), 0, receivers + 1, timeout_s, backend)}
+    return {r: _pg(dist.PrefixStore(f"weights/src{r}", store), receiver + 1, receivers + 1, timeout_s, backend)
+            for r in range(sources)}
+
+
+def _device_of(group) -> str:
+    import torch.distributed as dist
+
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    return "cuda" if nccl is not None and isinstance(group, nccl) else "cpu"
+
+
+def _bcast(group, t: torch.Tensor):
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([t], opts)
+
+
+def _allreduce(group, value: int, op) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=_device_of(group))
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    group.allreduce([t], opts).wait()
+    return int(t.item())
+
+
+class TransferStats:
+    """What one sender has moved: ``wire_bytes`` (payloads), ``raw_bytes`` (the same buckets whole),
+    ``versions``, ``delta_versions``, ``repairs`` (versions sent again in full after a receiver's
+    checksum failed), ``last``: the last version's ``{"wire_bytes", "raw_bytes", "mode", "seconds"}``."""
+
+    def __init__(self):
+        self.wire_bytes = self.raw_bytes = self.versions = self.delta_versions = self.repairs = 0
+        self.last: dict = {}
+
+
+class BucketSender:
+    """One trainer rank's end of its group (``join_transfer_groups(..., source=r)``).
+
+    ``send(version, regions, tensors)``: ``regions`` the :class:`Piece` s this rank owns (unsplit),
+    ``tensors`` their data in the same order (any float dtype, cast / quantized here; consumed lazily,
+    so a gather behind it runs while earlier buckets are on the wire). ``delta``: keep every bucket's
+    raw bytes as the next version's base and send xor + zstd when every receiver holds it."""
+
+    def __init__(self, group, *, bucket_bytes: int, delta: bool = False, full_every: int = 10, window: int = 2):
+        self.group, self.bucket_bytes, self.delta, self.full_every = group, int(bucket_bytes), delta, full_every
+        self.window = max(1, window)
+        self.device = _device_of(group)
+        self.prev_version: int | None = None
+        self._base: list[np.ndarray] | None = None
+        self._layout: list | None = None
+        self.stats = TransferStats()
+        self.corrupt_hook = None  # tests: (bucket index, payload bytes) -> payload bytes on the wire
+
+    def _header(self, version: int, mode: int, layout_json: list) -> None:
+        raw = header_bytes({"version": int(version), "mode": mode, "delta": self.delta, "layout": layout_json})
+        _bcast(self.group, torch.tensor([len(raw)], dtype=torch.int64, device=self.device)).wait()
+        _bcast(self.group, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)).wait()
+
+    def send(self, version: int, regions: list[Piece], tensors: Iterable[torch.Tensor]) -> dict:
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        subs = [(s, r_i) for r_i, r in enumerate(regions) for s in split_pieces(r, self.bucket_bytes)]
+        buckets = plan_buckets([s for s, _ in subs], self.bucket_bytes)
+        layout = layout_to_json(buckets)
+        held = _allreduce(self.group, _NO_VERSION, dist.ReduceOp.MIN)
+        use_delta = (self.delta and self.prev_version is not None and held == self.prev_version
+                     and layout == self._layout and self.stats.versions % self.full_every != 0)
+        self._header(version, DELTA if use_delta else FULL, layout)
+        wire = raw_total = 0
+        bases: list[np.ndarray] = []
+        pending: deque = deque()
+        pieces = self._piece_tensors(regions, subs, tensors)
+        for i, bucket in enumerate(buckets):
+            buf = encode_bucket(bucket, [next(pieces)[1] for _ in bucket], device=self.device)
+            raw = buf.cpu().numpy() if (self.delta or self.corrupt_hook) else None
+            crc = checksum(raw) if self.delta else 0
+            if self.delta:
+                bases.append(raw)
+            if use_delta:
+                payload = torch.frombuffer(bytearray(encode_delta(raw, self._base[i])), dtype=torch.uint8)
+                payload = payload.to(self.device)
+            else:
+                payload = buf
+            if self.corrupt_hook is not None:
+                payload = torch.frombuffer(bytearray(self.corrupt_hook(i, payload.cpu().numpy().tobytes())),
+                                           dtype=torch.uint8).to(self.device)
+            wire += payload.numel()
+            raw_total += buf.numel()
+            self._post(pending, DELTA if use_delta else FULL, payload, crc, buf.numel())
+        if next(pieces, None) is not None:
+            raise ValueError("BucketSender.send: more tensors than regions")
+        while pending:
+            pending.popleft()[0].wait()
+        bad = _allreduce(self.group, 0, dist.ReduceOp.SUM)
+        mode = "delta" if use_delta else "full"
+        if bad:
+            if not self.delta:
+                raise RuntimeError(f"weights version {version}: {bad} bucket(s) failed at the receivers")
+            self.stats.repairs += 1
+            log.warning("weights version %d: %d bucket(s) failed their checksum at a receiver: sent again in full",
+                        version, bad)
+            wire += self._resend_full(version, buckets, bases)
+            mode = "delta+repair"
+        self.prev_version, self._layout = version, layout
+        self._base = bases if self.delta else None
+        self.stats.versions += 1
+        self.stats.delta_versions += use_delta
+        self.stats.wire_bytes += wire
+        self.stats.raw_bytes += raw_total
+        self.stats.last = {"wire_bytes": wire, "raw_bytes": raw_total, "mode": mode,
+                           "seconds": time.perf_counter() - t0}
+        return self.stats.last
+
+    def _piece_tensors(self, regions, subs, tensors) -> Iterator[tuple[Piece, torch.Tensor]]:
+        """The split pieces' data, each a dim-0 slice of its region's tensor."""
+        it = iter(tensors)
+        cur_i, cur = -1, None
+        for sub, r_i in subs:
+            while cur_i < r_i:
+                cur, cur_i = next(it), cur_i + 1
+            start = sub.offset[0] - regions[r_i].offset[0] if sub.size else 0
+            yield sub, (cur[start:start + sub.size[0]] if sub.size and sub.size != regions[r_i].size else cur)
+        for extra in it:
+            yield None, extra
+
+    def _post(self, pending: deque, kind: int, payload: torch.Tensor, crc: int, raw_n: int) -> None:
+        meta = torch.tensor([kind, payload.numel(), crc, raw_n], dtype=torch.int64, device=self.device)
+        pending.append((_bcast(self.group, meta), meta))
+        pending.append((_bcast(self.group, payload), payload))
+        while len(pending) > 2 * self.window:
+            pending.popleft()[0].wait()
+
+    def _resend_full(self, version: int, buckets, bases: list[np.ndarray]) -> int:
+        import torch.distributed as dist
+
+        _allreduce(self.group, _NO_VERSION, dist.ReduceOp.MIN)
+        self._header(version, FULL, layout_to_json(buckets))
+        pending: deque = deque()
+        for raw in bases:
+            payload = torch.from_numpy(raw).to(self.device)
+            self._post(pending, FULL, payload, checksum(raw), raw.nbytes)
+        while pending:
+            pending.popleft()[0].wait()
+        bad = _allreduce(self.group, 0, dist.ReduceOp.SUM)
+        if bad:
+            raise RuntimeError(f"weights version {version}: the full resend failed its checksum at a receiver too")
+        return sum(b.nbytes for b in bases)
+
+    def close(self) -> None:
+        """Tell the receivers no version follows (the header of version -1)."""
+        import torch.distributed as dist
+
+        _allreduce(self.group, _NO_VERSION, dist.ReduceOp.MIN)
+        self._header(END_OF_UPDATES, FULL, [])
+
+
+class _Assembly:
+    """The full tensors of one version, filled region by region from every source."""
+
+    def __init__(self, device):
+        self.device, self.tensors, self.filled = device, {}, {}
+        self._lock = threading.Lock()
+
+    def put(self, p: Piece, region: torch.Tensor) -> None:
+        with self._lock:
+            full = self.tensors.get(p.name)
+            if full is None:
+                full = self.tensors[p.name] = torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=self.device)
+        full[p.index].copy_(region)
+
+    def count(self, counts: dict) -> None:
+        with self._lock:
+            for k, n in counts.items():
+                self.filled[k] = self.filled.get(k, 0) + n
+
+    def check(self, version: int) -> None:
+        short = [f"{k} ({self.filled.get(k, 0)}/{t.numel()} elements)" for k, t in self.tensors.items()
+                 if self.filled.get(k, 0) != t.numel()]
+        if short:
+            raise RuntimeError(f"weights version {version}: the sources did not cover {short[:5]}: not loaded")
+
+
+class SourceReceiver:
+    """A receiver's end of one source's group: keeps the raw buckets of the version it holds (the
+    base of the next delta) when the sender sends deltas. ``corrupt``: buckets that failed their
+    checksum (each repaired by a full resend, never loaded)."""
+
+    def __init__(self, group, source: int):
+        self.group, self.source, self.device = group, source, _device_of(group)
+        self.held = -1
+        self._base: list[np.ndarray] = []
+        self.corrupt = 0
+
+    def _recv(self, n: int, dtype=torch.uint8) -> torch.Tensor:
+        t = torch.empty(n, dtype=dtype, device=self.device)
+        _bcast(self.group, t).wait()
+        return t
+
+    def receive(self, out: _Assembly) -> int:
+        """One version from this source into ``out``; returns it (-1: the end of updates)."""
+        import json
+
+        import torch.distributed as dist
+
+        while True:
+            _allreduce(self.group, self.held, dist.ReduceOp.MIN)
+            n = int(self._recv(1, torch.int64).item())
+            head = json.loads(bytes(self._recv(n).cpu().numpy()))
+            version = int(head["version"])
+            if version == END_OF_UPDATES:
+                return version
+            keep = bool(head["delta"])
+            bad, bases, counts = 0, [], {}
+            for i, bucket in enumerate(layout_from_json(head["layout"])):
+                kind, wire_n, crc, raw_n = (int(x) for x in self._recv(4, torch.int64).cpu())
+                payload = self._recv(wire_n)
+                if bad:
+                    continue
+                try:
+                    if kind == DELTA:
+                        if i >= len(self._base):
+                            raise DeltaDecodeError(f"delta for bucket {i}, but no base is held")
+                        raw = decode_delta(payload.cpu().numpy(), self._base[i], crc)
+                        buf = torch.from_numpy(raw).to(self.device)
+                    else:
+                        buf = payload
+                        if keep:
+                            raw = payload.cpu().numpy()
+                            if checksum(raw) != crc:
+                                raise DeltaDecodeError(f"bucket {i}: checksum mismatch")
+                    if buf.numel() != raw_n:
+                        raise DeltaDecodeError(f"bucket {i}: {buf.numel()} bytes, the sender says {raw_n}")
+                except DeltaDecodeError as e:
+                    log.warning("weights version %d from source %d: %s (not loaded; asking for a full resend)",
+                                version, self.source, e)
+                    bad = 1
+                    continue
+                if keep:
+                    bases.append(raw)
+                for p, region in decode_bucket(bucket, buf):
+                    out.put(p, region)
+                    counts[p.name] = counts.get(p.name, 0) + p.numel
+            failed = _allreduce(self.group, bad, dist.ReduceOp.SUM)
+            if bad:
+                self.corrupt += 1
+                self.held, self._base = -1, []
+            elif not failed:
+                self.held, self._base = version, bases
+                out.count(counts)
+                return version
+            else:  # another receiver failed: the same version comes again in full
+                self.held, self._base = -1, []
+
+
+def receive_version(receivers: list[SourceReceiver], device, pool: ThreadPoolExecutor | None = None):
+    """``(version, {name: full tensor})`` from every source (one thread each), or ``(-1, {})`` at
+    the end of updates. Raises when the sources disagree on the version or leave elements out."""
+    out = _Assembly(device)
+    if len(receivers) == 1:
+        versions = [receivers[0].receive(out)]
+    else:
+        own = pool is None
+        pool = pool or ThreadPoolExecutor(len(receivers), thread_name_prefix="weight-source")
+        try:
+            versions = [f.result() for f in [pool.submit(r.receive, out) for r in receivers]]
+        finally:
+            if own:
+                pool.shutdown()
+    if len(set(versions)) != 1:
+        raise RuntimeError(f"weight transfer: the sources sent versions {versions}: not loaded")
+    version = versions[0]
+    if version == END_OF_UPDATES:
+        return version, {}
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    out.check(version)
+    return version, out.tensors
+
+
+def _engine_receiver_class():
+    from .weight_sync import EngineWeightReceiver, _shutdown
+
+    class BucketedEngineReceiver(EngineWeightReceiver):
+        """The embedded engine's end of the bucketed transfer: receiver 0 of every source's group
+        (it hosts the store), a thread per source; each version is assembled into fresh tensors
+        while the engine serves the previous one, handed over whole (``take``), never mixed."""
+
+        def __init__(self, host: str, port: int, *, sources: int, backend: str, device: torch.device,
+                     timeout_s: float = 300.0):
+            super().__init__(host, port, backend=backend, device=device, timeout_s=timeout_s)
+            self.sources = sources
+            self.receivers: list[SourceReceiver] = []
+            self._pool = ThreadPoolExecutor(sources, thread_name_prefix="weight-source") if sources > 1 else None
+
+        def _join(self):
+            groups = join_transfer_groups(self.host, self.port, sources=self.sources, receivers=1, receiver=0,
+                                          store_master=True, timeout_s=self.timeout_s, backend=self.backend)
+            self.receivers = [SourceReceiver(groups[r], r) for r in range(self.sources)]
+            return groups
+
+        def _receive(self, groups) -> tuple[int, dict]:
+            return receive_version(self.receivers, self.device, self._pool)
+
+        def _leave(self, groups) -> None:
+            for g in (groups or {}).values():
+                _shutdown(g)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+
+        @property
+        def corrupt(self) -> int:
+            """Buckets that failed their checksum (each repaired by a full resend, none loaded)."""
+            return sum(r.corrupt for r in self.receivers)
+
+    return BucketedEngineReceiver
+
+
+def bucketed_engine_receiver(host: str, port: int, *, sources: int, backend: str, device, timeout_s: float = 300.0):
+    """A started ``BucketedEngineReceiver`` (an ``EngineWeightReceiver`` over the bucketed transfer)."""
+    return _engine_receiver_class()(host, port, sources=sources, backend=backend, device=torch.device(device),
+                                    timeout_s=timeout_s).start()
