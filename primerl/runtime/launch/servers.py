@@ -31,10 +31,11 @@ from pathlib import Path
 
 from ..lifetime import log_tail
 from ..processes import ManagedProcess, ProcessTable
+from ..transport import INFERENCE_POOL_ENV
 
 log = logging.getLogger("primerl.launch")
 
-POOL_ENV = "PRIMERL_INFERENCE_POOL"  # JSON of ServerPool.endpoints() for the orchestrator process
+POOL_ENV = INFERENCE_POOL_ENV  # JSON of ServerPool.endpoints() for the orchestrator and trainer processes
 ROUTER_POLICIES = ("consistent_hash", "round_robin", "power_of_two", "cache_aware", "random")
 
 __all__ = ["POOL_ENV", "ROUTER_POLICIES", "ServerPool", "free_port", "pool_for_job", "router_executable",
