@@ -40,6 +40,9 @@ class EmbeddedBackend(InferenceBackend):
             raise ConfigError("inference.weight_update: 'filesystem' has the servers load the trainer's files from "
                               "output_dir, which the inference nodes (deployment.inference_nodes) do not share: use "
                               f"'broadcast' or 'auto', got {i.weight_update!r}")
+        if d.inference_nodes and i.vllm.port + i.num_servers > 65536:
+            raise ConfigError(f"inference.vllm.port: the {i.num_servers} servers of each inference node listen on "
+                              f"inference.vllm.port + 0..{i.num_servers - 1}, past 65535, got {i.vllm.port}")
         if d.inference_nodes and i.pd.enabled:
             raise ConfigError("inference.pd: prefill / decode servers run beside the orchestrator, not on "
                               "deployment.inference_nodes (set inference.pd.prefill = decode = 0 or "

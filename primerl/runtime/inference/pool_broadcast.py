@@ -34,11 +34,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from ..transport import TRAINER_HOST_ENV
 from .weight_sync import WeightSyncError, _shutdown
 
 log = logging.getLogger("primerl.weight_sync")
-
-TRAINER_HOST_ENV = "PRIMERL_TRAINER_HOST"  # this trainer node's address (set by ``primerl node``)
 
 __all__ = ["PoolBroadcastSender", "TRAINER_HOST_ENV", "trainer_host"]
 
@@ -113,21 +112,27 @@ class PoolBroadcastSender:
                                        {"method": "init_broadcast", "args": args(rank)}, self.timeout_s)
                  for rank, (url, _) in enumerate(members, 1)}
         store = dist.PrefixStore(prefix, self.store)
-        try:
+
+        def construct():
             if self.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
-                group = dist.ProcessGroupNCCL(store, 0, world, opts)
-            else:
-                group = dist.ProcessGroupGloo(store, 0, world, timeout)
-            for url, fut in joins.items():
-                fut.result(self.timeout_s)
-        except Exception as e:  # noqa: BLE001 - the store's / HTTP errors, named below
+                return dist.ProcessGroupNCCL(store, 0, world, opts)
+            return dist.ProcessGroupGloo(store, 0, world, timeout)
+
+        # rank 0's rendezvous waits for every rank; a server that dies meanwhile would hold it for the
+        # whole timeout: watch the joins, and give up on this group as soon as one fails
+        made = ThreadPoolExecutor(1, thread_name_prefix="pool-group").submit(construct)
+        deadline = time.monotonic() + self.timeout_s
+        while not (made.done() and all(f.done() for f in joins.values())):
             bad = [u for u, f in joins.items() if f.done() and f.exception() is not None]
-            raise WeightSyncError(f"the inference pool's weight group at {self.host}:{self.port} ({world - 1} "
-                                  f"server(s)): {bad or 'a server'} did not join within {self.timeout_s:.0f} s "
-                                  f"({e})") from e
-        self.group, self.members = group, tuple(members)
+            if bad or made.done() and made.exception() is not None or time.monotonic() > deadline:
+                why = made.exception() if made.done() else [joins[u].exception() for u in bad] or "timeout"
+                raise _Reform(f"the inference pool's weight group {self.generation} at {self.host}:{self.port} "
+                              f"({world - 1} server(s)): {bad or 'a server'} did not join within "
+                              f"{self.timeout_s:.0f} s ({why})")
+            time.sleep(0.02)
+        self.group, self.members = made.result(), tuple(members)
         log.info("weight broadcast group %d: trainer rank 0 at %s:%d + %d server(s) %s", self.generation, self.host,
                  self.port, len(members), [u for u, _ in members])
 
@@ -149,7 +154,14 @@ class PoolBroadcastSender:
             for attempt in range(1, self.max_attempts + 1):
                 members = self._answering()
                 if self.group is None or members != self.members:
-                    self._form(members)
+                    try:
+                        self._form(members)
+                    except _Reform as e:  # a server died while joining: the next attempt goes without it
+                        log.warning("%s; forming the group again", e)
+                        if attempt == self.max_attempts:
+                            raise WeightSyncError(str(e)) from e
+                        time.sleep(0.5)
+                        continue
                 loads = {url: self._fan.submit(self._receive, url, version) for url, _ in self.members}
                 try:
                     send_update_stream(self.group, version, specs, _replay(kept, source))
@@ -189,6 +201,10 @@ class PoolBroadcastSender:
             group, self.group = self.group, None
             _shutdown(group)
             self._fan.shutdown(wait=False, cancel_futures=True)
+
+
+class _Reform(WeightSyncError):
+    """Forming the group failed because a server left while joining."""
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

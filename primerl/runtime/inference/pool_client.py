@@ -29,7 +29,9 @@ orchestrator's ``weight_sync.ServerWeightVersions`` waits on it: no file is shar
 trainer).
 
 ``metrics()`` (per step): ``inference/redispatched`` (since the previous call),
-``inference/restarts`` (processes restarted by the launcher, from ``processes.json``).
+``inference/restarts`` (processes restarted by the launcher, from ``processes.json``; on inference
+nodes only this node's router, each node's servers are in its own ``processes-node<i>.json``),
+``inference/servers_replaced`` (servers seen answering as a new process, on any node).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class PoolClient(VLLMClient):
         self.broadcast = broadcast  # the trainer sends every server each version; the client only verifies
         self.processes_json = processes_json
         self.redispatched = 0
+        self.replaced = 0  # servers seen coming back as a new process (their /health instance changed)
+        self._instances: dict[str, str | None] = {}
         self._redispatched_reported = 0
         self._loaded: dict[str, tuple] = {}  # url -> (instance, version) it holds by our load
         self._healthy: set[str] = set()
@@ -93,7 +97,12 @@ class PoolClient(VLLMClient):
         except InferenceServerError:
             return False, None, None
         if "weights_version" in h:  # primerl inference
-            return True, h.get("instance"), int(h["weights_version"])
+            inst = h.get("instance")
+            with self._count_lock:
+                if self._instances.setdefault(url, inst) != inst:  # a new process on that URL
+                    self._instances[url] = inst
+                    self.replaced += 1
+            return True, inst, int(h["weights_version"])
         try:  # vLLM: ask the workers
             got = self.members[url].server_versions()
             return True, None, (None if not got or any(v is None for v in got) else min(got))
@@ -285,7 +294,9 @@ class PoolClient(VLLMClient):
             except (OSError, ValueError):
                 rows = []
             restarts = sum(int(r.get("restarts", 0)) for r in rows)
-        return {"inference/redispatched": n, "inference/restarts": restarts}
+        with self._count_lock:
+            replaced = self.replaced
+        return {"inference/redispatched": n, "inference/restarts": restarts, "inference/servers_replaced": replaced}
 
     def close(self) -> None:
         self._stop.set()

@@ -170,7 +170,17 @@ class BroadcastReceiver:
         def run() -> int:
             if self.group is None:
                 raise RuntimeError(f"no weight broadcast group: joining {self.host}:{self.port} failed or is not done")
-            version, weights = receive_update(self.group, self.device)
+            try:
+                version, weights = receive_update(self.group, self.device)
+            except Exception:
+                # leave the group: a sender still sending to this rank (a peer died mid-send) then fails
+                # at once instead of waiting out its timeout; the next init_broadcast forms a new one
+                group, self.group = self.group, None
+                try:
+                    group.shutdown()
+                except Exception:  # noqa: BLE001 - nothing left to close
+                    pass
+                raise
             load(version, weights)
             return version
 

@@ -27,13 +27,13 @@ from datetime import timedelta
 
 from ..config import RLConfig
 from ..processes import start_process
-from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, split_endpoint
+from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, pool_on_nodes, pool_server_urls, split_endpoint
 from .kinds import get_launcher
 
 log = logging.getLogger("primerl")
 
 __all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "join_rendezvous", "peer_env", "run_vllm_node",
-           "node_main"]
+           "run_pool_node", "start_pool_router", "node_main"]
 
 
 class NodeError(RuntimeError):
@@ -150,6 +150,81 @@ def peer_env(plan: NodePlan, role: str) -> dict[str, str]:
             ORCHESTRATOR_NODE_ENV: f"the orchestrator on node {orch.index} ({orch.host})"}
 
 
+def _pool_env(cfg: RLConfig, plan: NodePlan, node: Node) -> dict[str, str]:
+    """A trainer node's part of the pool's weights: its own address (rank 0, wherever torchrun's
+    rendezvous puts it, hosts the weight group there) and the URLs of the pool's servers."""
+    import json
+
+    from ..transport import INFERENCE_POOL_ENV, TRAINER_HOST_ENV
+
+    env = {TRAINER_HOST_ENV: node.host}
+    if pool_on_nodes(cfg):
+        env[INFERENCE_POOL_ENV] = json.dumps({"servers": pool_server_urls(cfg, plan)})
+    return env
+
+
+def run_pool_node(cfg: RLConfig, config_path: str, overrides: list[str], plan: NodePlan, node: Node, *,
+                  poll_s: float = 0.5) -> int:
+    """An inference node of a pool: ``inference.num_servers`` ``primerl inference`` servers on the
+    node's address at ports ``inference.vllm.port`` + 0, 1, ..., supervised (``launch.servers.ServerPool``
+    without a router: a server that exits or hangs is restarted on its port, at most
+    ``inference.max_restarts`` times, then the node fails naming it). Rows in
+    ``<output_dir>/processes-node<i>.json``, logs ``<output_dir>/logs/inference-<k>.log`` (k: the
+    server's index in the pool). Serves until SIGTERM (exit 143)."""
+    from pathlib import Path
+
+    from ..processes import ProcessTable
+    from .servers import ServerPool
+
+    i, out = cfg.inference, Path(cfg.output_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    first = [n.index for n in plan.with_role("inference")].index(node.index) * i.num_servers
+    pool = ServerPool(config_path, i.num_servers, out / "logs", ProcessTable(out / f"processes-node{node.index}.json"),
+                      router=False, host=node.host, ports=[i.vllm.port + j for j in range(i.num_servers)],
+                      first_index=first, max_restarts=i.max_restarts, health_timeout_s=i.health_timeout_s,
+                      request_timeout_s=i.timeout_s, extra_args=list(overrides))
+    where = f"node {node.index} ({node.host}) inference"
+
+    def stop(*_):
+        log.info("%s: SIGTERM, stopping its %d server(s)", where, len(pool.servers))
+        pool.stop()
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+    pool.start()
+    log.info("%s: %d server(s) %s", where, len(pool.servers), pool.urls)
+    while pool.failure is None:
+        time.sleep(poll_s)
+    pool.stop()
+    raise NodeError(f"{where}: {pool.failure}")
+
+
+def start_pool_router(cfg: RLConfig, config_path: str, plan: NodePlan, node: Node):
+    """The orchestrator's node of a pool on inference nodes: vllm-router on this node's address (a
+    free port), supervised, empty (the pool client adds each server once it holds the pool's
+    weights); ``PRIMERL_INFERENCE_POOL`` names it and the servers of the plan for the orchestrator.
+    Returns the started ``ServerPool`` (stop it at the end)."""
+    import json
+    from pathlib import Path
+
+    from ..processes import ProcessTable
+    from ..transport import INFERENCE_POOL_ENV
+    from .servers import ServerPool
+
+    i, out = cfg.inference, Path(cfg.output_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    table = ProcessTable(out / f"processes-node{node.index}.json")
+    try:
+        router = ServerPool(config_path, 0, out / "logs", table, router=True, policy=i.router_policy, host=node.host,
+                            max_restarts=i.max_restarts, request_timeout_s=i.timeout_s).start()
+    except FileNotFoundError as e:
+        raise NodeError(f"node {node.index} ({node.host}) orchestrator: {e}") from None
+    os.environ[INFERENCE_POOL_ENV] = json.dumps({"servers": pool_server_urls(cfg, plan), "router": router.router_url,
+                                                 "processes": str(table.path)})
+    log.info("vllm-router on %s for the pool's servers %s", router.router_url, pool_server_urls(cfg, plan))
+    return router
+
+
 def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5) -> int:
     """An inference node with ``inference.vllm.launch = true``: vLLM's server on the node's address
     and ``inference.vllm.port`` (``vllm_launch.launch_for_job``: ``inference.vllm.model`` /
@@ -209,15 +284,24 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
             from ..orchestrator.main import orchestrator_main
 
             os.environ.update(peer_env(plan, role))
-            if plan.with_role("inference"):  # their servers come up beside this process: wait (bounded)
+            router = None
+            if pool_on_nodes(cfg):  # the pool client waits for every server (bounded)
+                router = start_pool_router(cfg, config_path, plan, node)
+            elif plan.with_role("inference"):  # their servers come up beside this process: wait (bounded)
                 from ..inference.vllm_client import VLLMClient
 
                 log.info("waiting for the inference server at %s", cfg.inference.vllm.url)
                 VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s).wait_healthy(
                     cfg.inference.vllm.launch_timeout_s)
-            orchestrator_main(cfg)
+            try:
+                orchestrator_main(cfg)
+            finally:
+                if router is not None:
+                    router.stop()
         elif cfg.inference.vllm.launch:
             return run_vllm_node(cfg, node)
+        elif pool_on_nodes(cfg):
+            return run_pool_node(cfg, config_path, overrides, plan, node)
         else:
             from ..inference.server import serve
 
@@ -227,7 +311,8 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     cmd = trainer_command(plan, node, entry, run_id=os.environ.get("SLURM_JOB_ID", "primerl"))
     log.info("trainer node %d: %s", node.trainer_node, " ".join(cmd))
     proc = start_process(cmd, name=f"node{node.index}-trainer", role="trainer", log_path=None,
-                         env=dict(os.environ, **peer_env(plan, role)), die_with_parent=False)
+                         env=dict(os.environ, **peer_env(plan, role), **_pool_env(cfg, plan, node)),
+                         die_with_parent=False)
     # SIGTERM from the scheduler (or the local launcher) reaches torchrun's whole group; the handler
     # reaps with os.waitpid, not Popen.wait: the proc.wait() below that it interrupts holds Popen's lock
     signal.signal(signal.SIGTERM, lambda *_: (proc.stop_in_signal_handler(cfg.deployment.grace_s), sys.exit(143)))

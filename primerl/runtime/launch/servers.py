@@ -113,13 +113,21 @@ class ServerPool:
                  router: bool = True, policy: str = "consistent_hash", external_urls: list[str] = (),
                  max_restarts: int = 3, health_timeout_s: float = 10.0, health_interval_s: float = 1.0,
                  startup_timeout_s: float = 600.0, request_timeout_s: float = 300.0, env: dict | None = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", ports: list[int] | None = None, first_index: int = 0,
+                 extra_args: list[str] = ()):
         self.table, self.role = table, role
         self.max_restarts, self.health_timeout_s = max_restarts, health_timeout_s
         self.health_interval_s = health_interval_s
         self.startup_timeout_s = startup_timeout_s
-        self.servers = [server_process(i, cfg_path, free_port(host), log_dir, role=role, host=host, env=env,
-                                       table=table) for i in range(n)]
+        if ports is not None and len(ports) != n:
+            raise ValueError(f"ServerPool: {n} servers but {len(ports)} ports {ports}")
+        # server k is the pool's server first_index + k (its name, log); on GPUs it takes this node's k-th
+        self.servers = []
+        for k in range(n):
+            p = server_process(first_index + k, cfg_path, ports[k] if ports is not None else free_port(host), log_dir,
+                               role=role, host=host, env=env, table=table, extra_args=extra_args)
+            p.env["PRIMERL_SERVER_INDEX"] = str(k)
+            self.servers.append(p)
         self.urls = [s.url for s in self.servers] + list(external_urls)
         self.router = router_process(free_port(host), log_dir, policy=policy, request_timeout_s=request_timeout_s,
                                      host=host, env=env, table=table) if router else None
