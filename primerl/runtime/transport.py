@@ -35,7 +35,8 @@ TRAINER_NODE_ENV = "PRIMERL_TRAINER_NODE"  # "the trainer on node 0 (10.0.0.5)",
 # JSON {"servers": [url, ...], "router": url, "processes": path} of the job's server pool, set by
 # the launcher (one machine) or ``primerl node`` (from the plan) for the orchestrator and the trainer
 INFERENCE_POOL_ENV = "PRIMERL_INFERENCE_POOL"
-TRAINER_HOST_ENV = "PRIMERL_TRAINER_HOST"  # this trainer node's address (``primerl node``): rank 0 hosts weight groups there
+# this trainer node's address (``primerl node``): rank 0 hosts its weight groups there
+TRAINER_HOST_ENV = "PRIMERL_TRAINER_HOST"
 
 
 class TransportTimeout(TimeoutError):
