@@ -1,7 +1,8 @@
 """A pool member for ``test_pool_broadcast``: speaks the weight RPCs of ``primerl inference``
 (``GET /health``, ``POST /collective_rpc`` ``init_broadcast`` / ``update_weights_from_broadcast``)
-and kills itself with SIGKILL after the header of its first version, as a server killed in the
-middle of a send. Run as ``python _pool_member.py``; prints its URL."""
+and kills itself with SIGKILL: ``python _pool_member.py send`` after the header of its first
+version (a server killed in the middle of a send), ``python _pool_member.py join`` when asked to
+join (a server killed while the group forms). Prints its URL."""
 
 import json
 import os
@@ -31,6 +32,8 @@ class Handler(BaseHTTPRequestHandler):
         global group
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         if body["method"] == "init_broadcast":
+            if sys.argv[1] == "join":
+                os.kill(os.getpid(), signal.SIGKILL)
             host, port, rank, world, timeout_s, prefix = body["args"]
             group = new_group(host, port, rank, world, timeout_s=timeout_s, backend="gloo", prefix=prefix)
             data = json.dumps({"results": [None]}).encode()

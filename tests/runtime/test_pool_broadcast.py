@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -96,10 +97,38 @@ def test_every_server_is_a_rank_and_a_replaced_server_rejoins_with_the_version_i
                 s.stop()
 
 
+def _member(when: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("_pool_member.py")), when],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+@pytest.mark.dist
+def test_a_server_killed_while_joining_is_left_out_at_once_and_the_sender_exits_cleanly(caplog):
+    member, real = _member("join"), _server()
+    try:
+        url = member.stdout.readline().strip()
+        sender = PoolBroadcastSender(lambda: [real.url, url], "127.0.0.1", _port(), timeout_s=600, health_timeout_s=2)
+        with caplog.at_level("WARNING", logger="primerl.weight_sync"):
+            sd = _send(sender, 1, 1)
+        assert member.wait(10) == -signal.SIGKILL
+        # the formation with the member was given up on its failed join (not its 600 s timeout), the next
+        # formed without it; nothing had been sent, so nothing is sent twice
+        assert f"[{url!r}] failed to join" in caplog.text
+        assert (sender.generation, sender.num_receivers, sender.resent) == (2, 1, 0) and _holds(real, sd, 1)
+        sender.close()  # the abandoned rendezvous fails with the store: no thread left waiting in it
+        waiting = [t for t in threading.enumerate() if t.name.startswith("pool-group")]
+        for t in waiting:
+            t.join(60)
+        assert not any(t.is_alive() for t in waiting)
+    finally:
+        if member.poll() is None:
+            member.kill()
+        real.stop()
+
+
 @pytest.mark.dist
 def test_a_server_killed_mid_send_leaves_and_the_survivors_get_the_version_again():
-    member = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_pool_member.py"))],
-                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    member = _member("send")
     real = _server()
     try:
         url = member.stdout.readline().strip()

@@ -111,7 +111,9 @@ class PoolBroadcastSender:
         joins = {url: self._fan.submit(http_json, url + "/collective_rpc",
                                        {"method": "init_broadcast", "args": args(rank)}, self.timeout_s)
                  for rank, (url, _) in enumerate(members, 1)}
-        store = dist.PrefixStore(prefix, self.store)
+        # a client connection of its own: an abandoned rendezvous (a server died while joining) blocks
+        # its connection until the timeout, and must not block the next group's
+        store = dist.PrefixStore(prefix, dist.TCPStore(self.host, self.port, None, is_master=False, timeout=timeout))
 
         def construct():
             if self.backend == "nccl":
@@ -127,10 +129,14 @@ class PoolBroadcastSender:
         while not (made.done() and all(f.done() for f in joins.values())):
             bad = [u for u, f in joins.items() if f.done() and f.exception() is not None]
             if bad or made.done() and made.exception() is not None or time.monotonic() > deadline:
-                why = made.exception() if made.done() else [joins[u].exception() for u in bad] or "timeout"
+                if bad:
+                    why = f"{bad} failed to join ({[str(joins[u].exception())[:200] for u in bad]})"
+                elif made.done():
+                    why = f"trainer rank 0 could not join ({made.exception()})"
+                else:
+                    why = f"not every server joined within {self.timeout_s:.0f} s"
                 raise _Reform(f"the inference pool's weight group {self.generation} at {self.host}:{self.port} "
-                              f"({world - 1} server(s)): {bad or 'a server'} did not join within "
-                              f"{self.timeout_s:.0f} s ({why})")
+                              f"({world - 1} server(s)): {why}")
             time.sleep(0.02)
         self.group, self.members = made.result(), tuple(members)
         log.info("weight broadcast group %d: trainer rank 0 at %s:%d + %d server(s) %s", self.generation, self.host,
@@ -200,6 +206,9 @@ class PoolBroadcastSender:
         with self._lock:
             group, self.group = self.group, None
             _shutdown(group)
+            # the store's server goes with its last reference: a rendezvous abandoned when a server died
+            # while joining fails now, instead of holding this process's exit until its timeout
+            self.store = None
             self._fan.shutdown(wait=False, cancel_futures=True)
 
 

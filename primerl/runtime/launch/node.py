@@ -173,6 +173,7 @@ def run_pool_node(cfg: RLConfig, config_path: str, overrides: list[str], plan: N
     server's index in the pool). Serves until SIGTERM (exit 143)."""
     from pathlib import Path
 
+    from ..lifetime import watch_launcher
     from ..processes import ProcessTable
     from .servers import ServerPool
 
@@ -191,6 +192,7 @@ def run_pool_node(cfg: RLConfig, config_path: str, overrides: list[str], plan: N
         sys.exit(143)
 
     signal.signal(signal.SIGTERM, stop)
+    watch_launcher()  # started by `primerl rl` on this machine: SIGTERM to itself when the launcher is gone
     pool.start()
     log.info("%s: %d server(s) %s", where, len(pool.servers), pool.urls)
     while pool.failure is None:
