@@ -131,9 +131,9 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
     mixed = mp == "bf16" or (mp == "auto" and device == "cuda" and cfg.model.dtype == "float32" and fsdp_ok)
     if not embedded:
         update = backend.name  # the servers' own weight path (inference.vllm.weight_update for vLLM)
-    elif i.weight_update == "auto":  # an orchestrator on a node of its own shares no directory with the trainer
-        own = cfg.deployment.orchestrator == "own"
-        update = "broadcast" if own or (device == "cuda" and engine_gpu not in trainer_gpus) else "filesystem"
+    elif i.weight_update == "auto":  # an orchestrator (or servers) on nodes of their own share no directory
+        apart = cfg.deployment.orchestrator == "own" or cfg.deployment.inference_nodes > 0
+        update = "broadcast" if apart or (device == "cuda" and engine_gpu not in trainer_gpus) else "filesystem"
     else:
         update = i.weight_update
     if update == "broadcast" and device == "cuda" and engine_gpu in trainer_gpus:

@@ -32,6 +32,11 @@ STABLE = "STABLE"
 ENGINE_HOST_ENV = "PRIMERL_ENGINE_BROADCAST_HOST"
 ORCHESTRATOR_NODE_ENV = "PRIMERL_ORCHESTRATOR_NODE"  # "the orchestrator on node 2 (10.0.0.7)", for the trainer's errors
 TRAINER_NODE_ENV = "PRIMERL_TRAINER_NODE"  # "the trainer on node 0 (10.0.0.5)", for the orchestrator's errors
+# JSON {"servers": [url, ...], "router": url, "processes": path} of the job's server pool, set by
+# the launcher (one machine) or ``primerl node`` (from the plan) for the orchestrator and the trainer
+INFERENCE_POOL_ENV = "PRIMERL_INFERENCE_POOL"
+# this trainer node's address (``primerl node``): rank 0 hosts its weight groups there
+TRAINER_HOST_ENV = "PRIMERL_TRAINER_HOST"
 
 
 class TransportTimeout(TimeoutError):

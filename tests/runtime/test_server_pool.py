@@ -189,7 +189,7 @@ def test_processes_json_is_replaced_atomically(tmp_path):
 @pytest.mark.parametrize("over, key", [
     (["--inference.num_servers", "0"], "inference.num_servers"),
     (["--inference.router_policy", "nearest"], "inference.router_policy"),
-    (["--inference.num_servers", "2", "--inference.weight_update", "broadcast"], "inference.weight_update"),
+    (["--inference.vllm.urls", '["http://a:1"]', "--inference.weight_update", "broadcast"], "inference.weight_update"),
     (["--inference.vllm.urls", '["http://a:1"]'], "inference.vllm.urls"),
     (["--inference.num_servers", "2", "--inference.backend", "vllm"], "inference.num_servers"),
 ])

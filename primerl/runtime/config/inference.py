@@ -172,10 +172,12 @@ def check_inference(i: InferenceConfig) -> None:
     v = i.vllm
     _need(not v.urls or not v.launch, "inference.vllm.urls", "external servers: inference.vllm.launch must be false",
           v.urls)
-    _need(not i.pool or i.weight_update in ("auto", "filesystem"), "inference.weight_update",
-          "a pool of servers takes weights by the filesystem (each server loads the published files)", i.weight_update)
+    _need(not v.urls or i.weight_update in ("auto", "filesystem"), "inference.weight_update",
+          "external servers (inference.vllm.urls) take weights by the filesystem (each loads the published files)",
+          i.weight_update)
     _need(not i.pool or v.weight_update == "filesystem", "inference.vllm.weight_update",
-          "a pool of servers takes weights by the filesystem", v.weight_update)
+          "a pool takes weights by the filesystem (external servers, inference.vllm.urls) or, for primerl's own "
+          "servers, by inference.weight_update = 'broadcast'; not by vLLM's broadcast", v.weight_update)
     _need(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in i.gpu_ids)
           and len(set(i.gpu_ids)) == len(i.gpu_ids), "inference.gpu_ids", "must be distinct GPU indices >= 0",
           i.gpu_ids)

@@ -12,13 +12,20 @@ from __future__ import annotations
 
 from .backend import BackendCapabilities, GenerateServer, InferenceBackend, register_backend
 
-__all__ = ["EmbeddedBackend"]
+__all__ = ["EmbeddedBackend", "serves_from_pool"]
+
+
+def serves_from_pool(cfg) -> bool:
+    """The job samples from a pool of ``primerl inference`` servers behind a router (not the engine in
+    the orchestrator): ``inference.num_servers`` > 1 on this machine, or servers on
+    ``deployment.inference_nodes`` (``inference.num_servers`` on each)."""
+    return cfg.inference.num_servers > 1 or cfg.deployment.inference_nodes > 0
 
 
 class EmbeddedBackend(InferenceBackend):
     name = "embedded"
     capabilities = BackendCapabilities(pd=True, broadcast=True, routed_experts=True, server_pool=True,
-                                       external_servers=False, launch=False, inference_nodes=False,
+                                       external_servers=False, launch=False, inference_nodes=True,
                                        engine_in_process=True, weight_transfer=True)
 
     def check(self, cfg) -> None:
@@ -29,6 +36,17 @@ class EmbeddedBackend(InferenceBackend):
             raise ConfigError(f"inference.vllm.weight_update: {i.vllm.weight_update!r} is vLLM's (inference.backend = "
                               f"'vllm'); the embedded engine's is inference.weight_update (files or broadcast), "
                               f"got {i.vllm.weight_update!r}")
+        if d.inference_nodes and i.weight_update == "filesystem":
+            raise ConfigError("inference.weight_update: 'filesystem' has the servers load the trainer's files from "
+                              "output_dir, which the inference nodes (deployment.inference_nodes) do not share: use "
+                              f"'broadcast' or 'auto', got {i.weight_update!r}")
+        if d.inference_nodes and i.vllm.port + i.num_servers > 65536:
+            raise ConfigError(f"inference.vllm.port: the {i.num_servers} servers of each inference node listen on "
+                              f"inference.vllm.port + 0..{i.num_servers - 1}, past 65535, got {i.vllm.port}")
+        if d.inference_nodes and i.pd.enabled:
+            raise ConfigError("inference.pd: prefill / decode servers run beside the orchestrator, not on "
+                              "deployment.inference_nodes (set inference.pd.prefill = decode = 0 or "
+                              f"deployment.inference_nodes = 0), got {i.pd.prefill} + {i.pd.decode}")
         if d.orchestrator == "own" and i.weight_update == "filesystem":
             raise ConfigError("inference.weight_update: 'filesystem' needs output_dir shared by the trainer and the "
                               "orchestrator, which runs on a node of its own (deployment.orchestrator = 'own'): use "
@@ -44,9 +62,18 @@ class EmbeddedBackend(InferenceBackend):
             servers = ", ".join(f"{role} {h}:{port}" for role, h, port in pd_servers(cfg))
             return (f"# inference servers (P/D, started by the orchestrator): `primerl inference --role` {servers}; "
                     f"vllm-router --vllm-pd-disaggregation on {p.host}:{p.router_port} (policy {p.policy})\n")
+        if cfg.deployment.inference_nodes:
+            n = cfg.deployment.inference_nodes
+            return (f"# inference servers: {i.num_servers} `primerl inference` server(s) on each of the {n} inference "
+                    f"node(s) (ports {i.vllm.port}..{i.vllm.port + i.num_servers - 1}, supervised by the node, "
+                    f"max_restarts {i.max_restarts}; see the node lines), behind vllm-router on the orchestrator's "
+                    f"node (policy {i.router_policy}); weights by broadcast from trainer rank 0 to all "
+                    f"{n * i.num_servers} at once\n")
         if i.num_servers > 1:
+            via = "broadcast from trainer rank 0 to all at once" if _broadcast(cfg) else "files in output_dir"
             return (f"# inference servers: {i.num_servers} `primerl inference` servers on free ports of 127.0.0.1 "
-                    f"behind vllm-router (policy {i.router_policy}), supervised (max_restarts {i.max_restarts})\n")
+                    f"behind vllm-router (policy {i.router_policy}), supervised (max_restarts {i.max_restarts}); "
+                    f"weights by {via}\n")
         return "# inference servers: none started (the embedded engine runs in the orchestrator's process)\n"
 
     def beside_orchestrator(self, cfg) -> str:
@@ -66,17 +93,24 @@ class EmbeddedBackend(InferenceBackend):
 
         p = placement
         i = cfg.inference
-        if i.pd.enabled or i.num_servers > 1:  # the engines are the servers', one each
-            from .server import server_device
+        if i.pd.enabled or serves_from_pool(cfg):  # the engines are the servers', one each
+            dtype = str(p.param_dtype).removeprefix('torch.')
+            if i.pd.enabled or not cfg.deployment.inference_nodes:
+                from .server import server_device
 
-            kind = "cpu" if p.device == "cpu" else "cuda"
-            n = i.pd.prefill + i.pd.decode if i.pd.enabled else i.num_servers
-            names = ([f"{r}-{k}" for r in ("prefill", "decode") for k in range(getattr(i.pd, r))] if i.pd.enabled
-                     else [f"inference-{k}" for k in range(n)])
-            devs = ", ".join(f"{name} on {server_device(kind, i.gpu_ids, k)}" for k, name in enumerate(names))
-            return (f"# inference: {n} `primerl inference` server processes, each its own embedded engine "
-                    f"({devs}), {str(p.param_dtype).removeprefix('torch.')}; weights by files in "
-                    "output_dir/transport, loaded by each server")
+                kind = "cpu" if p.device == "cpu" else "cuda"
+                n = i.pd.prefill + i.pd.decode if i.pd.enabled else i.num_servers
+                names = ([f"{r}-{k}" for r in ("prefill", "decode") for k in range(getattr(i.pd, r))] if i.pd.enabled
+                         else [f"inference-{k}" for k in range(n)])
+                devs = ", ".join(f"{name} on {server_device(kind, i.gpu_ids, k)}" for k, name in enumerate(names))
+                head = f"# inference: {n} `primerl inference` server processes, each its own embedded engine ({devs})"
+            else:
+                head = (f"# inference: a pool of {cfg.deployment.inference_nodes * i.num_servers} `primerl inference` "
+                        f"servers on {cfg.deployment.inference_nodes} inference node(s) behind vllm-router")
+            via = (f"{p.broadcast_backend} broadcast from trainer rank 0 (its node, port "
+                   f"{i.broadcast_port}) to every server" if p.weight_update == "broadcast" and not i.pd.enabled
+                   else "files in output_dir/transport, loaded by each server")
+            return f"{head}, {dtype}; weights by {via}"
         where = "the CPU" if p.engine_gpu is None else f"cuda:{p.engine_gpu}"
         kv = f"KV cache <= {cfg.inference.kv_cache_gb:g} GB" if cfg.inference.kv_cache_gb else "KV cache uncapped"
         share = " (shared with the trainer, which takes the memory the engine leaves)" if p.shared else ""
@@ -110,6 +144,10 @@ class EmbeddedBackend(InferenceBackend):
 
         if isinstance(client, EmbeddedClient) and client.receiver is not None:
             return client.receiver  # the engine's broadcast receiver, started with the client
+        if serves_from_pool(cfg) and _broadcast(cfg):
+            from .weight_sync import ServerWeightVersions
+
+            return ServerWeightVersions(client)  # the versions the pool's servers hold (no file shared)
         return FileWeightVersions(transport)
 
     def generate_server(self, cfg, client, *, policy_version, model_name) -> GenerateServer:
@@ -121,11 +159,14 @@ class EmbeddedBackend(InferenceBackend):
     # ------------------------------------------------------------------ trainer side
     def weight_channel(self, cfg, *, model, transport, rank):
         from ..placement import resolve_placement
-        from .weight_channels import BucketedBroadcast, FileChannel
+        from .weight_channels import BucketedBroadcast, EngineBroadcast, FileChannel
 
         placement = resolve_placement(cfg)
         if placement.weight_update != "broadcast":
             return FileChannel(transport, rank=rank)
+        if serves_from_pool(cfg):
+            return EngineBroadcast(_pool_sender(cfg, placement) if rank == 0 else None, transport, rank=rank,
+                                   dtype=placement.param_dtype)
         w = cfg.inference.weight_transfer
         sources = cfg.num_trainer_ranks if w.sharded else 1
 
@@ -156,3 +197,31 @@ def _orchestrator() -> str:
 
 
 register_backend("embedded", EmbeddedBackend())
+
+
+def _broadcast(cfg) -> bool:
+    from ..placement import resolve_placement
+
+    return resolve_placement(cfg).weight_update == "broadcast"
+
+
+def _pool_sender(cfg, placement):
+    """Trainer rank 0's sender to every server of the pool (``pool_broadcast``): the servers' URLs
+    from ``PRIMERL_INFERENCE_POOL`` (set by the launcher, or by ``primerl node`` from the plan),
+    the group at this node's address and ``inference.broadcast_port``."""
+    import json
+    import os
+
+    from ..transport import INFERENCE_POOL_ENV
+    from .pool_broadcast import PoolBroadcastSender, trainer_host
+
+    def servers() -> list[str]:
+        raw = os.environ.get(INFERENCE_POOL_ENV)
+        if not raw:
+            raise RuntimeError(f"weights by broadcast to the inference pool: {INFERENCE_POOL_ENV} is not set (the "
+                               "pool's servers are named by `primerl rl` / `primerl node`)")
+        return list(json.loads(raw)["servers"])
+
+    return PoolBroadcastSender(servers, trainer_host(), cfg.inference.broadcast_port,
+                               timeout_s=cfg.orchestrator.weights_timeout_s, backend=placement.broadcast_backend,
+                               health_timeout_s=cfg.inference.health_timeout_s)

@@ -19,8 +19,19 @@ taken out of the router. A maintenance thread, every ``interval_s``:
   the current version (``/add_worker`` / ``/remove_worker``): a restarted router starts empty and
   gets them back here.
 
+Weights by broadcast (``broadcast=True``: ``inference.weight_update = "broadcast"``, trainer rank 0
+sends every version to every server at once, ``pool_broadcast``): the client loads nothing itself.
+``update_weights(v)`` asks every server which version it holds and routes only to those holding
+``v`` (or newer); a server that lacks it (replaced, so it holds the seeded weights, and rejoins
+the trainer's group at the next version) stays out of the router until the maintenance pass sees
+it holding the pool's version. ``server_versions()`` is the newest version a server holds (the
+orchestrator's ``weight_sync.ServerWeightVersions`` waits on it: no file is shared with the
+trainer).
+
 ``metrics()`` (per step): ``inference/redispatched`` (since the previous call),
-``inference/restarts`` (processes restarted by the launcher, from ``processes.json``).
+``inference/restarts`` (processes restarted by the launcher, from ``processes.json``; on inference
+nodes only this node's router, each node's servers are in its own ``processes-node<i>.json``),
+``inference/servers_replaced`` (servers seen answering as a new process, on any node).
 """
 
 from __future__ import annotations
@@ -53,18 +64,22 @@ class PoolClient(VLLMClient):
 
     def __init__(self, cfg: VLLMConfig, servers: list[str], router: str, *, timeout_s: float = 300.0,
                  output_dir: str | None = None, processes_json: str | None = None, health_timeout_s: float = 10.0,
-                 interval_s: float = 1.0, **kw):
+                 interval_s: float = 1.0, broadcast: bool = False, **kw):
         concurrency = kw.pop("concurrency", 64)  # requests in flight through the router
         super().__init__(dataclasses.replace(cfg, url=router), timeout_s=timeout_s, output_dir=output_dir,
                          concurrency=concurrency, **kw)
         self.members = {u.rstrip("/"): VLLMClient(dataclasses.replace(cfg, url=u), timeout_s=timeout_s,
                                                   output_dir=output_dir, concurrency=1, **kw) for u in servers}
         self.health_timeout_s, self.interval_s = health_timeout_s, interval_s
+        self.broadcast = broadcast  # the trainer sends every server each version; the client only verifies
         self.processes_json = processes_json
         self.redispatched = 0
+        self.replaced = 0  # servers seen coming back as a new process (their /health instance changed)
+        self._instances: dict[str, str | None] = {}
         self._redispatched_reported = 0
         self._loaded: dict[str, tuple] = {}  # url -> (instance, version) it holds by our load
         self._healthy: set[str] = set()
+        self._holders: set[str] = set()  # by broadcast: the servers holding the pool's version
         self._seen: set[str] = set()  # asked at least once
         self._transport = None
         self._lock = threading.RLock()  # one control-plane action at a time (an update, a re-sync)
@@ -82,7 +97,12 @@ class PoolClient(VLLMClient):
         except InferenceServerError:
             return False, None, None
         if "weights_version" in h:  # primerl inference
-            return True, h.get("instance"), int(h["weights_version"])
+            inst = h.get("instance")
+            with self._count_lock:
+                if self._instances.setdefault(url, inst) != inst:  # a new process on that URL
+                    self._instances[url] = inst
+                    self.replaced += 1
+            return True, inst, int(h["weights_version"])
         try:  # vLLM: ask the workers
             got = self.members[url].server_versions()
             return True, None, (None if not got or any(v is None for v in got) else min(got))
@@ -110,6 +130,8 @@ class PoolClient(VLLMClient):
     def _current(self, url: str, instance: str | None, version: int | None) -> bool:
         if self.version < 0:  # no update yet: every server holds the seeded initial weights
             return True
+        if self.broadcast:  # what the server says it loaded from the trainer's broadcast
+            return version is not None and version >= self.version
         if instance is not None:
             return self._loaded.get(url) == (instance, self.version)
         return version == self.version
@@ -133,10 +155,12 @@ class PoolClient(VLLMClient):
                     continue
                 if not self._current(url, inst, ver):
                     self._set_router(url, False)
-                    if self._transport is None or not self._resync(url, inst):
+                    # by broadcast the trainer's next version reaches it (it rejoins the group then)
+                    if self.broadcast or self._transport is None or not self._resync(url, inst):
                         continue
                 ready.add(url)
             self._healthy = {u for u, s in states.items() if s[0]}
+            self._holders = set(ready)
             self._seen.update(states)
             try:
                 listed = set(http_json(self.url + "/list_workers", None, timeout=5).get("urls") or [])
@@ -176,7 +200,39 @@ class PoolClient(VLLMClient):
             log.warning("router %s %s: %s", route, url, e)
 
     # -- weights: to every server directly
+    def server_versions(self) -> list[int]:
+        """``[the newest version a server of the pool holds]`` (``[]`` when none answers)."""
+        got = [ver for ok, _, ver in self._fan.map(self._state, self.members) if ok and ver is not None]
+        return [max(got)] if got else []
+
+    def _verify_broadcast(self, version: int) -> None:
+        """Weights by broadcast: route to the servers that hold ``version`` (or newer), no other. The
+        servers that held the previous version get ``health_timeout_s`` to finish loading this one
+        (the trainer's send returns once every server has the bytes; each loads between two steps)."""
+        deadline = time.monotonic() + self.health_timeout_s
+        while True:
+            states = dict(zip(self.members, self._fan.map(self._state, self.members)))
+            held = {u for u, (ok, _, ver) in states.items() if ok and ver is not None and ver >= version}
+            expected = {u for u in self._holders if states[u][0]}
+            if expected <= held or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self._holders = held
+        for url in set(self.members) - held:
+            log.warning("%s does not hold weights version %d (%s): out of the router until it does", url, version,
+                        "no answer" if not states[url][0] else f"it holds {states[url][2]}")
+            self._set_router(url, False)
+        self._healthy = {u for u, s in states.items() if s[0]}
+        self._seen.update(states)
+        self.version = version
+        if not held:
+            log.warning("no inference server holds weights version %d; generation waits for one", version)
+
     def update_weights(self, version: int, transport) -> None:
+        if self.broadcast:
+            with self._lock:
+                self._verify_broadcast(version)
+            return
         with self._lock:
             self._transport = transport
             # a server known down is left to the maintenance pass (re-synced when it answers again)
@@ -238,7 +294,9 @@ class PoolClient(VLLMClient):
             except (OSError, ValueError):
                 rows = []
             restarts = sum(int(r.get("restarts", 0)) for r in rows)
-        return {"inference/redispatched": n, "inference/restarts": restarts}
+        with self._count_lock:
+            replaced = self.replaced
+        return {"inference/redispatched": n, "inference/restarts": restarts, "inference/servers_replaced": replaced}
 
     def close(self) -> None:
         self._stop.set()

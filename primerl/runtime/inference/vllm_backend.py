@@ -31,6 +31,11 @@ class VLLMBackend(InferenceBackend):
         if i.weight_update == "broadcast":
             raise ConfigError("inference.weight_update: 'broadcast' is the embedded engine's; vLLM's is "
                               f"inference.vllm.weight_update, got {i.weight_update!r}")
+        if cfg.deployment.inference_nodes and i.vllm.weight_update != "broadcast":
+            raise ConfigError("inference.vllm.weight_update: 'filesystem' has the inference nodes' servers load the "
+                              "trainer's files from output_dir, which the nodes do not share: use 'broadcast' (trainer "
+                              f"rank 0 to the servers' workers, inference.vllm.broadcast_host = its node), got "
+                              f"{i.vllm.weight_update!r}")
 
     # ------------------------------------------------------------------ descriptions
     def describe(self, cfg) -> str:

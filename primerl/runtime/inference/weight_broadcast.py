@@ -29,11 +29,13 @@ __all__ = ["BroadcastReceiver", "new_group", "receive_update", "receive_weights"
 
 
 def new_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: float = 300.0,
-              backend: str | None = None, store_rank: int = 0):
+              backend: str | None = None, store_rank: int = 0, prefix: str = ""):
     """A process group outside vLLM's own (its own TCPStore rendezvous; rank 0 = the trainer).
     Joining and every collective give up after ``timeout_s`` (a dead peer raises, never hangs).
     ``backend``: "nccl" or "gloo" (default: NCCL when CUDA is available). ``store_rank``: the rank
-    that hosts the TCPStore at ``host:port`` (the others connect there)."""
+    that hosts the TCPStore at ``host:port`` (the others connect there). ``prefix``: the group's
+    keys in that store (a store that outlives one group: ``pool_broadcast`` forms a new group,
+    under a new prefix, whenever a server of the pool is replaced)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -42,6 +44,8 @@ def new_group(host: str, port: int, rank: int, world_size: int, *, timeout_s: fl
         raise ValueError(f"new_group: backend must be 'nccl', 'gloo' or None, got {backend!r}")
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=(rank == store_rank), timeout=timeout)
+    if prefix:
+        store = dist.PrefixStore(prefix, store)
     if backend == "nccl" or (backend is None and torch.cuda.is_available()):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -148,8 +152,8 @@ class BroadcastReceiver:
     futures run one at a time on a thread of this receiver (a join or a transfer waits on the
     trainer); ``load(version, [(name, tensor), ...])`` installs a received version."""
 
-    def __init__(self, device: torch.device, host: str, port, rank_offset, world_size, timeout_s=300.0):
-        self.device = device
+    def __init__(self, device: torch.device, host: str, port, rank_offset, world_size, timeout_s=300.0, prefix=""):
+        self.device, self.prefix = device, str(prefix)
         self.host, self.port, self.rank, self.world_size = str(host), int(port), int(rank_offset), int(world_size)
         self.timeout_s = float(timeout_s)
         self.group = None
@@ -158,7 +162,7 @@ class BroadcastReceiver:
     def join(self) -> Future:
         def run():
             self.group = new_group(self.host, self.port, self.rank, self.world_size, timeout_s=self.timeout_s,
-                                   backend="nccl" if self.device.type == "cuda" else "gloo")
+                                   backend="nccl" if self.device.type == "cuda" else "gloo", prefix=self.prefix)
 
         return self._pool.submit(run)
 
@@ -166,7 +170,17 @@ class BroadcastReceiver:
         def run() -> int:
             if self.group is None:
                 raise RuntimeError(f"no weight broadcast group: joining {self.host}:{self.port} failed or is not done")
-            version, weights = receive_update(self.group, self.device)
+            try:
+                version, weights = receive_update(self.group, self.device)
+            except Exception:
+                # leave the group: a sender still sending to this rank (a peer died mid-send) then fails
+                # at once instead of waiting out its timeout; the next init_broadcast forms a new one
+                group, self.group = self.group, None
+                try:
+                    group.shutdown()
+                except Exception:  # noqa: BLE001 - nothing left to close
+                    pass
+                raise
             load(version, weights)
             return version
 

@@ -3,7 +3,7 @@
 
 - ``POST /collective_rpc`` ``{"method", "args"}``: ``update_weights_from_path(dir)`` (a published
   ``model.safetensors``, primerl's names or the Hugging Face layout; the version from ``STABLE``),
-  ``init_broadcast(host, port, rank_offset, world_size[, timeout_s])`` then
+  ``init_broadcast(host, port, rank_offset, world_size[, timeout_s[, prefix]])`` then
   ``update_weights_from_broadcast()`` (trainer rank 0 sends over torch.distributed,
   ``weight_broadcast``), ``weights_version``; each answers ``{"results": [one per worker]}``;
 - ``POST /pause`` / ``POST /resume`` / ``GET /is_paused``: stop stepping the engine (requests and
@@ -81,7 +81,7 @@ class WeightRPCs:
         return Pending(self.engine_thread.call(load), lambda _: {"results": [{"version": version}]})
 
     def start_broadcast_call(self, method: str, args: list) -> Pending:
-        """``init_broadcast(host, port, rank_offset, world_size[, timeout_s])`` then
+        """``init_broadcast(host, port, rank_offset, world_size[, timeout_s[, prefix]])`` then
         ``update_weights_from_broadcast()``, as vLLM's worker extension (``vllm_worker``) answers
         them: trainer rank 0 sends the weights over a torch.distributed group (gloo, NCCL on a GPU),
         no file. The join and each receive run on a thread of their own (never the HTTP loop's or
@@ -89,9 +89,9 @@ class WeightRPCs:
         from .weight_broadcast import BroadcastReceiver
 
         if method == "init_broadcast":
-            if not 4 <= len(args) <= 5:
-                raise ValueError(
-                    f"init_broadcast takes (host, port, rank_offset, world_size[, timeout_s]), got {args!r}")
+            if not 4 <= len(args) <= 6:
+                raise ValueError("init_broadcast takes (host, port, rank_offset, world_size[, timeout_s[, prefix]]), "
+                                 f"got {args!r}")
             self._broadcast = BroadcastReceiver(self.engine.device, *args)
             return Pending(self._broadcast.join(), lambda _: {"results": [None]})
         if self._broadcast is None:

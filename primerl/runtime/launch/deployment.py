@@ -30,7 +30,8 @@ from .kinds import get_launcher
 from .kinds import trainer_ranks_per_node as launcher_ranks_per_node
 
 __all__ = ["Node", "NodePlan", "node_plan", "describe_nodes", "check_rendezvous_port", "check_fixed_ports",
-           "split_endpoint", "is_loopback", "config_hash", "inference_server", "DEFAULT_RDZV_PORT", "ROLES"]
+           "pool_on_nodes", "pool_server_urls", "split_endpoint", "is_loopback", "config_hash", "inference_server",
+           "DEFAULT_RDZV_PORT", "ROLES"]
 
 ROLES = ("trainer", "inference", "orchestrator")
 DEFAULT_RDZV_PORT = 29400
@@ -77,6 +78,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def pool_on_nodes(cfg: RLConfig) -> bool:
+    """The inference nodes each run a pool of ``inference.num_servers`` servers of the backend's own
+    (``capabilities.server_pool``), behind one vllm-router on the orchestrator's node."""
+    return (get_launcher(cfg).capabilities.spans_nodes and cfg.deployment.inference_nodes > 0
+            and get_backend(cfg).capabilities.server_pool)
+
+
+def pool_server_urls(cfg: RLConfig, plan: "NodePlan") -> list[str]:
+    """Every server of the pool on the inference nodes, in node order: ``inference.num_servers`` on
+    each node's address, at ports ``inference.vllm.port`` + 0, 1, ..."""
+    p = cfg.inference.vllm.port
+    return [f"http://{n.host}:{p + j}" for n in plan.with_role("inference") for j in range(cfg.inference.num_servers)]
+
+
 def _num_nodes(cfg: RLConfig) -> int:
     d = cfg.deployment
     return d.trainer_nodes + d.inference_nodes + (d.orchestrator == "own")
@@ -95,7 +110,8 @@ def node_plan(cfg: RLConfig, hosts: list[str] | None = None) -> NodePlan:
     hosts = list(hosts or d.hosts or [f"$node{i}" for i in range(n)])
     if len(hosts) < n:
         raise ConfigError(f"deployment: the plan needs {n} nodes but the job has {len(hosts)} ({hosts})")
-    in_process = get_backend(cfg).capabilities.engine_in_process  # the engine beside the orchestrator takes a GPU
+    # the engine beside the orchestrator takes a GPU (not when the job samples from servers of the inference nodes)
+    in_process = get_backend(cfg).capabilities.engine_in_process and not d.inference_nodes
     engine_first = d.orchestrator == "trainer" and in_process and d.gpus_per_node > 1
     nodes = []
     for t in range(d.trainer_nodes):
@@ -131,6 +147,8 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
         head = (f"# deployment: {plan.kind}, {len(plan.nodes)} node(s); trainer rendezvous c10d at "
                 f"{plan.rdzv_endpoint} (timeout {d.rdzv_timeout_s:g} s), grace {d.grace_s:g} s")
     lines = [head]
+    pool = pool_on_nodes(cfg)
+    i = cfg.inference
     for n in plan.nodes:
         parts = []
         if n.ranks:
@@ -139,9 +157,17 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
         if "inference" in n.roles:
             parts.append(f"inference server (GPUs {list(n.gpus) or 'none'}): {inference_server(cfg, n.host)}")
         if "orchestrator" in n.roles:
-            beside = get_backend(cfg).beside_orchestrator(cfg)  # its engine, or the servers and router it starts
-            parts.append("orchestrator" + (f" + {beside}" if beside else ""))
+            if pool:
+                parts.append(f"orchestrator + vllm-router on {n.host}:<a free port> (policy {i.router_policy})")
+            else:
+                beside = get_backend(cfg).beside_orchestrator(cfg)  # its engine, or the servers and router it starts
+                parts.append("orchestrator" + (f" + {beside}" if beside else ""))
         lines.append(f"# node {n.index} {n.host}: " + "; ".join(parts))
+    if pool:
+        urls = pool_server_urls(cfg, plan)
+        lines.append(f"# inference pool: {len(urls)} server(s) {', '.join(urls)}; weights by broadcast from trainer "
+                     f"rank 0 (its node's address, known once torchrun's rendezvous placed it; port "
+                     f"{i.broadcast_port}) to all {len(urls)} at once")
     if spans:
         from ..zmq_transport import batch_transport
 
@@ -153,9 +179,15 @@ def describe_nodes(cfg: RLConfig, hosts: list[str] | None = None) -> str:
 
 
 def inference_server(cfg: RLConfig, host: str) -> str:
-    """What ``primerl node --role inference`` runs on ``host``: vLLM's server (``inference.vllm.launch``,
-    its command line) or primerl's own server speaking vLLM's protocol."""
+    """What ``primerl node --role inference`` runs on ``host``: the node's servers of a pool
+    (``pool_on_nodes``), vLLM's server (``inference.vllm.launch``, its command line) or primerl's own
+    server speaking vLLM's protocol."""
     port = cfg.inference.vllm.port
+    if pool_on_nodes(cfg):
+        i = cfg.inference
+        ports = ", ".join(f"{host}:{port + j}" for j in range(i.num_servers))
+        return (f"{i.num_servers} primerl inference server(s) on {ports}, supervised by the node "
+                f"(max_restarts {i.max_restarts})")
     if cfg.inference.vllm.launch:
         from ..inference.vllm_launch import serve_command_line
 

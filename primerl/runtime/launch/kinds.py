@@ -89,11 +89,14 @@ def check_launcher(cfg: RLConfig) -> None:
     launcher's own ``check``. Raises ``ConfigError`` naming the key."""
     launcher = get_launcher(cfg)
     i = cfg.inference
-    if (i.num_servers > 1 or i.vllm.urls) and not launcher.capabilities.server_pool:
+    on_nodes = launcher.capabilities.spans_nodes and cfg.deployment.inference_nodes > 0 and not i.vllm.urls
+    if (i.num_servers > 1 or i.vllm.urls) and not launcher.capabilities.server_pool and not on_nodes:
         able = " or ".join(repr(n) for n in LAUNCHERS.names() if get_launcher(n).capabilities.server_pool)
         pool = i.num_servers > 1
         key, value = ("inference.num_servers", i.num_servers) if pool else ("inference.vllm.urls", i.vllm.urls)
-        _need(False, key, f"a server pool is started by a launcher that can (deployment.kind {able}), "
+        nodes = (" or on inference nodes (deployment.inference_nodes >= 1, inference.num_servers on each)"
+                 if launcher.capabilities.spans_nodes and pool else "")
+        _need(False, key, f"a server pool is started by a launcher that can (deployment.kind {able}){nodes}, "
               f"not by deployment.kind = {cfg.deployment.kind!r}", value)
     launcher.check(cfg)
 
@@ -118,7 +121,8 @@ def trainer_ranks_per_node(cfg: RLConfig) -> int:
 
 def check_spans_nodes(cfg: RLConfig) -> None:
     """``deployment.*`` of a kind whose processes run on several nodes (``nodes``, ``slurm``): the
-    trainer ranks per node, the nodes' GPUs and what the inference backend can do across nodes."""
+    trainer ranks per node and the nodes' GPUs (how the inference nodes take weights is the
+    backend's ``check``: no directory is shared with them)."""
     d = cfg.deployment
     if d.trainer_nodes < 1 or d.ranks_per_node < 0:
         return  # the field checks (config.deployment.check_deployment) name these keys
@@ -147,8 +151,3 @@ def check_spans_nodes(cfg: RLConfig) -> None:
         _need(per_node + engine <= d.gpus_per_node, "deployment.ranks_per_node",
               f"{per_node} trainer ranks per node{' plus the engine' if engine else ''} need "
               f"{per_node + engine} GPUs; deployment.gpus_per_node = {d.gpus_per_node}", per_node)
-    _need(d.inference_nodes == 0 or cfg.inference.vllm.weight_update == "broadcast", "inference.vllm.weight_update",
-          "'filesystem' has the inference nodes' servers load the trainer's files from output_dir, which the nodes do "
-          "not share: use 'broadcast' (trainer rank 0 to the servers' workers, "
-          "inference.vllm.broadcast_host = its node)",
-          cfg.inference.vllm.weight_update)

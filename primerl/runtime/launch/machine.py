@@ -88,7 +88,8 @@ class MachineLauncher:
         if pool is not None:
             job.state["pool"] = pool
             pool.start()
-            orch_env[POOL_ENV] = json.dumps(pool.endpoints())
+            # the orchestrator samples through it; the trainer's rank 0 broadcasts weights to its servers
+            base_env[POOL_ENV] = orch_env[POOL_ENV] = json.dumps(pool.endpoints())
         procs = job.state["procs"] = {}
         procs["orchestrator"] = start_process([py, "-m", "primerl.runtime.cli", "orchestrator", "--config", cfg_path],
                                               name="orchestrator", role="orchestrator",

@@ -30,14 +30,14 @@ from datetime import timedelta
 
 from ..config import RLConfig
 from ..processes import start_process
-from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, split_endpoint
+from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, pool_on_nodes, pool_server_urls, split_endpoint
 from .kinds import get_launcher
 from .node_watch import NodeWatch, exit_process
 
 log = logging.getLogger("primerl")
 
 __all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "join_rendezvous", "peer_env", "run_vllm_node",
-           "node_main"]
+           "run_pool_node", "start_pool_router", "node_main"]
 
 
 class NodeError(RuntimeError):
@@ -159,6 +159,90 @@ def peer_env(plan: NodePlan, role: str) -> dict[str, str]:
             ORCHESTRATOR_NODE_ENV: f"the orchestrator on node {orch.index} ({orch.host})"}
 
 
+def _pool_env(cfg: RLConfig, plan: NodePlan, node: Node) -> dict[str, str]:
+    """A trainer node's part of the pool's weights: its own address (rank 0, wherever torchrun's
+    rendezvous puts it, hosts the weight group there) and the URLs of the pool's servers."""
+    import json
+
+    from ..transport import INFERENCE_POOL_ENV, TRAINER_HOST_ENV
+
+    env = {TRAINER_HOST_ENV: node.host}
+    if pool_on_nodes(cfg):
+        env[INFERENCE_POOL_ENV] = json.dumps({"servers": pool_server_urls(cfg, plan)})
+    return env
+
+
+def run_pool_node(cfg: RLConfig, config_path: str, overrides: list[str], plan: NodePlan, node: Node, *,
+                  poll_s: float = 0.5, watch: NodeWatch | None = None) -> int:
+    """An inference node of a pool: ``inference.num_servers`` ``primerl inference`` servers on the
+    node's address at ports ``inference.vllm.port`` + 0, 1, ..., supervised (``launch.servers.ServerPool``
+    without a router: a server that exits or hangs is restarted on its port, at most
+    ``inference.max_restarts`` times, then the node fails naming it). Rows in
+    ``<output_dir>/processes-node<i>.json``, logs ``<output_dir>/logs/inference-<k>.log`` (k: the
+    server's index in the pool). Serves until SIGTERM (exit 143)."""
+    from pathlib import Path
+
+    from ..lifetime import watch_launcher
+    from ..processes import ProcessTable
+    from .servers import ServerPool
+
+    i, out = cfg.inference, Path(cfg.output_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    first = [n.index for n in plan.with_role("inference")].index(node.index) * i.num_servers
+    pool = ServerPool(config_path, i.num_servers, out / "logs", ProcessTable(out / f"processes-node{node.index}.json"),
+                      router=False, host=node.host, ports=[i.vllm.port + j for j in range(i.num_servers)],
+                      first_index=first, max_restarts=i.max_restarts, health_timeout_s=i.health_timeout_s,
+                      request_timeout_s=i.timeout_s, extra_args=list(overrides))
+    where = f"node {node.index} ({node.host}) inference"
+
+    def stop(reason: str) -> None:  # on the watch's thread (no signal handler waits on a process)
+        log.info("%s: stopping its %d server(s)", where, len(pool.servers))
+        pool.stop()
+        exit_process(143 if watch.signalled else 1, f"primerl node: FAILED: {reason}")
+
+    own = watch is None
+    if own:
+        watch = NodeWatch(where, stop, grace_s=cfg.deployment.grace_s).start()
+    watch.on_end = stop
+    watch_launcher()  # started by `primerl rl` on this machine: SIGTERM to itself when the launcher is gone
+    try:
+        pool.start()
+        log.info("%s: %d server(s) %s", where, len(pool.servers), pool.urls)
+        while pool.failure is None:
+            time.sleep(poll_s)
+        pool.stop()
+        raise NodeError(f"{where}: {pool.failure}")
+    finally:
+        if own:
+            watch.close()
+
+
+def start_pool_router(cfg: RLConfig, config_path: str, plan: NodePlan, node: Node):
+    """The orchestrator's node of a pool on inference nodes: vllm-router on this node's address (a
+    free port), supervised, empty (the pool client adds each server once it holds the pool's
+    weights); ``PRIMERL_INFERENCE_POOL`` names it and the servers of the plan for the orchestrator.
+    Returns the started ``ServerPool`` (stop it at the end)."""
+    import json
+    from pathlib import Path
+
+    from ..processes import ProcessTable
+    from ..transport import INFERENCE_POOL_ENV
+    from .servers import ServerPool
+
+    i, out = cfg.inference, Path(cfg.output_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    table = ProcessTable(out / f"processes-node{node.index}.json")
+    try:
+        router = ServerPool(config_path, 0, out / "logs", table, router=True, policy=i.router_policy, host=node.host,
+                            max_restarts=i.max_restarts, request_timeout_s=i.timeout_s).start()
+    except FileNotFoundError as e:
+        raise NodeError(f"node {node.index} ({node.host}) orchestrator: {e}") from None
+    os.environ[INFERENCE_POOL_ENV] = json.dumps({"servers": pool_server_urls(cfg, plan), "router": router.router_url,
+                                                 "processes": str(table.path)})
+    log.info("vllm-router on %s for the pool's servers %s", router.router_url, pool_server_urls(cfg, plan))
+    return router
+
+
 def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5, watch: NodeWatch | None = None) -> int:
     """An inference node with ``inference.vllm.launch = true``: vLLM's server on the node's address
     and ``inference.vllm.port`` (``vllm_launch.launch_for_job``: ``inference.vllm.model`` /
@@ -234,7 +318,7 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
         watch = NodeWatch(where, lambda reason: exit_process(143 if watch.signalled else 1,
                                                              f"primerl node: FAILED: {reason}"), grace_s=grace).start()
         try:
-            return _run_role(cfg, plan, node, role, digest, deadline, watch, store_node)
+            return _run_role(cfg, config_path, overrides, plan, node, role, digest, deadline, watch, store_node)
         finally:
             watch.close()
     held = {}
@@ -248,7 +332,7 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
         watch.close()
 
 
-def _run_role(cfg, plan, node, role, digest, deadline, watch, store_node) -> int:
+def _run_role(cfg, config_path, overrides, plan, node, role, digest, deadline, watch, store_node) -> int:
     """An orchestrator or inference node's role, in this process."""
     where = watch.where
     join_rendezvous(plan, node, role, digest, deadline=deadline)
@@ -258,15 +342,24 @@ def _run_role(cfg, plan, node, role, digest, deadline, watch, store_node) -> int
             from ..orchestrator.main import orchestrator_main
 
             os.environ.update(peer_env(plan, role))
-            if plan.with_role("inference"):  # their servers come up beside this process: wait (bounded)
+            router = None
+            if pool_on_nodes(cfg):  # the pool client waits for every server (bounded)
+                router = start_pool_router(cfg, config_path, plan, node)
+            elif plan.with_role("inference"):  # their servers come up beside this process: wait (bounded)
                 from ..inference.vllm_client import VLLMClient
 
                 log.info("waiting for the inference server at %s", cfg.inference.vllm.url)
                 VLLMClient(cfg.inference.vllm, timeout_s=cfg.inference.timeout_s).wait_healthy(
                     cfg.inference.vllm.launch_timeout_s)
-            orchestrator_main(cfg)
+            try:
+                orchestrator_main(cfg)
+            finally:
+                if router is not None:
+                    router.stop()
         elif cfg.inference.vllm.launch:
             return run_vllm_node(cfg, node, watch=watch)
+        elif pool_on_nodes(cfg):
+            return run_pool_node(cfg, config_path, overrides, plan, node, watch=watch)
         else:
             from ..inference.server import serve
 
@@ -287,7 +380,8 @@ def _run_trainer(cfg, config_path, overrides, plan, node, digest, deadline, watc
     cmd = trainer_command(plan, node, entry, run_id=os.environ.get("SLURM_JOB_ID", "primerl"))
     log.info("trainer node %d: %s", node.trainer_node, " ".join(cmd))
     proc = held["proc"] = start_process(cmd, name=f"node{node.index}-trainer", role="trainer", log_path=None,
-                                        env=dict(os.environ, **peer_env(plan, "trainer")), die_with_parent=False)
+                                        env=dict(os.environ, **peer_env(plan, "trainer"), **_pool_env(cfg, plan, node)),
+                                        die_with_parent=False)
     if watch.reason is not None:  # SIGTERM before torchrun was started
         proc.stop(grace)
     ranks = f"{node.host}, trainer ranks {node.ranks[0]}-{node.ranks[-1]}"

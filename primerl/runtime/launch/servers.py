@@ -38,10 +38,11 @@ from ..heartbeat import dump_stacks
 from ..lifetime import log_tail
 from ..ports import held_port, reserve_port
 from ..processes import ManagedProcess, ProcessTable
+from ..transport import INFERENCE_POOL_ENV
 
 log = logging.getLogger("primerl.launch")
 
-POOL_ENV = "PRIMERL_INFERENCE_POOL"  # JSON of ServerPool.endpoints() for the orchestrator process
+POOL_ENV = INFERENCE_POOL_ENV  # JSON of ServerPool.endpoints() for the orchestrator and trainer processes
 ROUTER_POLICIES = ("consistent_hash", "round_robin", "power_of_two", "cache_aware", "random")
 
 __all__ = ["POOL_ENV", "ROUTER_POLICIES", "ServerPool", "free_port", "pool_for_job", "router_executable",
@@ -133,22 +134,34 @@ class ServerPool:
                  router: bool = True, policy: str = "consistent_hash", external_urls: list[str] = (),
                  max_restarts: int = 3, health_timeout_s: float = 10.0, health_interval_s: float = 1.0,
                  startup_timeout_s: float = 600.0, request_timeout_s: float = 300.0, env: dict | None = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", ports: list[int] | None = None, first_index: int = 0,
+                 extra_args: list[str] = ()):
         self.table, self.role = table, role
         self.max_restarts, self.health_timeout_s = max_restarts, health_timeout_s
         self.health_interval_s = health_interval_s
         self.startup_timeout_s = startup_timeout_s
-        self._ports = [reserve_port(host) for _ in range(n + 2 * bool(router))]  # held until stop()
-        self.servers = [server_process(i, cfg_path, self._ports[i].port, log_dir, role=role, host=host, env=env,
-                                       table=table) for i in range(n)]
+        if ports is not None and len(ports) != n:
+            raise ValueError(f"ServerPool: {n} servers but {len(ports)} ports {ports}")
+        # held until stop(): the servers' (unless given) and the router's two
+        self._ports = [reserve_port(host) for _ in range((n if ports is None else 0) + 2 * bool(router))]
+        server_ports = list(ports) if ports is not None else [h.port for h in self._ports[:n]]
+        router_ports = self._ports[len(self._ports) - 2:] if router else []
+        # server k is the pool's server first_index + k (its name, log); on GPUs it takes this node's k-th
+        self.servers = []
+        for k in range(n):
+            p = server_process(first_index + k, cfg_path, server_ports[k], log_dir,
+                               role=role, host=host, env=env, table=table, extra_args=extra_args)
+            p.env["PRIMERL_SERVER_INDEX"] = str(k)
+            self.servers.append(p)
         self.urls = [s.url for s in self.servers] + list(external_urls)
         # a policy that cannot start empty gets the initial servers (they hold the seeded initial weights,
         # the pool's version before any update; a restarted router gets them again and the pool client
         # takes out any that lacks the current version on its next pass)
         initial = self.urls if policy in ROUTER_MIN_WORKERS else []
-        self.router = router_process(self._ports[n].port, log_dir, policy=policy, request_timeout_s=request_timeout_s,
+        self.router = router_process(router_ports[0].port if router else 0, log_dir, policy=policy,
+                                     request_timeout_s=request_timeout_s,
                                      host=host, env=env, table=table, workers=initial,
-                                     metrics_port=self._ports[n + 1].port,
+                                     metrics_port=router_ports[1].port if router else None,
                                      startup_timeout_s=startup_timeout_s) if router else None
         self.router_url = self.router.url if self.router else None
         self.failure: str | None = None

@@ -12,6 +12,7 @@ import torch
 
 from ..config import RLConfig
 from ..placement import resolve_placement
+from ..transport import INFERENCE_POOL_ENV
 
 log = logging.getLogger("primerl")
 
@@ -33,10 +34,10 @@ def server_client(cfg: RLConfig, vocab_size: int, pool: dict | None, *, pool_rou
     routed experts (checked on every completion)."""
     if cfg.inference.pd.enabled:
         return make_pd_client(cfg, vocab_size, expect_routing=pd_routing)
-    if pool is None and os.environ.get("PRIMERL_INFERENCE_POOL"):  # launch.servers.POOL_ENV, set by the launcher
+    if pool is None and os.environ.get(INFERENCE_POOL_ENV):  # set by the launcher / `primerl node`
         import json
 
-        pool = json.loads(os.environ["PRIMERL_INFERENCE_POOL"])
+        pool = json.loads(os.environ[INFERENCE_POOL_ENV])
     if pool is not None:
         return make_pool_client(cfg, vocab_size, pool, expect_routing=pool_routing)
     if cfg.inference.num_servers > 1 or cfg.inference.vllm.urls:
@@ -58,7 +59,7 @@ def make_pool_client(cfg: RLConfig, vocab_size: int, endpoints: dict, *, expect_
     client = PoolClient(i.vllm, endpoints["servers"], endpoints["router"], timeout_s=i.timeout_s,
                         output_dir=cfg.output_dir, processes_json=endpoints.get("processes"),
                         health_timeout_s=i.health_timeout_s, num_layers=len(mc.moe_layer_ids), top_k=mc.top_k,
-                        expect_routing=expect_routing,
+                        expect_routing=expect_routing, broadcast=resolve_placement(cfg).weight_update == "broadcast",
                         concurrency=min(256, max(64, cfg.orchestrator.batch_size * cfg.orchestrator.group_size)))
     client.wait_healthy(cfg.inference.vllm.launch_timeout_s)
     return client
