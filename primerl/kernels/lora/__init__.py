@@ -39,7 +39,7 @@ from . import reference
 
 __all__ = ["lora_linear", "grouped_lora", "BACKENDS"]
 
-BACKENDS = ("torch",)  # "triton" lands with its kernels
+BACKENDS = ("torch", "triton")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_BLOCK = 128
@@ -162,9 +162,9 @@ def lora_linear(x: torch.Tensor, weight, lora_a: torch.Tensor, lora_b: torch.Ten
     else:
         base = None
     if be == "triton":
-        from . import _autograd
+        from . import triton_ops
 
-        y = _autograd.lora_linear(x2, None if base is not None else weight, lora_a, lora_b, scale, base)
+        y = triton_ops.lora_linear(x2, None if base is not None else weight, lora_a, lora_b, scale, base)
     elif base is None:
         y = reference.lora_linear(x2, weight, lora_a, lora_b, scale)
     else:
@@ -206,7 +206,7 @@ def grouped_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, sc
     dev = _check_same_device(op, x=x, lora_a=lora_a, lora_b=lora_b, **{kind: index})
     be = _resolve(op, backend, dev)
     if be == "triton":
-        from . import _autograd
+        from . import triton_ops
 
-        return _autograd.grouped_lora(x, lora_a, lora_b, scale, index, kind)
+        return triton_ops.grouped_lora(x, lora_a, lora_b, scale, index, kind)
     return reference.grouped_lora(x, lora_a, lora_b, scale, index, kind)
