@@ -54,8 +54,7 @@ def _lora_linear_bwd(grad: Tensor, x: Tensor, weight: Optional[Tensor], lora_a: 
                      scale: float, need_x: bool, need_w: bool, need_a: bool,
                      need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """grad [M, n] -> (dx [M, d], dw [n, d], dA [r, d], dB [n, r]); one not needed comes back empty."""
-    empty = x.new_empty(0)
-    dx = dw = da = db = empty
+    dx, dw, da, db = (x.new_empty(0) for _ in range(4))  # distinct: a custom op's outputs may not alias
     if need_x or need_a:
         dxa = T.shrink(grad, _dense(lora_b.t()), None, "dense", scale, x.dtype)
         if need_x:
@@ -136,7 +135,7 @@ def _(x, lora_a, lora_b, index, kind, scale):
 def _grouped_bwd(grad: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, xa: Tensor, index: Tensor, kind: str,
                  scale: float, need_x: bool, need_a: bool, need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
     """grad [M, n] -> (dx [M, d], dA [E, r, d], dB [E, n, r]); one not needed comes back empty."""
-    dx = da = db = x.new_empty(0)
+    dx, da, db = (x.new_empty(0) for _ in range(3))
     experts = lora_a.shape[0]
     if need_x or need_a:
         dxa = T.shrink(grad, lora_b.transpose(1, 2), index, kind, scale, x.dtype)
