@@ -10,14 +10,20 @@ multinomial), forward + backward (gradients to x and the adapters; the base froz
 * ``loop_delta`` / ``grouped_lora``: the low-rank path alone (the per-expert loop of the LoRA
   delta, :func:`primerl.kernels.lora.reference.grouped_lora_loop`, against ``grouped_lora``).
 
-TFLOP/s count 3 x forward: base ``2*M*n*d``, LoRA ``2*M*r*(d + n)``. CPU: the torch backend, timed
-interleaved (``--quick``: the smallest shape only). CUDA: the torch and the Triton backends, each
-against its own loop.
+TFLOP/s count 3 x forward: base ``2*M*n*d``, LoRA ``2*M*r*(d + n)``. CPU: the torch backend on one
+intra-op thread (on the shared 2-core machine, load ~25, a second OpenMP thread mostly spins: the
+same quick case gave ratios from 0.65x to 5.8x between runs at 2 threads), timed interleaved
+(``--quick``: the smallest shape only); the last column adds the process's CPU time per
+step (``cpu_ms``) and its ratio (``cpu_ratio``), steadier than wall time on a shared, oversubscribed
+machine (other tenants' load stretches wall time, not the CPU time this process spends). CUDA: the
+torch and the Triton backends, each against its own loop.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
 
 import torch
 
@@ -88,10 +94,24 @@ def _steps(x, w, a, b, offsets, gy, backend):
                 grouped_lora=grouped_delta)
 
 
+def _cpu_times(fns, repeats) -> dict[str, float]:
+    """Median process CPU time of each function, run in turn within each repeat (after one warm-up)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.process_time()
+            fn()
+            times[name].append(time.process_time() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def _rows(shape, dtype, device, backend, repeats) -> list[Row]:
     m, d, n, e, r = shape
     fns = _steps(*_inputs(m, d, n, e, r, dtype, device), backend)
     times = time_interleaved(fns, device=device, warmup=1, repeats=repeats)
+    cpu = _cpu_times(fns, repeats) if device == "cpu" else None
     lora_flops = 3 * 2 * m * r * (d + n)
     full_flops = 3 * 2 * m * n * d + lora_flops
     label = f"M={m} d={d} n={n} E={e} r={r}"
@@ -99,8 +119,13 @@ def _rows(shape, dtype, device, backend, repeats) -> list[Row]:
 
     def row(op, flops, base):
         s = times[op]
+        extra = {}
+        if cpu is not None:
+            extra["cpu_ms"] = f"{cpu[op] * 1e3:.1f}"
+            if base is not None:
+                extra["cpu_ratio"] = f"{cpu[base] / cpu[op]:.2f}x"
         return Row(op=op, shape=label, dtype=dt, backend=backend, median_s=s, tflops=flops / s / 1e12,
-                   ratio=None if base is None else times[base] / s, baseline=base or "")
+                   ratio=None if base is None else times[base] / s, baseline=base or "", extra=extra)
 
     return [row("loop_lora_linear", full_flops, None), row("grouped", full_flops, "loop_lora_linear"),
             row("loop_delta", lora_flops, None), row("grouped_lora", lora_flops, "loop_delta")]
@@ -121,6 +146,11 @@ def run(args) -> list[Row]:
                     rows.append(Row("grouped_lora", str(shape), "bfloat16", backend, math.nan,
                                     extra={"error": f"{type(exc).__name__}: {str(exc)[:200]}"}))
         return rows
-    for shape in QUICK_SHAPES if args.quick else CPU_SHAPES:
-        rows += _rows(shape, torch.float32, device, "torch", repeats=9)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for shape in QUICK_SHAPES if args.quick else CPU_SHAPES:
+            rows += _rows(shape, torch.float32, device, "torch", repeats=9)
+    finally:
+        torch.set_num_threads(threads)
     return rows
