@@ -391,3 +391,37 @@ def test_grouped_lora_triton_wants_the_aligned_m_indices_layout():
         grouped_lora(torch.randn(128, 16, device=DEV), a, b, 1.0, m_indices=mixed, backend="triton")
     # on torch any order is fine
     grouped_lora(torch.randn(128, 16, device=DEV), a, b, 1.0, m_indices=mixed.flip(0), backend="torch")
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+# The launch configurations a GPU picks (BM 64, shrink BK 64, expand BN 128, the rank in one tile
+# up to 64 and in two at 128), rows not multiples of a tile, ragged experts with an empty one.
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,d,n,r", [(4096, 2048, 1024, 16), (1000, 1024, 2112, 64), (77, 512, 384, 128)])
+def test_lora_linear_triton_gpu(m, d, n, r):
+    x = _randn(m, d, seed=1, dtype=torch.bfloat16)
+    w = _randn(n, d, seed=2, dtype=torch.bfloat16, scale=d ** -0.5, grad=False)
+    a = _randn(r, d, seed=3, dtype=torch.bfloat16, scale=d ** -0.5)
+    b = _randn(n, r, seed=4, dtype=torch.bfloat16, scale=0.1)
+    _check_against_float64(f"lora_linear[triton gpu {m}x{d}x{n} r{r}]",
+                           lambda *t: lora_linear(*t, 2.0, backend="triton"), lambda *t: _plain_lora_linear(*t, 2.0),
+                           [x, w, a, b], 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,r", [([1000, 0, 3000, 17, 96], 16), ([640, 2, 0, 1900], 64)])
+def test_grouped_lora_triton_gpu(counts, r):
+    x, a, b = _grouped_inputs(counts, 6, torch.bfloat16, d=2048, n=768, r=r, tail=40)
+    offs = _offsets(counts)
+    m = sum(counts)
+    _check_against_float64(f"grouped_lora[triton gpu {counts} r{r}]",
+                           lambda x, a, b: grouped_lora(x, a, b, 0.5, offsets=offs, backend="triton")[:m],
+                           lambda x, a, b: _loop_of_lora_linear(x[:m], a, b, 0.5, offs), [x, a, b], 7)
+    mi = _m_indices_layout(counts)
+    xp = _randn(mi.numel(), 2048, seed=8, dtype=torch.bfloat16, grad=False)
+    with torch.no_grad():
+        y = grouped_lora(xp, a, b, 0.5, m_indices=mi, backend="triton")
+        want = grouped_lora(xp, a, b, 0.5, m_indices=mi, backend="torch")
+    assert calc_diff(y, want) < 1e-5 and torch.equal(y[mi < 0], torch.zeros_like(y[mi < 0]))
