@@ -160,11 +160,12 @@ def lora_linear(x: torch.Tensor, weight, lora_a: torch.Tensor, lora_b: torch.Ten
     if is_fp8:
         from .fp8_base import fp8_base
 
-        base = fp8_base(x2, weight[0], weight[1], be)
+        # the base GEMM picks its own fastest backend when none was named (cuBLAS / DeepGEMM on CUDA)
+        base = fp8_base(x2, weight[0], weight[1], backend)
     elif fp8_recipe is not None:
         from ..fp8_training import fp8_linear
 
-        base = fp8_linear(x2, weight, recipe=fp8_recipe, backend=be)
+        base = fp8_linear(x2, weight, recipe=fp8_recipe, backend=backend)
     else:
         base = None
     if be == "triton":
