@@ -3,7 +3,8 @@
 (forward, and the backward's strided operands: shrink by B.T, expand by A.T into the dgrad), and
 the grouped pair of ``grouped_lora`` over 8 experts x 4096 rows (offsets table and the aligned
 m_indices layout). Triton specialises on unit strides and 16-divisible ones, so the transposed
-operands of the backward compile separately: they are cases of their own."""
+operands of the backward compile separately: they are cases of their own. The test suite's subset
+(``ci``) keeps one case per kernel and row mode (4 of 10: the suite compiles them for two targets)."""
 
 from __future__ import annotations
 
@@ -55,15 +56,13 @@ P = functools.partial
 CASES = [
     Case(f"lora shrink dense M={M} d={D} r=16", P(_shrink_dense, 16, False), "bf16", ci=True),
     Case(f"lora shrink dense M={M} d={D} r=64", P(_shrink_dense, 64, False), "bf16"),
-    Case(f"lora shrink dense by B.T (backward) M={M} n={N} r=16", P(_shrink_dense, 16, True), "bf16", ci=True),
+    Case(f"lora shrink dense by B.T (backward) M={M} n={N} r=16", P(_shrink_dense, 16, True), "bf16"),
     Case(f"lora expand dense + c M={M} n={N} r=16", P(_expand_dense, 16, False), "bf16", ci=True),
     Case(f"lora expand dense + c M={M} n={N} r=64", P(_expand_dense, 64, False), "bf16"),
-    Case(f"lora expand dense by A.T into dgrad (backward) M={M} d={D} r=16", P(_expand_dense, 16, True), "bf16",
-         ci=True),
+    Case(f"lora expand dense by A.T into dgrad (backward) M={M} d={D} r=16", P(_expand_dense, 16, True), "bf16"),
     Case(f"lora shrink grouped offsets E={E} M={E * M} d={D} r=16", P(_grouped, "shrink", "offsets", 16), "bf16",
          ci=True),
-    Case(f"lora expand grouped offsets E={E} M={E * M} n={N} r=16", P(_grouped, "expand", "offsets", 16), "bf16",
-         ci=True),
+    Case(f"lora expand grouped offsets E={E} M={E * M} n={N} r=16", P(_grouped, "expand", "offsets", 16), "bf16"),
     Case(f"lora shrink grouped m_indices E={E} M={E * M} d={D} r=16", P(_grouped, "shrink", "m_indices", 16), "bf16"),
     Case(f"lora expand grouped m_indices E={E} M={E * M} n={N} r=16", P(_grouped, "expand", "m_indices", 16), "bf16",
          ci=True),
