@@ -26,6 +26,7 @@ from . import sparse_attention  # noqa: E402,F401
 from .logprobs import fused_logprobs  # noqa: E402,F401
 from . import moe  # noqa: E402,F401
 from . import fp8_training, gemm  # noqa: E402,F401
+from . import lora  # noqa: E402,F401
 
 __all__ = [
     # backends and value checks
@@ -33,6 +34,6 @@ __all__ = [
     "triton_interpreter_enabled", "HAS_CUDA_EXT", "check_values", "debug_checks", "debug_checks_enabled",
     "set_debug_checks",
     # op families (subpackages) and their most used functions
-    "fp8", "attention", "sparse_attention", "moe", "fp8_training", "gemm",
+    "fp8", "attention", "sparse_attention", "moe", "fp8_training", "gemm", "lora",
     "dequant", "quant_per_block", "quant_per_token_group", "quant_rowwise", "quant_tensorwise", "fused_logprobs",
 ]
