@@ -33,7 +33,6 @@ from torch import nn
 ATTENTION_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 GROUPS = ("attention", "mlp", "shared_experts", "experts")
 TARGETS = ATTENTION_PROJS + GROUPS
-DEFAULT_TARGETS = ("attention", "mlp", "shared_experts", "experts")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -66,14 +65,26 @@ class LoRALinearMixin:
     lora_merged: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
         if self.lora_merged:
-            return y
+            return super().forward(x)
+        if isinstance(self.lora_dropout, nn.Identity):  # one op: base GEMM (bf16 or FP8) + the low-rank path
+            from primerl.kernels.lora import lora_linear
+
+            return lora_linear(x, self.weight, self.lora_A.to(x.dtype), self.lora_B.to(x.dtype), self.lora_scale,
+                               bias=self.bias, fp8_recipe=getattr(self, "recipe", None) if _is_fp8(self) else None,
+                               backend=getattr(self, "backend", None))
+        y = super().forward(x)
         return y + low_rank(self.lora_dropout(x), self.lora_A, self.lora_B, self.lora_scale).to(y.dtype)
 
     def lora_delta(self) -> torch.Tensor:
         """``scale * B @ A`` ``[out, in]`` in float32."""
         return self.lora_scale * (self.lora_B.float() @ self.lora_A.float())
+
+
+def _is_fp8(module: nn.Module) -> bool:
+    from primerl.kernels.fp8_training import Fp8Linear
+
+    return isinstance(module, Fp8Linear)
 
 
 def low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -142,11 +153,9 @@ def grouped_low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ends: to
                      scale: float) -> torch.Tensor:
     """Per-expert ``scale * (x_e @ a_e.T) @ b_e.T`` over rows grouped by expert: x [M, d],
     a [E, r, d], b [E, n, r], ends [E] (group e's end row) -> [M, n]."""
-    from primerl.kernels.gemm import grouped_gemm_nt
+    from primerl.kernels.lora import grouped_lora
 
-    ends = ends.to(torch.int32)
-    xa = grouped_gemm_nt(x, a.to(x.dtype), ends, layout="offsets")
-    return grouped_gemm_nt(xa, b.to(x.dtype), ends, layout="offsets") * scale
+    return grouped_lora(x, a.to(x.dtype), b.to(x.dtype), scale, offsets=ends.to(torch.int32))
 
 
 def experts_lora_on_grouped_rows(experts: nn.Module, x_perm: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -184,7 +193,11 @@ def _attention_projs(attn: nn.Module) -> list[str]:
 
 def resolve_targets(model: nn.Module, targets) -> dict[str, str]:
     """``{module name: kind}`` (kind "linear" or "experts") of the modules ``targets`` select on
-    ``model``; raises :class:`LoRAError` naming an unknown target or one the model does not have."""
+    ``model`` (None: every group the model has); raises :class:`LoRAError` naming an unknown target
+    or one the model does not have."""
+    explicit = targets is not None
+    if targets is None:
+        targets = GROUPS
     if isinstance(targets, str):
         targets = (targets,)
     targets = tuple(targets)
@@ -220,7 +233,7 @@ def resolve_targets(model: nn.Module, targets) -> dict[str, str]:
             out[f"layers.{i}.ffn.experts"] = "experts"
             hit["experts"] = True
     missing = [t for t, h in hit.items() if not h and t != "attention"]
-    if missing:
+    if missing and explicit:
         raise LoRAError(f"apply_lora: target {missing[0]!r} matches no module of this {cfg.family} model")
     return out
 
@@ -234,9 +247,11 @@ def check_lora_args(rank, alpha, dropout) -> None:
         raise LoRAError(f"apply_lora: dropout must be in [0, 1), got {dropout!r}")
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, targets=DEFAULT_TARGETS, dropout: float = 0.0) -> nn.Module:
+def apply_lora(model: nn.Module, rank: int, alpha: float, targets=None, dropout: float = 0.0) -> nn.Module:
     """Add LoRA adapters of ``rank`` (scale ``alpha / rank``) to the ``targets`` of a MoETransformer
-    and freeze everything else (``requires_grad`` off on every base parameter); returns the model.
+    (names of ``TARGETS``; None: every attention projection, dense MLP, shared and routed experts the
+    model has; a named target the model lacks is an error) and freeze everything else
+    (``requires_grad`` off on every base parameter); returns the model.
 
     ``model.lora`` is the :class:`LoRASpec`. ``dropout`` applies to a linear's input on the low-rank
     path; the routed experts take none (their adapter acts on grouped rows, as PEFT's
@@ -249,6 +264,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets=DEFAULT_TARGET
     if dropout and "experts" in chosen.values():
         raise LoRAError(f"apply_lora: dropout={dropout} with target 'experts': the routed experts' adapter takes no "
                         "dropout (as PEFT's target_parameters); set dropout to 0 or leave 'experts' out")
+    if targets is None:
+        targets = GROUPS
     spec = LoRASpec(rank=rank, alpha=float(alpha), targets=tuple([targets] if isinstance(targets, str) else targets),
                     dropout=float(dropout), modules=list(chosen))
     for p in model.parameters():

@@ -23,7 +23,7 @@ import os
 import torch
 from torch import nn
 
-from .lora import LoRAError, apply_lora, lora_modules
+from .lora import ATTENTION_PROJS, MLP_PROJS, LoRAError, apply_lora, lora_modules
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -69,18 +69,19 @@ def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None)
     spec = model.lora
     modules, params = set(), set()
     for name in spec.modules:
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "experts":
+        parts = name.split(".")
+        if parts[-1] == "experts":
             params.update(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
-        else:
-            modules.add(leaf)
+        elif parts[2] == "attention":
+            modules.add(parts[-1])
+        else:  # "mlp.gate_proj" / "shared_experts.gate_proj": PEFT matches names by their ending
+            modules.add(("mlp." if len(parts) == 4 else "shared_experts.") + parts[-1])
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout, "target_modules": sorted(modules), "target_parameters": sorted(params) or None,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
         "init_lora_weights": True, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
         "base_model_name_or_path": base_model_name_or_path,
-        "primerl_targets": list(spec.targets),
     }
 
 
@@ -121,12 +122,19 @@ def read_adapter_config(path) -> dict:
 
 
 def _targets_of(cfg: dict) -> tuple[str, ...]:
-    if cfg.get("primerl_targets"):
-        return tuple(cfg["primerl_targets"])
     mods = cfg.get("target_modules") or []
     if isinstance(mods, str):
         raise LoRAError(f"load_lora: target_modules as a pattern ({mods!r}) is not supported; list module names")
-    out = [m.rsplit(".", 1)[-1] for m in mods]
+    out = []
+    for m in mods:
+        leaf = m.rsplit(".", 1)[-1]
+        if leaf in ATTENTION_PROJS:
+            out.append(leaf)
+        elif leaf in MLP_PROJS and m.split(".")[-2:-1] in (["mlp"], ["shared_experts"]):
+            out.append(m.split(".")[-2])
+        else:
+            raise LoRAError(f"load_lora: target_modules entry {m!r} names no module LoRA can adapt here "
+                            f"(attention projections, mlp.<proj>, shared_experts.<proj>)")
     if any(p.endswith("gate_up_proj") or p.endswith("down_proj") for p in cfg.get("target_parameters") or []):
         out.append("experts")
     return tuple(dict.fromkeys(out))
