@@ -47,21 +47,44 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters as PEFT's safetensors keys -> tensors (full tensors, gathered under FSDP)."""
+    """The adapters as PEFT's safetensors keys -> tensors (full tensors, gathered under FSDP; an
+    expert-parallel model's adapters come through ``trainer.publish.iter_lora_weights`` instead)."""
+    return peft_state(model, {n: _full(p) for n, p in model.named_parameters() if n.rsplit(".", 1)[-1].startswith(
+        "lora_")})
+
+
+def peft_state(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT's safetensors keys -> tensors, from the adapters' full tensors by model name
+    (``layers.0.attention.q_proj.lora_A``, ``layers.1.ffn.experts.lora_B13``, ...)."""
     out: dict[str, torch.Tensor] = {}
     for name, m in lora_modules(model).items():
         hf = _PREFIX + hf_module_name(name)
         if hasattr(m, "w13"):
-            E, r = m.lora_A13.shape[:2]
-            for key, a, b in (("base_layer.", m.lora_A13, m.lora_B13), ("", m.lora_A2, m.lora_B2)):
-                a, b = _full(a), _full(b)
+            for key, an, bn in (("base_layer.", "lora_A13", "lora_B13"), ("", "lora_A2", "lora_B2")):
+                a, b = params[f"{name}.{an}"], params[f"{name}.{bn}"]
+                E, r = a.shape[:2]
                 out[f"{hf}.{key}lora_A.weight"] = a.reshape(E * r, a.shape[2]).contiguous()
                 # B_e's column j lands at column j*E + e: [E, n, r] -> [n, r, E] -> [n, r*E]
                 out[f"{hf}.{key}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], r * E).contiguous()
         else:
-            out[f"{hf}.lora_A.weight"] = _full(m.lora_A).contiguous()
-            out[f"{hf}.lora_B.weight"] = _full(m.lora_B).contiguous()
+            out[f"{hf}.lora_A.weight"] = params[f"{name}.lora_A"].contiguous()
+            out[f"{hf}.lora_B.weight"] = params[f"{name}.lora_B"].contiguous()
     return out
+
+
+def write_peft_dir(model: nn.Module, path, tensors: dict[str, torch.Tensor], *,
+                   base_model_name_or_path: str | None = None) -> int:
+    """Write ``tensors`` (PEFT keys, :func:`peft_state`) and ``model``'s adapter config into the
+    directory ``path``; -> the bytes of the tensors written."""
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    save_file(tensors, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(adapter_config(model, base_model_name_or_path), f, indent=2, sort_keys=True)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None) -> dict:
@@ -88,17 +111,11 @@ def adapter_config(model: nn.Module, base_model_name_or_path: str | None = None)
 def save_lora(model: nn.Module, path, *, base_model_name_or_path: str | None = None) -> None:
     """Write ``model``'s adapters to directory ``path`` in PEFT's format (a collective under FSDP:
     every rank calls it, global rank 0 writes). ``base_model_name_or_path`` names the base in the config."""
-    from safetensors.torch import save_file
-
     tensors = adapter_tensors(model)
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    save_file({k: v.cpu() for k, v in tensors.items()}, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(adapter_config(model, base_model_name_or_path), f, indent=2, sort_keys=True)
+    write_peft_dir(model, path, tensors, base_model_name_or_path=base_model_name_or_path)
 
 
 def read_adapter_config(path) -> dict:
@@ -158,22 +175,27 @@ def load_lora(model: nn.Module, path) -> nn.Module:
     if int(cfg["r"]) != spec.rank or float(cfg.get("lora_alpha", 8)) != spec.alpha:
         raise LoRAError(f"load_lora: {path} has r={cfg['r']}, lora_alpha={cfg.get('lora_alpha')}; the model's adapters "
                         f"have rank={spec.rank}, alpha={spec.alpha}")
-    tensors = read_safetensors(weights)
+    load_adapter_tensors(model, read_safetensors(weights), os.path.basename(weights))
+    return model
+
+
+def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], where: str = "the adapter") -> None:
+    """Copy PEFT-keyed adapter ``tensors`` into ``model``'s adapters after checking every name and
+    shape (``where`` names the source in the errors)."""
     tensors = {(k if k.startswith(_PREFIX) else _PREFIX + k): v for k, v in tensors.items()}
     expected = {k: tuple(v.shape) for k, v in adapter_tensors_meta(model).items()}
     for k, v in tensors.items():
         if k not in expected:
-            raise LoRAError(f"load_lora: {os.path.basename(weights)} has tensor {k!r}, which no adapter of this model "
+            raise LoRAError(f"load_lora: {where} has tensor {k!r}, which no adapter of this model "
                             "has (targets differ or the base is another model)")
         if tuple(v.shape) != expected[k]:
             raise LoRAError(f"load_lora: tensor {k!r} has shape {tuple(v.shape)}, this model's adapter expects "
                             f"{expected[k]}")
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise LoRAError(f"load_lora: {os.path.basename(weights)} lacks {len(missing)} adapter tensor(s) of this model, "
+        raise LoRAError(f"load_lora: {where} lacks {len(missing)} adapter tensor(s) of this model, "
                         f"e.g. {missing[0]!r}")
     _copy_in(model, tensors)
-    return model
 
 
 def adapter_tensors_meta(model: nn.Module) -> dict[str, torch.Tensor]:

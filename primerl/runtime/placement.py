@@ -133,7 +133,9 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
         update = backend.name  # the servers' own weight path (inference.vllm.weight_update for vLLM)
     elif i.weight_update == "auto":  # an orchestrator on a node of its own shares no directory with the trainer
         own = cfg.deployment.orchestrator == "own"
-        update = "broadcast" if own or (device == "cuda" and engine_gpu not in trainer_gpus) else "filesystem"
+        lora = cfg.trainer.lora.rank > 0  # adapter-only updates go as files (embedded_backend's LoRA channel)
+        broadcast = own or (device == "cuda" and engine_gpu not in trainer_gpus)
+        update = "broadcast" if broadcast and not lora else "filesystem"
     else:
         update = i.weight_update
     if update == "broadcast" and device == "cuda" and engine_gpu in trainer_gpus:

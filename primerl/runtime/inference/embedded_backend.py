@@ -29,6 +29,14 @@ class EmbeddedBackend(InferenceBackend):
             raise ConfigError(f"inference.vllm.weight_update: {i.vllm.weight_update!r} is vLLM's (inference.backend = "
                               f"'vllm'); the embedded engine's is inference.weight_update (files or broadcast), "
                               f"got {i.vllm.weight_update!r}")
+        if cfg.trainer.lora.rank:  # adapter-only updates: a PEFT directory per version, read from files
+            if i.weight_update == "broadcast":
+                raise ConfigError("inference.weight_update: with trainer.lora the adapters go as files (a few MB a "
+                                  "version); set 'filesystem' or 'auto', got 'broadcast'")
+            if i.num_servers > 1 or i.pd.enabled:
+                raise ConfigError("inference.num_servers / inference.pd: LoRA updates reach the embedded engine in "
+                                  "the orchestrator's process only (one engine, no P/D); unset them or "
+                                  "trainer.lora.rank")
         if d.orchestrator == "own" and i.weight_update == "filesystem":
             raise ConfigError("inference.weight_update: 'filesystem' needs output_dir shared by the trainer and the "
                               "orchestrator, which runs on a node of its own (deployment.orchestrator = 'own'): use "
@@ -100,6 +108,11 @@ class EmbeddedBackend(InferenceBackend):
         from .weight_channels import EngineBroadcast, FileChannel
 
         placement = resolve_placement(cfg)
+        if cfg.trainer.lora.rank:  # adapter-only updates (the engine applies them: engine.load_weights)
+            from ..policy import base_model_name
+            from .weight_channels import LoRAChannel
+
+            return LoRAChannel(transport, rank=rank, base_model_name_or_path=base_model_name(cfg))
         if placement.weight_update != "broadcast":
             return FileChannel(transport, rank=rank)
         sender = None
