@@ -138,3 +138,25 @@ def test_full_weight_stream_of_a_lora_model_is_the_merged_policy():
 
     base = unmerge_lora(model).layers[0].attention.q_proj.weight
     assert (got["layers.0.attention.q_proj.weight"] - base).abs().max() > 1e-3  # the adapters are in it
+
+
+def test_plan_counts_the_adapters_alone_as_trained(tmp_path):
+    from primerl.models import MoETransformer
+    from primerl.models.lora import lora_parameters
+    from primerl.runtime.memory_plan import plan_for_config
+    from primerl.runtime.policy import build_model
+
+    full = plan_for_config(load_config(ROOT / "examples" / "reverse_text.toml", ["--output_dir", str(tmp_path / "a")]),
+                           device_memory=80 * 2**30)
+    cfg = _cfg(tmp_path / "b")
+    lora = plan_for_config(cfg, device_memory=80 * 2**30)
+    model = build_model(cfg, 11)
+    n_all = sum(p.numel() for p in model.parameters())
+    from primerl.models import apply_lora
+
+    n_lora = sum(p.numel() for p in lora_parameters(apply_lora(model, 4, 8.0, ["attention", "experts"])).values())
+    assert isinstance(model, MoETransformer)
+    pb = lora.trainer.layout.param_bytes
+    assert lora.trainer.rows["gradients"] == n_lora * pb and lora.trainer.rows["optimizer"] == 2 * n_lora * pb
+    assert full.trainer.rows["gradients"] == n_all * pb
+    assert lora.trainer.rows["parameters"] == (n_all + n_lora) * pb

@@ -432,6 +432,23 @@ class Trainer:
         return metrics
 
 
+def export_hf(model, path) -> None:
+    """``checkpoint.export_hf``: ``model``'s policy in Hugging Face's layout at ``path``, LoRA
+    adapters merged in for the save (collective under FSDP)."""
+    lora = getattr(model, "lora", None) is not None
+    if lora:
+        from primerl.models import merge_lora
+
+        merge_lora(model)
+    try:
+        model.save_pretrained(path)
+    finally:
+        if lora:
+            from primerl.models import unmerge_lora
+
+            unmerge_lora(model)
+
+
 def check_checkpoint_lora(path, expected: dict) -> None:
     """A checkpoint resumes only the run it came from: LoRA or not, the same rank / alpha / targets
     and the same base (its ``meta.json`` records them)."""
@@ -567,6 +584,8 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
             if on_step is not None:
                 on_step(row)
         trainer.save_checkpoint(ckpt_root, cfg.max_steps)
+        if cfg.checkpoint.export_hf:  # the policy (adapters merged) as a Hugging Face directory (collective)
+            export_hf(trainer.model, out / "hf")
         if cfg.trainer.lora.rank:  # the final adapters in PEFT's format, naming their base (collective)
             from ..inference.weight_channels import write_lora_version
 
