@@ -56,9 +56,10 @@ class WarmStartConfig:
     batch_size: int = 16  # demonstrations per step
     lr: float = 3e-3
     # An RL warm start instead (any environment): the job first runs itself for rl_steps steps as
-    # full fine-tuning (no trainer.lora), with env.args updated by rl_env_args (a related task), into
-    # <output_dir>/warm_start_rl, and starts from that policy (<output_dir>/warm_start, Hugging Face
-    # layout): how examples/reverse_text_lora.toml trains the base its LoRA run adapts.
+    # full fine-tuning (no trainer.lora, trainer.lr = lr above), with env.args updated by
+    # rl_env_args (a related task), into <output_dir>/warm_start_rl, and starts from that policy
+    # (<output_dir>/warm_start_rl/hf, Hugging Face layout): how examples/reverse_text_lora.toml
+    # trains the base its LoRA run adapts.
     rl_steps: int = 0
     rl_env_args: dict = field(default_factory=dict)
 

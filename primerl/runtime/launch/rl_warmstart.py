@@ -1,7 +1,8 @@
 """``[warm_start] rl_steps``: the job trains its own base by RL before the run it was asked for.
 
 Before the job's processes start, ``job_rl_warm_start`` runs the same config as a job of its own
-(the same launcher): ``rl_steps`` steps, full fine-tuning (``trainer.lora`` off), ``env.args``
+(the same launcher): ``rl_steps`` steps, full fine-tuning (``trainer.lora`` off, ``trainer.lr`` =
+``warm_start.lr``), ``env.args``
 updated by ``warm_start.rl_env_args`` (a related task), in ``<output_dir>/warm_start_rl``, which
 writes its final policy in Hugging Face's layout (``checkpoint.export_hf``). That directory becomes
 ``model.path`` of the resolved config: a LoRA run (``examples/reverse_text_lora.toml``) then adapts
@@ -31,10 +32,9 @@ def warm_start_config(cfg):
     sub.overwrite, sub.checkpoint.resume, sub.checkpoint.interval = True, False, 0
     sub.checkpoint.export_hf = True
     sub.trainer.lora.rank = 0
+    sub.trainer.lr = w.lr  # warm_start.lr: the full fine-tuning's (a LoRA run's trainer.lr is usually higher)
     sub.env.args = {**cfg.env.args, **w.rl_env_args}
     sub.warm_start.rl_steps, sub.warm_start.rl_env_args = 0, {}
-    if sub.trainer.entropy_decay_steps:
-        sub.trainer.entropy_decay_steps = min(sub.trainer.entropy_decay_steps, w.rl_steps)
     return sub
 
 
