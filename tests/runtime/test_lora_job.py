@@ -42,6 +42,7 @@ def test_config_targets_are_the_models():
     (["--trainer.lora.targets", "kv_b_proj"], "trainer.lora.targets: target 'kv_b_proj' matches no module"),
     (["--trainer.lora.engine", "both"], "trainer.lora.engine: must be merge or forward"),
     (["--inference.weight_update", "broadcast"], "inference.weight_update: with trainer.lora the adapters go as files"),
+    (["--inference.backend", "vllm"], "trainer.lora.rank: LoRA updates to vLLM"),
 ])
 def test_bad_lora_config_is_refused_naming_the_key(tmp_path, over, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
@@ -160,3 +161,24 @@ def test_plan_counts_the_adapters_alone_as_trained(tmp_path):
     assert lora.trainer.rows["gradients"] == n_lora * pb and lora.trainer.rows["optimizer"] == 2 * n_lora * pb
     assert full.trainer.rows["gradients"] == n_all * pb
     assert lora.trainer.rows["parameters"] == (n_all + n_lora) * pb
+
+
+@pytest.mark.slow
+def test_rl_warm_start_trains_the_base_the_lora_run_adapts(tmp_path):
+    """``[warm_start] rl_steps``: the job first runs itself (full fine-tuning, env.args updated) and
+    the LoRA run starts from the policy it wrote."""
+    from primerl.models import MoETransformer
+
+    cfg = _cfg(tmp_path / "run", "--max_steps", "2", "--warm_start.rl_steps", "2", "--warm_start.rl_env_args",
+               '{"min_length": 3, "max_length": 5}')
+    rows = run_threads(cfg)
+    assert [r["step"] for r in rows] == [0, 1]
+    sub = tmp_path / "run" / "warm_start_rl"
+    sub_cfg = (sub / "config.toml").read_text()
+    assert "max_length = 5" in sub_cfg and "rank = 0" in sub_cfg and "max_steps = 2" in sub_cfg
+    base = MoETransformer.from_pretrained(sub / "hf")  # the warm start's final policy ...
+    assert not any(".lora_" in n for n, _ in base.named_parameters())
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "meta.json").read_text())
+    assert meta["lora"]["base"] == str(sub / "hf")  # ... is the base the LoRA run adapted
+    record = json.loads((tmp_path / "run" / "warm_start_rl.json").read_text())
+    assert record["steps"] == 2
