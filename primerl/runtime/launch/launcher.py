@@ -87,7 +87,7 @@ def prepare_job(cfg: RLConfig, *, quiet: bool = False, parts: dict | None = None
 
     lock = claim_output_dir(cfg)
     try:
-        cfg = job_rl_warm_start(cfg, quiet=quiet)
+        cfg = job_rl_warm_start(cfg, run_job, quiet=quiet)
         cfg = job_warm_start(cfg, quiet=quiet)
         start = prepare_output(cfg)
     except BaseException:

@@ -38,13 +38,13 @@ def warm_start_config(cfg):
     return sub
 
 
-def job_rl_warm_start(cfg, *, quiet: bool = True):
+def job_rl_warm_start(cfg, run_job, *, quiet: bool = True):
     """``cfg`` itself without ``warm_start.rl_steps``; else a copy whose ``model.path`` is the base
-    the RL warm start trained (now, or by an earlier run of the same settings when resuming)."""
+    the RL warm start trained (now, by ``run_job(config, quiet=...)``, the launcher's, or by an
+    earlier run of the same settings when resuming)."""
     w = cfg.warm_start
     if not w.rl_steps:
         return cfg
-    from .launcher import run_job
 
     sub = warm_start_config(cfg)
     out = Path(sub.output_dir) / "hf"
