@@ -65,6 +65,8 @@ def _layer_slots(model, i: int, expert_format: str) -> dict[str, Slot]:
     }
     if cfg.is_mla:  # MLA parameters carry Hugging Face's names: one to one under self_attn
         for name, _ in layer.attention.named_parameters():
+            if name.rsplit(".", 1)[-1].startswith("lora_"):  # LoRA adapters: saved by save_lora, not here
+                continue
             out[f"{hf}.self_attn.{name}"] = Slot(f"{src}.attention.{name}")
         return _ffn_slots(out, layer, src, hf, cfg, expert_format)
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):

@@ -72,6 +72,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], topk_ids/topk_weights [T, k] -> y [T, D] (weighted sum over the k experts)."""
+        if getattr(self, "lora_A13", None) is not None and not self.lora_merged:  # LoRA adapters (models/lora.py)
+            from .lora import experts_lora_forward
+
+            return experts_lora_forward(self, x, topk_ids, topk_weights)
         return fused_experts(
             x, self.w13, self.w2, topk_ids, topk_weights, fp8_recipe=self.fp8_recipe, backend=self.backend
         )
@@ -82,6 +86,10 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"forward_grouped: local_counts must have shape ({self.w13.shape[0]},), got {tuple(local_counts.shape)}"
             )
+        if getattr(self, "lora_A13", None) is not None and not self.lora_merged:  # LoRA adapters (models/lora.py)
+            from .lora import experts_lora_on_grouped_rows
+
+            return experts_lora_on_grouped_rows(self, x_recv.contiguous(), local_counts.cumsum(0).to(torch.int32))
         if x_recv.shape[0] == 0 and self.fp8_recipe is not None:  # an ep rank that got no rows: the FP8
             # quantizers reject empty input. Output from x_recv and the weights, so the graph still
             # reaches both (FSDP's post-backward hooks hang on the input, the reduce-scatter needs the grads).

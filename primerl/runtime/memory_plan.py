@@ -94,6 +94,8 @@ class TrainerLayout:
     native_lowp: bool = True  # CUDA bf16 GEMMs (fused_logprobs' chunk sizes); False on the CPU
     ref_model: bool = False  # a frozen copy for a KL-to-reference term
     host_is_device: bool = False  # a CPU job: "offloaded" bytes stay in the same memory, CPU-only op paths
+    lora_rank: int = 0  # trainer.lora: the base frozen, gradients and AdamW state for the adapters only
+    lora_targets: tuple = ()  # () with lora_rank: every target the model has
 
     @property
     def ring(self) -> int:
@@ -123,6 +125,8 @@ class TrainerLayout:
             extra.append("activation offload")
         if self.cpu_offload:
             extra.append("cpu offload")
+        if self.lora_rank:
+            extra.append(f"LoRA r={self.lora_rank} ({', '.join(self.lora_targets) or 'every target'})")
         return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} {cp} ep={self.ep}; "
                 + ", ".join(extra) + f"; seq_len={self.seq_len} ({self.local_tokens} per rank)")
 
@@ -141,7 +145,8 @@ class TrainerLayout:
                    activation_offload=p.activation_offload, cpu_offload=p.cpu_offload, fp8=p.fp8,
                    mixed_precision=mixed, param_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
                    fsdp=dims.world_size > 1 and t.fsdp or mixed, native_lowp=device == "cuda" and mixed,
-                   ref_model=t.loss.ref_kl_coef > 0, host_is_device=device == "cpu")
+                   ref_model=t.loss.ref_kl_coef > 0, host_is_device=device == "cpu",
+                   lora_rank=t.lora.rank, lora_targets=tuple(t.lora.targets))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -392,6 +397,25 @@ class TrainerPlan:
         return sum(self.rows[k] for k in ("parameters", "gradients", "optimizer"))
 
 
+def lora_counts(mc, rank: int, targets=()) -> tuple[int, int]:
+    """``(dense, routed-expert)`` LoRA adapter parameters of ``apply_lora(model, rank, targets)`` on
+    a model of config ``mc`` (counted on the meta device)."""
+    import torch
+
+    from primerl.models import MoETransformer
+    from primerl.models.lora import apply_lora, lora_parameters
+
+    with torch.device("meta"):
+        model = apply_lora(MoETransformer(mc), rank, 1.0, targets=tuple(targets) or None)
+    dense = experts = 0
+    for name, p in lora_parameters(model).items():
+        if ".experts." in name:
+            experts += p.numel()
+        else:
+            dense += p.numel()
+    return dense, experts
+
+
 def trainer_plan(mc, lay: TrainerLayout) -> TrainerPlan:
     """The per-rank peak of one optimizer step of ``lay`` on model ``mc``."""
     pc = param_counts(mc)
@@ -402,6 +426,10 @@ def trainer_plan(mc, lay: TrainerLayout) -> TrainerPlan:
     local_experts = pc.experts // lay.ep
     trainable = pc.dense / S + local_experts / efsdp
     frozen = pc.frozen / S
+    if lay.lora_rank:  # the whole base frozen; the adapters (sharded like their base) train
+        ld, le = lora_counts(mc, lay.lora_rank, lay.lora_targets)
+        frozen += trainable
+        trainable = ld / S + le / lay.ep / efsdp
     params = (trainable + frozen) * pb
     if lay.ref_model:  # a frozen copy, sharded the same way (its forward runs without autograd)
         params += (pc.total / S) * pb

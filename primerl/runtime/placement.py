@@ -133,7 +133,9 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
         update = backend.name  # the servers' own weight path (inference.vllm.weight_update for vLLM)
     elif i.weight_update == "auto":  # an orchestrator (or servers) on nodes of their own share no directory
         apart = cfg.deployment.orchestrator == "own" or cfg.deployment.inference_nodes > 0
-        update = "broadcast" if apart or (device == "cuda" and engine_gpu not in trainer_gpus) else "filesystem"
+        lora = cfg.trainer.lora.rank > 0  # adapter-only updates go as files (embedded_backend's LoRA channel)
+        broadcast = apart or (device == "cuda" and engine_gpu not in trainer_gpus)
+        update = "broadcast" if broadcast and not lora else "filesystem"
     else:
         update = i.weight_update
     if update == "broadcast" and device == "cuda" and engine_gpu in trainer_gpus:

@@ -31,6 +31,11 @@ def model_config(cfg: RLConfig, vocab_size: int) -> MoETransformerConfig:
         raise ConfigError(f"model: {e}") from None
 
 
+def base_model_name(cfg: RLConfig) -> str:
+    """The base a LoRA run adapts (``trainer.lora``): ``model.path``, or the seeded random init of ``[model]``."""
+    return cfg.model.path or f"random init of [model] (seed {cfg.seed})"
+
+
 def build_model(cfg: RLConfig, vocab_size: int, *, device: torch.device | str = "cpu",
                 dtype: torch.dtype | None = None) -> MoETransformer:
     """The same weights in every process: random init seeded by ``cfg.seed`` (drawn on the CPU, so

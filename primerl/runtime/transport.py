@@ -202,6 +202,8 @@ class FileTransport:
         if not (d / STABLE).exists():
             raise FileNotFoundError(f"weights of version {version} are not published at {d}")
         if not (d / "model.safetensors").exists():
+            if (d / "adapter_model.safetensors").exists():  # trainer.lora: the version is a PEFT adapter directory
+                return read_safetensors(d / "adapter_model.safetensors")
             raise FileNotFoundError(f"version {version} at {d} is a marker only (its weights were broadcast)")
         return read_safetensors(d / "model.safetensors")
 

@@ -19,7 +19,8 @@ so ``primerl rl --dry-run`` refuses a config with one line before anything start
    ``inference.*``, ``inference.vllm.*``,       ``config/inference.py`` ``check_inference``
    ``inference.pd.*``
    ``orchestrator.*``                           ``config/orchestrator.py`` ``check_orchestrator``
-   ``trainer.*``, ``trainer.loss.*``            ``config/trainer.py`` ``check_trainer``
+   ``trainer.*``, ``trainer.loss.*``,           ``config/trainer.py`` ``check_trainer``
+   ``trainer.lora.*``
    ``deployment.*``                             ``config/deployment.py`` ``check_deployment``
    ===========================================  =================================================
 
@@ -37,7 +38,8 @@ so ``primerl rl --dry-run`` refuses a config with one line before anything start
    (``config/schema.py`` ``check_env_names``), ``model.path`` (``config/model.py``
    ``check_model_path``).
 5. a random init's ``model.*`` against the model's own rules (``policy.model_config`` builds
-   ``MoETransformerConfig``; ``model.vocab_size`` against the environment's).
+   ``MoETransformerConfig``; ``model.vocab_size`` against the environment's); ``trainer.lora.targets``
+   against the model (``check_lora_model`` below).
 6. ``trainer.parallel.*`` (and ``trainer.fsdp``, ``trainer.attention``) against
    ``num_trainer_ranks``, the model's heads and dims and the loss (``config/parallel.py``
    ``validate_parallel``).
@@ -67,7 +69,8 @@ from .launch.kinds import check_launcher
 from .placement import resolve_placement
 from .policy import model_config
 
-__all__ = ["load_config", "validate", "check_between_sections", "check_warm_start_tasks", "check_weight_transfer"]
+__all__ = ["load_config", "validate", "check_between_sections", "check_lora_model", "check_warm_start_tasks",
+           "check_weight_transfer"]
 
 
 def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
@@ -81,6 +84,7 @@ def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
     config.validate_names(cfg)  # 4.
     if not cfg.model.path:  # 5. a random init: its fields are checked by the model's own config
         model_config(cfg, 1)
+    check_lora_model(cfg)  # 5. trainer.lora.targets against the model
     config.validate_parallel(cfg)  # 6.
     if not this_machine:
         return
@@ -132,6 +136,25 @@ def check_between_sections(cfg: RLConfig) -> None:
     _need(not t.router_replay or cfg.inference.capture_routing, "trainer.router_replay",
           "replay needs the sampler's routing: with inference.capture_routing = false set trainer.router_replay = "
           "false too (or capture routing)", t.router_replay)
+
+
+def check_lora_model(cfg: RLConfig) -> None:
+    """``trainer.lora.targets`` against the model (built on the meta device): every named target
+    exists there and can take an adapter (``primerl.models.lora.resolve_targets``)."""
+    lora = cfg.trainer.lora
+    if not lora.rank:
+        return
+    import torch
+
+    from primerl.models import MoETransformer
+    from primerl.models.lora import LoRAError, resolve_targets
+
+    with torch.device("meta"):
+        model = MoETransformer(model_config(cfg, 1))
+    try:
+        resolve_targets(model, lora.targets or None)
+    except LoRAError as e:
+        raise ConfigError(f"trainer.lora.targets: {str(e).removeprefix('apply_lora: ')}") from None
 
 
 def check_warm_start_tasks(cfg: RLConfig) -> None:

@@ -43,6 +43,7 @@ class CheckpointConfig:
     keep: int = 2
     resume: bool = False  # continue from the latest checkpoint in output_dir
     async_save: bool = False  # write interval checkpoints in a background thread (DCP async_save)
+    export_hf: bool = False  # at the end, the policy in Hugging Face's layout at <output_dir>/hf (a model.path)
 
 
 @dataclass
@@ -55,6 +56,13 @@ class WarmStartConfig:
     steps: int = 0  # 0: no warm start
     batch_size: int = 16  # demonstrations per step
     lr: float = 3e-3
+    # An RL warm start instead (any environment): the job first runs itself for rl_steps steps as
+    # full fine-tuning (no trainer.lora, trainer.lr = lr above), with env.args updated by
+    # rl_env_args (a related task), into <output_dir>/warm_start_rl, and starts from that policy
+    # (<output_dir>/warm_start_rl/hf, Hugging Face layout): how examples/reverse_text_lora.toml
+    # trains the base its LoRA run adapts.
+    rl_steps: int = 0
+    rl_env_args: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -99,6 +107,10 @@ def check_root(cfg: RLConfig) -> None:
     _need(w.steps >= 0, "warm_start.steps", "must be >= 0 (0: no warm start)", w.steps)
     _need(w.batch_size >= 1, "warm_start.batch_size", "must be >= 1", w.batch_size)
     _need(w.lr > 0, "warm_start.lr", "must be > 0", w.lr)
+    _need(w.rl_steps >= 0, "warm_start.rl_steps", "must be >= 0 (0: no RL warm start)", w.rl_steps)
+    _need(not (w.rl_steps and w.steps), "warm_start.rl_steps",
+          "is an RL warm start; warm_start.steps a supervised one: set one of them", w.rl_steps)
+    _need(not w.rl_env_args or w.rl_steps, "warm_start.rl_env_args", "needs warm_start.rl_steps", w.rl_env_args)
 
 
 def check_env(e: EnvConfig) -> None:

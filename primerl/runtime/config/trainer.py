@@ -25,6 +25,26 @@ class LossConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """``[trainer.lora]``: train LoRA adapters only (``primerl.models.apply_lora``), the base frozen;
+    each weight update sends the adapters alone (docs/lora.md)."""
+
+    rank: int = 0  # 0: no LoRA (full fine-tuning); >= 1: the adapters' rank
+    alpha: float = 16.0  # the adapters' scale is alpha / rank
+    # names of primerl.models.lora.TARGETS (attention projections, "attention", "mlp", "shared_experts",
+    # "experts"); empty: every one of them the model has
+    targets: list = field(default_factory=list)
+    # how the embedded engine applies each version: "merge" (into the weights on receipt) or
+    # "forward" (the low-rank path in every forward); bench/RESULTS.md (Issue 43) measures both
+    engine: str = "merge"
+
+
+# primerl.models.lora.TARGETS (config imports no models; tests/runtime/test_lora_job.py checks they agree)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                "attention", "mlp", "shared_experts", "experts")
+
+
+@dataclass
 class TrainerConfig:
     lr: float = 3e-3
     beta1: float = 0.9
@@ -45,6 +65,7 @@ class TrainerConfig:
     entropy_coef: float = 0.0  # minus this times the token-mean entropy is added to the loss
     entropy_decay_steps: int = 0  # > 0: the coefficient falls linearly to 0 at this step
     loss: LossConfig = field(default_factory=LossConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     batch_timeout_s: float = 300.0
     nan_retries: int = 2  # a step with a non-finite loss is skipped (counted) this many times in a row
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -72,6 +93,19 @@ def check_trainer(t: TrainerConfig) -> None:
     _need(t.mixed_precision in ("auto", "bf16", "off"), "trainer.mixed_precision", "must be auto, bf16 or off",
           t.mixed_precision)
     _check_loss(t.loss)
+    check_lora(t.lora)
+
+
+def check_lora(lora: LoRAConfig) -> None:
+    """``[trainer.lora]`` on its own (its targets against the model: ``validate.check_lora_model``)."""
+    _need(isinstance(lora.rank, int) and lora.rank >= 0, "trainer.lora.rank",
+          "must be an integer >= 1 (0: no LoRA)", lora.rank)
+    _need(lora.alpha > 0, "trainer.lora.alpha", "must be > 0", lora.alpha)
+    _need(lora.engine in ("merge", "forward"), "trainer.lora.engine", "must be merge or forward", lora.engine)
+    _need(isinstance(lora.targets, list), "trainer.lora.targets", "must be a list of target names", lora.targets)
+    for t in lora.targets:
+        _need(t in LORA_TARGETS, "trainer.lora.targets",
+              f"unknown target {t!r}; choose among {', '.join(LORA_TARGETS)}", lora.targets)
 
 
 def _check_loss(loss: LossConfig) -> None:

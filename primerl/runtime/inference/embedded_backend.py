@@ -47,6 +47,14 @@ class EmbeddedBackend(InferenceBackend):
             raise ConfigError("inference.pd: prefill / decode servers run beside the orchestrator, not on "
                               "deployment.inference_nodes (set inference.pd.prefill = decode = 0 or "
                               f"deployment.inference_nodes = 0), got {i.pd.prefill} + {i.pd.decode}")
+        if cfg.trainer.lora.rank:  # adapter-only updates: a PEFT directory per version, read from files
+            if i.weight_update == "broadcast":
+                raise ConfigError("inference.weight_update: with trainer.lora the adapters go as files (a few MB a "
+                                  "version); set 'filesystem' or 'auto', got 'broadcast'")
+            if i.num_servers > 1 or i.pd.enabled:
+                raise ConfigError("inference.num_servers / inference.pd: LoRA updates reach the embedded engine in "
+                                  "the orchestrator's process only (one engine, no P/D); unset them or "
+                                  "trainer.lora.rank")
         if d.orchestrator == "own" and i.weight_update == "filesystem":
             raise ConfigError("inference.weight_update: 'filesystem' needs output_dir shared by the trainer and the "
                               "orchestrator, which runs on a node of its own (deployment.orchestrator = 'own'): use "
@@ -162,6 +170,11 @@ class EmbeddedBackend(InferenceBackend):
         from .weight_channels import BucketedBroadcast, EngineBroadcast, FileChannel
 
         placement = resolve_placement(cfg)
+        if cfg.trainer.lora.rank:  # adapter-only updates (the engine applies them: engine.load_weights)
+            from ..policy import base_model_name
+            from .weight_channels import LoRAChannel
+
+            return LoRAChannel(transport, rank=rank, base_model_name_or_path=base_model_name(cfg))
         if placement.weight_update != "broadcast":
             return FileChannel(transport, rank=rank)
         if serves_from_pool(cfg):

@@ -177,6 +177,7 @@ class InferenceEngine:
         self.cfg = model.config
         self.max_batch_size, self.kv_cache, self.capture_routing = max_batch_size, kv_cache, capture_routing
         self.fp8_experts, self.router_noise = fp8_experts, router_noise
+        self.adapters = None  # engine_lora.EngineAdapters under trainer.lora
         self.policy_version = 0
         self.waiting: deque[Request] = deque()
         self.running: dict[int, _Active] = {}
@@ -198,7 +199,20 @@ class InferenceEngine:
         """Copy new policy weights in (in-flight requests continue with them, keeping their cache).
         ``assign``: take the tensors themselves instead of copying (fresh tensors in the engine's
         dtype and device that nobody else holds, e.g. a received version): the swap between two
-        steps then costs no copy of the model."""
+        steps then costs no copy of the model. LoRA adapters in PEFT's names (a ``LoRAChannel``
+        version) go to ``self.adapters`` (``engine_lora.EngineAdapters``, set up by the
+        orchestrator's client under ``trainer.lora``)."""
+        from .engine_lora import is_adapter_state
+
+        if is_adapter_state(state_dict):
+            if getattr(self, "adapters", None) is None:
+                raise EngineError("weight update: a LoRA adapter version reached an engine without adapters "
+                                  "(trainer.lora is set on the trainer only?)")
+            self.adapters.load(state_dict)
+            if self.fp8_experts and self.adapters.mode == "merge":
+                self._quantize_experts()
+            self.policy_version = int(version)
+            return
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False, assign=assign)
         if missing or unexpected:
             raise EngineError(f"weight update does not match the model: missing {missing[:5]}, "
@@ -213,7 +227,8 @@ class InferenceEngine:
         from primerl.kernels.fp8 import dequant, quant_per_block
 
         for name, p in self.model.named_parameters():
-            if ".ffn." in name and "expert" in name and p.ndim >= 2 and p.is_floating_point():
+            if ".ffn." in name and "expert" in name and p.ndim >= 2 and p.is_floating_point() \
+                    and ".lora_" not in name:  # LoRA adapters stay in the engine's dtype
                 q, sf = quant_per_block(p.data, (128, 128))
                 p.copy_(dequant(q, sf, group_shape=(128, 128), out_dtype=p.dtype))
 

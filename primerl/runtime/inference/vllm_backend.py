@@ -28,6 +28,10 @@ class VLLMBackend(InferenceBackend):
         from ..config import ConfigError
 
         i = cfg.inference
+        if cfg.trainer.lora.rank:
+            raise ConfigError("trainer.lora.rank: LoRA updates to vLLM (--enable-lora, each version loaded with "
+                              "/v1/load_lora_adapter) are not built yet; train with LoRA on inference.backend = "
+                              "'embedded', or set trainer.lora.rank = 0")
         if i.weight_update == "broadcast":
             raise ConfigError("inference.weight_update: 'broadcast' is the embedded engine's; vLLM's is "
                               f"inference.vllm.weight_update, got {i.weight_update!r}")

@@ -21,6 +21,10 @@ Channels (one class each, chosen by the backend):
                            workers, then a marker once every receiver acknowledged
 :class:`BucketedBroadcast` ``inference.weight_transfer``: buckets, pipelined, sharded (every rank
                            sends its shards), FP8 in transit, deltas (``weight_transfer``)
+:class:`LoRAChannel`       ``trainer.lora``: the adapters alone, each version a PEFT adapter
+                           directory (``adapter_config.json`` + ``adapter_model.safetensors``)
+                           + the marker; the embedded engine applies them, vLLM loads the
+                           directory as a LoRA adapter
 =========================  =====================================================================
 
 The receiving side is a ``WeightVersions`` (``weight_sync``): ``versions()``,
@@ -43,9 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("primerl.weight_sync")
 
-__all__ = ["BucketedBroadcast", "EngineBroadcast", "FileChannel", "HFFileChannel", "ServerBroadcast", "WeightChannel",
-           "WeightVersions",
-           "fp8_stream"]
+__all__ = ["BucketedBroadcast", "EngineBroadcast", "FileChannel", "HFFileChannel", "LoRAChannel", "ServerBroadcast",
+           "WeightChannel", "WeightVersions", "fp8_stream", "write_lora_version"]
 
 
 @runtime_checkable
@@ -288,3 +291,47 @@ class BucketedBroadcast(WeightChannel):
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+
+
+def write_lora_version(model, path, *, base_model_name_or_path: str | None = None) -> int | None:
+    """Collective (every trainer rank): gather ``model``'s adapters (``trainer.publish.iter_lora_weights``)
+    and, on rank 0, write them to ``path`` as a PEFT adapter directory; -> the tensors' bytes on
+    rank 0, None elsewhere."""
+    from primerl.models.lora_io import peft_state, write_peft_dir
+
+    from ..trainer.publish import iter_lora_weights
+
+    full = {n: t for n, t in iter_lora_weights(model)}
+    if any(t is None for t in full.values()):
+        return None
+    return write_peft_dir(model, path, peft_state(model, full), base_model_name_or_path=base_model_name_or_path)
+
+
+class LoRAChannel(WeightChannel):
+    """``trainer.lora``: each version is the adapters alone, a PEFT adapter directory at
+    ``<transport>/weights/step_<v>/`` (``adapter_config.json`` + ``adapter_model.safetensors``, Hugging
+    Face names) + the marker. ``last_bytes``: the adapter bytes of the last version (what an update
+    moves; the trainer logs it as ``weights/update_bytes``)."""
+
+    def __init__(self, transport: "FileTransport", *, rank: int, base_model_name_or_path: str | None = None):
+        super().__init__(rank=rank)
+        self.transport, self.base = transport, base_model_name_or_path
+        self.last_bytes: int | None = None
+
+    def publish(self, version: int, weights: "WeightStream") -> None:
+        from pathlib import Path
+
+        if self.rank != 0:
+            write_lora_version(weights.model, None)
+            return
+        sizes = []
+
+        def write(model_file: Path) -> None:  # the version directory is the adapter directory
+            sizes.append(write_lora_version(weights.model, model_file.parent, base_model_name_or_path=self.base))
+
+        self.transport.publish_weights(version, None, write=write)
+        self.last_bytes = sizes[0]
+        log.info("weights version %d: LoRA adapters, %d bytes", version, self.last_bytes)
+
+    def send(self, version, weights, tensors) -> None:  # publish() does the whole update
+        raise NotImplementedError("LoRAChannel.publish sends the adapters itself")

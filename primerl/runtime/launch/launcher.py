@@ -83,8 +83,11 @@ def prepare_job(cfg: RLConfig, *, quiet: bool = False, parts: dict | None = None
     from ..trainer.vf_warmstart import job_warm_start
     from .common import prepare_output
 
+    from .rl_warmstart import job_rl_warm_start
+
     lock = claim_output_dir(cfg)
     try:
+        cfg = job_rl_warm_start(cfg, run_job, quiet=quiet)
         cfg = job_warm_start(cfg, quiet=quiet)
         start = prepare_output(cfg)
     except BaseException:

@@ -92,7 +92,13 @@ def make_embedded_client(cfg: RLConfig, vocab_size: int):
     engine = InferenceEngine(model, max_batch_size=i.max_batch_size, kv_cache=i.kv_cache,
                              capture_routing=i.capture_routing, fp8_experts=i.fp8_experts,
                              router_noise=i.router_noise, noise_seed=cfg.seed, kv_cache_gb=i.kv_cache_gb)
-    log.info("embedded engine on %s in %s; weights by %s", device, placement.param_dtype, placement.weight_update)
+    lo = cfg.trainer.lora
+    if lo.rank:  # adapter-only updates: the engine takes each version's adapters (engine_lora)
+        from ..inference.engine_lora import EngineAdapters
+
+        engine.adapters = EngineAdapters(model, lo.rank, lo.alpha, targets=lo.targets or None, mode=lo.engine)
+    log.info("embedded engine on %s in %s; weights by %s%s", device, placement.param_dtype, placement.weight_update,
+             f" (LoRA adapters, applied by {lo.engine})" if lo.rank else "")
     receiver = None
     if placement.weight_update == "broadcast":
         from ..inference.weight_sync import engine_broadcast_host

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["WeightStream", "iter_full_weights", "local_regions", "owned_regions", "weight_specs",
+__all__ = ["WeightStream", "iter_full_weights", "iter_lora_weights", "local_regions", "owned_regions", "weight_specs",
            "write_safetensors_stream"]
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -41,11 +41,34 @@ def _ep_slices(model: nn.Module) -> dict[str, tuple]:
             for name, (group, num_experts) in _ep_expert_params(model).items()}
 
 
+def _is_lora(name: str) -> bool:
+    return name.rsplit(".", 1)[-1].startswith("lora_")
+
+
+def _lora_bases(model: nn.Module) -> dict[str, tuple[str, str, float]]:
+    """Under LoRA (``primerl.models.apply_lora``): base weight name -> (its lora_A name, lora_B
+    name, scale) for every unmerged adapter (linear ``weight``; experts ``w13`` / ``w2``)."""
+    out = {}
+    for mname, m in model.named_modules():
+        if not hasattr(m, "lora_scale") or m.lora_merged:
+            continue
+        pre = f"{mname}." if mname else ""
+        if hasattr(m, "w13"):
+            out[pre + "w13"] = (pre + "lora_A13", pre + "lora_B13", m.lora_scale)
+            out[pre + "w2"] = (pre + "lora_A2", pre + "lora_B2", m.lora_scale)
+        else:
+            out[pre + "weight"] = (pre + "lora_A", pre + "lora_B", m.lora_scale)
+    return out
+
+
 def weight_specs(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """``[(name, dtype, global shape)]`` of ``model.state_dict()`` in order; no communication."""
+    """``[(name, dtype, global shape)]`` of ``model.state_dict()`` in order (the LoRA adapters left
+    out: their deltas are merged into the published base weights); no communication."""
     ep = _ep_slices(model)
     out = []
     for name, t in model.state_dict().items():
+        if _is_lora(name):
+            continue
         shape = tuple(t.shape)
         if name in ep:
             shape = (ep[name][2], *shape[1:])
@@ -58,16 +81,33 @@ def iter_full_weights(model: nn.Module, *, dst: int = 0,
     """Yield ``(name, full CPU tensor)`` on rank ``dst`` (``(name, None)`` elsewhere) for every
     entry of ``model.state_dict()``, in order. Collective: all ranks must exhaust the iterator.
     Without torch.distributed it yields the model's own tensors (detached, on CPU).
-    ``to_cpu=False``: the full tensors stay on the model's device (for a GPU broadcast)."""
+    ``to_cpu=False``: the full tensors stay on the model's device (for a GPU broadcast).
+    Under LoRA the adapters are not yielded: each adapted weight comes as ``W + scale * B @ A``
+    (the policy inference must run), the model's own weights untouched."""
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     ep = _ep_slices(model) if distributed else {}
-    for name, t in model.state_dict().items():
-        t = t.detach()
+    state = model.state_dict()
+    lora = _lora_bases(model)
+
+    def full(name):
+        t = state[name].detach()
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()  # every rank of the tensor's mesh holds it until the next one
         if name in ep:
             t = _gather_experts(t, *ep[name], rank=rank, dst=dst)
+        return t
+
+    for name in state:
+        if _is_lora(name):
+            continue
+        t = full(name)
+        if name in lora:
+            a_name, b_name, scale = lora[name]
+            a, b = full(a_name), full(b_name)
+            if rank == dst:
+                t = (t.float() + scale * torch.matmul(b.float(), a.float())).to(t.dtype)
+            del a, b
         yield name, ((t.cpu() if to_cpu else t) if rank == dst else None)
         del t
 
@@ -120,6 +160,23 @@ def owned_regions(model: nn.Module) -> list[tuple[str, torch.dtype, tuple, tuple
     order = {k: i for i, k in enumerate(sorted(holders))}
     me = dist.get_rank()
     return [r[:5] for r, k in zip(mine, keys) if holders[k][order[k] % len(holders[k])] == me]
+
+
+def iter_lora_weights(model: nn.Module, *, dst: int = 0) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """The LoRA adapters alone, ``(model name, full CPU tensor)`` on ``dst`` (``(name, None)``
+    elsewhere), gathered like :func:`iter_full_weights` (collective)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    ep = _ep_slices(model) if distributed else {}
+    for name, t in model.state_dict().items():
+        if not _is_lora(name):
+            continue
+        t = t.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        if name in ep:
+            t = _gather_experts(t, *ep[name], rank=rank, dst=dst)
+        yield name, (t.cpu() if rank == dst else None)
 
 
 def _gather_experts(block: torch.Tensor, group, ep_size: int, num_experts: int, *, rank: int, dst: int):

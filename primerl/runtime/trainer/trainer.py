@@ -59,7 +59,7 @@ from .padded_attention import PaddedPlan, padded_forward
 from ..heartbeat import beat
 from ..lifetime import JOB_RESTARTS_ENV
 from ..placement import resolve_placement
-from ..policy import build_model
+from ..policy import base_model_name, build_model
 from ..zmq_transport import make_transport
 from .publish import WeightStream
 
@@ -159,6 +159,10 @@ class Trainer:
             from primerl.models import convert_to_fp8
 
             convert_to_fp8(self.model, par.fp8)
+        if t.lora.rank:  # the adapters only train (the reference model above is the base: no adapters)
+            from primerl.models import apply_lora
+
+            apply_lora(self.model, t.lora.rank, t.lora.alpha, targets=t.lora.targets or None)
         self.mesh = None
         if world_size > 1 or self.fsdp:
             self.mesh = self.dims.build_mesh(self.device.type)
@@ -185,7 +189,7 @@ class Trainer:
         self.ep_group = self.mesh["ep"].get_group() if self.dims.ep > 1 else None
         # fused: step counts live on the device (the default AdamW reads one per parameter on the host
         # every step) and ``found_inf`` skips a non-finite update without a host read
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                            weight_decay=t.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.padded = self.dims.cp == 1 and (
@@ -195,6 +199,18 @@ class Trainer:
         self.step = 0
         self.nan_streak = 0
         self.nan_skipped = 0
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What AdamW updates: every parameter, or under ``trainer.lora`` the adapters alone."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def lora_meta(self) -> dict:
+        """What a checkpoint records of ``trainer.lora``: rank, alpha, targets and the base it adapts."""
+        lo = self.cfg.trainer.lora
+        if not lo.rank:
+            return {}
+        return {"lora": {"rank": lo.rank, "alpha": lo.alpha, "targets": list(self.model.lora.targets),
+                         "base": base_model_name(self.cfg)}}
 
     def close(self) -> None:
         """Close the one-rank process group this trainer opened for mixed precision (if any)."""
@@ -229,11 +245,12 @@ class Trainer:
         state = {"scheduler": self.scheduler.state_dict(), "nan_skipped": self.nan_skipped,
                  "nan_streak": self.nan_streak}
         save_dcp_checkpoint(root, step, self.model, self.optimizer, state, keep=self.cfg.checkpoint.keep,
-                            async_save=async_save, process_group=group)
+                            async_save=async_save, process_group=group, meta=self.lora_meta())
 
     def load(self, path) -> None:
         """Resume from a checkpoint written on any layout: a sharded DCP one (each rank reads its
         slices) or a full-state one (every rank reads the files)."""
+        check_checkpoint_lora(path, self.lora_meta())
         if is_dcp_checkpoint(path):
             step, state = load_dcp_checkpoint(path, self.model, self.optimizer)
         else:
@@ -333,7 +350,7 @@ class Trainer:
         dev = self.device
         self.optimizer.zero_grad(set_to_none=False)
         if self.world_size > 1 and not self.fsdp:  # a rank with only padding still joins every all-reduce
-            for p in self.model.parameters():
+            for p in self.trainable_parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         # [loss, mismatch_kl, entropy, clip_frac_low, clip_frac_high, ess] sums (the means weighted by
@@ -415,6 +432,39 @@ class Trainer:
         if params_bad_v:
             raise_nonfinite_parameters(self.model, self.step)
         return metrics
+
+
+def export_hf(model, path) -> None:
+    """``checkpoint.export_hf``: ``model``'s policy in Hugging Face's layout at ``path``, LoRA
+    adapters merged in for the save (collective under FSDP)."""
+    lora = getattr(model, "lora", None) is not None
+    if lora:
+        from primerl.models import merge_lora
+
+        merge_lora(model)
+    try:
+        model.save_pretrained(path)
+    finally:
+        if lora:
+            from primerl.models import unmerge_lora
+
+            unmerge_lora(model)
+
+
+def check_checkpoint_lora(path, expected: dict) -> None:
+    """A checkpoint resumes only the run it came from: LoRA or not, the same rank / alpha / targets
+    and the same base (its ``meta.json`` records them)."""
+    import json
+    from pathlib import Path
+
+    meta_file = Path(path) / "meta.json"
+    if not meta_file.exists():
+        return
+    saved = json.loads(meta_file.read_text()).get("lora", {})
+    want = expected.get("lora", {})
+    if saved != want:
+        raise ValueError(f"checkpoint {path}: its trainer.lora is {saved or 'off'}, this run's is {want or 'off'} "
+                         "(resume with the config that wrote it)")
 
 
 def compile_model(model, backend: str = "inductor") -> None:
@@ -526,6 +576,8 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
                    "tokens_per_s": m["tokens"] / max(now - t_prev, 1e-9),
                    "time/step_s": now - t_prev, "time/wait_s": t1 - t0, "time/train_s": t2 - t1,
                    **channel.metrics()}
+            if getattr(channel, "last_bytes", None) is not None:  # bytes one update moved (LoRAChannel)
+                row["weights/update_bytes"] = channel.last_bytes
             if trainer.device.type == "cuda":
                 row["memory/trainer_peak_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
             t_prev = now
@@ -537,6 +589,12 @@ def run_trainer(cfg: RLConfig, vocab_size: int, *, orchestrator_alive: Callable[
                 on_step(row)
             beat(f"step {step}")
         trainer.save_checkpoint(ckpt_root, cfg.max_steps)
+        if cfg.checkpoint.export_hf:  # the policy (adapters merged) as a Hugging Face directory (collective)
+            export_hf(trainer.model, out / "hf")
+        if cfg.trainer.lora.rank:  # the final adapters in PEFT's format, naming their base (collective)
+            from ..inference.weight_channels import write_lora_version
+
+            write_lora_version(trainer.model, out / "lora", base_model_name_or_path=base_model_name(cfg))
     finally:
         if logger is not None:
             logger.close()
