@@ -5,6 +5,7 @@ dry-run refusals naming the key, and the orchestrator's per-token advantages wit
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -234,3 +235,23 @@ def test_orchestrator_hands_over_per_token_distill_advantages(tmp_path, teacher_
         den += float(mb.loss_mask.sum())
     assert seen[2][1]["distill/reverse_kl"] == pytest.approx(num / den, rel=1e-5)
     assert only or torch.cat(reward_part).abs().sum() > 0  # mixed: the reward advantage is in
+
+
+def test_primerl_rl_with_a_teacher_logs_distill_metrics(tmp_path, teacher_run):
+    """`primerl rl` with [distill]: the in-process teacher scores every batch, the trainer trains on
+    the per-token advantages, and every step logs distill/reverse_kl and the scoring times."""
+    from primerl.runtime.metrics import read_metrics
+
+    steps = 3
+    r = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--output_dir", str(tmp_path / "job"),
+                        *TINY, "--max_steps", str(steps), "--orchestrator.batch_size", "4",
+                        "--orchestrator.group_size", "4", "--checkpoint.interval", "0", "--log.plot", "false",
+                        "--distill.teacher", str(teacher_run), "--distill.only", "true"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_metrics(tmp_path / "job" / "metrics.jsonl")
+    assert [x["step"] for x in rows] == list(range(steps))
+    for x in rows:
+        assert x["distill/reverse_kl"] != 0 and x["distill/score_s"] > 0 and x["distill/wait_s"] >= 0
+        assert math.isfinite(x["loss"])
