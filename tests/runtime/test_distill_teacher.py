@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -108,7 +110,7 @@ def test_primerl_inference_teacher_server_matches_the_in_process_teacher(tmp_pat
     proc = subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", "inference", "--config",
                              str(tmp_path / "c.toml"), "--role", "teacher", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         url = None
         for line in proc.stdout:
@@ -139,7 +141,7 @@ def test_primerl_inference_teacher_server_matches_the_in_process_teacher(tmp_pat
 def _dry_run(tmp_path, *over) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--dry-run", "--output_dir",
                            str(tmp_path / "s"), *TINY, *over], capture_output=True, text=True, cwd=ROOT,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def test_dry_run_refuses_a_teacher_with_another_vocabulary(tmp_path, teacher_run):
@@ -248,10 +250,92 @@ def test_primerl_rl_with_a_teacher_logs_distill_metrics(tmp_path, teacher_run):
                         "--orchestrator.group_size", "4", "--checkpoint.interval", "0", "--log.plot", "false",
                         "--distill.teacher", str(teacher_run), "--distill.only", "true"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(tmp_path / "job" / "metrics.jsonl")
     assert [x["step"] for x in rows] == list(range(steps))
     for x in rows:
         assert x["distill/reverse_kl"] != 0 and x["distill/score_s"] > 0 and x["distill/wait_s"] >= 0
         assert math.isfinite(x["loss"])
+
+
+def test_vllm_teacher_reads_prompt_logprobs_from_a_vllm_style_server():
+    """VLLMTeacher against a stand-in answering as vLLM does (prompt_logprobs: null, then one
+    {token id: {logprob}} per prompt token); what it sends, what it reads, a malformed answer."""
+    import http.server
+
+    from primerl.runtime.inference.teacher_clients import TeacherError, VLLMTeacher
+
+    bodies = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            p = body["prompt"]
+            pl = None if p == [9, 9] else [None] + [{str(t): {"logprob": -0.5 * t, "rank": 1}} for t in p[1:]]
+            out = json.dumps({"choices": [{"prompt_logprobs": pl, "text": ""}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        t = VLLMTeacher(f"http://127.0.0.1:{srv.server_port}", "teacher-model", temperature=1.0)
+        assert t.score([[1, 2, 3], [4, 5]]) == [[0.0, -1.0, -1.5], [0.0, -2.5]]
+        assert bodies[0] == {"model": "teacher-model", "prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 0,
+                             "temperature": 1.0}
+        with pytest.raises(TeacherError, match="prompt_logprobs"):
+            t.score([[9, 9]])
+    finally:
+        srv.shutdown()
+    with pytest.raises(TeacherError, match="teacher at http://127.0.0.1:9"):
+        ServerTeacher("http://127.0.0.1:9", timeout_s=2).score([[1, 2]])
+
+
+class SlowTeacher(TableTeacher):
+    def __init__(self, delay=0.0, fail=False):
+        super().__init__()
+        self.delay, self.fail = delay, fail
+
+    def score(self, seqs):
+        if self.fail:
+            raise RuntimeError("teacher server unreachable")
+        threading.Event().wait(self.delay)
+        return super().score(seqs)
+
+
+def _orch_run(tmp_path, teacher_run, teacher, steps=2):
+    from test_orchestrator import FakeClient, fake_trainer
+
+    from primerl.runtime.orchestrator import Orchestrator
+    from primerl.runtime.transport import FileTransport
+
+    cfg = load_config(None, ["--output_dir", str(tmp_path), "--orchestrator.batch_size", "2",
+                             "--orchestrator.group_size", "2", "--orchestrator.seq_len", "64",
+                             "--max_steps", str(steps),
+                             "--env.args", '{"num_symbols": 4}', "--distill.teacher", str(teacher_run)], check=False)
+    tr = FileTransport(cfg.output_dir)
+    seen = []
+    threading.Thread(target=fake_trainer, args=(tr, steps, seen), daemon=True).start()
+    Orchestrator(cfg, ReverseText(num_symbols=4), FakeClient(), tr, teachers={str(teacher_run): teacher}).run()
+    return seen
+
+
+def test_a_slow_teacher_delays_the_hand_over_and_says_so(tmp_path, teacher_run):
+    seen = _orch_run(tmp_path, teacher_run, SlowTeacher(delay=0.2))
+    deadline = time.monotonic() + 10
+    while len(seen) < 2 and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    assert [s for s, _ in seen] == [0, 1]
+    assert all(m["distill/wait_s"] > 0 and m["distill/score_s"] > 0 for _, m in seen)
+
+
+def test_a_failing_teacher_stops_the_orchestrator_naming_it(tmp_path, teacher_run):
+    with pytest.raises(RuntimeError, match="teacher scoring failed: teacher server unreachable"):
+        _orch_run(tmp_path, teacher_run, SlowTeacher(fail=True))
