@@ -8,7 +8,8 @@ model with the teacher's own config (any size or family the runtime loads) and i
 
 ``score_logprobs(model, sequences)`` is the prefill-only scoring every teacher route shares (the
 orchestrator's in-process teacher and ``POST /v1/score`` of ``primerl inference``): one forward
-over the packed sequences; entry t of a sequence's result is ``log softmax(logits_{t-1} / T)``
+over the packed sequences (on the CPU the trainer's padded attention path, ``padded_forward``:
+the attention kernel walks a packed batch sequence by sequence); entry t of a sequence's result is ``log softmax(logits_{t-1} / T)``
 at token t (entry 0 has no prediction: 0.0 here, ``null`` on the wire, as vLLM's
 ``prompt_logprobs``).
 """
@@ -149,7 +150,12 @@ def score_logprobs(model, sequences: list[list[int]], *, temperature: float = 1.
         pos = torch.cat([torch.arange(len(s)) for s in seqs]).to(dev)
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor([len(s) for s in seqs]).cumsum(0)
-        logits = model(ids, pos, cu.to(dev), return_logits=True).float()
+        if dev.type == "cpu":  # many short sequences: one padded SDPA per layer (the trainer's CPU path)
+            from ..trainer.padded_attention import padded_forward
+
+            logits = model.lm_head(padded_forward(model, ids, pos, cu)).float()
+        else:
+            logits = model(ids, pos, cu.to(dev), return_logits=True).float()
         lp = torch.log_softmax(logits / temperature, dim=-1)
         # the prediction at t-1 scores token t: gather the next token of every position
         nxt = torch.roll(ids, -1, 0)
