@@ -9,8 +9,8 @@ model with the teacher's own config (any size or family the runtime loads) and i
 ``score_logprobs(model, sequences)`` is the prefill-only scoring every teacher route shares (the
 orchestrator's in-process teacher and ``POST /v1/score`` of ``primerl inference``): one forward
 over the packed sequences (on the CPU the trainer's padded attention path, ``padded_forward``:
-the attention kernel walks a packed batch sequence by sequence); entry t of a sequence's result is ``log softmax(logits_{t-1} / T)``
-at token t (entry 0 has no prediction: 0.0 here, ``null`` on the wire, as vLLM's
+the attention kernel walks a packed batch sequence by sequence); entry t of a sequence's result
+is ``log softmax(logits_{t-1} / T)`` at token t (entry 0 has no prediction: 0.0 here, ``null`` on the wire, as vLLM's
 ``prompt_logprobs``).
 """
 
