@@ -5,7 +5,9 @@ reaches 0.9, or a time limit.
 ``python -m bench distill [--quick]``; the teacher is ``PRIMERL_DISTILL_TEACHER`` (default the
 example's: ``outputs/reverse_text``, what ``primerl rl --config examples/reverse_text.toml`` leaves),
 ``PRIMERL_DISTILL_SEEDS`` (default "0,1,2,3"; "0" with --quick), ``PRIMERL_DISTILL_MODES`` (default
-"rl,opd,opd_reward"), ``PRIMERL_DISTILL_SECONDS`` per run (default 600; 90 with --quick).
+"rl,opd,opd_reward"), ``PRIMERL_DISTILL_SECONDS`` per run (default 600; 90 with --quick). Runs go seed by seed, the
+modes interleaved (so a bench cut short has as many seeds of each mode); ``PRIMERL_DISTILL_RUNS``
+("rl:0,opd:0,...") lists the runs instead.
 
 Modes: ``rl`` (``--distill.teacher ""``: RL alone, the reward advantage), ``opd`` (the example:
 ``distill.only = true``, the per-token reverse-KL advantage alone) and ``opd_reward`` (``--distill.only
@@ -37,45 +39,49 @@ def run(args) -> list[Row]:
     seconds = float(os.environ.get("PRIMERL_DISTILL_SECONDS", 90 if args.quick else 600))
     teacher = os.environ.get("PRIMERL_DISTILL_TEACHER", str(ROOT / "outputs" / "reverse_text"))
     threshold = 0.9
+    runs = [(m, sd) for sd in seeds for m in modes]
+    if os.environ.get("PRIMERL_DISTILL_RUNS"):
+        runs = [tuple(r.split(":")) for r in os.environ["PRIMERL_DISTILL_RUNS"].split(",")]
     rows = []
-    for mode in modes:
-        reached_steps, reached_s = [], []
-        for seed in seeds:
-            hit: dict = {}
-            t0 = time.monotonic()
+    reached: dict = {m: ([], [], []) for m, _ in runs}  # mode -> (steps, seconds, seeds run)
+    for mode, seed in runs:
+        hit: dict = {}
+        t0 = time.monotonic()
 
-            def stop(metrics: list[dict]) -> bool:
-                if first_reached([m["reward/mean"] for m in metrics], threshold) is None:
-                    return False
-                hit["seconds"] = time.monotonic() - t0
-                return True
+        def stop(metrics: list[dict]) -> bool:
+            if first_reached([m["reward/mean"] for m in metrics], threshold) is None:
+                return False
+            hit["seconds"] = time.monotonic() - t0
+            return True
 
-            extra_args = ("--seed", seed.strip(), "--distill.teacher", teacher, *MODES[mode])
-            with tempfile.TemporaryDirectory() as d:
-                try:
-                    metrics = run_job(args.device, seconds, Path(d) / "job", args=extra_args, stop=stop,
-                                      example="reverse_text_distill.toml")
-                except Exception as e:  # noqa: BLE001 - one failed row, not a crashed bench
-                    rows.append(Row("distill_reach", f"{mode} seed {seed}", "-", args.device, float("nan"),
-                                    extra={"error": str(e)[-400:]}))
-                    continue
-            rewards = [m["reward/mean"] for m in metrics]
-            step = first_reached(rewards, threshold)
-            score = [m["distill/score_s"] for m in metrics if "distill/score_s" in m]
-            wait = [m["distill/wait_s"] for m in metrics if "distill/wait_s" in m]
-            extra = {"reached_at_step": "not reached" if step is None else step, "steps": len(rewards),
-                     "s/step": f"{statistics.median(m['time/step_s'] for m in metrics):.3f}" if metrics else "-",
-                     "score_s/step": f"{statistics.median(score):.4f}" if score else "-",
-                     "wait_s/step": f"{statistics.median(wait):.4f}" if wait else "-"}
-            if step is not None:
-                reached_steps.append(step)
-                reached_s.append(hit.get("seconds", float("nan")))
-            values = {"steps": len(rewards), **({} if step is None else {"step": step, **hit})}
-            rows.append(Row("distill_reach", f"{mode} seed {seed}, 20-step mean >= {threshold:g}", "-", args.device,
-                            hit.get("seconds", float("nan")), extra=extra, values=values))
-        summary = {"reached": f"{len(reached_steps)}/{len(seeds)}",
-                   "median_step": statistics.median(reached_steps) if reached_steps else "-",
-                   "median_s": f"{statistics.median(reached_s):.0f}" if reached_s else "-"}
-        rows.append(Row("distill_reach", f"{mode}: {len(seeds)} seeds, {seconds:g} s each", "-", args.device,
-                        float("nan"), extra=summary, values={"reached": len(reached_steps), "seeds": len(seeds)}))
+        extra_args = ("--seed", seed.strip(), "--distill.teacher", teacher, *MODES[mode])
+        reached[mode][2].append(seed)
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                metrics = run_job(args.device, seconds, Path(d) / "job", args=extra_args, stop=stop,
+                                  example="reverse_text_distill.toml")
+            except Exception as e:  # noqa: BLE001 - one failed row, not a crashed bench
+                rows.append(Row("distill_reach", f"{mode} seed {seed}", "-", args.device, float("nan"),
+                                extra={"error": str(e)[-400:]}))
+                continue
+        rewards = [m["reward/mean"] for m in metrics]
+        step = first_reached(rewards, threshold)
+        score = [m["distill/score_s"] for m in metrics if "distill/score_s" in m]
+        wait = [m["distill/wait_s"] for m in metrics if "distill/wait_s" in m]
+        extra = {"reached_at_step": "not reached" if step is None else step, "steps": len(rewards),
+                 "s/step": f"{statistics.median(m['time/step_s'] for m in metrics):.3f}" if metrics else "-",
+                 "score_s/step": f"{statistics.median(score):.4f}" if score else "-",
+                 "wait_s/step": f"{statistics.median(wait):.4f}" if wait else "-"}
+        if step is not None:
+            reached[mode][0].append(step)
+            reached[mode][1].append(hit.get("seconds", float("nan")))
+        values = {"steps": len(rewards), **({} if step is None else {"step": step, **hit})}
+        rows.append(Row("distill_reach", f"{mode} seed {seed}, 20-step mean >= {threshold:g}", "-", args.device,
+                        hit.get("seconds", float("nan")), extra=extra, values=values))
+    for mode, (steps, secs, ran) in reached.items():
+        summary = {"reached": f"{len(steps)}/{len(ran)}",
+                   "median_step": statistics.median(steps) if steps else "-",
+                   "median_s": f"{statistics.median(secs):.0f}" if secs else "-"}
+        rows.append(Row("distill_reach", f"{mode}: {len(ran)} seeds, {seconds:g} s each", "-", args.device,
+                        float("nan"), extra=summary, values={"reached": len(steps), "seeds": len(ran)}))
     return rows
