@@ -1,5 +1,5 @@
 """On-policy distillation against RL alone (issue 44): ``examples/reverse_text_distill.toml``'s small
-student (1 layer, d=64) run once per seed and mode until the mean reward of its last 20 steps
+student (2 layers, d=64) run once per seed and mode until the mean reward of its last 20 steps
 reaches 0.9, or a time limit.
 
 ``python -m bench distill [--quick]``; the teacher is ``PRIMERL_DISTILL_TEACHER`` (default the
