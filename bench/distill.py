@@ -9,13 +9,14 @@ example's: ``outputs/reverse_text``, what ``primerl rl --config examples/reverse
 modes interleaved (so a bench cut short has as many seeds of each mode); ``PRIMERL_DISTILL_RUNS``
 ("rl:0,opd:0,...") lists the runs instead.
 
-Modes: ``rl`` (``--distill.teacher ""``: RL alone, the reward advantage), ``opd`` (the example:
-``distill.only = true``, the per-token reverse-KL advantage alone) and ``opd_reward`` (``--distill.only
-false``: reward advantage + reverse-KL advantage). One row per run: the step at which the 20-step
-mean first reached 0.9 and the seconds from the job's start (nan: not reached), the median teacher
-scoring time per step (``distill/score_s``) and the median wait of a batch on the teacher
-(``distill/wait_s``); then one row per mode: median steps and seconds over the seeds that reached,
-seeds reached / run.
+Modes: ``rl`` (``--distill.teacher "" --distill.only false``: RL alone, the reward advantage),
+``opd`` (the example: ``distill.only = true``, the per-token reverse-KL advantage alone) and
+``opd_reward`` (``--distill.only false``: reward advantage + reverse-KL advantage). One row per
+run: the step at which the 20-step mean first reached 0.9 and the seconds from the job's start
+(nan: not reached), the median teacher scoring time per step (``distill/score_s``), the median wait
+of a batch on the teacher (``distill/wait_s``) and the median time the trainer waited for its batch
+(``time/wait_s``, the first 3 steps left out: whether the teacher's latency reached the step); then
+one row per mode: median steps and seconds over the seeds that reached, seeds reached / run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from .harness import Row
 from .job import ROOT, run_job
 from .reach import first_reached
 
-MODES = {"rl": ("--distill.teacher", ""), "opd": (), "opd_reward": ("--distill.only", "false")}
+MODES = {"rl": ("--distill.teacher", "", "--distill.only", "false"), "opd": (),
+         "opd_reward": ("--distill.only", "false")}
 
 
 def run(args) -> list[Row]:
@@ -68,10 +70,12 @@ def run(args) -> list[Row]:
         step = first_reached(rewards, threshold)
         score = [m["distill/score_s"] for m in metrics if "distill/score_s" in m]
         wait = [m["distill/wait_s"] for m in metrics if "distill/wait_s" in m]
+        trainer_wait = [m["time/wait_s"] for m in metrics[3:]]
         extra = {"reached_at_step": "not reached" if step is None else step, "steps": len(rewards),
                  "s/step": f"{statistics.median(m['time/step_s'] for m in metrics):.3f}" if metrics else "-",
                  "score_s/step": f"{statistics.median(score):.4f}" if score else "-",
-                 "wait_s/step": f"{statistics.median(wait):.4f}" if wait else "-"}
+                 "wait_s/step": f"{statistics.median(wait):.4f}" if wait else "-",
+                 "trainer_wait_s/step": f"{statistics.median(trainer_wait):.4f}" if trainer_wait else "-"}
         if step is not None:
             reached[mode][0].append(step)
             reached[mode][1].append(hit.get("seconds", float("nan")))
