@@ -32,12 +32,13 @@ SKIP = 3  # start-up steps: process start, the first weight load, Triton compile
 
 
 def run_job(device: str, seconds: float, out: Path, *, args: tuple[str, ...] = (),
-            stop: Callable[[list[dict]], bool] | None = None) -> list[dict]:
-    """``primerl rl`` on the example for ``device`` (more command-line ``args`` appended) until
-    ``seconds`` pass, it ends, or ``stop(rows so far)`` says so: its metric rows."""
+            stop: Callable[[list[dict]], bool] | None = None, example: str | None = None) -> list[dict]:
+    """``primerl rl`` on the example for ``device`` (or ``examples/<example>``; more command-line
+    ``args`` appended) until ``seconds`` pass, it ends, or ``stop(rows so far)`` says so: its metric rows."""
     from primerl.runtime.metrics import read_metrics
 
-    example = "reverse_text_gpu.toml" if device == "cuda" else "reverse_text.toml"
+    if example is None:
+        example = "reverse_text_gpu.toml" if device == "cuda" else "reverse_text.toml"
     cmd = [sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(ROOT / "examples" / example),
            "--output_dir", str(out), "--overwrite", "true", "--checkpoint.interval", "0", "--log.plot", "false",
            "--log.progress", "false", "--device", device, *args]

@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="inference: address to serve on")
     p.add_argument("--port", type=int, default=8000, help="inference: port to serve on")
     p.add_argument("--role", default=None, help="node: trainer, orchestrator or inference; "
-                   "inference: prefill, decode or both (default: both; prefill/decode disaggregation)")
+                   "inference: prefill, decode or both (default: both; prefill/decode disaggregation), or teacher "
+                   "(serve distill.teacher's model for POST /v1/score)")
     p.add_argument("--node-rank", type=int, default=None, help="node: index in the plan (default: SLURM_NODEID)")
     p.add_argument("--rdzv", default=None, help="node: rendezvous HOST:PORT (default: deployment.rdzv_endpoint)")
     p.add_argument("--device-memory", default="141GB", help="plan / --dry-run: memory of one device (141GB, 80GiB)")

@@ -22,6 +22,7 @@ so ``primerl rl --dry-run`` refuses a config with one line before anything start
    ``trainer.*``, ``trainer.loss.*``,           ``config/trainer.py`` ``check_trainer``
    ``trainer.lora.*``
    ``deployment.*``                             ``config/deployment.py`` ``check_deployment``
+   ``distill.*``                                ``config/distill.py`` ``check_distill``
    ===========================================  =================================================
 
 2. ``deployment.kind`` and ``inference.backend``: each names a registered object
@@ -32,7 +33,9 @@ so ``primerl rl --dry-run`` refuses a config with one line before anything start
    ``deployment.*`` against ``num_trainer_ranks``, ``device`` and ``inference.vllm.weight_update``).
 3. the checks between two sections: ``check_between_sections`` below (``trainer.mixed_precision``
    against ``model.dtype``, ``warm_start.steps`` against ``model.path``, ``trainer.router_replay``
-   against ``inference.capture_routing``).
+   against ``inference.capture_routing``); ``distill.teacher`` / ``distill.teachers`` against the
+   student (``check_distill_teachers``: each teacher's directory is readable, shares the student's
+   vocabulary and environment, and ``distill.teachers`` names the job's environments).
 4. names that must resolve: ``trainer.loss.method`` / ``corrections`` / ``aggregation`` /
    ``hparams`` (``config/trainer.py`` ``check_loss_names``), ``env.id`` / ``env.args``
    (``config/schema.py`` ``check_env_names``), ``model.path`` (``config/model.py``
@@ -69,8 +72,8 @@ from .launch.kinds import check_launcher
 from .placement import resolve_placement
 from .policy import model_config
 
-__all__ = ["load_config", "validate", "check_between_sections", "check_lora_model", "check_warm_start_tasks",
-           "check_weight_transfer"]
+__all__ = ["load_config", "validate", "check_between_sections", "check_distill_teachers", "check_lora_model",
+           "check_warm_start_tasks", "check_weight_transfer"]
 
 
 def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
@@ -90,6 +93,7 @@ def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
         return
     job_checks.check_packages(cfg)  # 7.
     job_checks.check_programs(cfg)
+    check_distill_teachers(cfg)  # 3. (the teachers' files are on this machine: not needed to plan)
     check_warm_start_tasks(cfg)
     job_checks.check_output_dir(cfg.output_dir)
     check_weight_transfer(resolve_placement(cfg), cfg)  # 8. device, GPUs, precision and weight path
@@ -172,3 +176,39 @@ def check_warm_start_tasks(cfg: RLConfig) -> None:
     _need(bool(tasks) and callable(getattr(tasks[0], "demonstration", None)), "warm_start.steps",
           f"the warm start trains on the environment's task demonstrations and {cfg.env.id!r} has none "
           "(Task.demonstration()); set warm_start.steps = 0", cfg.warm_start.steps)
+
+
+def check_distill_teachers(cfg: RLConfig) -> None:
+    """``[distill]`` against the student: every teacher directory resolves
+    (``inference.teacher.resolve_teacher``) and shares the student's vocabulary (size, and a
+    primerl teacher's environment; ``check_same_vocabulary``); ``distill.teachers`` keys are the
+    job's environment ids; the verifiers path has no teacher scoring."""
+    d = cfg.distill
+    if not config.distill_enabled(d):
+        return
+    from primerl.rl.envs import load_environment
+
+    from .inference.teacher import check_same_vocabulary, resolve_teacher
+
+    _need(cfg.env.id != "verifiers", "distill.teacher",
+          "teacher scoring runs in the built-in orchestrator; the verifiers path (env.id = 'verifiers') has none",
+          d.teacher or d.teachers)
+    if d.backend:
+        from .inference.backend import get_backend
+
+        try:
+            get_backend(d.backend)
+        except ConfigError as e:
+            raise ConfigError(f"distill.backend: {e}") from None
+    envs = [cfg.env.id]
+    for name in d.teachers:
+        _need(name in envs, f"distill.teachers.{name}", f"names no environment of the job (env ids: {envs})",
+              d.teachers[name])
+    try:
+        student_vocab = model_config(cfg, load_environment(cfg.env.id, **cfg.env.args).vocab_size).vocab_size
+    except (ValueError, TypeError, ImportError):
+        return  # the environment / model is refused by its own check, naming its key
+    keyed = ([("distill.teacher", d.teacher)] if d.teacher else []) + \
+        [(f"distill.teachers.{k}", v) for k, v in d.teachers.items()]
+    for key, path in keyed:
+        check_same_vocabulary(resolve_teacher(path, key), cfg, student_vocab, key)

@@ -4,6 +4,7 @@ naming the key for what this machine lacks (a GPU, verifiers) — never a traceb
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,14 @@ def test_every_example_passes_the_dry_run(path, tmp_path, capsys):
     cfg = load_config(path, check=False)
     v = cfg.inference.vllm
     vllm = bool(v.launch and v.python) and not Path(v.python).is_file()  # relative to the cwd, like the job's
-    if gpu or vf or vllm:
+    # a distillation example's teacher is the main command's output_dir: refused until that has run
+    teacher = re.search(r'^teacher = "(.+)"', path.read_text(), re.M)
+    no_teacher = teacher is not None and not Path(teacher.group(1)).is_dir()
+    if gpu or vf or vllm or no_teacher:
         assert rc == 2 and err.startswith("primerl: config error: ") and len(err.strip().splitlines()) == 1, err
-        assert ("device:" in err) if gpu else ("env.id:" in err) if vf else ("inference.vllm.python:" in err), err
+        key = ("device:" if gpu else "env.id:" if vf else "inference.vllm.python:" if vllm
+               else "distill.teacher:")
+        assert key in err, err
     else:
         assert rc == 0, err
     assert not (tmp_path / "out").exists()  # a dry run writes nothing

@@ -22,6 +22,7 @@ public name is re-exported here.
 from __future__ import annotations
 
 from .errors import ConfigError, _need  # noqa: F401
+from .distill import distill_enabled  # noqa: F401
 from .checks import validate, validate_fields, validate_finite, validate_names  # noqa: F401
 from .parallel import (  # noqa: F401
     CP_KINDS, FP8_RECIPES, cp_degrees, describe_cp, describe_parallel, parallel_dims, validate_cp_split,
@@ -29,16 +30,16 @@ from .parallel import (  # noqa: F401
 )
 from .parse import apply_override, from_dict, load_config, parse_overrides, to_dict, to_toml  # noqa: F401
 from .schema import (  # noqa: F401
-    CheckpointConfig, DeploymentConfig, EnvConfig, InferenceConfig, LogConfig, LossConfig,
+    CheckpointConfig, DeploymentConfig, DistillConfig, EnvConfig, InferenceConfig, LogConfig, LossConfig,
     ModelConfig, OrchestratorConfig, PDConfig, ParallelConfig, RLConfig, TrainerConfig, VLLMConfig,
     WarmStartConfig, WeightTransferConfig
 )
 
 __all__ = [
-    "CP_KINDS", "CheckpointConfig", "ConfigError", "DeploymentConfig", "EnvConfig", "FP8_RECIPES",
+    "CP_KINDS", "CheckpointConfig", "ConfigError", "DeploymentConfig", "DistillConfig", "EnvConfig", "FP8_RECIPES",
     "InferenceConfig", "LogConfig", "LossConfig", "ModelConfig", "OrchestratorConfig", "PDConfig",
     "ParallelConfig", "RLConfig", "TrainerConfig", "VLLMConfig", "WarmStartConfig", "WeightTransferConfig",
-    "apply_override",
+    "apply_override", "distill_enabled",
     "cp_degrees", "describe_cp", "describe_parallel", "from_dict", "load_config", "parallel_dims",
     "parse_overrides", "to_dict", "to_toml", "validate", "validate_cp_split",
     "validate_fields", "validate_finite", "validate_names", "validate_parallel"

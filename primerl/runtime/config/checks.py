@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from .deployment import check_deployment
+from .distill import check_distill
 from .errors import _need
 from .inference import check_inference
 from .model import check_model, check_model_path
@@ -39,6 +40,7 @@ def validate_fields(cfg: RLConfig) -> None:
     check_model(cfg.model)
     check_env(cfg.env)
     check_deployment(cfg.deployment)
+    check_distill(cfg.distill)
 
 
 def validate_finite(cfg) -> None:

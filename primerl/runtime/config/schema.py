@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .deployment import DeploymentConfig
+from .distill import DistillConfig
 from .errors import ConfigError, _need
 from .inference import InferenceConfig, PDConfig, VLLMConfig, WeightTransferConfig
 from .model import ModelConfig
@@ -19,8 +20,8 @@ from .orchestrator import OrchestratorConfig
 from .parallel import ParallelConfig
 from .trainer import LossConfig, TrainerConfig
 
-__all__ = ["CheckpointConfig", "ConfigError", "DeploymentConfig", "EnvConfig", "InferenceConfig", "LogConfig",
-           "LossConfig", "ModelConfig", "OrchestratorConfig", "PDConfig", "ParallelConfig", "RLConfig",
+__all__ = ["CheckpointConfig", "ConfigError", "DeploymentConfig", "DistillConfig", "EnvConfig", "InferenceConfig",
+           "LogConfig", "LossConfig", "ModelConfig", "OrchestratorConfig", "PDConfig", "ParallelConfig", "RLConfig",
            "TrainerConfig", "VLLMConfig", "WarmStartConfig", "WeightTransferConfig", "_need", "check_env",
            "check_env_names", "check_root"]
 
@@ -92,6 +93,7 @@ class RLConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     log: LogConfig = field(default_factory=LogConfig)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 def check_root(cfg: RLConfig) -> None:

@@ -11,6 +11,7 @@ register themselves. A backend
   (``servers``, ``pd_commands``);
 - chooses the trainer's ``WeightChannel`` (``weight_channel``) and the orchestrator's
   ``WeightVersions`` (``weight_receiver``);
+- makes the distillation teacher's client (``make_teacher_client``: in-process, or its server);
 - describes itself for ``--dry-run`` (``describe``, ``describe_placement``) and for the memory plan
   (``inference_plan``).
 
@@ -152,6 +153,17 @@ class InferenceBackend(ABC):
     def generate_server(self, cfg: "RLConfig", client: InferenceClient, *, policy_version: Callable[[], int],
                         model_name: str) -> GenerateServer:
         """The verifiers path's generate route in front of ``client`` (not started)."""
+
+    def make_teacher_client(self, cfg: "RLConfig", path: str, *, name: str = "teacher"):
+        """``[distill]``: the client that scores sequences under the teacher at ``path`` on this
+        backend's server at ``distill.url`` (``teacher_clients``: ``score(sequences) -> per-token
+        log-probs``), or None without ``distill.url``: the teacher's model then runs in the
+        orchestrator's process, on the engine's device (``orchestrator.teacher_scoring``). A backend
+        whose servers can score overrides this; the default has no scoring route."""
+        if cfg.distill.url:
+            raise ConfigError(f"distill.url: the inference backend {self.name!r} has no scoring route; score "
+                              f"in-process (leave distill.url empty), got {cfg.distill.url!r}")
+        return None
 
     @abstractmethod
     def inference_plan(self, cfg: "RLConfig", model, layout, device_memory: float):

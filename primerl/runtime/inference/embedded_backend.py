@@ -141,6 +141,15 @@ class EmbeddedBackend(InferenceBackend):
         client = server_client(cfg, vocab_size, pool, pool_routing=False, pd_routing=cfg.inference.capture_routing)
         return client if client is not None else make_embedded_client(cfg, vocab_size)
 
+    def make_teacher_client(self, cfg, path, *, name="teacher"):
+        """``distill.url``: ``primerl inference --role teacher`` there (``POST /v1/score``)."""
+        if not cfg.distill.url:
+            return super().make_teacher_client(cfg, path, name=name)
+        from .teacher_clients import ServerTeacher
+
+        return ServerTeacher(cfg.distill.url, temperature=cfg.inference.temperature,
+                             timeout_s=cfg.distill.timeout_s, name=name)
+
     def pd_commands(self, cfg):
         from .pd_launch import embedded_pd_commands
 

@@ -46,8 +46,8 @@ import torch
 
 from .engine import Completion, SamplingParams
 
-__all__ = ["GenerateRequestError", "parse_generate_request", "parse_completion_request", "generate_response",
-           "models_response", "encode_routed_experts_raw"]
+__all__ = ["GenerateRequestError", "parse_generate_request", "parse_completion_request", "parse_score_request",
+           "generate_response", "models_response", "encode_routed_experts_raw", "score_response"]
 
 
 class GenerateRequestError(ValueError):
@@ -195,3 +195,34 @@ def generate_response(request_id: str, c: Completion, routed_start: int) -> dict
 def models_response(model_name: str, max_model_len: int) -> dict:
     return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "primerl",
                                         "root": model_name, "max_model_len": int(max_model_len)}]}
+
+
+def parse_score_request(body, *, max_model_len: int, vocab_size: int | None = None) -> tuple[list[list[int]], float]:
+    """``POST /v1/score`` (prefill only: the log-prob of every given token, the distillation teacher's
+    route): ``{"sequences": [[int, ...], ...], "temperature": float}`` -> (sequences, temperature).
+    Every field is checked (a non-empty list of non-empty token-id lists inside the vocabulary and
+    ``max_model_len``, a temperature > 0); the message names it (HTTP 400)."""
+    if not isinstance(body, dict):
+        raise GenerateRequestError("the body must be a JSON object")
+    seqs = body.get("sequences")
+    if not isinstance(seqs, list) or not seqs:
+        raise GenerateRequestError("sequences must be a non-empty list of token-id lists")
+    out = []
+    for i, s in enumerate(seqs):
+        ids = _token_ids(s, f"sequences[{i}]", vocab_size)
+        if len(ids) > max_model_len:
+            raise GenerateRequestError(f"sequences[{i}] has {len(ids)} tokens; max_model_len is {max_model_len}")
+        out.append(ids)
+    temperature = _float(body.get("temperature", 1.0), "temperature")
+    if temperature <= 0:
+        raise GenerateRequestError(f"temperature must be > 0, got {temperature}")
+    unknown = sorted(set(body) - {"sequences", "temperature", "model"})
+    if unknown:
+        raise GenerateRequestError(f"unknown field(s) {unknown} (the score route takes sequences, temperature, model)")
+    return out, temperature
+
+
+def score_response(logprobs: list[list[float]], policy_version: int) -> dict:
+    """The route's body: entry 0 of every sequence is null (no prediction), as vLLM's ``prompt_logprobs``."""
+    return {"object": "score", "policy_version": int(policy_version),
+            "logprobs": [[None] + [float(x) for x in lp[1:]] for lp in logprobs]}

@@ -4,16 +4,20 @@ body, headers)`` -> ``(status, body)`` or a ``Pending`` engine call whose result
 GET: ``/health`` (200, or 503 once the engine thread died), ``/v1/models``, ``/metrics``
 (Prometheus text), ``/is_paused``, ``/kv_transfer/<id>`` (``pd_leg``). POST (a JSON object body):
 ``/inference/v1/generate`` (``generate_api``; ``X-Session-ID`` recorded in ``sessions``),
-``/v1/completions`` (primerl's vLLM client protocol), ``/collective_rpc``, ``/pause``, ``/resume``
-(``weight_rpcs``), ``/reset_prefix_cache`` (a no-op: no prefix cache). Anything else: 404 naming
-it. A bad request raises ValueError (incl. ``GenerateRequestError``), KeyError or TypeError,
-which the front ends answer 400.
+``/v1/completions`` (primerl's vLLM client protocol), ``/v1/score`` (prefill only: one log-prob per
+given token, ``generate_api.parse_score_request``; the distillation teacher's route),
+``/collective_rpc``, ``/pause``, ``/resume`` (``weight_rpcs``), ``/reset_prefix_cache`` (a no-op: no
+prefix cache). Anything else: 404 naming it. A bad request raises ValueError (incl.
+``GenerateRequestError``), KeyError or TypeError, which the front ends answer 400.
 """
 
 from __future__ import annotations
 
 from .engine_thread import EngineThread, Pending
-from .generate_api import generate_response, models_response, parse_completion_request, parse_generate_request
+from .generate_api import (
+    generate_response, models_response, parse_completion_request, parse_generate_request, parse_score_request,
+    score_response
+)
 from .pd import KV_ROUTE
 from .pd_leg import PDLeg
 from .server_metrics import ServerStats, render_prometheus
@@ -63,6 +67,8 @@ class RouteTable:
             return self.start_generate(body, headers.get(SESSION_HEADER))
         if path == "/v1/completions":
             return self.start_completion(body)
+        if path == "/v1/score":
+            return self.start_score(body)
         if path == "/collective_rpc":
             return self.weights.collective_rpc(body)
         if path == "/reset_prefix_cache":
@@ -109,6 +115,19 @@ class RouteTable:
 
         fut, extra = self.pd.submit(body, rid, prompt, params)
         return Pending(fut, finish, rid)
+
+    def start_score(self, body: dict) -> Pending:
+        """``POST /v1/score``: the engine's model scores the given tokens (one prefill forward, run on
+        the engine thread between two steps) -> ``generate_api.score_response``."""
+        from .teacher import score_logprobs
+
+        seqs, temperature = parse_score_request(body, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        engine = self.engine_thread.engine
+
+        def score():
+            return score_logprobs(engine.model, seqs, temperature=temperature), engine.policy_version
+
+        return Pending(self.engine_thread.call(score), lambda r: score_response(*r))
 
     def start_generate(self, body: dict, session_id: str | None = None) -> Pending:
         """``POST /inference/v1/generate`` (``generate_api``); with a ``session_id`` the request is

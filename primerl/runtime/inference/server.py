@@ -6,8 +6,9 @@ calls: ``generate_api``); ``POST /v1/completions`` (token ids in, token ids + lo
 experts out, as primerl's vLLM client reads them); ``POST /collective_rpc`` with
 ``update_weights_from_path`` (the filesystem weight update), ``init_broadcast`` +
 ``update_weights_from_broadcast`` (trainer rank 0's broadcast, ``weight_broadcast``) or ``weights_version``; ``POST
-/reset_prefix_cache`` (a no-op: no prefix cache). One engine thread runs continuous batching over
-every in-flight HTTP request.
+/reset_prefix_cache`` (a no-op: no prefix cache); ``POST /v1/score`` (prefill only: one log-prob per
+given token; ``primerl inference --role teacher`` serves ``distill.teacher``'s model for it). One
+engine thread runs continuous batching over every in-flight HTTP request.
 
 In-flight weight updates: ``POST /pause`` stops stepping the engine and keeps every request (queued
 and running, with its KV cache); ``POST /resume`` continues; ``GET /is_paused``. A weight update
@@ -190,10 +191,21 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000, role: str = "both") ->
     device = server_device(placement.device, i.gpu_ids, int(os.environ.get("PRIMERL_SERVER_INDEX", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    engine = InferenceEngine(build_model(cfg, env.vocab_size, device=device, dtype=placement.param_dtype),
-                             max_batch_size=i.max_batch_size, kv_cache=i.kv_cache, capture_routing=i.capture_routing,
-                             fp8_experts=i.fp8_experts, router_noise=i.router_noise, kv_cache_gb=i.kv_cache_gb)
-    srv = EngineServer(engine, host, port, request_timeout=i.timeout_s, role=role).start()
+    if role == "teacher":  # the distillation teacher (distill.teacher) instead of the policy: POST /v1/score
+        from .teacher import load_teacher, resolve_teacher
+
+        if not cfg.distill.teacher:
+            raise SystemExit("primerl inference --role teacher: set distill.teacher (the teacher to serve)")
+        model = load_teacher(resolve_teacher(cfg.distill.teacher), device=device, dtype=placement.param_dtype)
+        engine = InferenceEngine(model, max_batch_size=i.max_batch_size, kv_cache=i.kv_cache, capture_routing=False,
+                                 kv_cache_gb=i.kv_cache_gb)
+    else:
+        engine = InferenceEngine(build_model(cfg, env.vocab_size, device=device, dtype=placement.param_dtype),
+                                 max_batch_size=i.max_batch_size, kv_cache=i.kv_cache,
+                                 capture_routing=i.capture_routing, fp8_experts=i.fp8_experts,
+                                 router_noise=i.router_noise, kv_cache_gb=i.kv_cache_gb)
+    srv = EngineServer(engine, host, port, request_timeout=i.timeout_s,
+                       role="both" if role == "teacher" else role).start()
     print(f"primerl inference: serving on {srv.url}" + ("" if role == "both" else f" (role {role})"), flush=True)
     try:
         srv._http_thread.join()

@@ -41,6 +41,15 @@ class VLLMBackend(InferenceBackend):
                               f"rank 0 to the servers' workers, inference.vllm.broadcast_host = its node), got "
                               f"{i.vllm.weight_update!r}")
 
+    def make_teacher_client(self, cfg, path, *, name="teacher"):
+        """``distill.url``: a vLLM server of the teacher there (``prompt_logprobs``; model name: the path)."""
+        if not cfg.distill.url:
+            return super().make_teacher_client(cfg, path, name=name)
+        from .teacher_clients import VLLMTeacher
+
+        return VLLMTeacher(cfg.distill.url, path, temperature=cfg.inference.temperature,
+                           timeout_s=cfg.distill.timeout_s, name=name)
+
     # ------------------------------------------------------------------ descriptions
     def describe(self, cfg) -> str:
         i, v = cfg.inference, cfg.inference.vllm

@@ -20,6 +20,11 @@ that is not a finite real number is rejected (the group is resampled), one beyon
 An environment that defines ``token_weights`` gets that call after the reward (same deadline);
 its weights (checked: one finite number >= 0 per transcript token) become the samples'
 ``loss_weights``, the per-token weights of the policy-gradient loss.
+
+With ``[distill]`` every finished episode goes to the teacher's scoring thread
+(``teacher_scoring.TeacherScorer``) while sampling goes on; a batch is handed over once all its
+episodes are scored, with per-token advantages ``reward advantage + coef * (log pi_T - log pi_S)``
+(``primerl.rl.distill_advantages``) and the ``distill/*`` metrics.
 """
 
 from __future__ import annotations
@@ -53,9 +58,12 @@ COUNTS = ("discarded_stale", "env_errors", "env_timeouts", "rewards_rejected", "
 
 class Orchestrator(BatchSteps):
     def __init__(self, cfg: RLConfig, env: Environment, client, transport: FileTransport, *, start_step: int = 0,
-                 trainer_alive: Callable[[], bool] | None = None, top_k: int = 1, weights=None):
+                 trainer_alive: Callable[[], bool] | None = None, top_k: int = 1, weights=None,
+                 teachers: dict | None = None):
         """``weights``: the ``WeightVersions`` that says which versions exist (the backend's
-        ``weight_receiver``); default: the trainer's markers in ``transport``."""
+        ``weight_receiver``); default: the trainer's markers in ``transport``. ``teachers``: the
+        distillation teachers' clients by path (default, with ``[distill]``: the backend's
+        ``make_teacher_client``)."""
         from ..inference.weight_sync import FileWeightVersions
 
         self.cfg, self.env, self.client, self.transport = cfg, env, client, transport
@@ -69,6 +77,14 @@ class Orchestrator(BatchSteps):
         self._rid = 0
         e = cfg.env
         self._env_calls = EnvCalls(e.id, e.timeout_s, e.max_concurrent_calls)
+        self.scorer = None
+        from ..config import distill_enabled
+
+        if distill_enabled(cfg.distill):
+            from .teacher_scoring import TeacherScorer, build_teachers, teacher_key
+
+            self.scorer = TeacherScorer(build_teachers(cfg) if teachers is None else teachers)
+            self._teacher_key = teacher_key(cfg.distill, e.id)
 
     # ---------------------------------------------------------------- env calls (concurrent, timeout + retry)
     def _submit_env(self, st: EpisodeState, name: str) -> None:
@@ -93,7 +109,7 @@ class Orchestrator(BatchSteps):
                 return
             if name == "token_weights":
                 st.loss_weights = check_token_weights(value, len(st.episode.tokens), f"environment {self.cfg.env.id!r}")
-                st.done = True
+                self._episode_done(st)
                 return
             st.reward, clipped = check_reward(value, self.cfg.env.max_abs_reward, f"environment {self.cfg.env.id!r}")
             if clipped:
@@ -101,7 +117,7 @@ class Orchestrator(BatchSteps):
             if has_token_weights(self.env):
                 self._submit_env(st, "token_weights")
             else:
-                st.done = True
+                self._episode_done(st)
         except Exception as e:  # noqa: BLE001 - any env failure is counted and retried
             if isinstance(e, RewardRejected):
                 self._count(st.step, "rewards_rejected")
@@ -111,6 +127,11 @@ class Orchestrator(BatchSteps):
             log.warning("environment error (step %d group %d attempt %d): %s; resampling the group",
                         st.step, st.group, st.attempt, e)
             self._retry_group(st, "env_error", e)
+
+    def _episode_done(self, st: EpisodeState) -> None:
+        st.done = True
+        if self.scorer is not None:
+            self.scorer.submit(st, self._teacher_key)
 
     # ---------------------------------------------------------------- weights
     def _refresh_weights(self, *, block_for: int | None = None) -> None:
@@ -178,7 +199,11 @@ class Orchestrator(BatchSteps):
         return len(self.episodes)
 
     def _batch_done(self, step: int) -> bool:
-        return step in self.batches and all(st.done for grp in self.batches[step] for st in grp)
+        if step not in self.batches:
+            return False
+        sts = [st for grp in self.batches[step] for st in grp]
+        scored = self.scorer is None or all(st.teacher_logprobs is not None for st in sts)
+        return scored and all(st.done for st in sts)
 
     def _finalize(self, step: int):
         """-> (samples, metrics), or None when stale groups were sent back for resampling."""
@@ -196,6 +221,11 @@ class Orchestrator(BatchSteps):
         samples, adv_metrics = build_samples(groups, self.o.advantage, self.top_k, replay=replay,
                                              temperature=self.cfg.inference.temperature)
         eps = [st for grp in groups for st in grp]
+        if self.scorer is not None:
+            from .teacher_scoring import distill_batch
+
+            adv_metrics = {**adv_metrics, **distill_batch(samples, eps, self.cfg.distill),
+                           "distill/behind_seqs": self.scorer.queued()}
         if self.o.save_samples:
             from .samples_log import episode_record, write_samples
 
@@ -212,8 +242,17 @@ class Orchestrator(BatchSteps):
     # ---------------------------------------------------------------- main loop
     def run(self, max_steps: int | None = None, on_batch: Callable[[int, dict], None] | None = None) -> None:
         max_steps = self.cfg.max_steps if max_steps is None else max_steps
+        try:
+            self._run(max_steps, on_batch)
+        finally:
+            if self.scorer is not None:
+                self.scorer.close()
+
+    def _run(self, max_steps: int, on_batch) -> None:
         a = self.o.max_async_level
         while self.next_write < max_steps:
+            if self.scorer is not None:
+                self.scorer.check()
             self._refresh_weights()
             self._submit_due(max_steps)
             if self._hand_over(on_batch):
@@ -224,6 +263,9 @@ class Orchestrator(BatchSteps):
                 self._on_env_result(st, name, ok, value)
             if not engine_busy:
                 if self._env_calls.pending() or self.client.has_pending():
+                    continue
+                if self.scorer is not None and self.scorer.queued():
+                    self.scorer.wait(0.05)  # the teacher is behind: this batch waits on its scores
                     continue
                 if self.next_write not in self.batches:
                     # nothing to sample until the trainer publishes a newer policy

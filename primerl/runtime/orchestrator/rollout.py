@@ -47,6 +47,11 @@ class EpisodeState:
     loss_weights: list[float] | None = None  # the environment's token_weights(), if it has them
     done: bool = False
     servers: list[str] = field(default_factory=list)  # who sampled its model turns (Completion.server), in order
+    # [distill]: the teacher's log-probs of episode.tokens (teacher_scoring.TeacherScorer), when they came
+    teacher_logprobs: list[float] | None = None
+    done_at: float = 0.0  # time.monotonic() when the episode finished (reward in)
+    scored_at: float = 0.0
+    score_s: float = 0.0  # its share of the teacher's forward time
 
     @classmethod
     def start(cls, step: int, group: int, member: int, attempt: int, prompt: Prompt) -> "EpisodeState":
