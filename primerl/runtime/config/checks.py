@@ -12,13 +12,14 @@ import dataclasses
 import math
 from typing import Any
 
+from .data import check_curriculum, check_env_mix, check_eval, check_eval_names, env_key, env_name, job_envs
 from .deployment import check_deployment
 from .errors import _need
 from .inference import check_inference
 from .model import check_model, check_model_path
 from .orchestrator import check_orchestrator
 from .parallel import validate_parallel
-from .schema import RLConfig, check_env, check_env_names, check_root
+from .schema import RLConfig, check_env_names, check_root
 from .trainer import check_loss_names, check_trainer
 
 
@@ -37,7 +38,9 @@ def validate_fields(cfg: RLConfig) -> None:
     check_inference(cfg.inference)
     check_trainer(cfg.trainer)
     check_model(cfg.model)
-    check_env(cfg.env)
+    check_env_mix(cfg)  # [env] or [[env]]
+    check_curriculum(cfg.orchestrator.curriculum, [env_name(e) for e in job_envs(cfg)])
+    check_eval(cfg)
     check_deployment(cfg.deployment)
 
 
@@ -65,5 +68,7 @@ def validate_names(cfg: RLConfig) -> None:
     """Loss method / corrections / aggregation / hyperparameters against ``primerl.rl.losses``' lists,
     the environment factory and its arguments, and ``model.path``: resolved now, so ``--dry-run`` fails."""
     check_loss_names(cfg.trainer.loss)
-    check_env_names(cfg.env)
+    for i, e in enumerate(job_envs(cfg)):
+        check_env_names(e, env_key(cfg, i))
+    check_eval_names(cfg)
     check_model_path(cfg.model)

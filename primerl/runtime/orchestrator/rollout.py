@@ -47,10 +47,15 @@ class EpisodeState:
     loss_weights: list[float] | None = None  # the environment's token_weights(), if it has them
     done: bool = False
     servers: list[str] = field(default_factory=list)  # who sampled its model turns (Completion.server), in order
+    env: int = 0  # index of its environment in the job's mix (orchestrator.sampling.MixEnv)
+    draw: int = 0  # 0: the slot's own prompt; d >= 1: the d-th replacement (dynamic sampling)
+    eval_key: tuple | None = None  # an online-eval episode: (run, eval, prompt, sample); None: training
 
     @classmethod
-    def start(cls, step: int, group: int, member: int, attempt: int, prompt: Prompt) -> "EpisodeState":
-        return cls(step, group, member, attempt, Episode(prompt), logprobs=[0.0] * len(prompt.tokens))
+    def start(cls, step: int, group: int, member: int, attempt: int, prompt: Prompt, *, env: int = 0,
+              draw: int = 0, eval_key: tuple | None = None) -> "EpisodeState":
+        return cls(step, group, member, attempt, Episode(prompt), logprobs=[0.0] * len(prompt.tokens), env=env,
+                   draw=draw, eval_key=eval_key)
 
     @property
     def turn(self) -> int:
