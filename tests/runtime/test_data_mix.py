@@ -48,7 +48,7 @@ class TaskClient:
             g = torch.Generator().manual_seed(r.params.seed)
             copy = r.prompt[1] == SEP
             target = list(r.prompt[2:-1]) if copy else list(r.prompt[1:-1])[::-1]
-            p = 1.0 if r.params.temperature == 0 else self.p_correct
+            p = 1.0 if r.params.top_p < 1e-6 else self.p_correct  # greedy: a one-token nucleus
             toks = [t if torch.rand(1, generator=g).item() < p else 0 for t in target[: r.params.max_new_tokens]]
             res.append(Completion(r.request_id, r.prompt, toks, [-0.5] * len(toks), None, "length", self.version,
                                   self.version))
@@ -193,7 +193,7 @@ pass_at = [1, 4]
     for m in rows:
         assert m["eval/greedy/pass@1"] == 1.0 and m["eval/greedy/reward"] == 1.0  # the fake is exact at T=0
         assert 0 <= m["eval/sampled/pass@1"] <= m["eval/sampled/pass@4"] <= 1
-    held = [r for r in orch.client.requests if r.params.temperature == 0]
+    held = [r for r in orch.client.requests if r.params.top_p < 1e-6]
     assert held and all(ReverseText(heldout_fraction=0.2).is_heldout(r.prompt[1:-1]) for r in held)
     assert all(p["metrics"]["groups/reverse"] == 7 for p in seen)  # training batches unchanged
 

@@ -9,6 +9,10 @@ batches both, nothing waits for the eval. When the last eval episode is scored i
 ``eval/<name>/version`` the oldest policy version that sampled one of its tokens) join the metrics
 of the next batch handed to the trainer, so they land in ``metrics.jsonl`` at that step.
 
+Greedy sampling (``temperature = 0``): the engine has no greedy mode, so such a request is sent
+with temperature 1 and ``top_p = GREEDY_TOP_P`` (1e-9): a nucleus of one token, the most likely
+one, which is greedy decoding exactly.
+
 pass@k is the unbiased estimator over the n = ``samples`` samples of a prompt of which c passed
 (reward >= ``pass_threshold``): ``1 - C(n-c, k) / C(n, k)``, averaged over prompts.
 """
@@ -22,6 +26,9 @@ from primerl.rl.envs import Environment, check_tokens, load_environment
 
 from .env_calls import EnvCalls
 from .rollout import EpisodeState, mix_seed
+
+
+GREEDY_TOP_P = 1e-9
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -114,7 +121,8 @@ class OnlineEval:
         if x.max_tokens:
             max_new = min(max_new, x.max_tokens)
         seed = mix_seed(self.cfg.seed, 0xE7, *st.eval_key, st.turn)
-        submit(st, max_new, x.temperature, x.top_p, seed, tuple(spec.env.stop_token_ids))
+        temperature, top_p = (x.temperature, x.top_p) if x.temperature > 0 else (1.0, GREEDY_TOP_P)
+        submit(st, max_new, temperature, top_p, seed, tuple(spec.env.stop_token_ids))
 
     def env_call(self, st: EpisodeState, name: str) -> None:
         spec = self.specs[st.eval_key[1]]
@@ -143,6 +151,27 @@ class OnlineEval:
             out.update(r)
         self.ready.clear()
         return out
+
+    def on_env_result(self, st: EpisodeState, name: str, ok: bool, value, submit) -> None:
+        """An eval episode's env call came back; a failure is an error of the eval (not resampled)."""
+        from .env_calls import check_reward
+
+        spec = self.specs[st.eval_key[1]]
+        if not ok:
+            raise RuntimeError(f"eval {spec.name!r}: {value}") from value
+        if name == "respond" and value:
+            st.add_env_turn(check_tokens(value, spec.env.vocab_size, "environment reply"))
+            self.submit_turn(st, submit)
+        elif name == "respond":
+            self.env_call(st, "reward")
+        elif name == "reward":
+            st.reward, _ = check_reward(value, self.cfg.env.max_abs_reward, f"eval {spec.name!r}")
+            st.done = True
+            self.finished(st)
+
+    def on_completion(self, st: EpisodeState, c) -> None:
+        st.add_model_turn(c)
+        self.env_call(st, "respond" if st.turn < self.specs[st.eval_key[1]].env.max_turns else "reward")
 
     def pending(self) -> int:
         return sum(s.calls.pending() for s in self.specs)

@@ -111,26 +111,11 @@ class Orchestrator(BatchSteps):
         groups = self.batches.get(st.step)
         return groups is not None and any(s is st for s in groups[st.group])
 
-    def _on_eval_result(self, st: EpisodeState, name: str, ok: bool, value) -> None:
-        """An eval episode's env call: a failure is an error of the eval (not resampled)."""
-        spec = self.evals.specs[st.eval_key[1]]
-        if not ok:
-            raise EnvError(f"eval {spec.name!r}: {value}") from value
-        if name == "respond" and value:
-            st.add_env_turn(check_tokens(value, spec.env.vocab_size, "environment reply"))
-            self.evals.submit_turn(st, self._submit_eval)
-        elif name == "respond":
-            self._submit_env(st, "reward")
-        elif name == "reward":
-            st.reward, _ = check_reward(value, self.cfg.env.max_abs_reward, f"eval {spec.name!r}")
-            st.done = True
-            self.evals.finished(st)
-
     def _on_env_result(self, st: EpisodeState, name: str, ok: bool, value) -> None:
         if not self._live(st):  # its group was resampled while the call ran
             return
         if st.eval_key is not None:
-            self._on_eval_result(st, name, ok, value)
+            self.evals.on_env_result(st, name, ok, value, self._submit_eval)
             return
         m = self.mix[st.env]
         try:
@@ -271,13 +256,12 @@ class Orchestrator(BatchSteps):
         st = self.episodes.pop(c.request_id, None)
         if st is None:  # aborted
             return
-        st.add_model_turn(c)
         if st.eval_key is not None:
-            max_turns = self.evals.specs[st.eval_key[1]].env.max_turns
-        else:
-            self._tokens_since_write += len(c.tokens)
-            max_turns = self.mix[st.env].env.max_turns
-        self._submit_env(st, "respond" if st.turn < max_turns else "reward")
+            self.evals.on_completion(st, c)
+            return
+        st.add_model_turn(c)
+        self._tokens_since_write += len(c.tokens)
+        self._submit_env(st, "respond" if st.turn < self.mix[st.env].env.max_turns else "reward")
 
     # ---------------------------------------------------------------- hand-over
     def _in_flight(self) -> int:
