@@ -43,7 +43,10 @@ so ``primerl rl --dry-run`` refuses a config with one line before anything start
    ``validate_parallel``).
 7. this machine: ``log.tensorboard`` / ``log.wandb`` / ``env.id = "verifiers"`` need their
    packages (``job_checks.check_packages``), ``warm_start.steps`` needs the environment's task
-   demonstrations (``check_warm_start_tasks`` below), ``output_dir`` can be written
+   demonstrations (``check_warm_start_tasks`` below), ``orchestrator.curriculum`` needs each
+   environment it covers to declare a prompt dataset with ids (``check_curriculum_prompts``; the
+   mix's keys ``env[i].*``, ``eval.*`` and ``orchestrator.filter`` are in ``config/data.py``),
+   ``output_dir`` can be written
    (``job_checks.check_output_dir``).
 8. the device placement on this machine's GPUs: ``device``, ``inference.gpu_ids``,
    ``num_trainer_ranks`` against the GPUs, ``trainer.mixed_precision`` against ``trainer.fsdp``,
@@ -65,7 +68,7 @@ from .launch.kinds import check_launcher
 from .placement import resolve_placement
 from .policy import model_config
 
-__all__ = ["load_config", "validate", "check_between_sections", "check_warm_start_tasks"]
+__all__ = ["load_config", "validate", "check_between_sections", "check_curriculum_prompts", "check_warm_start_tasks"]
 
 
 def validate(cfg: RLConfig) -> None:
@@ -81,6 +84,7 @@ def validate(cfg: RLConfig) -> None:
     config.validate_parallel(cfg)  # 6.
     job_checks.check_packages(cfg)  # 7.
     check_warm_start_tasks(cfg)
+    check_curriculum_prompts(cfg)
     job_checks.check_output_dir(cfg.output_dir)
     resolve_placement(cfg)  # 8. device, GPUs, precision and weight path
 
@@ -125,3 +129,24 @@ def check_warm_start_tasks(cfg: RLConfig) -> None:
     _need(bool(tasks) and callable(getattr(tasks[0], "demonstration", None)), "warm_start.steps",
           f"the warm start trains on the environment's task demonstrations and {cfg.env.id!r} has none "
           "(Task.demonstration()); set warm_start.steps = 0", cfg.warm_start.steps)
+
+
+def check_curriculum_prompts(cfg: RLConfig) -> None:
+    """``orchestrator.curriculum``: every environment it covers declares a prompt dataset with ids
+    (``prompts()``; the environments are built here, only with a curriculum on)."""
+    c = cfg.orchestrator.curriculum
+    if not c.enabled:
+        return
+    from primerl.rl.envs import load_environment, prompt_ids
+
+    for e in config.job_envs(cfg):
+        name = config.env_name(e)
+        if c.envs and name not in c.envs:
+            continue
+        try:
+            ids = prompt_ids(load_environment(e.id, **e.args))
+        except (ValueError, TypeError, ImportError) as err:
+            raise ConfigError(f"orchestrator.curriculum: environment {name!r}: {err}") from None
+        _need(ids is not None, "orchestrator.curriculum",
+              f"environment {name!r} declares no prompt dataset (prompts() with ids; for reverse-text set "
+              "env.args.num_prompts), so per-prompt pass rates have nothing to key on", name)
