@@ -161,6 +161,7 @@ def test_dapo_filter_keeps_no_uniform_group_and_counts_replacements(tmp_path):
     for p in seen:
         assert p["metrics"]["groups/uniform_kept"] == 0 and p["metrics"]["groups/zero_advantage"] == 0
         assert p["metrics"]["groups/reverse"] == 7  # the batch keeps its size and its mix
+    assert any(p["metrics"]["reward/all_sampled"] > p["metrics"]["reward/mean"] for p in seen)  # all-correct dropped
     # a tight budget keeps uniform groups (counted) instead of sampling forever
     cfg = _mix_cfg(tmp_path, "--orchestrator.filter", "dapo", "--orchestrator.max_oversample", "1",
                    "--overwrite", "true", "--output_dir", str(tmp_path / "out2"))
@@ -237,3 +238,27 @@ def test_mix_names_must_be_unique_and_single_env_keeps_working(tmp_path):
         _mix_cfg(tmp_path)
     cfg = load_config("examples/reverse_text.toml", ["--output_dir", str(tmp_path / "o")])
     assert cfg.env_mix == [] and cfg.env.weight == 1.0
+
+
+def test_metrics_plot_gets_an_eval_panel(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from primerl.runtime.metrics import save_plot
+
+    seen = {}
+    orig = matplotlib.figure.Figure.savefig
+
+    def spy(self, *a, **k):
+        seen["titles"] = [ax.get_title() for ax in self.axes]
+        seen["labels"] = [t.get_text() for ax in self.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    rows = [{"step": s, "reward/mean": 0.5, "mismatch_kl/mean": 1e-3, "tokens_per_s": 1.0} for s in range(5)]
+    rows[1].update({"eval/held/pass@1": 0.25, "eval/held/pass@4": 0.5})
+    rows[3].update({"eval/held/pass@1": 0.5, "eval/held/pass@4": 0.75})
+    assert save_plot(rows, tmp_path / "m.png").is_file()
+    assert seen["titles"][-1] == "eval pass@k" and seen["labels"] == ["held/pass@1", "held/pass@4"]
+    save_plot(rows[:1], tmp_path / "n.png")
+    assert "eval pass@k" not in seen["titles"]

@@ -85,6 +85,7 @@ class Orchestrator(BatchSteps):
         self._env_calls = [EnvCalls(m.cfg.id, m.cfg.timeout_s, m.cfg.max_concurrent_calls) for m in self.mix]
         self.evals = OnlineEval(cfg)
         self._mix_counts = [0] * len(self.mix)  # groups trained per environment (observed mix)
+        self._filtered_rewards: dict[int, list[float]] = {}  # step -> rewards of the groups dapo dropped
 
     # ---------------------------------------------------------------- env calls (concurrent, timeout + retry)
     def _submit_env(self, st: EpisodeState, name: str) -> None:
@@ -245,6 +246,7 @@ class Orchestrator(BatchSteps):
         if self.sampler.curriculum is not None:  # what was learnt about the dropped prompt still counts
             self.sampler.curriculum.record(step, self.mix[st.env].name, grp[0].episode.prompt.key, rewards)
         self._count(step, "groups_filtered")
+        self._filtered_rewards.setdefault(step, []).extend(rewards)
         self._drop_group(step, st.group)
         new = self._start_group(step, st.group, grp[0].attempt, grp[0].draw + 1)
         self.batches[step][st.group] = new
@@ -318,8 +320,12 @@ class Orchestrator(BatchSteps):
                     out[f"reward/{m.name}"] = sum(st.reward for st in eps) / len(eps)
                 out[f"mix/{m.name}"] = self._mix_counts[e] / max(sum(self._mix_counts), 1)
         if self.o.filter == "dapo":
+            # reward/mean is the kept groups' (uniform ones left out); reward/all_sampled every group sampled
+            dropped = self._filtered_rewards.pop(step, [])
+            kept = [st.reward for grp in groups for st in grp]
             out.update({"groups/filtered": c["groups_filtered"], "rollouts/oversampled": c["rollouts_oversampled"],
-                        "groups/uniform_kept": c["groups_uniform_kept"]})
+                        "groups/uniform_kept": c["groups_uniform_kept"],
+                        "reward/all_sampled": (sum(kept) + sum(dropped)) / (len(kept) + len(dropped))})
         cur = self.sampler.curriculum
         if cur is not None:
             for grp in groups:
