@@ -12,14 +12,15 @@ import dataclasses
 import math
 from typing import Any
 
-from .data import check_curriculum, check_env_mix, check_eval, check_eval_names, env_key, env_name, job_envs
+from .data import (check_curriculum, check_env_list, check_env_mix, check_eval, check_eval_names, env_key, env_name,
+                   job_envs)
 from .deployment import check_deployment
 from .errors import _need
 from .inference import check_inference
 from .model import check_model, check_model_path
 from .orchestrator import check_orchestrator
 from .parallel import validate_parallel
-from .schema import RLConfig, check_env_names, check_root
+from .schema import RLConfig, check_env, check_env_names, check_root
 from .trainer import check_loss_names, check_trainer
 
 
@@ -38,7 +39,10 @@ def validate_fields(cfg: RLConfig) -> None:
     check_inference(cfg.inference)
     check_trainer(cfg.trainer)
     check_model(cfg.model)
-    check_env_mix(cfg)  # [env] or [[env]]
+    check_env_list(cfg)
+    for i, e in enumerate(job_envs(cfg)):  # [env], or each [[env]] (keys env[i].*)
+        check_env(e, env_key(cfg, i))
+    check_env_mix(cfg)
     check_curriculum(cfg.orchestrator.curriculum, [env_name(e) for e in job_envs(cfg)])
     check_eval(cfg)
     check_deployment(cfg.deployment)

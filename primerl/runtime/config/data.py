@@ -69,16 +69,19 @@ def env_key(cfg, i: int) -> str:
     return f"env[{i}]" if cfg.env_mix else "env"
 
 
+def check_env_list(cfg) -> None:
+    """``env_mix`` holds ``[[env]]`` tables (not set directly); run before any per-env check."""
+    _need(isinstance(cfg.env_mix, list) and all(hasattr(e, "id") and hasattr(e, "weight") for e in cfg.env_mix),
+          "env_mix", "must be a list of environment tables (write them as [[env]])", cfg.env_mix)
+
+
 def check_env_mix(cfg) -> None:
     """``[[env]]``: names unique and usable in metric keys, weights > 0, the overrides' ranges,
-    verifiers not mixed."""
-    from .schema import check_env
-
+    verifiers not mixed (each entry's ``[env]`` ranges: ``schema.check_env``)."""
     envs = job_envs(cfg)
     seen: dict[str, int] = {}
     for i, e in enumerate(envs):
         key = env_key(cfg, i)
-        check_env(e, key)
         name = env_name(e)
         _need(bool(NAME_RE.match(name)), f"{key}.name", "must be letters, digits and _ . : - (it names metrics)",
               name)
@@ -110,6 +113,7 @@ def check_curriculum(c: CurriculumConfig, names: list[str]) -> None:
           f"must satisfy 0 <= hard_threshold < easy_threshold ({c.easy_threshold}) <= 1", c.hard_threshold)
     _need(0 <= c.weight <= 1, f"{k}.weight", "must be in [0, 1]", c.weight)
     _need(0 < c.ema <= 1, f"{k}.ema", "must be in (0, 1]", c.ema)
+    _need(isinstance(c.envs, list), f"{k}.envs", "must be a list of environment names", c.envs)
     for n in c.envs:
         _need(n in names, f"{k}.envs", f"names no environment of the job ({names})", n)
 
@@ -118,6 +122,8 @@ def check_eval(cfg) -> None:
     """``[eval]`` / ``[[eval.env]]``: known environments, sampling ranges, pass@k within samples."""
     ev = cfg.eval
     _need(ev.interval >= 0, "eval.interval", "must be >= 0 (0: no online eval)", ev.interval)
+    _need(isinstance(ev.env, list) and all(hasattr(x, "pass_at") for x in ev.env), "eval.env",
+          "must be a list of eval tables (write them as [[eval.env]])", ev.env)
     names = [env_name(e) for e in job_envs(cfg)]
     seen = set()
     for i, x in enumerate(ev.env):
@@ -135,7 +141,8 @@ def check_eval(cfg) -> None:
         _need(x.temperature >= 0, f"{key}.temperature", "must be >= 0 (0: greedy)", x.temperature)
         _need(0 < x.top_p <= 1, f"{key}.top_p", "must be in (0, 1]", x.top_p)
         _need(x.max_tokens >= 0, f"{key}.max_tokens", "must be >= 0", x.max_tokens)
-        _need(bool(x.pass_at), f"{key}.pass_at", "must list at least one k", x.pass_at)
+        _need(isinstance(x.pass_at, list) and bool(x.pass_at), f"{key}.pass_at", "must list at least one k",
+              x.pass_at)
         for k in x.pass_at:
             _need(isinstance(k, int) and not isinstance(k, bool) and k >= 1, f"{key}.pass_at",
                   "must be ints >= 1", k)
@@ -170,6 +177,7 @@ def check_eval_names(cfg) -> None:
             raise ConfigError(f"eval.env[{i}].{'id' if x.id else 'args'}: {err}") from None
 
 
-__all__ = ["CurriculumConfig", "EvalConfig", "EvalEnvConfig", "FILTERS", "check_curriculum", "check_env_mix",
+__all__ = ["CurriculumConfig", "EvalConfig", "EvalEnvConfig", "FILTERS", "check_curriculum", "check_env_list",
+           "check_env_mix",
            "check_eval", "check_eval_names", "check_filter", "env_key", "env_name", "eval_env_spec", "eval_name",
            "job_envs"]
