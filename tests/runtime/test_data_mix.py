@@ -262,3 +262,30 @@ def test_metrics_plot_gets_an_eval_panel(tmp_path, monkeypatch):
     assert seen["titles"][-1] == "eval pass@k" and seen["labels"] == ["held/pass@1", "held/pass@4"]
     save_plot(rows[:1], tmp_path / "n.png")
     assert "eval pass@k" not in seen["titles"]
+
+
+def test_mix_config_round_trips_through_the_dry_run_toml(tmp_path):
+    from primerl.runtime.config import to_toml
+
+    (tmp_path / "mix.toml").write_text(MIX + '[eval]\ninterval = 3\n[[eval.env]]\nenv = "copy"\nsamples = 2\n'
+                                       'pass_at = [1, 2]\n')
+    cfg = _mix_cfg(tmp_path)
+    text = to_toml(cfg)
+    assert text.count("[[env]]") == 2 and text.count("[[eval.env]]") == 1 and "env_mix" not in text
+    (tmp_path / "again.toml").write_text(text)
+    again = load_config(str(tmp_path / "again.toml"))
+    assert again.env == cfg.env and again.env_mix == cfg.env_mix and again.eval == cfg.eval
+
+
+def test_verifiers_path_refuses_filter_and_curriculum(tmp_path):
+    from primerl.runtime.config import RLConfig, validate_fields
+
+    for key, val in (("filter", "dapo"), ("curriculum", None)):
+        cfg = RLConfig()
+        cfg.env.id = "verifiers"
+        if key == "filter":
+            cfg.orchestrator.filter = "dapo"
+        else:
+            cfg.orchestrator.curriculum.enabled = True
+        with pytest.raises(ConfigError, match=f"orchestrator.{key}"):
+            validate_fields(cfg)

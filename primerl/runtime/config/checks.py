@@ -12,8 +12,8 @@ import dataclasses
 import math
 from typing import Any
 
-from .data import (check_curriculum, check_env_list, check_env_mix, check_eval, check_eval_names, env_key, env_name,
-                   job_envs)
+from .data import (check_curriculum, check_env_list, check_env_mix, check_eval, check_eval_names, check_verifiers_data,
+                   env_key, env_name, job_envs)
 from .deployment import check_deployment
 from .errors import _need
 from .inference import check_inference
@@ -45,6 +45,7 @@ def validate_fields(cfg: RLConfig) -> None:
     check_env_mix(cfg)
     check_curriculum(cfg.orchestrator.curriculum, [env_name(e) for e in job_envs(cfg)])
     check_eval(cfg)
+    check_verifiers_data(cfg)
     check_deployment(cfg.deployment)
 
 

@@ -107,6 +107,17 @@ def check_filter(o) -> None:
           "must be >= 1 (groups sampled per batch, at most max_oversample x batch_size)", o.max_oversample)
 
 
+def check_verifiers_data(cfg) -> None:
+    """The verifiers path (``env.id = "verifiers"``) has neither dynamic sampling nor a curriculum yet."""
+    if cfg.env.id != "verifiers":
+        return
+    o = cfg.orchestrator
+    _need(o.filter == "none", "orchestrator.filter", "the verifiers path does not filter groups yet; set none",
+          o.filter)
+    _need(not o.curriculum.enabled, "orchestrator.curriculum.enabled",
+          "the verifiers path does not sample by a curriculum yet; set false", o.curriculum.enabled)
+
+
 def check_curriculum(c: CurriculumConfig, names: list[str]) -> None:
     k = "orchestrator.curriculum"
     _need(0 <= c.hard_threshold < c.easy_threshold <= 1, f"{k}.hard_threshold",
@@ -178,6 +189,6 @@ def check_eval_names(cfg) -> None:
 
 
 __all__ = ["CurriculumConfig", "EvalConfig", "EvalEnvConfig", "FILTERS", "check_curriculum", "check_env_list",
-           "check_env_mix",
+           "check_env_mix", "check_verifiers_data",
            "check_eval", "check_eval_names", "check_filter", "env_key", "env_name", "eval_env_spec", "eval_name",
            "job_envs"]
