@@ -9,6 +9,7 @@
                          (one node of a multi-node job, [deployment]; rank from SLURM_NODEID if not given)
     primerl plan         --config ... [--device-memory 141GB] [--seq-len N] [--link-gbps 400]
                          (the memory plan, and the predicted weight-update time)
+    primerl eval         --config ... --checkpoint OUTPUT_DIR/checkpoints/step_N   (the [[eval.env]]s on it)
 
 Every subcommand takes the same config file and overrides, so a cluster can run the pieces
 separately against one ``output_dir`` on a shared filesystem.
@@ -24,7 +25,7 @@ from .inference.backend import get_backend
 from .placement import describe_placement
 from .validate import load_config
 
-SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command", "node", "plan")
+SUBCOMMANDS = ("rl", "trainer", "orchestrator", "inference", "vllm-command", "node", "plan", "eval")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="plan: one GPU's network link in Gb/s for the predicted weight-update time (default 400, RDMA)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="plan: tokens per micro-batch (default orchestrator.seq_len)")
+    p.add_argument("--checkpoint", default=None, help="eval: a checkpoint folder (<output_dir>/checkpoints/step_N)")
     return p
 
 
@@ -129,6 +131,22 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("primerl rl: interrupted", file=sys.stderr)
             return 130
+        return 0
+    if args.command == "eval":
+        import json
+
+        from .orchestrator.evaluate import evaluate_checkpoint
+
+        if not args.checkpoint:
+            print("primerl: config error: --checkpoint: primerl eval needs a checkpoint folder", file=sys.stderr)
+            return 2
+        try:
+            out = evaluate_checkpoint(cfg, args.checkpoint)
+        except ConfigError as e:
+            print(f"primerl: config error: {e}", file=sys.stderr)
+            return 2
+        for k, v in out.items():
+            print(f"{k} {json.dumps(v)}")
         return 0
     if args.command == "trainer":
         from .trainer.main import trainer_main

@@ -107,7 +107,8 @@ def progress_line(m: dict, max_steps: int | None = None) -> str:
 
 def save_plot(metrics: Iterable[dict], path: str | Path,
               keys: tuple[str, ...] = ("reward/mean", "mismatch_kl/mean", "tokens_per_s")) -> Path | None:
-    """A figure with one panel per key against the step; None if matplotlib is missing."""
+    """A figure with one panel per key against the step (and one of every ``eval/<name>/pass@k``
+    when the run evaluated online); None if matplotlib is missing."""
     try:
         import matplotlib
 
@@ -116,7 +117,9 @@ def save_plot(metrics: Iterable[dict], path: str | Path,
     except ImportError:
         return None
     metrics = list(metrics)
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3))
+    # online evaluations (eval/<name>/pass@k): one more panel, every such key a line against the step
+    evals = sorted({k for m in metrics for k in m if k.startswith("eval/") and "/pass@" in k})
+    fig, axes = plt.subplots(1, len(keys) + bool(evals), figsize=(4 * (len(keys) + bool(evals)), 3))
     for ax, key in zip(axes, keys):
         pts = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
         if pts:
@@ -125,6 +128,14 @@ def save_plot(metrics: Iterable[dict], path: str | Path,
                 ax.set_yscale("log")
         ax.set_title(key)
         ax.set_xlabel("step")
+    if evals:
+        ax = axes[-1]
+        for key in evals:
+            pts = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
+            ax.plot(*zip(*pts), marker="o", label=key.removeprefix("eval/"))
+        ax.set_title("eval pass@k")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

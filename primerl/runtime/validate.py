@@ -49,8 +49,11 @@ so ``primerl rl --dry-run`` refuses a config with one line before anything start
 7. this machine: ``log.tensorboard`` / ``log.wandb`` / ``env.id = "verifiers"`` /
    ``orchestrator.metrics_port`` need their packages (``job_checks.check_packages``),
    ``inference.vllm.python`` is an executable where vLLM is launched here
-   (``job_checks.check_programs``), ``warm_start.steps`` needs the environment's task demonstrations
-   (``check_warm_start_tasks`` below), ``output_dir`` can be written
+   (``job_checks.check_programs``), ``[distill]``'s teachers exist and share the student's vocabulary
+   (``check_distill_teachers``), ``warm_start.steps`` needs the environment's task demonstrations
+   (``check_warm_start_tasks`` below), ``orchestrator.curriculum`` needs each environment it covers
+   to declare a prompt dataset with ids (``check_curriculum_prompts``; the mix's keys ``env[i].*``,
+   ``eval.*`` and ``orchestrator.filter`` are in ``config/data.py``), ``output_dir`` can be written
    (``job_checks.check_output_dir``).
 8. the device placement on this machine's GPUs: ``device``, ``inference.gpu_ids``,
    ``num_trainer_ranks`` against the GPUs, ``trainer.mixed_precision`` against ``trainer.fsdp``,
@@ -72,8 +75,8 @@ from .launch.kinds import check_launcher
 from .placement import resolve_placement
 from .policy import model_config
 
-__all__ = ["load_config", "validate", "check_between_sections", "check_distill_teachers", "check_lora_model",
-           "check_warm_start_tasks", "check_weight_transfer"]
+__all__ = ["load_config", "validate", "check_between_sections", "check_curriculum_prompts", "check_distill_teachers",
+           "check_lora_model", "check_warm_start_tasks", "check_weight_transfer"]
 
 
 def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
@@ -95,6 +98,7 @@ def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
     job_checks.check_programs(cfg)
     check_distill_teachers(cfg)  # 3. (the teachers' files are on this machine: not needed to plan)
     check_warm_start_tasks(cfg)
+    check_curriculum_prompts(cfg)
     job_checks.check_output_dir(cfg.output_dir)
     check_weight_transfer(resolve_placement(cfg), cfg)  # 8. device, GPUs, precision and weight path
 
@@ -190,7 +194,8 @@ def check_distill_teachers(cfg: RLConfig) -> None:
 
     from .inference.teacher import check_same_vocabulary, resolve_teacher
 
-    _need(cfg.env.id != "verifiers", "distill.teacher",
+    job_envs = config.job_envs(cfg)
+    _need(all(e.id != "verifiers" for e in job_envs), "distill.teacher",
           "teacher scoring runs in the built-in orchestrator; the verifiers path (env.id = 'verifiers') has none",
           d.teacher or d.teachers)
     if d.backend:
@@ -200,15 +205,36 @@ def check_distill_teachers(cfg: RLConfig) -> None:
             get_backend(d.backend)
         except ConfigError as e:
             raise ConfigError(f"distill.backend: {e}") from None
-    envs = [cfg.env.id]
+    envs = [e.id for e in job_envs]
     for name in d.teachers:
         _need(name in envs, f"distill.teachers.{name}", f"names no environment of the job (env ids: {envs})",
               d.teachers[name])
     try:
-        student_vocab = model_config(cfg, load_environment(cfg.env.id, **cfg.env.args).vocab_size).vocab_size
+        student_vocab = model_config(cfg, load_environment(job_envs[0].id, **job_envs[0].args).vocab_size).vocab_size
     except (ValueError, TypeError, ImportError):
         return  # the environment / model is refused by its own check, naming its key
     keyed = ([("distill.teacher", d.teacher)] if d.teacher else []) + \
         [(f"distill.teachers.{k}", v) for k, v in d.teachers.items()]
     for key, path in keyed:
         check_same_vocabulary(resolve_teacher(path, key), cfg, student_vocab, key)
+
+
+def check_curriculum_prompts(cfg: RLConfig) -> None:
+    """``orchestrator.curriculum``: every environment it covers declares a prompt dataset with ids
+    (``prompts()``; the environments are built here, only with a curriculum on)."""
+    c = cfg.orchestrator.curriculum
+    if not c.enabled:
+        return
+    from primerl.rl.envs import load_environment, prompt_ids
+
+    for e in config.job_envs(cfg):
+        name = config.env_name(e)
+        if c.envs and name not in c.envs:
+            continue
+        try:
+            ids = prompt_ids(load_environment(e.id, **e.args))
+        except (ValueError, TypeError, ImportError) as err:
+            raise ConfigError(f"orchestrator.curriculum: environment {name!r}: {err}") from None
+        _need(ids is not None, "orchestrator.curriculum",
+              f"environment {name!r} declares no prompt dataset (prompts() with ids; for reverse-text set "
+              "env.args.num_prompts), so per-prompt pass rates have nothing to key on", name)

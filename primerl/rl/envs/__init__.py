@@ -15,18 +15,20 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from .base import Environment, Episode, Prompt, Turn, call_env, check_tokens, has_token_weights
-from .reverse_text import ReverseText, ReverseTextFeedback
+from .base import Environment, Episode, Prompt, Turn, call_env, check_tokens, has_token_weights, prompt_ids
+from .reverse_text import CopyText, ReverseText, ReverseTextFeedback
 from .verifiers_env import VerifiersEnv
 
 BUILTIN = {
     "reverse-text": ReverseText,
     "reverse-text-feedback": ReverseTextFeedback,
+    "copy-text": CopyText,
     "verifiers": VerifiersEnv,
 }
 
 __all__ = ["Environment", "Episode", "Prompt", "Turn", "call_env", "check_tokens", "has_token_weights",
-           "load_environment", "resolve_environment", "ReverseText", "ReverseTextFeedback", "BUILTIN"]
+           "load_environment", "resolve_environment", "prompt_ids", "CopyText", "ReverseText",
+           "ReverseTextFeedback", "BUILTIN"]
 
 
 def _resolve(env_id: str):

@@ -6,6 +6,10 @@ an environment owns its vocabulary (or a tokenizer) and the runtime never decode
 
 Contract (every method may also be ``async def``; the runtime awaits it with a timeout):
 - ``prompt(index) -> Prompt``: deterministic for a given index (resumed runs replay it).
+- ``prompts() -> list[str] | None`` (optional): the ids of the environment's prompt dataset, in
+  index order (``prompt(i).id == prompts()[i]``); ``None`` (the default for an unbounded generator,
+  ``num_prompts = None``): the environment declares no dataset. Curricula need it (per-prompt pass
+  rates are keyed by id); the base class lists ``prompt(i).id`` for a finite ``num_prompts``.
 - ``respond(episode) -> list[int] | None``: called after each model turn except the last
   allowed one; returns the environment's tokens, or ``None`` to end the episode.
 - ``reward(episode) -> float``: scored once, when the episode ends.
@@ -33,6 +37,12 @@ class Prompt:
     tokens: tuple[int, ...]
     answer: Any = None
     max_new_tokens: int | None = None  # per model turn; None = the environment's default
+    id: str | None = None  # a stable name of the prompt in its dataset (None: str(index))
+
+    @property
+    def key(self) -> str:
+        """The prompt's id, or ``str(index)`` when the environment gives none."""
+        return str(self.index) if self.id is None else self.id
 
 
 @dataclass
@@ -79,6 +89,13 @@ class Environment:
     def prompt(self, index: int) -> Prompt:
         raise NotImplementedError
 
+    def prompts(self) -> list[str] | None:
+        """The ids of the prompt dataset in index order, or None for an unbounded generator."""
+        n = self.num_prompts
+        if n is None:
+            return None
+        return [self.prompt(i).key for i in range(int(n))]
+
     def respond(self, episode: Episode) -> list[int] | None:
         return None
 
@@ -87,6 +104,20 @@ class Environment:
 
     def token_weights(self, episode: Episode) -> Sequence[float] | None:
         return None
+
+
+def prompt_ids(env) -> list[str] | None:
+    """``env.prompts()`` checked: a list of unique strings, or None (no dataset declared)."""
+    fn = getattr(env, "prompts", None)
+    ids = fn() if callable(fn) else None
+    if ids is None:
+        return None
+    ids = list(ids)
+    if not ids or not all(isinstance(i, str) for i in ids):
+        raise ValueError(f"environment {type(env).__name__}: prompts() must return a non-empty list of str ids")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"environment {type(env).__name__}: prompts() ids must be unique")
+    return ids
 
 
 def has_token_weights(env) -> bool:

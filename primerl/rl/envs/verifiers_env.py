@@ -162,6 +162,11 @@ class VerifiersEnv(Environment):
     def num_prompts(self) -> int:
         return len(self.tasks)
 
+    def prompts(self) -> list[str]:
+        """The taskset's task keys (verifiers' ``Task.key``: a content hash unless the taskset names
+        its tasks), in task order: task ``i`` of a batch is prompt id ``prompts()[i]``."""
+        return [str(t.key) for t in self.tasks]
+
     def renderer_config(self):
         from renderers import RendererConfig
         from pydantic import TypeAdapter

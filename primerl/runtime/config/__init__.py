@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from .errors import ConfigError, _need  # noqa: F401
 from .distill import distill_enabled  # noqa: F401
+from .data import CurriculumConfig, EvalConfig, EvalEnvConfig, env_name, eval_env_spec, eval_name, job_envs  # noqa: F401
 from .checks import validate, validate_fields, validate_finite, validate_names  # noqa: F401
 from .parallel import (  # noqa: F401
     CP_KINDS, FP8_RECIPES, cp_degrees, describe_cp, describe_parallel, parallel_dims, validate_cp_split,
@@ -36,7 +37,8 @@ from .schema import (  # noqa: F401
 )
 
 __all__ = [
-    "CP_KINDS", "CheckpointConfig", "ConfigError", "DeploymentConfig", "DistillConfig", "EnvConfig", "FP8_RECIPES",
+    "CP_KINDS", "CheckpointConfig", "ConfigError", "CurriculumConfig", "DeploymentConfig", "DistillConfig",
+    "EnvConfig", "EvalConfig", "EvalEnvConfig", "FP8_RECIPES", "env_name", "eval_env_spec", "eval_name", "job_envs",
     "InferenceConfig", "LogConfig", "LossConfig", "ModelConfig", "OrchestratorConfig", "PDConfig",
     "ParallelConfig", "RLConfig", "TrainerConfig", "VLLMConfig", "WarmStartConfig", "WeightTransferConfig",
     "apply_override", "distill_enabled",

@@ -12,6 +12,8 @@ import dataclasses
 import math
 from typing import Any
 
+from .data import (check_curriculum, check_env_list, check_env_mix, check_eval, check_eval_names, check_verifiers_data,
+                   env_key, env_name, job_envs)
 from .deployment import check_deployment
 from .distill import check_distill
 from .errors import _need
@@ -38,7 +40,13 @@ def validate_fields(cfg: RLConfig) -> None:
     check_inference(cfg.inference)
     check_trainer(cfg.trainer)
     check_model(cfg.model)
-    check_env(cfg.env)
+    check_env_list(cfg)
+    for i, e in enumerate(job_envs(cfg)):  # [env], or each [[env]] (keys env[i].*)
+        check_env(e, env_key(cfg, i))
+    check_env_mix(cfg)
+    check_curriculum(cfg.orchestrator.curriculum, [env_name(e) for e in job_envs(cfg)])
+    check_eval(cfg)
+    check_verifiers_data(cfg)
     check_deployment(cfg.deployment)
     check_distill(cfg.distill)
 
@@ -67,5 +75,7 @@ def validate_names(cfg: RLConfig) -> None:
     """Loss method / corrections / aggregation / hyperparameters against ``primerl.rl.losses``' lists,
     the environment factory and its arguments, and ``model.path``: resolved now, so ``--dry-run`` fails."""
     check_loss_names(cfg.trainer.loss)
-    check_env_names(cfg.env)
+    for i, e in enumerate(job_envs(cfg)):
+        check_env_names(e, env_key(cfg, i))
+    check_eval_names(cfg)
     check_model_path(cfg.model)

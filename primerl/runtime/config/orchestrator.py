@@ -3,8 +3,9 @@ how batches reach the trainer) and the section's own checks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .data import CurriculumConfig, check_filter
 from .errors import _need
 
 ADVANTAGES = ("grpo", "drgrpo", "rloo", "rloo_std", "max_rl")
@@ -27,6 +28,11 @@ class OrchestratorConfig:
     metrics_port: int = 0  # > 0: serve GET /metrics (Prometheus) and /health on this port; 0: off
     metrics_host: str = "127.0.0.1"
     save_samples: bool = False  # write each step's trained samples to <output_dir>/samples/step_N.jsonl
+    # "dapo": a group whose rewards are all equal is dropped and replaced by a fresh prompt's group
+    # (counted groups/filtered), at most max_oversample x batch_size groups per batch (then kept)
+    filter: str = "none"
+    max_oversample: float = 4.0
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)  # [orchestrator.curriculum]
 
 
 
@@ -46,3 +52,4 @@ def check_orchestrator(o: OrchestratorConfig) -> None:
           "must be auto, filesystem or zmq", o.batch_transport)
     _need(0 < o.zmq_port < 65536, "orchestrator.zmq_port", "must be a TCP port", o.zmq_port)
     _need(0 <= o.metrics_port <= 65535, "orchestrator.metrics_port", "must be a TCP port (0: off)", o.metrics_port)
+    check_filter(o)

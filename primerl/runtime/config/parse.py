@@ -53,6 +53,10 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
+    if origin is list and typing.get_args(typ) and dataclasses.is_dataclass(typing.get_args(typ)[0]):
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise ConfigError(f"{key}: expected an array of tables ([[{key}]]), got {value!r}")
+        return [from_dict(typing.get_args(typ)[0], v, prefix=f"{key}[{i}].") for i, v in enumerate(value)]
     if origin in (list, dict):
         if isinstance(value, str):  # from the command line: JSON or a TOML inline table / array
             parsed = _parse_scalar(value)
@@ -156,7 +160,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    cfg = from_dict(RLConfig, data)
+    cfg = from_dict(RLConfig, split_env_list(data))
     file_loss = (cfg.trainer.loss.method, dict(cfg.trainer.loss.hparams))
     pairs = parse_overrides(overrides or [])
     for key, val in pairs:
@@ -165,6 +169,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if check:
         validate(cfg)
     return cfg
+
+
+def split_env_list(data: dict) -> dict:
+    """``[[env]]`` (a list under ``env``) -> ``env`` (the first) + ``env_mix`` (the rest), with the
+    keys of entry i named ``env[i].key`` in errors."""
+    envs = data.get("env")
+    if not isinstance(envs, list):
+        return data
+    if "env_mix" in data:
+        raise ConfigError("env_mix: set the environments of a mix as [[env]] tables, not env_mix")
+    if not envs or not all(isinstance(e, dict) for e in envs):
+        raise ConfigError(f"env: [[env]] must be one or more tables, got {envs!r}")
+    from .schema import EnvConfig
+
+    first = from_dict(EnvConfig, envs[0], prefix="env[0].")
+    rest = [from_dict(EnvConfig, e, prefix=f"env[{i}].") for i, e in enumerate(envs[1:], 1)]
+    out = {k: v for k, v in data.items() if k != "env"}
+    out["env"], out["env_mix"] = dataclasses.asdict(first), [dataclasses.asdict(e) for e in rest]
+    return out
 
 
 def _drop_replaced_method_hparams(cfg: RLConfig, file_method: str, file_hparams: dict, keys: list[str]) -> None:
@@ -211,18 +234,32 @@ def to_toml(cfg) -> str:
     """The resolved config as TOML (loadable again with ``load_config``)."""
     lines: list[str] = []
 
-    def emit(obj, section: str) -> None:
+    def emit(obj, section: str, array: bool = False) -> None:
         if section:
-            lines.append(f"\n[{section}]")
-        subs = []
+            lines.append(f"\n[[{section}]]" if array else f"\n[{section}]")
+        subs, arrays = [], []
         for f in dataclasses.fields(obj):
             val = getattr(obj, f.name)
             if dataclasses.is_dataclass(val):
                 subs.append((f.name, val))
+            elif isinstance(val, list) and val and all(dataclasses.is_dataclass(v) for v in val):
+                arrays.append((f.name, val))
+            elif isinstance(val, list) and not val and f.name == "env_mix":
+                continue
             else:
                 lines.append(f"{f.name} = {_toml_value(val)}")
         for name, val in subs:
-            emit(val, f"{section}.{name}" if section else name)
+            full = f"{section}.{name}" if section else name
+            if name == "env" and not section and getattr(obj, "env_mix", None):  # a mix: [[env]] for every entry
+                for e in [val, *obj.env_mix]:
+                    emit(e, "env", array=True)
+                continue
+            emit(val, full)
+        for name, vals in arrays:
+            if name == "env_mix" and not section:
+                continue  # written with env above
+            for v in vals:
+                emit(v, f"{section}.{name}" if section else name, array=True)
 
     emit(cfg, "")
     return "\n".join(lines).lstrip("\n") + "\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .data import EvalConfig
 from .deployment import DeploymentConfig
 from .distill import DistillConfig
 from .errors import ConfigError, _need
@@ -36,6 +37,12 @@ class EnvConfig:
     max_retries: int = 2  # an episode whose env call raises is resampled this many times, then fails
     max_concurrent_calls: int = 64  # env calls (reward / respond) running at once, each on its own thread
     max_abs_reward: float = 1e6  # larger |reward| is clipped to +-this (counted: rewards/clipped)
+    # in a mix ([[env]], config/data.py): the environment's name (metrics reward/<name>; default its
+    # id), its share of each batch's groups (weights are normalised) and its own group size / tokens
+    name: str = ""
+    weight: float = 1.0
+    group_size: int = 0  # samples per prompt; 0: orchestrator.group_size
+    max_tokens: int = 0  # per model turn, a cap on the prompt's own; 0: the environment's
 
 
 @dataclass
@@ -86,6 +93,8 @@ class RLConfig:
     num_trainer_ranks: int = 1  # torchrun processes of the trainer (gloo on CPU, nccl on GPUs)
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    env_mix: list[EnvConfig] = field(default_factory=list)  # [[env]]: the mix's environments after the first
+    eval: EvalConfig = field(default_factory=EvalConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -115,20 +124,20 @@ def check_root(cfg: RLConfig) -> None:
     _need(not w.rl_env_args or w.rl_steps, "warm_start.rl_env_args", "needs warm_start.rl_steps", w.rl_env_args)
 
 
-def check_env(e: EnvConfig) -> None:
-    """``[env]``'s ranges."""
-    _need(bool(e.id), "env.id", "must be set", e.id)
-    _need(e.timeout_s > 0, "env.timeout_s", "must be > 0", e.timeout_s)
-    _need(e.max_retries >= 0, "env.max_retries", "must be >= 0", e.max_retries)
-    _need(e.max_concurrent_calls >= 1, "env.max_concurrent_calls", "must be >= 1", e.max_concurrent_calls)
-    _need(e.max_abs_reward > 0, "env.max_abs_reward", "must be > 0", e.max_abs_reward)
+def check_env(e: EnvConfig, key: str = "env") -> None:
+    """``[env]``'s ranges (``key``: ``env[i]`` for an environment of a mix)."""
+    _need(bool(e.id), f"{key}.id", "must be set", e.id)
+    _need(e.timeout_s > 0, f"{key}.timeout_s", "must be > 0", e.timeout_s)
+    _need(e.max_retries >= 0, f"{key}.max_retries", "must be >= 0", e.max_retries)
+    _need(e.max_concurrent_calls >= 1, f"{key}.max_concurrent_calls", "must be >= 1", e.max_concurrent_calls)
+    _need(e.max_abs_reward > 0, f"{key}.max_abs_reward", "must be > 0", e.max_abs_reward)
 
 
-def check_env_names(e: EnvConfig) -> None:
+def check_env_names(e: EnvConfig, key: str = "env") -> None:
     """``env.id`` and ``env.args`` resolve to an environment factory and its arguments (imported now)."""
     from primerl.rl.envs import resolve_environment
 
     try:
         resolve_environment(e.id, e.args)
     except ValueError as err:
-        raise ConfigError(f"env.id / env.args: {err}") from None
+        raise ConfigError(f"{key}.id / {key}.args: {err}") from None

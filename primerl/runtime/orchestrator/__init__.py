@@ -5,7 +5,10 @@ Modules (imported lazily):
   clients       make_client: the inference client (embedded engine, vLLM, server pool, P/D deployment)
   orchestrator  Orchestrator: async level, off-policy accounting, batches to the transport; EmbeddedClient
   rollout       episodes in flight (multi-turn transcripts, log-probs, routing record)
-  batching      finished groups -> advantages (``orchestrator.advantage``) -> per-rank micro-batches
+  batching      finished groups -> advantages (``orchestrator.advantage``, per environment) -> micro-batches
+  sampling      environment mixes (``[[env]]``), replacement prompts (dapo), the curriculum and its state
+  evaluation    OnlineEval: ``[[eval.env]]`` next to the rollouts, pass@k
+  evaluate      ``primerl eval --checkpoint``: the evals on a saved checkpoint
   env_calls     concurrent environment calls with per-call deadlines; reward checks (rejected / clipped)
   vf_orchestrator  build_orchestrator: the built-in Orchestrator, or verifiers episodes -> samples
   monitor       OrchestratorMonitor: /health and /metrics (orchestrator.metrics_port)

@@ -53,6 +53,30 @@ def build_samples(groups, method: str, top_k: int, *, replay: bool, temperature:
     return samples, metrics
 
 
+def build_mixed_samples(groups, method: str, top_k: int, *, replay: bool, temperature: float):
+    """``build_samples`` for a batch whose groups may come from several environments (``st.env``)
+    with different group sizes: advantages are computed per environment, each within its groups
+    (a batch-wide normaliser such as rloo_std's uses that environment's rewards only); the samples
+    keep the groups' order."""
+    envs = sorted({grp[0].env for grp in groups})
+    if len(envs) == 1:
+        return build_samples(groups, method, top_k, replay=replay, temperature=temperature)
+    by_group: dict[int, list] = {}
+    abs_sum, n, zero = 0.0, 0, 0
+    for e in envs:
+        idx = [i for i, grp in enumerate(groups) if grp[0].env == e]
+        samples, m = build_samples([groups[i] for i in idx], method, top_k, replay=replay, temperature=temperature)
+        k = 0
+        for i in idx:
+            by_group[i] = samples[k:k + len(groups[i])]
+            k += len(groups[i])
+        abs_sum += m["advantage/abs_mean"] * len(samples)
+        n += len(samples)
+        zero += m["groups/zero_advantage"]
+    out = [s for i in range(len(groups)) for s in by_group[i]]
+    return out, {"advantage/abs_mean": abs_sum / max(n, 1), "groups/zero_advantage": zero}
+
+
 def pack_for_ranks(samples: list[Sample], seq_len: int, num_ranks: int) -> list[list[MicroBatch]]:
     return pack(samples, seq_len, num_ranks, pad_to_seq_len=False)
 

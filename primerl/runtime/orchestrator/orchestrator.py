@@ -12,6 +12,15 @@ older than ``max_off_policy_steps`` (n - version) is discarded, counted and resa
 Seeds and prompts derive from (seed, step, group, member, attempt, turn) only, so a resumed run
 replays the same episodes as an uninterrupted one.
 
+Several environments (``[[env]]``, ``sampling.PromptSampler``): each group slot of a batch belongs
+to one environment (dealt exactly by the weights), with that environment's group size and token
+cap; advantages are computed per environment, within each group; the metrics add, per
+environment name, ``reward/<name>``, ``episodes/<name>``, ``tokens/<name>`` and ``groups/<name>``.
+``orchestrator.filter = "dapo"``: a finished group whose rewards are all equal is replaced by a
+fresh prompt's group of the same environment (``groups/filtered``, ``rollouts/oversampled``) while
+the batch has sampled fewer than ``max_oversample x batch_size`` groups; past that it is kept
+(``groups/uniform_kept``). ``[eval]``: ``evaluation.OnlineEval`` runs next to the rollouts.
+
 Environment calls (``respond``, ``reward``) run concurrently between engine steps, each with the
 deadline ``env.timeout_s`` (``env_calls.EnvCalls``): a hanging grader fails only its own group,
 with an error naming the environment and the call. Rewards are checked as they arrive: a value
@@ -53,7 +62,8 @@ class EnvError(RuntimeError):
 
 # counted per batch and in total: stale groups resampled, env calls that failed (of which timed
 # out), rewards rejected (not a finite real number) and rewards clipped to env.max_abs_reward
-COUNTS = ("discarded_stale", "env_errors", "env_timeouts", "rewards_rejected", "rewards_clipped")
+COUNTS = ("discarded_stale", "env_errors", "env_timeouts", "rewards_rejected", "rewards_clipped", "groups_filtered",
+          "rollouts_oversampled", "groups_sampled", "groups_uniform_kept")
 
 
 class Orchestrator(BatchSteps):
@@ -75,8 +85,16 @@ class Orchestrator(BatchSteps):
         self._init_steps(start_step, COUNTS)  # self.batches: step -> groups -> EpisodeState
         self.episodes: dict[int, EpisodeState] = {}  # request id -> episode waiting on the engine
         self._rid = 0
-        e = cfg.env
-        self._env_calls = EnvCalls(e.id, e.timeout_s, e.max_concurrent_calls)
+        from .evaluation import OnlineEval
+        from .sampling import PromptSampler, build_mix
+
+        self.mix = build_mix(cfg, env)  # the job's environments ([env] or [[env]])
+        self.sampler = PromptSampler(cfg, self.mix)
+        self.sampler.load_state(cfg.output_dir, start_step)  # the curriculum's, when resuming
+        self._env_calls = [EnvCalls(m.cfg.id, m.cfg.timeout_s, m.cfg.max_concurrent_calls) for m in self.mix]
+        self.evals = OnlineEval(cfg)
+        self._mix_counts = [0] * len(self.mix)  # groups trained per environment (observed mix)
+        self._filtered_rewards: dict[int, list[float]] = {}  # step -> rewards of the groups dapo dropped
         self.scorer = None
         from ..config import distill_enabled
 
@@ -84,37 +102,58 @@ class Orchestrator(BatchSteps):
             from .teacher_scoring import TeacherScorer, build_teachers, teacher_key
 
             self.scorer = TeacherScorer(build_teachers(cfg) if teachers is None else teachers)
-            self._teacher_key = teacher_key(cfg.distill, e.id)
+            self._teacher_keys = [teacher_key(cfg.distill, m.cfg.id) for m in self.mix]
 
     # ---------------------------------------------------------------- env calls (concurrent, timeout + retry)
     def _submit_env(self, st: EpisodeState, name: str) -> None:
-        self._env_calls.submit(st, name, getattr(self.env, name), st.episode)
+        if st.eval_key is not None:
+            self.evals.env_call(st, name)
+            return
+        self._env_calls[st.env].submit(st, name, getattr(self.mix[st.env].env, name), st.episode)
+
+    def _poll_env_calls(self, wait_s: float) -> list:
+        out = self.evals.poll()
+        for c in self._env_calls:
+            out += c.poll(0.0)
+        if not out and wait_s > 0:
+            busy = next((c for c in self._env_calls if c.pending()), None)
+            if busy is not None:
+                out += busy.poll(wait_s)
+            elif self.evals.pending():
+                time.sleep(min(wait_s, 0.01))
+        return out
 
     def _live(self, st: EpisodeState) -> bool:
+        if st.eval_key is not None:
+            return st.eval_key[0] in self.evals.runs
         groups = self.batches.get(st.step)
         return groups is not None and any(s is st for s in groups[st.group])
 
     def _on_env_result(self, st: EpisodeState, name: str, ok: bool, value) -> None:
         if not self._live(st):  # its group was resampled while the call ran
             return
+        if st.eval_key is not None:
+            self.evals.on_env_result(st, name, ok, value, self._submit_eval)
+            return
+        m = self.mix[st.env]
         try:
             if not ok:
                 raise value
             if name == "respond":
                 if value:
-                    st.add_env_turn(check_tokens(value, self.env.vocab_size, "environment reply"))
+                    st.add_env_turn(check_tokens(value, m.env.vocab_size, "environment reply"))
                     self._submit(st)
                 else:
                     self._submit_env(st, "reward")
                 return
             if name == "token_weights":
-                st.loss_weights = check_token_weights(value, len(st.episode.tokens), f"environment {self.cfg.env.id!r}")
+                st.loss_weights = check_token_weights(value, len(st.episode.tokens), f"environment {m.name!r}")
                 self._episode_done(st)
                 return
-            st.reward, clipped = check_reward(value, self.cfg.env.max_abs_reward, f"environment {self.cfg.env.id!r}")
+            st.reward, clipped = check_reward(value, m.cfg.max_abs_reward, f"environment {m.name!r}")
             if clipped:
                 self._count(st.step, "rewards_clipped")
-            if has_token_weights(self.env):
+            if has_token_weights(m.env):
                 self._submit_env(st, "token_weights")
             else:
                 self._episode_done(st)
@@ -131,7 +170,8 @@ class Orchestrator(BatchSteps):
     def _episode_done(self, st: EpisodeState) -> None:
         st.done = True
         if self.scorer is not None:
-            self.scorer.submit(st, self._teacher_key)
+            self.scorer.submit(st, self._teacher_keys[st.env])
+        self._group_maybe_done(st)
 
     # ---------------------------------------------------------------- weights
     def _refresh_weights(self, *, block_for: int | None = None) -> None:
@@ -143,56 +183,108 @@ class Orchestrator(BatchSteps):
         if versions and versions[-1] > self.version:
             v = versions[-1]
             self.client.update_weights(v, self.transport)
-            self.version = v
+            old, self.version = self.version, v
+            if self.evals.due(old, v):
+                self.evals.start(v, self._submit_eval)
 
-    # ---------------------------------------------------------------- submission
-    def _submit(self, st: EpisodeState) -> None:
-        prompt = st.episode.prompt
-        max_new = prompt.max_new_tokens or self.env.max_new_tokens
-        seed = mix_seed(self.cfg.seed, st.step, st.group, st.member, st.attempt, st.turn)
+    def _submit_eval(self, st: EpisodeState, max_new: int, temperature: float, top_p: float, seed: int,
+                     stop_token_ids: tuple) -> None:
         self._rid += 1
-        req = st.request(self._rid, seed, max_new_tokens=max_new, temperature=self.cfg.inference.temperature,
-                         top_p=self.cfg.inference.top_p, stop_token_ids=tuple(self.env.stop_token_ids))
+        req = st.request(self._rid, seed, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+                         stop_token_ids=stop_token_ids)
         self.episodes[self._rid] = st
         self.client.submit(req)
 
-    def _start_group(self, step: int, group: int, attempt: int) -> list[EpisodeState]:
-        n = self.env.num_prompts
-        index = step * self.o.batch_size + group
-        prompt = self.env.prompt(index % n if n else index)
-        check_tokens(prompt.tokens, self.env.vocab_size, f"environment prompt {index}")
-        states = [EpisodeState.start(step, group, m, attempt, prompt) for m in range(self.o.group_size)]
+    # ---------------------------------------------------------------- submission
+    def _submit(self, st: EpisodeState) -> None:
+        m = self.mix[st.env]
+        seed = mix_seed(self.cfg.seed, st.step, st.group, st.member, st.attempt, st.turn)
+        if st.draw:  # a replacement group (dynamic sampling): seeds of its own
+            seed = mix_seed(seed, 0xD5, st.draw)
+        self._rid += 1
+        req = st.request(self._rid, seed, max_new_tokens=m.max_new_tokens(st.episode.prompt),
+                         temperature=self.cfg.inference.temperature, top_p=self.cfg.inference.top_p,
+                         stop_token_ids=tuple(m.env.stop_token_ids))
+        self.episodes[self._rid] = st
+        self.client.submit(req)
+
+    def _start_group(self, step: int, group: int, attempt: int, draw: int = 0) -> list[EpisodeState]:
+        e = self.sampler.env_of(step, group)
+        m = self.mix[e]
+        index = self.sampler.prompt_index(step, group, draw)
+        prompt = m.env.prompt(index)
+        check_tokens(prompt.tokens, m.env.vocab_size, f"environment {m.name!r} prompt {index}")
+        states = [EpisodeState.start(step, group, k, attempt, prompt, env=e, draw=draw) for k in range(m.group_size)]
+        self._batch_counters[step]["groups_sampled"] += 1
         for st in states:
             self._submit(st)
         return states
 
     def _submit_batch(self, step: int) -> None:
-        self.batches[step] = [self._start_group(step, g, 0) for g in range(self.o.batch_size)]
         self._batch_counters[step] = dict.fromkeys(COUNTS, 0)
+        if self.sampler.curriculum is not None:
+            self.sampler.curriculum.advance(step)
+        self.batches[step] = []
+        for g in range(self.o.batch_size):
+            self.batches[step].append(self._start_group(step, g, 0))
 
-    def _retry_group(self, st: EpisodeState, reason: str, error: BaseException | None = None) -> None:
-        step, g = st.step, st.group
+    def _drop_group(self, step: int, g: int) -> list[EpisodeState]:
         old = self.batches[step][g]
-        attempt = old[0].attempt + 1
-        if reason == "env_error" and attempt > self.cfg.env.max_retries:
-            raise EnvError(f"environment {self.cfg.env.id!r} failed on prompt of step {step} group {g} "
-                           f"{attempt} times (env.max_retries = {self.cfg.env.max_retries}); "
-                           f"last error: {error!r}") from error
         live = {id(s) for s in old}
         stale_ids = [rid for rid, s in self.episodes.items() if id(s) in live]
         self.client.abort(stale_ids)
         for rid in stale_ids:
             del self.episodes[rid]
-        self.batches[step][g] = self._start_group(step, g, attempt)
+        return old
+
+    def _retry_group(self, st: EpisodeState, reason: str, error: BaseException | None = None) -> None:
+        step, g = st.step, st.group
+        old = self.batches[step][g]
+        attempt = old[0].attempt + 1
+        m = self.mix[old[0].env]
+        if reason == "env_error" and attempt > m.cfg.max_retries:
+            raise EnvError(f"environment {m.name!r} failed on prompt of step {step} group {g} "
+                           f"{attempt} times (env.max_retries = {m.cfg.max_retries}); "
+                           f"last error: {error!r}") from error
+        self._drop_group(step, g)
+        self.batches[step][g] = self._start_group(step, g, attempt, old[0].draw)
+
+    def _group_maybe_done(self, st: EpisodeState) -> None:
+        """A group just finished: record it for the curriculum; with the dapo filter replace it by a
+        fresh prompt's group when its rewards are all equal and the batch's budget allows."""
+        grp = self.batches[st.step][st.group]
+        if not all(s.done for s in grp):
+            return
+        step = st.step
+        rewards = [s.reward for s in grp]
+        uniform = all(r == rewards[0] for r in rewards)
+        if self.o.filter != "dapo" or not uniform:
+            return
+        c = self._batch_counters[step]
+        if c["groups_sampled"] >= self.o.max_oversample * self.o.batch_size:
+            c["groups_uniform_kept"] += 1
+            return
+        if self.sampler.curriculum is not None:  # what was learnt about the dropped prompt still counts
+            self.sampler.curriculum.record(step, self.mix[st.env].name, grp[0].episode.prompt.key, rewards)
+        self._count(step, "groups_filtered")
+        self._filtered_rewards.setdefault(step, []).extend(rewards)
+        self._drop_group(step, st.group)
+        new = self._start_group(step, st.group, grp[0].attempt, grp[0].draw + 1)
+        self.batches[step][st.group] = new
+        self.counters["rollouts_oversampled"] += len(new)
+        self._batch_counters[step]["rollouts_oversampled"] += len(new)
 
     # ---------------------------------------------------------------- completions
     def _on_completion(self, c) -> None:
         st = self.episodes.pop(c.request_id, None)
         if st is None:  # aborted
             return
-        self._tokens_since_write += len(c.tokens)
+        if st.eval_key is not None:
+            self.evals.on_completion(st, c)
+            return
         st.add_model_turn(c)
-        self._submit_env(st, "respond" if st.turn < self.env.max_turns else "reward")
+        self._tokens_since_write += len(c.tokens)
+        self._submit_env(st, "respond" if st.turn < self.mix[st.env].env.max_turns else "reward")
 
     # ---------------------------------------------------------------- hand-over
     def _in_flight(self) -> int:
@@ -215,11 +307,11 @@ class Orchestrator(BatchSteps):
                 self._batch_counters[step]["discarded_stale"] += len(grp)
                 self._retry_group(grp[0], "stale")
             return None
-        from .batching import build_samples
+        from .batching import build_mixed_samples
 
         replay = self.cfg.trainer.router_replay and self.cfg.inference.capture_routing
-        samples, adv_metrics = build_samples(groups, self.o.advantage, self.top_k, replay=replay,
-                                             temperature=self.cfg.inference.temperature)
+        samples, adv_metrics = build_mixed_samples(groups, self.o.advantage, self.top_k, replay=replay,
+                                                   temperature=self.cfg.inference.temperature)
         eps = [st for grp in groups for st in grp]
         if self.scorer is not None:
             from .teacher_scoring import distill_batch
@@ -237,7 +329,43 @@ class Orchestrator(BatchSteps):
             "env/errors": c["env_errors"], "env/timeouts": c["env_timeouts"], "rewards/rejected": c["rewards_rejected"],
             "rewards/clipped": c["rewards_clipped"], **adv_metrics,
         }
+        metrics.update(self._data_metrics(step, groups))
         return samples, metrics
+
+    def _data_metrics(self, step: int, groups) -> dict:
+        """Per environment (a mix), dynamic sampling's counts, the curriculum, finished evals; records
+        the batch's groups for the curriculum and saves its state where the trainer will checkpoint."""
+        out = {}
+        c = self._batch_counters[step]
+        if len(self.mix) > 1:
+            for grp in groups:
+                self._mix_counts[grp[0].env] += 1
+            for e, m in enumerate(self.mix):
+                eps = [st for grp in groups if grp[0].env == e for st in grp]
+                n_groups = sum(grp[0].env == e for grp in groups)
+                out[f"groups/{m.name}"] = n_groups
+                out[f"episodes/{m.name}"] = len(eps)
+                out[f"tokens/{m.name}"] = sum(st.completion_tokens for st in eps)
+                if eps:
+                    out[f"reward/{m.name}"] = sum(st.reward for st in eps) / len(eps)
+                out[f"mix/{m.name}"] = self._mix_counts[e] / max(sum(self._mix_counts), 1)
+        if self.o.filter == "dapo":
+            # reward/mean is the kept groups' (uniform ones left out); reward/all_sampled every group sampled
+            dropped = self._filtered_rewards.pop(step, [])
+            kept = [st.reward for grp in groups for st in grp]
+            out.update({"groups/filtered": c["groups_filtered"], "rollouts/oversampled": c["rollouts_oversampled"],
+                        "groups/uniform_kept": c["groups_uniform_kept"],
+                        "reward/all_sampled": (sum(kept) + sum(dropped)) / (len(kept) + len(dropped))})
+        cur = self.sampler.curriculum
+        if cur is not None:
+            for grp in groups:
+                cur.record(step, self.mix[grp[0].env].name, grp[0].episode.prompt.key, [st.reward for st in grp])
+            out.update(cur.metrics())
+            ck = self.cfg.checkpoint
+            if (ck.interval and (step + 1) % ck.interval == 0) or step + 1 == self.cfg.max_steps:
+                self.sampler.save_state(self.cfg.output_dir, step + 1, keep=ck.keep + 1)
+        out.update(self.evals.pop_ready())
+        return out
 
     # ---------------------------------------------------------------- main loop
     def run(self, max_steps: int | None = None, on_batch: Callable[[int, dict], None] | None = None) -> None:
@@ -259,10 +387,10 @@ class Orchestrator(BatchSteps):
                 continue
             engine_busy = self.client.has_pending()
             # results of env calls that finished meanwhile (wait briefly when there is nothing else to do)
-            for st, name, ok, value in self._env_calls.poll(wait_s=0.0 if engine_busy else 0.05):
+            for st, name, ok, value in self._poll_env_calls(wait_s=0.0 if engine_busy else 0.05):
                 self._on_env_result(st, name, ok, value)
             if not engine_busy:
-                if self._env_calls.pending() or self.client.has_pending():
+                if any(c.pending() for c in self._env_calls) or self.evals.pending() or self.client.has_pending():
                     continue
                 if self.scorer is not None and self.scorer.queued():
                     self.scorer.wait(0.05)  # the teacher is behind: this batch waits on its scores
@@ -278,6 +406,16 @@ class Orchestrator(BatchSteps):
             for c in self.client.poll():
                 self._on_completion(c)
                 beat(f"batch {self.next_write}: a request finished")
+        self._abort_evals()
+
+    def _abort_evals(self) -> None:
+        """The run is over: eval episodes still in the engine are aborted (their run is not reported)."""
+        ids = [rid for rid, st in self.episodes.items() if st.eval_key is not None]
+        if ids:
+            self.client.abort(ids)
+            for rid in ids:
+                del self.episodes[rid]
+        self.evals.runs.clear()
 
 
 class EmbeddedClient:

@@ -52,10 +52,15 @@ class EpisodeState:
     done_at: float = 0.0  # time.monotonic() when the episode finished (reward in)
     scored_at: float = 0.0
     score_s: float = 0.0  # its share of the teacher's forward time
+    env: int = 0  # index of its environment in the job's mix (orchestrator.sampling.MixEnv)
+    draw: int = 0  # 0: the slot's own prompt; d >= 1: the d-th replacement (dynamic sampling)
+    eval_key: tuple | None = None  # an online-eval episode: (run, eval, prompt, sample); None: training
 
     @classmethod
-    def start(cls, step: int, group: int, member: int, attempt: int, prompt: Prompt) -> "EpisodeState":
-        return cls(step, group, member, attempt, Episode(prompt), logprobs=[0.0] * len(prompt.tokens))
+    def start(cls, step: int, group: int, member: int, attempt: int, prompt: Prompt, *, env: int = 0,
+              draw: int = 0, eval_key: tuple | None = None) -> "EpisodeState":
+        return cls(step, group, member, attempt, Episode(prompt), logprobs=[0.0] * len(prompt.tokens), env=env,
+                   draw=draw, eval_key=eval_key)
 
     @property
     def turn(self) -> int:
