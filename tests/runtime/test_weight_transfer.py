@@ -241,12 +241,12 @@ def _fsdp_worker(rank, world, store, port, fp8):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=300))
     torch.manual_seed(0)
     model = _Model()
     fully_shard(model)
     join = lambda r: join_transfer_groups("127.0.0.1", port, sources=world, receivers=1, source=r,  # noqa: E731
-                                          store_master=False, timeout_s=60)[r]
+                                          store_master=False, timeout_s=300)[r]
     ch = BucketedBroadcast(join, None, rank=rank, dtype=torch.bfloat16, bucket_bytes=20_000, fp8=fp8, delta=True)
     ch.publish(0, WeightStream(model))
     with torch.no_grad():
@@ -268,7 +268,7 @@ def test_every_fsdp2_rank_sends_its_own_shards_and_the_receiver_assembles_them(t
     def receive():
         try:
             groups = join_transfer_groups("127.0.0.1", port, sources=world, receivers=1, receiver=0, store_master=True,
-                                          timeout_s=60)
+                                          timeout_s=300)
             rx = [SourceReceiver(groups[r], r) for r in range(world)]
             while (out := receive_version(rx, "cpu"))[0] != -1:
                 got.append(out)
@@ -279,7 +279,7 @@ def test_every_fsdp2_rank_sends_its_own_shards_and_the_receiver_assembles_them(t
     t.start()
     os.environ["OMP_NUM_THREADS"] = "1"
     mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "store"), port, fp8), nprocs=world, join=True)
-    t.join(60)
+    t.join(300)
     assert not errors, errors
     torch.manual_seed(0)
     ref = _Model().state_dict()
