@@ -231,7 +231,7 @@ class _Model(torch.nn.Module):
         self.experts = torch.nn.Parameter(torch.randn(4, 130, 128) * 0.1)
 
 
-def _fsdp_worker(rank, world, store, port, fp8):
+def _fsdp_worker(rank, world, store, ports):
     from torch.distributed.fsdp import fully_shard
 
     from primerl.runtime.inference.weight_channels import BucketedBroadcast
@@ -241,62 +241,71 @@ def _fsdp_worker(rank, world, store, port, fp8):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=300))
     torch.manual_seed(0)
     model = _Model()
     fully_shard(model)
-    join = lambda r: join_transfer_groups("127.0.0.1", port, sources=world, receivers=1, source=r,  # noqa: E731
-                                          store_master=False, timeout_s=60)[r]
-    ch = BucketedBroadcast(join, None, rank=rank, dtype=torch.bfloat16, bucket_bytes=20_000, fp8=fp8, delta=True)
-    ch.publish(0, WeightStream(model))
+    channels = []
+    for port, fp8 in zip(ports, (False, True)):  # one receiver each: raw bf16, FP8 in transit
+        join = lambda r, port=port: join_transfer_groups(  # noqa: E731
+            "127.0.0.1", port, sources=world, receivers=1, source=r, store_master=False, timeout_s=300)[r]
+        channels.append(BucketedBroadcast(join, None, rank=rank, dtype=torch.bfloat16, bucket_bytes=20_000, fp8=fp8,
+                                          delta=True))
+    for ch in channels:
+        ch.publish(0, WeightStream(model))
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().mul_(2)
-    ch.publish(1, WeightStream(model))
-    ch.close()
-    assert ch.stats.last["mode"] == "delta"
+    for ch in channels:
+        ch.publish(1, WeightStream(model))
+        ch.close()
+        assert ch.stats.last["mode"] == "delta"
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_every_fsdp2_rank_sends_its_own_shards_and_the_receiver_assembles_them(tmp_path, fp8):
+def test_every_fsdp2_rank_sends_its_own_shards_and_the_receiver_assembles_them(tmp_path):
+    """Two FSDP2 ranks, two channels (bf16; FP8 in transit), a receiver each in this process."""
     from primerl.kernels.fp8 import dequant, quant_per_block
 
-    port, world = _port(), 2
-    got, errors = [], []
+    ports, world = [_port(), _port()], 2
+    got, errors = {False: [], True: []}, []
 
-    def receive():
+    def receive(port, fp8):
         try:
             groups = join_transfer_groups("127.0.0.1", port, sources=world, receivers=1, receiver=0, store_master=True,
-                                          timeout_s=60)
+                                          timeout_s=300)
             rx = [SourceReceiver(groups[r], r) for r in range(world)]
             while (out := receive_version(rx, "cpu"))[0] != -1:
-                got.append(out)
+                got[fp8].append(out)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    t = threading.Thread(target=receive)
-    t.start()
+    threads = [threading.Thread(target=receive, args=(p, f)) for p, f in zip(ports, (False, True))]
+    for t in threads:
+        t.start()
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "store"), port, fp8), nprocs=world, join=True)
-    t.join(60)
+    mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "store"), ports), nprocs=world, join=True)
+    for t in threads:
+        t.join(300)
     assert not errors, errors
     torch.manual_seed(0)
     ref = _Model().state_dict()
-    assert [v for v, _ in got] == [0, 1]
-    for v, weights in got:
-        assert set(weights) == set(ref)
-        for k, t in ref.items():
-            want = (t * (1 + v)).bfloat16()
-            if fp8 and k in ("proj.weight", "experts", "embed.weight"):
-                q, sf = quant_per_block((t * (1 + v)).float(), FP8_BLOCK)
-                full = dequant(q, sf, group_shape=FP8_BLOCK, out_dtype=torch.bfloat16)
-                if k == "experts":  # sharded along the experts: the blocks of the full tensor, bitwise
-                    assert torch.equal(weights[k], full), k
-                else:  # 4 + 3 / 5 + 5 rows: other blocks than the full tensor's, within FP8 error
-                    assert (weights[k].float() - t * (1 + v)).abs().max() <= (t * (1 + v)).abs().max() / 16, k
-            else:
-                assert torch.equal(weights[k], want), (v, k)
+    for fp8 in (False, True):
+        assert [v for v, _ in got[fp8]] == [0, 1]
+        for v, weights in got[fp8]:
+            assert set(weights) == set(ref)
+            for k, t in ref.items():
+                want = t * (1 + v)
+                if not fp8:
+                    assert torch.equal(weights[k], want.bfloat16()), (v, k)
+                elif k == "experts":  # sharded along the experts: the blocks of the full tensor, bitwise
+                    q, sf = quant_per_block(want.float(), FP8_BLOCK)
+                    assert torch.equal(weights[k], dequant(q, sf, group_shape=FP8_BLOCK, out_dtype=torch.bfloat16))
+                elif t.dim() >= 2:  # 4 + 3 / 5 + 5 rows: other blocks than the full tensor's, within FP8 error
+                    assert (weights[k].float() - want).abs().max() <= want.abs().max() / 16, k
+                    assert not torch.equal(weights[k], want.bfloat16()), k  # it did go as FP8
+                else:
+                    assert torch.equal(weights[k], want.bfloat16()), (v, k)
 
 
 # ------------------------------------------------------------------------------- the plan

@@ -77,8 +77,12 @@ def join_transfer_groups(host: str, port: int, *, sources: int, receivers: int, 
                           wait_for_workers=False)
     if source is not None:
         return {source: _pg(dist.PrefixStore(f"weights/src{source}", store), 0, receivers + 1, timeout_s, backend)}
-    return {r: _pg(dist.PrefixStore(f"weights/src{r}", store), receiver + 1, receivers + 1, timeout_s, backend)
-            for r in range(sources)}
+    if sources == 1:
+        return {0: _pg(dist.PrefixStore("weights/src0", store), receiver + 1, receivers + 1, timeout_s, backend)}
+    with ThreadPoolExecutor(sources, thread_name_prefix="weight-join") as pool:  # the sources arrive in any order
+        futures = {r: pool.submit(_pg, dist.PrefixStore(f"weights/src{r}", store), receiver + 1, receivers + 1,
+                                  timeout_s, backend) for r in range(sources)}
+        return {r: f.result() for r, f in futures.items()}
 
 
 def _device_of(group) -> str:
