@@ -62,7 +62,7 @@ def test_gpu_plan_puts_the_engine_first_on_trainer_node_0():
     (["--deployment.rdzv_endpoint", "127.0.0.1:70000"], "deployment.rdzv_endpoint"),
     (["--deployment.rdzv_timeout_s", "0"], "deployment.rdzv_timeout_s"),
     (["--deployment.gpus_per_node", "2"], "deployment.gpus_per_node"),  # device = cpu
-    (["--deployment.inference_nodes", "1", "--deployment.hosts", "a,b,c"], "deployment.inference_nodes"),
+    (["--deployment.inference_nodes", "-1"], "deployment.inference_nodes"),
     (["--deployment.orchestrator", "nowhere"], "deployment.orchestrator"),
 ])
 def test_impossible_plans_name_the_key(over, key):

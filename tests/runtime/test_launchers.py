@@ -99,8 +99,13 @@ def test_other_code_asks_the_capabilities_not_the_kind_name():
     assert batch_transport(cfg) == "zmq"  # spans nodes: no shared filesystem assumed
     cfg.inference.num_servers = 2
     with pytest.raises(ConfigError, match=r"^inference.num_servers: a server pool is started by a launcher that can "
-                                          r"\(deployment.kind 'local'\), not by deployment.kind = 'test-spanning'"):
+                                          r"\(deployment.kind 'local'\) or on inference nodes "
+                                          r"\(deployment.inference_nodes >= 1, inference.num_servers on each\), "
+                                          r"not by deployment.kind = "
+                                          r"'test-spanning'"):
         check_launcher(cfg)
+    cfg.deployment.inference_nodes = 1  # a launcher spanning nodes: the pool's servers run on the inference nodes
+    check_launcher(cfg)
 
 
 def test_a_launcher_class_registered_by_decorator_is_served_as_an_instance():

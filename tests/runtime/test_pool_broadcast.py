@@ -152,7 +152,7 @@ BROADCAST = ["--inference.num_servers", "2", "--inference.weight_update", "broad
 @needs_router
 @pytest.mark.dist
 def test_pool_by_broadcast_survives_a_killed_server_through_primerl_rl(tmp_path):
-    out, steps = tmp_path / "job", 8
+    out, steps = tmp_path / "job", 30
     proc = _start(out, steps, *BROADCAST, "--inference.broadcast_port", str(_port()))
     try:
         _wait_step(out, proc, 1)

@@ -111,16 +111,19 @@ def test_pool_on_two_inference_nodes_survives_a_killed_server_on_each(tmp_path):
         assert "update_weights_from_path" not in (out / "logs" / f"inference-{i}.log").read_text()
 
 
-def _dry_run(*over: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(EXAMPLE), "--dry-run",
-                           *over], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+def _dry_run(capsys, *over: str) -> tuple[int, str, str]:
+    """``primerl rl --config EXAMPLE --dry-run *over`` (the command's own entry point): rc, stdout, stderr."""
+    from primerl.runtime.cli import main
+
+    capsys.readouterr()
+    rc = main(["rl", "--config", str(EXAMPLE), "--dry-run", *over])
+    got = capsys.readouterr()
+    return rc, got.out, got.err
 
 
-def test_dry_run_names_every_node_server_and_port():
-    res = _dry_run()
-    assert res.returncode == 0, res.stderr
-    out = res.stdout
+def test_dry_run_names_every_node_server_and_port(capsys):
+    rc, out, err = _dry_run(capsys)
+    assert rc == 0, err
     for host in ("127.0.0.2", "127.0.0.3"):
         assert f"2 primerl inference server(s) on {host}:8200, {host}:8201, supervised by the node" in out
     assert "# node 0 127.0.0.1: trainer ranks 0-0" in out
@@ -143,10 +146,10 @@ def test_what_cannot_work_is_refused_naming_the_key(over, key):
         load_config(EXAMPLE, over)
 
 
-def test_dry_run_refuses_in_one_line():
-    res = _dry_run("--inference.weight_update", "filesystem")
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert "inference.weight_update: 'filesystem' has the servers load the trainer's files" in res.stderr
+def test_dry_run_refuses_in_one_line(capsys):
+    rc, _, err = _dry_run(capsys, "--inference.weight_update", "filesystem")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "inference.weight_update: 'filesystem' has the servers load the trainer's files" in err
 
 
 def test_the_plan_fills_in_the_pools_urls_and_the_trainers_host():

@@ -5,7 +5,11 @@ One engine in the orchestrator's process (on ``inference.gpu_ids[0]``, or the CP
 (``inference.num_servers`` > 1, started by the launcher: ``launch.servers.pool_for_job``) or a P/D
 deployment (``inference.pd``, started by the orchestrator's client). Weights: files under primerl's
 names, or (``inference.weight_update`` = "broadcast", "auto" on a GPU of its own or an orchestrator
-on its own node) a broadcast from trainer rank 0 to the engine's receiver thread.
+on its own node) a broadcast from trainer rank 0 to the engine's receiver thread. A pool
+(``serves_from_pool``: ``inference.num_servers`` > 1, or servers on ``deployment.inference_nodes``,
+``inference.num_servers`` on each) takes files, or one broadcast from trainer rank 0 to every server
+(``pool_broadcast.PoolBroadcastSender`` behind ``weight_channels.EngineBroadcast``; the orchestrator
+reads the servers' versions: ``weight_sync.ServerWeightVersions``).
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def check_spans_nodes(cfg: RLConfig) -> None:
 
         # an engine in the orchestrator's process beside the trainer takes a GPU of trainer node 0
         # (placement: engine first); what the backend can do across nodes is check_backend's
-        in_process = get_backend(cfg).capabilities.engine_in_process
+        in_process = get_backend(cfg).capabilities.engine_in_process and not d.inference_nodes  # else: servers there
         engine = int(d.orchestrator == "trainer" and in_process and d.gpus_per_node > 1)
         _need(per_node + engine <= d.gpus_per_node, "deployment.ranks_per_node",
               f"{per_node} trainer ranks per node{' plus the engine' if engine else ''} need "
