@@ -30,7 +30,7 @@ BENCH_LIMIT=${GPU_CHECK_BENCH_S:-90}
 GEMM_LIMIT=${GPU_CHECK_GEMM_S:-150}  # bench gemm: ~12 Triton compiles before its 110 s own budget ends
 TOTAL_LIMIT=${GPU_CHECK_TOTAL_S:-420}  # no step starts after this many seconds
 END_LIMIT=${GPU_CHECK_END_S:-460}  # every step's time limit ends here at the latest: the script stays under 8 min
-BENCHES=${GPU_CHECK_BENCHES:-"gemm moe attention logprobs job runtime pd"}  # attention includes mla_attention's rows; pd: P/D vs colocated on one GPU
+BENCHES=${GPU_CHECK_BENCHES:-"gemm moe attention logprobs job runtime pd lora_kernels"}  # attention includes mla_attention's rows; pd: P/D vs colocated on one GPU; lora_kernels: grouped_lora vs the per-expert loop
 NPROC_TESTS=${GPU_CHECK_TEST_WORKERS:-8}
 # torch finds CUDA_HOME from `which nvcc`, which a wrapper script on the PATH can defeat
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi

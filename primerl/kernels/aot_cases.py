@@ -284,7 +284,8 @@ def _logprobs_cases():
 
 
 def all_cases() -> list[Case]:
+    from .lora.aot_cases import CASES as lora_cases  # LoRA shrink / expand, dense and grouped
     from .sparse_attention.aot_cases import CASES as sparse_attention_cases  # DSA and MLA shapes
 
     return _quant_cases() + _gemm_cases() + _moe_cases() + _attention_cases() + _logprobs_cases() \
-        + sparse_attention_cases
+        + sparse_attention_cases + lora_cases

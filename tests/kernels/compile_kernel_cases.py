@@ -1,4 +1,4 @@
-"""One small case per public op of primerl.kernels.gemm / .fp8 / .moe / .fp8_training, shared by
+"""One small case per public op of primerl.kernels.gemm / .fp8 / .moe / .fp8_training / .lora, shared by
 tests/kernels/test_compile_kernels.py and bench/compile_kernels.py (graph breaks, host reads).
 
 A case is ``(name, fn, make_inputs, differentiable)``: ``make_inputs(seed)`` draws fresh tensors
@@ -14,6 +14,7 @@ import primerl.kernels as PK
 from primerl.kernels import fp8 as F8
 from primerl.kernels import fp8_training as FT
 from primerl.kernels import gemm as G
+from primerl.kernels import lora as L
 from primerl.kernels import moe as M
 
 
@@ -348,8 +349,56 @@ def _fp8_training_cases():
     return cases
 
 
+def _lora_cases():
+    """lora_linear (16/32-bit base, block-FP8 base, an Fp8Linear base) and grouped_lora (offsets with
+    an empty group and a tail, m_indices in the aligned contiguous layout)."""
+    def dense(seed, dtype=torch.float32):
+        g = _g(seed)
+        return (_randn(g, 2, 3, 32, dtype=dtype, grad=True), _randn(g, 24, 32, dtype=dtype, grad=True),
+                _randn(g, 4, 32, dtype=dtype, grad=True), _randn(g, 24, 4, dtype=dtype, grad=True))
+
+    def dense_fp8(seed):
+        g = _g(seed)
+        return (_randn(g, 5, K, dtype=torch.bfloat16, grad=True), *F8.quant_per_block(_randn(g, K, K) * 0.1),
+                _randn(g, 8, K, dtype=torch.bfloat16, grad=True), _randn(g, K, 8, dtype=torch.bfloat16, grad=True))
+
+    def dense_recipe(seed):
+        g = _g(seed)
+        return (_randn(g, 5, K, dtype=torch.bfloat16, grad=True),
+                (_randn(g, K, K) * 0.1).to(torch.bfloat16).requires_grad_(),
+                _randn(g, 8, K, dtype=torch.bfloat16, grad=True), _randn(g, K, 8, dtype=torch.bfloat16, grad=True))
+
+    def grouped(seed):
+        g = _g(seed)
+        return (_randn(g, 11, 32, grad=True), _randn(g, 3, 4, 32, grad=True), _randn(g, 3, 24, 4, grad=True),
+                _offsets(g, 11, 3, tail=2))
+
+    def grouped_m_indices(seed):
+        g = _g(seed)
+        mi = torch.cat([torch.full((60,), 1), torch.full((68,), -1), torch.full((30,), 2), torch.full((98,), -1)])
+        return (_randn(g, 256, 32, grad=True), _randn(g, 3, 4, 32, grad=True), _randn(g, 3, 24, 4, grad=True),
+                mi.to(torch.int32))
+
+    def cases(be, tag):
+        return [
+            (f"lora.lora_linear{tag}", lambda x, w, a, b: L.lora_linear(x, w, a, b, 0.5, backend=be), dense, True),
+            (f"lora.lora_linear(bf16){tag}", lambda x, w, a, b: L.lora_linear(x, w, a, b, 0.5, backend=be),
+             lambda s: dense(s, torch.bfloat16), True),
+            (f"lora.lora_linear(fp8 weight){tag}",
+             lambda x, wq, wsf, a, b: L.lora_linear(x, (wq, wsf), a, b, 2.0, backend=be), dense_fp8, True),
+            (f"lora.lora_linear(fp8_recipe){tag}",
+             lambda x, w, a, b: L.lora_linear(x, w, a, b, 2.0, fp8_recipe="blockwise", backend=be), dense_recipe, True),
+            (f"lora.grouped_lora(offsets){tag}",
+             lambda x, a, b, o: L.grouped_lora(x, a, b, 0.5, offsets=o, backend=be), grouped, True),
+            (f"lora.grouped_lora(m_indices){tag}",
+             lambda x, a, b, mi: L.grouped_lora(x, a, b, 0.5, m_indices=mi, backend=be), grouped_m_indices, True),
+        ]
+
+    return cases("torch", "") + (cases("triton", "[triton]") if PK.backend_status("triton").available else [])
+
+
 def all_cases():
-    return _fp8_cases() + _gemm_cases() + _moe_cases() + _fp8_training_cases()
+    return _fp8_cases() + _gemm_cases() + _moe_cases() + _fp8_training_cases() + _lora_cases()
 
 
 def outputs(result) -> tuple[torch.Tensor, ...]:

@@ -1,4 +1,4 @@
-"""Every public op of primerl.kernels.fp8 / .gemm / .moe / .fp8_training under torch.compile
+"""Every public op of primerl.kernels.fp8 / .gemm / .moe / .fp8_training / .lora under torch.compile
 (fullgraph, aot_eager and inductor, forward and backward), FakeTensorMode and meta tensors, with
 no host read in eager; opcheck of every custom op these modules own.
 
@@ -100,6 +100,7 @@ INDUCTOR_FAMILIES = {
     "gemm": (("gemm.",), ("(blocks)", "(psum)", "(bf16)", "(m_indices)"), 1e-6),
     "moe": (("moe.",), ("(fp8", "(bf16)", "(groups", "moe.topk_route", "(align=4"), 1e-6),
     "fp8_training": (("fp8_training.",), ("rowwise", "blockwise_fp8_wgrad"), 2e-3),
+    "lora": (("lora.",), ("(bf16)", "(m_indices)", "(fp8"), 1e-6),
 }
 
 
@@ -202,8 +203,10 @@ def _opcheck_samples():
     # the op modules register their ops on import (the public ops import them lazily): import them
     # here, so that the opcheck tests also run alone
     import primerl.kernels.gemm._opaque_ops  # noqa: F401
+    import primerl.kernels.lora.fp8_base  # noqa: F401
 
     if K.backend_status("triton").available:
+        import primerl.kernels.lora.triton_ops  # noqa: F401
         import primerl.kernels.fp8.triton_ops  # noqa: F401
         import primerl.kernels.gemm.triton_ops  # noqa: F401
         import primerl.kernels.moe.triton_ops  # noqa: F401
@@ -217,6 +220,9 @@ def _opcheck_samples():
     wg = (torch.randn(2, 128, 128, generator=g) * 0.1).to(torch.bfloat16).requires_grad_()
     goffs = torch.tensor([4, 8], dtype=torch.int32)
     gb = torch.randn(9, 128, generator=g).to(torch.bfloat16)
+    from primerl.kernels.fp8 import quant_per_block
+
+    wq = quant_per_block(torch.randn(128, 128, generator=g) * 0.1)
     return [
         ("grouped_gemm_nt_offsets", (a, b, offs, torch.float32)),
         ("grouped_gemm_nt_offsets", (a.detach().bfloat16().requires_grad_(), b.detach().bfloat16().requires_grad_(),
@@ -232,6 +238,8 @@ def _opcheck_samples():
         ("fp8_linear_bwd", (gb, xb.detach(), wb.detach(), "blockwise_fp8_wgrad", None, True, True)),
         ("fp8_grouped_linear_fwd", (xb, wg, goffs, "blockwise", None)),
         ("fp8_grouped_linear_bwd", (gb, xb.detach(), wg.detach(), goffs, "blockwise_fp8_wgrad", None, True, True)),
+        ("lora_fp8_base_fwd", (xb, *wq, None)),
+        ("lora_fp8_base_bwd", (torch.randn(9, 128, generator=g).bfloat16(), *wq, "torch")),
     ] + _opcheck_triton_samples(g)
 
 
@@ -303,6 +311,32 @@ def _opcheck_gemm_triton_samples(g):
                                             "rows")),
         ("quant_per_group_colwise_triton", (torch.randn(13, 16, generator=g).bfloat16(), koffs, torch.float8_e5m2, True,
                                             "divide", "blocks")),
+    ] + _opcheck_lora_triton_samples(g)
+
+
+def _opcheck_lora_triton_samples(g):
+    """primerl/kernels/lora/triton_ops.py: dense (16/32-bit base, a given FP8 base output), grouped
+    by offsets (an empty group, 2 tail rows) and by m_indices (aligned contiguous layout)."""
+    def rand(*shape, grad=False):
+        return torch.randn(*shape, generator=g).requires_grad_(grad)
+
+    offs = torch.tensor([3, 3, 9], dtype=torch.int32)
+    mi = torch.cat([torch.full((60,), 1), torch.full((68,), -1)]).to(torch.int32)
+    x, w, a, b = rand(6, 32, grad=True), rand(24, 32, grad=True), rand(4, 32, grad=True), rand(24, 4, grad=True)
+    ga, gb_ = rand(3, 4, 32, grad=True), rand(3, 24, 4, grad=True)
+    return [
+        ("lora_linear_triton", (x, w, None, a, b, 0.5)),
+        ("lora_linear_triton", (x, None, rand(6, 24, grad=True), a, b, 2.0)),
+        ("lora_linear_triton_bwd", (rand(6, 24), x.detach(), w.detach(), a.detach(), b.detach(), rand(6, 4), 0.5,
+                                    True, True, True, True)),
+        ("lora_linear_triton_bwd", (rand(6, 24), x.detach(), None, a.detach(), b.detach(), rand(6, 4), 0.5,
+                                    True, False, False, True)),
+        ("grouped_lora_triton", (rand(11, 32, grad=True), ga, gb_, offs, "offsets", 0.5)),
+        ("grouped_lora_triton", (rand(128, 32, grad=True), ga, gb_, mi, "m_indices", 2.0)),
+        ("grouped_lora_triton_bwd", (rand(11, 24), rand(11, 32), ga.detach(), gb_.detach(), rand(11, 4), offs,
+                                     "offsets", 0.5, True, True, True)),
+        ("grouped_lora_triton_bwd", (rand(128, 24), rand(128, 32), ga.detach(), gb_.detach(), rand(128, 4), mi,
+                                     "m_indices", 0.5, True, False, True)),
     ]
 
 

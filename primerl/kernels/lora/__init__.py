@@ -39,10 +39,11 @@ from . import reference
 
 __all__ = ["lora_linear", "grouped_lora", "BACKENDS"]
 
-BACKENDS = ("torch",)  # "triton" lands with its kernels
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BACKENDS = ("torch", "triton")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_BLOCK = 128
+FP8_BLOCK = 128  # the FP8 block, and the row block of the m_indices layout Triton takes
 
 
 def _shape(t) -> str:
@@ -84,8 +85,13 @@ def _check_lora_pair(op: str, x: torch.Tensor, lora_a, lora_b, grouped: bool) ->
     return r, lora_b.shape[-2]
 
 
-def _resolve(op: str, backend, device: torch.device) -> str:
-    return resolve_backend(op, backend, device, supported=BACKENDS, preference=("triton", "torch"))
+def _resolve(op: str, backend, device: torch.device, dtype: torch.dtype) -> str:
+    be = resolve_backend(op, backend, device, supported=BACKENDS, preference=("triton", "torch"))
+    if be == "triton" and dtype not in _TRITON_DTYPES:
+        if backend is None:
+            return "torch"  # float64 (a test's reference precision) has no tensor-core kernel: the reference
+        raise ValueError(f"{op}: the triton backend takes {_TRITON_DTYPES}, got {dtype}; use backend='torch'")
+    return be
 
 
 # ------------------------------------------------------------------------------ lora_linear
@@ -129,9 +135,9 @@ def lora_linear(x: torch.Tensor, weight, lora_a: torch.Tensor, lora_b: torch.Ten
                 backend: str | None = None) -> torch.Tensor:
     """``y[..., n] = x @ W.T + scale * (x @ A.T) @ B.T (+ bias)``; differentiable (see module doc).
 
-    x ``[..., d]`` bf16/fp16/fp32; weight ``[n, d]`` in x's dtype or ``(wq, wsf)`` block FP8 (n, d
-    multiples of 128); lora_a ``[r, d]``, lora_b ``[n, r]`` in x's dtype; scale a float (PEFT's
-    ``lora_alpha / r``); bias ``[n]`` or None; fp8_recipe: None, or a recipe of
+    x ``[..., d]`` bf16/fp16/fp32 (float64 on the torch backend); weight ``[n, d]`` in x's dtype or
+    ``(wq, wsf)`` block FP8 (n, d multiples of 128); lora_a ``[r, d]``, lora_b ``[n, r]`` in x's
+    dtype; scale a float (PEFT's ``lora_alpha / r``); bias ``[n]`` or None; fp8_recipe: None, or a recipe of
     :mod:`primerl.kernels.fp8_training` to run a 16/32-bit base in FP8. Output in x's dtype."""
     op = "lora_linear"
     _check_tensor(op, "x", x, None, _DTYPES)
@@ -149,22 +155,23 @@ def lora_linear(x: torch.Tensor, weight, lora_a: torch.Tensor, lora_b: torch.Ten
     tensors = dict(x=x, lora_a=lora_a, lora_b=lora_b, bias=bias)
     tensors.update(dict(wq=weight[0], wsf=weight[1]) if is_fp8 else dict(weight=weight))
     dev = _check_same_device(op, **tensors)
-    be = _resolve(op, backend, dev)
+    be = _resolve(op, backend, dev, x.dtype)
     x2 = x.reshape(-1, x.shape[-1])
     if is_fp8:
         from .fp8_base import fp8_base
 
-        base = fp8_base(x2, weight[0], weight[1], be)
+        # the base GEMM picks its own fastest backend when none was named (cuBLAS / DeepGEMM on CUDA)
+        base = fp8_base(x2, weight[0], weight[1], backend)
     elif fp8_recipe is not None:
         from ..fp8_training import fp8_linear
 
-        base = fp8_linear(x2, weight, recipe=fp8_recipe, backend=be)
+        base = fp8_linear(x2, weight, recipe=fp8_recipe, backend=backend)
     else:
         base = None
     if be == "triton":
-        from . import _autograd
+        from . import triton_ops
 
-        y = _autograd.lora_linear(x2, None if base is not None else weight, lora_a, lora_b, scale, base)
+        y = triton_ops.lora_linear(x2, None if base is not None else weight, lora_a, lora_b, scale, base)
     elif base is None:
         y = reference.lora_linear(x2, weight, lora_a, lora_b, scale)
     else:
@@ -204,9 +211,14 @@ def grouped_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, sc
         index, kind = _check_index(op, "m_indices", m_indices, x.shape[0]), "m_indices"
         _check_m_indices_content(op, index, num_experts, one_group_per_block=False)
     dev = _check_same_device(op, x=x, lora_a=lora_a, lora_b=lora_b, **{kind: index})
-    be = _resolve(op, backend, dev)
+    be = _resolve(op, backend, dev, x.dtype)
     if be == "triton":
-        from . import _autograd
+        from . import triton_ops
 
-        return _autograd.grouped_lora(x, lora_a, lora_b, scale, index, kind)
+        if kind == "m_indices":
+            if x.shape[0] % FP8_BLOCK:
+                raise ValueError(f"{op}: the triton backend takes m_indices only in the aligned contiguous layout "
+                                 f"(M a multiple of {FP8_BLOCK}, see pad_to_contiguous), got M={x.shape[0]}")
+            _check_m_indices_content(op, index, num_experts, ascending=True)
+        return triton_ops.grouped_lora(x, lora_a, lora_b, scale, index, kind)
     return reference.grouped_lora(x, lora_a, lora_b, scale, index, kind)

@@ -44,7 +44,7 @@ def grouped_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, sc
 def grouped_lora_loop(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
                       offsets: torch.Tensor) -> torch.Tensor:
     """The per-expert loop (host offsets): the spec :func:`grouped_lora` is tested against, and the
-    baseline of ``python -m bench lora``."""
+    baseline of ``python -m bench lora_kernels``."""
     out = x.new_zeros(x.shape[0], lora_b.shape[1])
     start = 0
     for e, end in enumerate(offsets.tolist()):
