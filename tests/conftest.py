@@ -47,10 +47,11 @@ def _uses_fixed_ports(path: str) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    xdist = config.pluginmanager.hasplugin("xdist")  # it registers xdist_group (--strict-markers); not in .venv-vf
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
-        if _uses_fixed_ports(str(item.path)):
+        if xdist and _uses_fixed_ports(str(item.path)):
             item.add_marker(pytest.mark.xdist_group("fixed_ports"))
 
 

@@ -195,6 +195,8 @@ def test_primerl_command_passes_dry_run(block: Block, argv: list[str], tmp_path:
 
         rc = main(args)
         captured = capsys.readouterr()
+        if rc == 2 and "inference.vllm.python:" in captured.err and os.environ.get("PRIMERL_REQUIRE_VLLM") != "1":
+            pytest.skip(f"{block.where}: the vLLM venv the block names is not here ({captured.err.strip()})")
         assert rc == 0, f"{block.where}: {shlex.join(argv)} --dry-run exited {rc}:\n{captured.err[-3000:]}"
         return
     if argv[0] != ".venv-vf/bin/primerl":

@@ -103,7 +103,7 @@ def _files(root: Path) -> list[str]:
 
 @pytest.mark.dist
 def test_orchestrator_on_its_own_node_gets_weights_over_the_network_only(tmp_path):
-    cfg = _cfg("--max_steps", "6")
+    cfg = _cfg("--max_steps", "6", "--orchestrator.max_async_level", "0")  # on policy: mismatch_kl shows the weights
     procs = _start(tmp_path, cfg)
     try:
         rcs = {role: _wait(procs, role, 150) for role in procs}  # the end must not hang
@@ -113,7 +113,12 @@ def test_orchestrator_on_its_own_node_gets_weights_over_the_network_only(tmp_pat
             for i, role in enumerate(("trainer", "orchestrator"))}
     assert rcs == {"trainer": 0, "orchestrator": 0}, {k: v[-3000:] for k, v in logs.items()}
     trainer_out, orch_out = tmp_path / "host0" / "out", tmp_path / "host1" / "out"
-    assert [r["step"] for r in read_metrics(trainer_out / "metrics.jsonl")] == list(range(6))
+    rows = read_metrics(trainer_out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(6))
+    # the broadcast weights were loaded, not only their version recorded: on policy, the sampler's
+    # log-probs are the trainer's (a dropped broadcast gave mismatch_kl 0.13-0.20 here; loaded, ~1e-14)
+    assert all(r["policy_version"] == r["step"] for r in rows), [r["policy_version"] for r in rows]
+    assert max(r["mismatch_kl/mean"] for r in rows) < 1e-3, [r["mismatch_kl/mean"] for r in rows]
     assert "weights by broadcast" in logs["orchestrator"]
     assert "the trainer ended its updates after version 6" in logs["orchestrator"]
     # the orchestrator's node holds no weights, marker, metrics or checkpoint; the trainer's no rollout
@@ -255,6 +260,7 @@ def test_three_nodes_trainer_inference_server_orchestrator_share_no_file(tmp_pat
     vport = _free_port()
     cfg = load_config(ROOT / "examples" / "reverse_text.toml", [
         "--output_dir", "out", "--max_steps", "6", "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
+        "--orchestrator.max_async_level", "0",  # on policy: mismatch_kl shows whether the weights were loaded
         "--log.plot", "false", "--orchestrator.weights_timeout_s", "60", "--trainer.batch_timeout_s", "60",
         "--device", "cpu", "--deployment.kind", "nodes", "--deployment.trainer_nodes", "1",
         "--deployment.inference_nodes", "1", "--deployment.orchestrator", "own",
@@ -278,6 +284,9 @@ def test_three_nodes_trainer_inference_server_orchestrator_share_no_file(tmp_pat
     assert [r["step"] for r in rows] == list(range(6))
     assert "weights version 6 broadcast to 1 receiver(s)" in logs[0]
     assert max(r["policy_version"] for r in rows) >= 1  # sampled with weights that came by broadcast
+    # ... and loaded by the server, not only their version recorded (that gave mismatch_kl 0.13-0.20)
+    assert all(r["policy_version"] == r["step"] for r in rows), [r["policy_version"] for r in rows]
+    assert max(r["mismatch_kl/mean"] for r in rows) < 1e-3, [r["mismatch_kl/mean"] for r in rows]
     for i in (1, 2):  # neither the server's nor the orchestrator's node holds a weights file or marker
         assert not [f for f in _files(tmp_path / f"host{i}") if "weights" in f or f.endswith("STABLE")], i
     assert not _files(tmp_path / "host0" / "out" / "transport" / "rollouts")

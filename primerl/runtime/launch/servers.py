@@ -8,7 +8,9 @@ The pieces, reusable for any role (``"inference"`` here; prefill / decode server
 - :func:`server_process` / :func:`router_process`: the command lines of ``primerl inference`` on a
   port and of ``vllm-router`` (normal mode with a policy, or P/D mode with ``prefill`` / ``decode``
   URLs). The router starts with NO workers: the pool client adds each one (``/add_worker``) only
-  once it holds the current weights (``inference.pool_client``).
+  once it holds the current weights (``inference.pool_client``); except under a policy vllm-router
+  refuses to start without workers (``power_of_two``: ``config.inference.ROUTER_MIN_WORKERS``), whose
+  router starts with the pool's servers (the pool client takes out one lacking the current version).
 - :class:`ServerPool`: starts N servers of a role and, when asked, a router in front; a supervisor
   thread restarts a server that exited or stopped answering ``/health`` within
   ``health_timeout_s`` (killed first: a hung, e.g. SIGSTOPped, process; a hung server's stacks go
