@@ -96,7 +96,8 @@ class OutputDirLock:
 # logs, pids and process table, the transport with its initial weights, vLLM's initial policy, the warm start, which
 # a new start redoes anyway): a directory holding only these is a start that failed, not a run whose
 # work a new start would delete, so it is reused (its logs are appended to: the failure stays readable).
-_START_FILES = frozenset({"config.toml", "logs", "pids", "transport", "vllm_init", "warm_start", "processes.json"})
+_START_FILES = frozenset({"config.toml", "logs", "pids", "transport", "vllm_init", "warm_start", "processes.json",
+                          "heartbeats"})
 
 
 def _previous_run_files(out: Path) -> list[str]:

@@ -53,8 +53,8 @@ def test_an_unknown_kind_is_one_config_error_listing_the_registered_ones(capsys)
 
 def test_the_built_in_launchers_and_their_capabilities():
     caps = {name: get_launcher(name).capabilities for name in ("local", "nodes", "slurm", "threads")}
-    assert caps == {"local": LauncherCapabilities(spans_nodes=False, server_pool=True),
-                    "nodes": LauncherCapabilities(spans_nodes=True, server_pool=False),
+    assert caps == {"local": LauncherCapabilities(spans_nodes=False, server_pool=True, restarts=True),
+                    "nodes": LauncherCapabilities(spans_nodes=True, server_pool=False, restarts=True),
                     "slurm": LauncherCapabilities(spans_nodes=True, server_pool=False),
                     "threads": LauncherCapabilities(spans_nodes=False, server_pool=False)}
     assert all(c.warm_start for c in caps.values())
