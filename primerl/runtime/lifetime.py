@@ -22,11 +22,15 @@ import time
 
 LAUNCHER_PID_ENV = "PRIMERL_LAUNCHER_PID"
 JOB_RESTARTS_ENV = "PRIMERL_JOB_RESTARTS"  # how many times the launcher restarted the job (launcher.run_job)
+# set by a node agent's watch (launch.node_watch) once this process is ending on purpose (SIGTERM, another
+# node's end): the exit code that a failure following from it reports instead of its own
+ENDING = {"exit_code": None}
 _PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("primerl")
 
-__all__ = ["JOB_RESTARTS_ENV", "LAUNCHER_PID_ENV", "die_with_parent", "watch_launcher", "pid_alive", "peer_alive"]
+__all__ = ["ENDING", "JOB_RESTARTS_ENV", "LAUNCHER_PID_ENV", "die_with_parent", "watch_launcher", "pid_alive",
+           "peer_alive"]
 
 
 def pid_alive(pid: int) -> bool:

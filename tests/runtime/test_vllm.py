@@ -346,8 +346,11 @@ def test_launch_refuses_what_cannot_work_before_starting(tmp_path):
                                  "--inference.vllm.model", "m"])
         with pytest.raises(InferenceServerError, match="already in use"):
             VLLMLauncher(cfg.inference.vllm, cfg.model, log_path=tmp_path / "v.log").start()
-    cfg = load_config(None, [*base, "--inference.vllm.port", str(_free_port()), "--inference.vllm.model", "m",
-                             "--inference.vllm.python", str(tmp_path / "no-python")])
+    missing = [*base, "--inference.vllm.port", str(_free_port()), "--inference.vllm.model", "m",
+               "--inference.vllm.python", str(tmp_path / "no-python")]
+    with pytest.raises(ConfigError, match="inference.vllm.python"):  # the config's check, before anything starts
+        load_config(None, missing)
+    cfg = load_config(None, missing, check=False)  # and the launcher's own, for a caller that skipped it
     with pytest.raises(InferenceServerError, match="inference.vllm.python"):
         VLLMLauncher(cfg.inference.vllm, cfg.model, log_path=tmp_path / "v.log").start()
     with pytest.raises(ConfigError, match="inference.vllm.launch"):

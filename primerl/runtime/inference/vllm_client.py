@@ -328,7 +328,8 @@ class VLLMClient:
                 if attempt == self.update_attempts:
                     raise InferenceServerError(f"weights version {version} could not be loaded by the inference "
                                                f"server in {attempt} attempts: {e}") from None
-                log.warning("weight update to version %d failed (attempt %d): %s; retrying", version, attempt, e)
+                # a retried attempt is not a failure yet (a supervised server that died names itself first)
+                log.info("weight update to version %d failed (attempt %d): %s; retrying", version, attempt, e)
 
     # -- generation
     def _payload(self, req: Request) -> dict:

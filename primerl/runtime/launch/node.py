@@ -316,7 +316,8 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     if role != "trainer":
         # the role runs in this process: ending it (SIGTERM, another node gone) ends the process
         watch = NodeWatch(where, lambda reason: exit_process(143 if watch.signalled else 1,
-                                                             f"primerl node: FAILED: {reason}"), grace_s=grace).start()
+                                                             f"primerl node: FAILED: {reason}"), grace_s=grace,
+                          store_grace_s=max(grace, 30.0) if role == "inference" else None).start()
         try:
             return _run_role(cfg, config_path, overrides, plan, node, role, digest, deadline, watch, store_node)
         finally:
@@ -365,6 +366,8 @@ def _run_role(cfg, config_path, overrides, plan, node, role, digest, deadline, w
 
             serve(cfg, host=node.host, port=cfg.inference.vllm.port)
     except Exception as e:
+        if watch.reason is not None:  # this node is ending (SIGTERM, another node's end): the error follows from it
+            raise NodeError(watch.reason, 143 if watch.signalled else 1) from None
         log.exception("%s failed", where)
         watch.fail(str(e) if isinstance(e, NodeError) else
                    f"{where} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

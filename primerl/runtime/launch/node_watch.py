@@ -42,8 +42,13 @@ class NodeWatch:
     ``"node 0 (127.0.0.1) trainer"``; ``on_end(reason)`` ends this node's role (called once, on
     the watch thread); ``reason`` / ``signalled``: why it ended (None while it has not)."""
 
-    def __init__(self, where: str, on_end: Callable[[str], None], *, grace_s: float, interval_s: float = 0.5):
+    def __init__(self, where: str, on_end: Callable[[str], None], *, grace_s: float, interval_s: float = 0.5,
+                 store_grace_s: float | None = None):
         self.where, self.on_end, self.grace_s, self.interval_s = where, on_end, grace_s, interval_s
+        # how long a store that stopped answering is waited out (default grace_s); a serving node (it never
+        # finishes by itself) waits longer: the store also goes at the job's normal end, before the
+        # launcher has seen the trainer nodes exit and stopped the servers
+        self.store_grace_s = grace_s if store_grace_s is None else store_grace_s
         self.reason: str | None = None
         self.signalled = False
         self._endpoint: tuple[str, int] | None = None
@@ -112,10 +117,10 @@ class NodeWatch:
                 lost_at = None
             except Exception as e:  # noqa: BLE001 - the store's errors differ across torch versions
                 lost_at = lost_at or time.monotonic()
-                if time.monotonic() - lost_at >= self.grace_s:
+                if time.monotonic() - lost_at >= self.store_grace_s:
                     host, port = self._endpoint
                     self._end(f"{self.where}: the rendezvous store at {host}:{port} (hosted by "
-                              f"{self._store_host_node}) stopped answering {self.grace_s:g} s ago "
+                              f"{self._store_host_node}) stopped answering {self.store_grace_s:g} s ago "
                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): that node is gone; "
                               "ending this node", post=False)
                     return
@@ -156,6 +161,9 @@ class NodeWatch:
             if self.reason is not None:
                 return
             self.reason = reason
+        from ..lifetime import ENDING
+
+        ENDING["exit_code"] = 143 if self.signalled else 1
         log.error("%s", reason)
         if post:
             self._post(reason)

@@ -14,7 +14,7 @@ from ..config import RLConfig
 from ..inference.backend import get_backend
 from ..trainer.checkpoint import start_step
 from ..heartbeat import install
-from ..lifetime import peer_alive, setup_logging, watch_launcher
+from ..lifetime import ENDING, peer_alive, setup_logging, watch_launcher
 from ..zmq_transport import make_transport
 
 log = logging.getLogger("primerl")
@@ -65,4 +65,4 @@ def _exit_past_receiver(weights) -> None:
     if weights.alive:
         log.exception("the orchestrator failed (its weight receiver is still in the trainer's group)")
         logging.shutdown()
-        os._exit(1)
+        os._exit(ENDING["exit_code"] or 1)  # 143: this node is ending on SIGTERM, the failure follows from it
