@@ -106,7 +106,8 @@ def test_the_sbatch_script_runs_end_to_end_under_slurm_standins(tmp_path):
     out = tmp_path / "out"
     cfg = load_config(ROOT / "examples" / "reverse_text.toml",
                       ["--output_dir", str(out), *SMALL, "--deployment.kind", "slurm",
-                       "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}"])
+                       "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}",
+                       "--orchestrator.zmq_port", str(_free_port())])  # not the default: a previous job may linger
     from primerl.runtime.config import to_toml
     from primerl.runtime.metrics import read_metrics
 
@@ -156,7 +157,8 @@ def test_a_killed_trainer_node_stops_the_job_naming_it_and_resume_continues(tmp_
 
     out = tmp_path / "out"
     over = ["--output_dir", str(out), *SMALL, "--max_steps", "6", "--checkpoint.interval", "2",
-            "--deployment.kind", "nodes", "--deployment.hosts", "127.0.0.1,127.0.0.2"]
+            "--deployment.kind", "nodes", "--deployment.hosts", "127.0.0.1,127.0.0.2",
+            "--orchestrator.zmq_port", str(_free_port())]  # not the default: a previous test's job may linger
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(load_config(ROOT / "examples" / "reverse_text.toml",
                                             [*over, "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}"])))
