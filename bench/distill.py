@@ -24,12 +24,11 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from .harness import Row
 from .job import ROOT, run_job
-from .reach import first_reached
+from .reach import first_reached, stop_at_reach
 
 MODES = {"rl": ("--distill.teacher", "", "--distill.only", "false"), "opd": (),
          "opd_reward": ("--distill.only", "false")}
@@ -48,13 +47,7 @@ def run(args) -> list[Row]:
     reached: dict = {m: ([], [], []) for m, _ in runs}  # mode -> (steps, seconds, seeds run)
     for mode, seed in runs:
         hit: dict = {}
-        t0 = time.monotonic()
-
-        def stop(metrics: list[dict]) -> bool:
-            if first_reached([m["reward/mean"] for m in metrics], threshold) is None:
-                return False
-            hit["seconds"] = time.monotonic() - t0
-            return True
+        stop = stop_at_reach(threshold, hit)
 
         extra_args = ("--seed", seed.strip(), "--distill.teacher", teacher, *MODES[mode])
         reached[mode][2].append(seed)

@@ -37,6 +37,20 @@ def first_reached(rewards: list[float], threshold: float, window: int = WINDOW) 
     return None
 
 
+def stop_at_reach(threshold: float, hit: dict):
+    """A ``run_job`` ``stop`` callback: True once the job's rewards first reach ``threshold`` (20-step
+    mean), recording the seconds since this call in ``hit["seconds"]``."""
+    t0 = time.monotonic()
+
+    def stop(metrics: list[dict]) -> bool:
+        if first_reached([m["reward/mean"] for m in metrics], threshold) is None:
+            return False
+        hit["seconds"] = time.monotonic() - t0
+        return True
+
+    return stop
+
+
 def run(args) -> list[Row]:
     seeds = os.environ.get("PRIMERL_REACH_SEEDS", "0" if args.quick else "0,1,2,3").split(",")
     seconds = float(os.environ.get("PRIMERL_REACH_SECONDS", 60 if args.quick else 240))
@@ -44,13 +58,7 @@ def run(args) -> list[Row]:
     rows, reached = [], 0
     for seed in seeds:
         hit: dict = {}  # seconds from the start to the first time the job's metrics showed it
-        t0 = time.monotonic()
-
-        def stop(metrics: list[dict]) -> bool:
-            if first_reached([m["reward/mean"] for m in metrics], threshold) is None:
-                return False
-            hit["seconds"] = time.monotonic() - t0
-            return True
+        stop = stop_at_reach(threshold, hit)
 
         with tempfile.TemporaryDirectory() as d:
             try:
