@@ -78,6 +78,13 @@ class Registry(Generic[T]):
             self._items[name] = obj
         return obj
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (a plug-in's test cleaning up after itself); an unknown name raises KeyError."""
+        with self._lock:
+            if name not in self._items:
+                raise KeyError(f"{self.what} {name!r} is not registered")
+            del self._items[name]
+
     def _load_builtins(self) -> None:
         with self._lock:
             if self._builtins_loaded:

@@ -39,6 +39,15 @@ def _cfg(out, *over):
 
 # -- the registry
 
+@pytest.fixture(autouse=True)
+def _forget_test_launchers():
+    """Kinds a test registers go at its end: a later test on this worker lists every registered kind."""
+    yield
+    for name in LAUNCHERS.names():
+        if name.startswith("test-"):
+            LAUNCHERS.unregister(name)
+
+
 
 def test_an_unknown_kind_is_one_config_error_listing_the_registered_ones(capsys):
     with pytest.raises(ConfigError) as e:

@@ -84,6 +84,14 @@ def _need(cond: bool, key: str, msg: str, value) -> None:
         raise ConfigError(f"{key}: {msg}, got {value!r}")
 
 
+def _can_start_a_pool(name: str) -> bool:
+    # another registered kind that is broken (not a launcher) is its own error, not this config's
+    try:
+        return get_launcher(name).capabilities.server_pool
+    except ConfigError:
+        return False
+
+
 def check_launcher(cfg: RLConfig) -> None:
     """The kind's part of the config check: registered, the capabilities the config needs, then the
     launcher's own ``check``. Raises ``ConfigError`` naming the key."""
@@ -91,7 +99,7 @@ def check_launcher(cfg: RLConfig) -> None:
     i = cfg.inference
     on_nodes = launcher.capabilities.spans_nodes and cfg.deployment.inference_nodes > 0 and not i.vllm.urls
     if (i.num_servers > 1 or i.vllm.urls) and not launcher.capabilities.server_pool and not on_nodes:
-        able = " or ".join(repr(n) for n in LAUNCHERS.names() if get_launcher(n).capabilities.server_pool)
+        able = " or ".join(repr(n) for n in LAUNCHERS.names() if _can_start_a_pool(n))
         pool = i.num_servers > 1
         key, value = ("inference.num_servers", i.num_servers) if pool else ("inference.vllm.urls", i.vllm.urls)
         nodes = (" or on inference nodes (deployment.inference_nodes >= 1, inference.num_servers on each)"
