@@ -109,16 +109,15 @@ def test_a_module_stopped_by_sigterm_hands_over_its_finished_rows(tmp_path, monk
     def run(args):
         rows = [Row("op", f"s{i}", "bf16", "triton", 1e-3, ratio=1.5, baseline="torch") for i in range(2)]
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(30)  # the handler interrupts this
+        time.sleep(600)  # the handler interrupts this (else pytest-timeout fails the test)
         return rows + [Row("op", "never", "bf16", "triton", 1e-3)]
 
     mod.run = run
     monkeypatch.setattr(bench_main, "available_ops", lambda: ["fakeop"])
     monkeypatch.setitem(sys.modules, "bench.fakeop", mod)
     before = signal.getsignal(signal.SIGTERM)
-    t0 = time.perf_counter()
     assert bench_main.main(["fakeop", "--device", "cpu", "--json", str(path)]) == 124
-    assert time.perf_counter() - t0 < 20 and signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGTERM) is before
     recs = read_jsonl(path)
     assert [r.get("shape") for r in recs[:2]] == ["s0", "s1"] and len(recs) == 3
     assert recs[2]["kind"] == "module_error" and "stopped by SIGTERM" in recs[2]["error"]

@@ -98,10 +98,9 @@ def test_router_pd_equals_colocated_and_resamples_failed_handoffs(pd):
 
     # the prefill server vanishes: the request fails clearly after the resamples (nothing hangs)
     prefill.stop()
-    t0 = time.monotonic()
     with pytest.raises(InferenceServerError, match="failed its P/D hand-off 3 times"):
         client.complete(reqs[1])
-    assert time.monotonic() - t0 < 60 and client.resampled == 3
+    assert client.resampled == 3
 
 
 def test_weight_updates_reach_every_server(pd, tmp_path):

@@ -2,7 +2,6 @@
 
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -29,10 +28,8 @@ def test_get_batch_waits_for_a_late_producer(tmp_path):
 
 def test_timeouts_and_dead_producer(tmp_path):
     tr = FileTransport(tmp_path)
-    t0 = time.monotonic()
     with pytest.raises(TransportTimeout, match="step 4"):
         tr.get_batch(4, 0, timeout=0.2)
-    assert time.monotonic() - t0 < 2
     with pytest.raises(ProducerDied, match="no longer running"):
         tr.get_batch(4, 0, timeout=30, alive=lambda: False)
     with pytest.raises(TransportTimeout, match="version >= 2"):

@@ -125,10 +125,9 @@ def test_a_vllm_that_exits_fails_the_inference_node_naming_it(tmp_path, monkeypa
     vport = free_port()
     cfg = _cfg(_fake_vllm(tmp_path, serve_s, code), vport, "--inference.vllm.launch_timeout_s", "60")
     node = node_plan(cfg).nodes[1]
-    t0 = time.monotonic()
+    # the exit is named (not "did not answer /health within 60 s"): the node did not wait out the launch timeout
     with pytest.raises(NodeError, match=r"^node 1 \(127\.0\.0\.2\) inference: the vLLM server " + says) as e:
         run_vllm_node(cfg, node, poll_s=0.1)
-    assert time.monotonic() - t0 < 30
     assert "fake vLLM exits" in str(e.value)  # the end of its log
     assert (tmp_path / "out" / "vllm_init" / "config.json").exists()  # the seeded init, in this node's output_dir
 
