@@ -43,7 +43,7 @@ from .weight_buckets import (
 
 log = logging.getLogger("primerl.weight_sync")
 
-__all__ = ["BucketSender", "SourceReceiver", "TransferStats", "join_transfer_groups", "receive_version"]
+__all__ = ["BucketSender", "PairReceiver", "SourceReceiver", "TransferStats", "join_transfer_groups", "receive_version"]
 
 END_OF_UPDATES = -1
 _NO_VERSION = 2**62
@@ -120,84 +120,206 @@ class TransferStats:
         self.last: dict = {}
 
 
+class _Link:
+    """One receiving group of a :class:`BucketSender`'s version: its posted operations (at most
+    ``2 * window`` in flight), the mode it gets and the error that dropped it (a dead peer)."""
+
+    def __init__(self, group, index: int):
+        self.group, self.index = group, index
+        self.pending: deque = deque()
+        self.error: BaseException | None = None
+        self.use_delta = False
+        self.wire = 0
+
+    @property
+    def live(self) -> bool:
+        return self.error is None
+
+    def post(self, work, keep) -> None:
+        self.pending.append((work, keep))
+
+    def wait_to(self, n: int) -> None:
+        """Wait until at most ``n`` operations are in flight; a failure drops the link."""
+        try:
+            while len(self.pending) > n:
+                self.pending.popleft()[0].wait()
+        except Exception as e:  # noqa: BLE001 - a receiver died or timed out: only this link stops
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> None:
+        if self.error is None:
+            self.error = e
+        self.pending.clear()
+
+
+def _allreduce_links(links: list[_Link], value: int, op) -> list[int | None]:
+    """One int64 all-reduce on every live link at once (posted first, then waited on): the result
+    per link, ``None`` for a link that failed (and is dropped)."""
+    import torch.distributed as dist
+
+    posted = []
+    for link in links:
+        if not link.live:
+            posted.append(None)
+            continue
+        t = torch.tensor([value], dtype=torch.int64, device=_device_of(link.group))
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        try:
+            posted.append((link.group.allreduce([t], opts), t))
+        except Exception as e:  # noqa: BLE001
+            link.fail(e)
+            posted.append(None)
+    out: list[int | None] = []
+    for link, p in zip(links, posted):
+        if p is None or not link.live:
+            out.append(None)
+            continue
+        try:
+            p[0].wait()
+            out.append(int(p[1].item()))
+        except Exception as e:  # noqa: BLE001
+            link.fail(e)
+            out.append(None)
+    return out
+
+
 class BucketSender:
     """One trainer rank's end of its group (``join_transfer_groups(..., source=r)``).
 
     ``send(version, regions, tensors)``: ``regions`` the :class:`Piece` s this rank owns (unsplit),
     ``tensors`` their data in the same order (any float dtype, cast / quantized here; consumed lazily,
     so a gather behind it runs while earlier buckets are on the wire). ``delta``: keep every bucket's
-    raw bytes as the next version's base and send xor + zstd when every receiver holds it."""
+    raw bytes as the next version's base and send xor + zstd when every receiver holds it.
+
+    ``send(..., groups=[...])``: this version goes to several groups (a pool: one two-rank group per
+    server, ``pool_broadcast``), each bucket packed once and posted to every group. Each group is a
+    link of its own: it gets the delta or the full version by what its receivers hold, a failed
+    checksum is repaired on it alone, and a group whose receiver dies or times out is dropped
+    (``failed``: its index -> the error) while the others go on. With the sender's own group
+    (``groups`` left out) a failure raises."""
 
     def __init__(self, group, *, bucket_bytes: int, delta: bool = False, full_every: int = 10, window: int = 2):
         self.group, self.bucket_bytes, self.delta, self.full_every = group, int(bucket_bytes), delta, full_every
         self.window = max(1, window)
-        self.device = _device_of(group)
         self.prev_version: int | None = None
         self._base: list[np.ndarray] | None = None
         self._layout: list | None = None
         self.stats = TransferStats()
+        self.failed: dict[int, BaseException] = {}
         self.corrupt_hook = None  # tests: (bucket index, payload bytes) -> payload bytes on the wire
 
-    def _header(self, version: int, mode: int, layout_json: list) -> None:
+    def _post_header(self, link: _Link, version: int, mode: int, layout_json: list) -> None:
         raw = header_bytes({"version": int(version), "mode": mode, "delta": self.delta, "layout": layout_json})
-        _bcast(self.group, torch.tensor([len(raw)], dtype=torch.int64, device=self.device)).wait()
-        _bcast(self.group, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)).wait()
+        dev = _device_of(link.group)
+        for t in (torch.tensor([len(raw)], dtype=torch.int64, device=dev),
+                  torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)):
+            self._post_one(link, t)
 
-    def send(self, version: int, regions: list[Piece], tensors: Iterable[torch.Tensor]) -> dict:
+    def _post_one(self, link: _Link, t: torch.Tensor) -> None:
+        if not link.live:
+            return
+        try:
+            link.post(_bcast(link.group, t), t)
+        except Exception as e:  # noqa: BLE001 - the group is broken: this link stops
+            link.fail(e)
+
+    def _post(self, link: _Link, kind: int, payload: torch.Tensor, crc: int, raw_n: int) -> None:
+        dev = _device_of(link.group)
+        self._post_one(link, torch.tensor([kind, payload.numel(), crc, raw_n], dtype=torch.int64, device=dev))
+        self._post_one(link, payload if payload.device.type == dev else payload.to(dev))
+        link.wait_to(2 * self.window)
+
+    def send(self, version: int, regions: list[Piece], tensors: Iterable[torch.Tensor], *,
+             groups: list | None = None) -> dict:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
+        single = groups is None
+        links = [_Link(g, i) for i, g in enumerate([self.group] if single else groups)]
         subs = [(s, r_i) for r_i, r in enumerate(regions) for s in split_pieces(r, self.bucket_bytes)]
         buckets = plan_buckets([s for s, _ in subs], self.bucket_bytes)
         layout = layout_to_json(buckets)
-        held = _allreduce(self.group, _NO_VERSION, dist.ReduceOp.MIN)
-        use_delta = (self.delta and self.prev_version is not None and held == self.prev_version
-                     and layout == self._layout and self.stats.versions % self.full_every != 0)
-        self._header(version, DELTA if use_delta else FULL, layout)
-        wire = raw_total = 0
+        held = _allreduce_links(links, _NO_VERSION, dist.ReduceOp.MIN)
+        can_delta = (self.delta and self.prev_version is not None and layout == self._layout
+                     and self.stats.versions % self.full_every != 0)
+        for link, h in zip(links, held):
+            link.use_delta = can_delta and h == self.prev_version
+            self._post_header(link, version, DELTA if link.use_delta else FULL, layout)
+        raw_total = 0
         bases: list[np.ndarray] = []
-        pending: deque = deque()
         pieces = self._piece_tensors(regions, subs, tensors)
         for i, bucket in enumerate(buckets):
-            buf = encode_bucket(bucket, [next(pieces)[1] for _ in bucket], device=self.device)
+            if not any(link.live for link in links):  # nobody to send to: take the rest without packing it
+                for _ in pieces:
+                    pass
+                break
+            buf = encode_bucket(bucket, [next(pieces)[1] for _ in bucket], device=self.device_for(links))
             raw = buf.cpu().numpy() if (self.delta or self.corrupt_hook) else None
             crc = checksum(raw) if self.delta else 0
             if self.delta:
                 bases.append(raw)
-            if use_delta:
-                payload = torch.frombuffer(bytearray(encode_delta(raw, self._base[i])), dtype=torch.uint8)
-                payload = payload.to(self.device)
-            else:
-                payload = buf
-            if self.corrupt_hook is not None:
-                payload = torch.frombuffer(bytearray(self.corrupt_hook(i, payload.cpu().numpy().tobytes())),
-                                           dtype=torch.uint8).to(self.device)
-            wire += payload.numel()
+            delta_payload = None
+            for link in links:
+                if not link.live:
+                    continue
+                if link.use_delta:
+                    if delta_payload is None:
+                        delta_payload = torch.frombuffer(bytearray(encode_delta(raw, self._base[i])), dtype=torch.uint8)
+                    payload = delta_payload
+                else:
+                    payload = buf
+                if self.corrupt_hook is not None:
+                    payload = torch.frombuffer(bytearray(self.corrupt_hook(i, payload.cpu().numpy().tobytes())),
+                                               dtype=torch.uint8)
+                link.wire += payload.numel()
+                self._post(link, DELTA if link.use_delta else FULL, payload, crc, buf.numel())
             raw_total += buf.numel()
-            self._post(pending, DELTA if use_delta else FULL, payload, crc, buf.numel())
-        if next(pieces, None) is not None:
-            raise ValueError("BucketSender.send: more tensors than regions")
-        while pending:
-            pending.popleft()[0].wait()
-        bad = _allreduce(self.group, 0, dist.ReduceOp.SUM)
-        mode = "delta" if use_delta else "full"
-        if bad:
-            if not self.delta:
-                raise RuntimeError(f"weights version {version}: {bad} bucket(s) failed at the receivers")
-            self.stats.repairs += 1
-            log.warning("weights version %d: %d bucket(s) failed their checksum at a receiver: sent again in full",
-                        version, bad)
-            wire += self._resend_full(version, buckets, bases)
-            mode = "delta+repair"
+        else:
+            if next(pieces, None) is not None:
+                raise ValueError("BucketSender.send: more tensors than regions")
+        for link in links:
+            link.wait_to(0)
+        bad = _allreduce_links(links, 0, dist.ReduceOp.SUM)
+        modes = []
+        for link, b in zip(links, bad):
+            if not link.live:
+                continue
+            mode = "delta" if link.use_delta else "full"
+            if b:
+                if not self.delta:
+                    link.fail(RuntimeError(f"weights version {version}: {b} bucket(s) failed at the receivers"))
+                    continue
+                self.stats.repairs += 1
+                log.warning("weights version %d: %d bucket(s) failed their checksum at a receiver: sent again in full",
+                            version, b)
+                try:
+                    link.wire += self._resend_full(link, version, buckets, bases)
+                except Exception as e:  # noqa: BLE001
+                    link.fail(e)
+                    continue
+                mode = "delta+repair"
+            modes.append(mode)
+        self.failed = {link.index: link.error for link in links if not link.live}
+        if single and self.failed:
+            raise self.failed[0]
         self.prev_version, self._layout = version, layout
         self._base = bases if self.delta else None
         self.stats.versions += 1
-        self.stats.delta_versions += use_delta
+        self.stats.delta_versions += any(link.use_delta and link.live for link in links)
+        wire = sum(link.wire for link in links)
+        raw_sent = raw_total * len(links)
         self.stats.wire_bytes += wire
-        self.stats.raw_bytes += raw_total
-        self.stats.last = {"wire_bytes": wire, "raw_bytes": raw_total, "mode": mode,
+        self.stats.raw_bytes += raw_sent
+        self.stats.last = {"wire_bytes": wire, "raw_bytes": raw_sent,
+                           "mode": modes[0] if len(set(modes)) == 1 else "+".join(sorted(set(modes))) or "failed",
                            "seconds": time.perf_counter() - t0}
         return self.stats.last
+
+    @staticmethod
+    def device_for(links: list[_Link]) -> str:
+        """Where a bucket is packed: the links' device (CUDA when the groups are NCCL)."""
+        return _device_of(links[0].group) if links else "cpu"
 
     def _piece_tensors(self, regions, subs, tensors) -> Iterator[tuple[Piece, torch.Tensor]]:
         """The split pieces' data, each a dim-0 slice of its region's tensor."""
@@ -211,35 +333,32 @@ class BucketSender:
         for extra in it:
             yield None, extra
 
-    def _post(self, pending: deque, kind: int, payload: torch.Tensor, crc: int, raw_n: int) -> None:
-        meta = torch.tensor([kind, payload.numel(), crc, raw_n], dtype=torch.int64, device=self.device)
-        pending.append((_bcast(self.group, meta), meta))
-        pending.append((_bcast(self.group, payload), payload))
-        while len(pending) > 2 * self.window:
-            pending.popleft()[0].wait()
-
-    def _resend_full(self, version: int, buckets, bases: list[np.ndarray]) -> int:
+    def _resend_full(self, link: _Link, version: int, buckets, bases: list[np.ndarray]) -> int:
         import torch.distributed as dist
 
-        _allreduce(self.group, _NO_VERSION, dist.ReduceOp.MIN)
-        self._header(version, FULL, layout_to_json(buckets))
-        pending: deque = deque()
+        _allreduce(link.group, _NO_VERSION, dist.ReduceOp.MIN)
+        self._post_header(link, version, FULL, layout_to_json(buckets))
         for raw in bases:
-            payload = torch.from_numpy(raw).to(self.device)
-            self._post(pending, FULL, payload, checksum(raw), raw.nbytes)
-        while pending:
-            pending.popleft()[0].wait()
-        bad = _allreduce(self.group, 0, dist.ReduceOp.SUM)
+            self._post(link, FULL, torch.from_numpy(raw), checksum(raw), raw.nbytes)
+        link.wait_to(0)
+        if link.error is not None:
+            raise link.error
+        bad = _allreduce(link.group, 0, dist.ReduceOp.SUM)
         if bad:
             raise RuntimeError(f"weights version {version}: the full resend failed its checksum at a receiver too")
         return sum(b.nbytes for b in bases)
 
-    def close(self) -> None:
+    def close(self, groups: list | None = None) -> None:
         """Tell the receivers no version follows (the header of version -1)."""
         import torch.distributed as dist
 
-        _allreduce(self.group, _NO_VERSION, dist.ReduceOp.MIN)
-        self._header(END_OF_UPDATES, FULL, [])
+        links = [_Link(g, i) for i, g in enumerate([self.group] if groups is None else groups)]
+        _allreduce_links(links, _NO_VERSION, dist.ReduceOp.MIN)
+        for link in links:
+            self._post_header(link, END_OF_UPDATES, FULL, [])
+            link.wait_to(0)
+        if groups is None and links[0].error is not None:
+            raise links[0].error
 
 
 class _Assembly:
@@ -363,6 +482,52 @@ def receive_version(receivers: list[SourceReceiver], device, pool: ThreadPoolExe
         torch.cuda.current_stream().synchronize()
     out.check(version)
     return version, out.tensors
+
+
+class PairReceiver:
+    """A server's end of its own two-rank group with trainer rank 0 (rank 1; ``pool_broadcast``: one
+    group per server of a pool), speaking this module's protocol. ``join()`` and ``receive(load)``
+    return futures run one at a time on a thread of this receiver; ``load(version, {name: tensor})``
+    installs a received version. The :class:`SourceReceiver` lives as long as the group, so the raw
+    buckets of the version it holds are the base of the next delta; a new group (a replaced server)
+    holds none and gets the next version in full."""
+
+    def __init__(self, device: torch.device, host: str, port, timeout_s=300.0, prefix=""):
+        self.device, self.host, self.port, self.prefix = device, str(host), int(port), str(prefix)
+        self.timeout_s = float(timeout_s)
+        self.receiver: SourceReceiver | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-transfer")
+
+    def join(self):
+        from .weight_broadcast import new_group
+
+        def run():
+            group = new_group(self.host, self.port, 1, 2, timeout_s=self.timeout_s,
+                              backend="nccl" if self.device.type == "cuda" else "gloo", prefix=self.prefix)
+            self.receiver = SourceReceiver(group, 0)
+
+        return self._pool.submit(run)
+
+    def receive(self, load):
+        def run() -> int:
+            if self.receiver is None:
+                raise RuntimeError(f"no weight transfer group: joining {self.host}:{self.port} failed or is not done")
+            try:
+                version, weights = receive_version([self.receiver], self.device)
+            except Exception:
+                # leave the group: trainer rank 0 then fails on this link at once, not at its timeout
+                receiver, self.receiver = self.receiver, None
+                try:
+                    receiver.group.shutdown()
+                except Exception:  # noqa: BLE001 - nothing left to close
+                    pass
+                raise
+            if version == END_OF_UPDATES:
+                return version
+            load(version, weights)
+            return version
+
+        return self._pool.submit(run)
 
 
 def _engine_receiver_class():
