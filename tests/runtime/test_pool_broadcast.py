@@ -254,6 +254,36 @@ def test_pool_by_broadcast_survives_a_killed_server_through_primerl_rl(tmp_path)
     assert rows[-1]["inference/restarts"] == 1
 
 
+@needs_router
+@pytest.mark.dist
+def test_a_pool_takes_deltas_and_fp8_in_transit_through_primerl_rl(tmp_path):
+    """``inference.weight_transfer.delta`` / ``dtype = "fp8"`` with a pool of 2 servers: every step
+    once, every version to both servers, deltas on the wire (a full version every 2, and for a server
+    new to the pool), no repair; FP8 moves at most 0.3x the float32 engine's bytes (0.6x bf16's)."""
+    steps, runs = 4, {}
+    for name, over in (("delta", ["--inference.weight_transfer.delta", "true", "--inference.weight_transfer.full_every",
+                                  "2", "--inference.weight_transfer.bucket_mb", "0.05"]),
+                       ("fp8", ["--inference.weight_transfer.dtype", "fp8"])):
+        out = tmp_path / name
+        proc = _start(out, steps, *BROADCAST, "--inference.broadcast_port", str(_port()), *over)
+        try:
+            rows, _ = _finish(proc, out, steps)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        trainer = (out / "logs" / "trainer.log").read_text()
+        assert f"weights version {steps} broadcast to 2 of 2 server(s)" in trainer, trainer[-2000:]
+        assert not list((out / "transport" / "weights").glob("*/model.safetensors"))  # no weight file
+        runs[name] = rows, trainer
+    rows, trainer = runs["delta"]
+    assert "(delta)" in trainer or "(delta+full)" in trainer
+    assert rows[-1]["weights/delta_versions"] >= 1 and rows[-1]["weights/repairs"] == 0
+    assert min(r["weights/wire_fraction"] for r in rows) < 1
+    full = [r["weights/raw_mb"] for r in rows if r["weights/wire_fraction"] == 1]  # a full version to both
+    fp8_rows, _ = runs["fp8"]
+    assert full and fp8_rows[-1]["weights/wire_mb"] <= 0.3 * max(full)
+
+
 def test_pool_broadcast_config_and_dry_run():
     from primerl.runtime.config import ConfigError
     from primerl.runtime.placement import resolve_placement

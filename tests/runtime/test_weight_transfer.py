@@ -334,7 +334,14 @@ def test_fp8_or_delta_with_a_receiver_that_cannot_take_them_is_refused_at_dry_ru
     assert main([*base, "--inference.weight_transfer.dtype", "fp8"]) == 2  # files on one machine's CPU
     assert "inference.weight_transfer.dtype: is a form of the broadcast" in capsys.readouterr().err
     assert main([*base, "--inference.weight_transfer.delta", "true", "--inference.num_servers", "2"]) == 2
-    assert "inference.weight_transfer.delta: a pool / P/D servers take weights as files" in capsys.readouterr().err
+    assert "inference.weight_transfer.delta: is a form of the broadcast" in capsys.readouterr().err  # a pool by files
+    pool = ["--inference.num_servers", "2", "--inference.weight_update", "broadcast"]
+    assert main([*base, *pool, "--inference.weight_transfer.delta", "true", "--inference.weight_transfer.dtype",
+                 "fp8"]) == 0  # a pool by broadcast takes both (pool_broadcast: a pair per server)
+    capsys.readouterr()
+    pd = ["--inference.pd.prefill", "1", "--inference.pd.decode", "1", "--inference.weight_update", "broadcast"]
+    assert main([*base, *pd, "--inference.weight_transfer.delta", "true"]) == 2
+    assert "inference.weight_transfer.delta: P/D servers take weights as files" in capsys.readouterr().err
     assert main([*base, "--inference.weight_transfer.dtype", "fp8", "--inference.backend", "vllm"]) == 2
     assert "inference.weight_transfer.dtype" in capsys.readouterr().err
     assert main([*base, "--inference.weight_transfer.full_every", "0"]) == 2
