@@ -246,11 +246,13 @@ def _fsdp_worker(rank, world, store, ports):
     model = _Model()
     fully_shard(model)
     channels = []
-    for port, fp8 in zip(ports, (False, True)):  # one receiver each: raw bf16, FP8 in transit
+    # one receiver each: raw bf16 as pieces (sent from the shards, received into the full tensors), FP8 in
+    # transit with deltas (packed buckets)
+    for port, fp8 in zip(ports, (False, True)):
         join = lambda r, port=port: join_transfer_groups(  # noqa: E731
             "127.0.0.1", port, sources=world, receivers=1, source=r, store_master=False, timeout_s=300)[r]
         channels.append(BucketedBroadcast(join, None, rank=rank, dtype=torch.bfloat16, bucket_bytes=20_000, fp8=fp8,
-                                          delta=True))
+                                          delta=fp8))
     for ch in channels:
         ch.publish(0, WeightStream(model))
     with torch.no_grad():
@@ -259,12 +261,13 @@ def _fsdp_worker(rank, world, store, ports):
     for ch in channels:
         ch.publish(1, WeightStream(model))
         ch.close()
-        assert ch.stats.last["mode"] == "delta"
+        assert ch.stats.last["mode"] == ("delta" if ch.delta else "full")
     dist.destroy_process_group()
 
 
 def test_every_fsdp2_rank_sends_its_own_shards_and_the_receiver_assembles_them(tmp_path):
-    """Two FSDP2 ranks, two channels (bf16; FP8 in transit), a receiver each in this process."""
+    """Two FSDP2 ranks, two channels (bf16 as pieces; FP8 in transit with deltas), a receiver each in
+    this process."""
     from primerl.kernels.fp8 import dequant, quant_per_block
 
     ports, world = [_port(), _port()], 2

@@ -37,8 +37,9 @@ import numpy as np
 import torch
 
 from .weight_buckets import (
-    DELTA, FULL, DeltaDecodeError, Piece, checksum, decode_bucket, decode_delta, encode_bucket, encode_delta,
-    header_bytes, layout_from_json, layout_to_json, plan_buckets, split_pieces
+    DELTA, FULL, PIECES, DeltaDecodeError, Piece, checksum, contiguous_in_full, decode_bucket, decode_delta,
+    decode_piece, encode_bucket, encode_delta, header_bytes, layout_from_json, layout_to_json, piece_wire,
+    plan_buckets, split_pieces, wire_bytes
 )
 
 log = logging.getLogger("primerl.weight_sync")
@@ -126,7 +127,8 @@ class _Link:
 
     def __init__(self, group, index: int):
         self.group, self.index = group, index
-        self.pending: deque = deque()
+        self.pending: deque = deque()  # one entry per bucket (and the header): its [(work, tensor kept alive)]
+        self._open: list = []
         self.error: BaseException | None = None
         self.use_delta = False
         self.wire = 0
@@ -136,13 +138,18 @@ class _Link:
         return self.error is None
 
     def post(self, work, keep) -> None:
-        self.pending.append((work, keep))
+        self._open.append((work, keep))
 
     def wait_to(self, n: int) -> None:
-        """Wait until at most ``n`` operations are in flight; a failure drops the link."""
+        """Close the bucket being posted; wait until at most ``n`` buckets are in flight. A failure
+        drops the link."""
+        if self._open:
+            self.pending.append(self._open)
+            self._open = []
         try:
             while len(self.pending) > n:
-                self.pending.popleft()[0].wait()
+                for work, _ in self.pending.popleft():
+                    work.wait()
         except Exception as e:  # noqa: BLE001 - a receiver died or timed out: only this link stops
             self.fail(e)
 
@@ -150,6 +157,7 @@ class _Link:
         if self.error is None:
             self.error = e
         self.pending.clear()
+        self._open = []
 
 
 def _allreduce_links(links: list[_Link], value: int, op) -> list[int | None]:
@@ -228,7 +236,16 @@ class BucketSender:
         dev = _device_of(link.group)
         self._post_one(link, torch.tensor([kind, payload.numel(), crc, raw_n], dtype=torch.int64, device=dev))
         self._post_one(link, payload if payload.device.type == dev else payload.to(dev))
-        link.wait_to(2 * self.window)
+        link.wait_to(self.window)
+
+    def _post_pieces(self, link: _Link, wires: list[torch.Tensor], raw_n: int) -> None:
+        """A :data:`PIECES` bucket: its meta, then every piece's messages (``piece_wire``), no packing."""
+        dev = _device_of(link.group)
+        self._post_one(link, torch.tensor([PIECES, raw_n, 0, raw_n], dtype=torch.int64, device=dev))
+        for w in wires:
+            if w.numel():
+                self._post_one(link, w)
+        link.wait_to(self.window)
 
     def send(self, version: int, regions: list[Piece], tensors: Iterable[torch.Tensor], *,
              groups: list | None = None) -> dict:
@@ -254,7 +271,17 @@ class BucketSender:
                 for _ in pieces:
                     pass
                 break
-            buf = encode_bucket(bucket, [next(pieces)[1] for _ in bucket], device=self.device_for(links))
+            data = [next(pieces)[1] for _ in bucket]
+            if not self.delta and self.corrupt_hook is None:  # each piece as itself: no packing copy
+                raw_n = wire_bytes(bucket)
+                wires = [w for (p, _), t in zip(bucket, data) for w in piece_wire(p, t, self.device_for(links))]
+                for link in links:
+                    if link.live:
+                        link.wire += raw_n
+                        self._post_pieces(link, wires, raw_n)
+                raw_total += raw_n
+                continue
+            buf = encode_bucket(bucket, data, device=self.device_for(links))
             raw = buf.cpu().numpy() if (self.delta or self.corrupt_hook) else None
             crc = checksum(raw) if self.delta else 0
             if self.delta:
@@ -368,12 +395,16 @@ class _Assembly:
         self.device, self.tensors, self.filled = device, {}, {}
         self._lock = threading.Lock()
 
-    def put(self, p: Piece, region: torch.Tensor) -> None:
+    def region(self, p: Piece) -> torch.Tensor:
+        """``p``'s region of its full tensor (allocated at its first piece), a view to fill."""
         with self._lock:
             full = self.tensors.get(p.name)
             if full is None:
                 full = self.tensors[p.name] = torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=self.device)
-        full[p.index].copy_(region)
+        return full[p.index]
+
+    def put(self, p: Piece, region: torch.Tensor) -> None:
+        self.region(p).copy_(region)
 
     def count(self, counts: dict) -> None:
         with self._lock:
@@ -403,6 +434,23 @@ class SourceReceiver:
         _bcast(self.group, t).wait()
         return t
 
+    def _recv_piece(self, p: Piece, out: "_Assembly | None") -> None:
+        """One piece of a :data:`PIECES` bucket: straight into its region of the assembled tensor when
+        that is contiguous there (raw pieces), else through a buffer (FP8: dequantized); ``out`` None:
+        received and dropped."""
+        if out is not None and not p.fp8 and contiguous_in_full(p):
+            dst = out.region(p)
+            if dst.numel():
+                _bcast(self.group, dst.reshape(-1).view(torch.uint8)).wait()
+            return
+        buf = torch.empty(p.nbytes, dtype=torch.uint8, device=self.device)
+        parts = (buf[:p.numel], buf[p.numel:]) if p.fp8 else (buf,)
+        for part in parts:
+            if part.numel():
+                _bcast(self.group, part).wait()
+        if out is not None:
+            out.put(p, decode_piece(p, buf))
+
     def receive(self, out: _Assembly) -> int:
         """One version from this source into ``out``; returns it (-1: the end of updates)."""
         import json
@@ -420,6 +468,11 @@ class SourceReceiver:
             bad, bases, counts = 0, [], {}
             for i, bucket in enumerate(layout_from_json(head["layout"])):
                 kind, wire_n, crc, raw_n = (int(x) for x in self._recv(4, torch.int64).cpu())
+                if kind == PIECES:
+                    for p, _ in bucket:
+                        self._recv_piece(p, None if bad else out)
+                        counts[p.name] = counts.get(p.name, 0) + p.numel
+                    continue
                 payload = self._recv(wire_n)
                 if bad:
                     continue
