@@ -16,7 +16,9 @@ time / that. Modes:
   safetensors file (``write_safetensors_stream``), then every receiver loads it;
 - ``broadcast``: today's ``EngineBroadcast`` protocol (``weight_broadcast.send_update_stream``): rank 0
   gathers and broadcasts one full tensor at a time;
-- ``bucketed``: rank 0 gathers, the bucketed transfer (``weight_transfer``, 64 MB buckets, pipelined);
+- ``bucketed``: rank 0 gathers, the bucketed transfer (``weight_transfer``, 64 MB buckets, pipelined;
+  without deltas each bucket's pieces go as messages of their own, unpacked, and land in the
+  assembled tensors directly);
 - ``sharded``: every trainer rank sends its own chunks on its own group, bucketed;
 - ``fp8``: sharded, every 2-D weight block-FP8 (128x128 blocks + float32 scales);
 - ``delta``: sharded, the second of two versions (a synthetic step moved every weight by N(0, 1e-4),
