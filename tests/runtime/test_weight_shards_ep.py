@@ -17,7 +17,8 @@ import torch
 import torch.multiprocessing as mp
 
 from primerl.models import MoETransformer, MoETransformerConfig, parallelize
-from primerl.runtime.inference.weight_transfer import SourceReceiver, join_transfer_groups, receive_version
+from primerl.runtime.inference.weight_receive import SourceReceiver, receive_version
+from primerl.runtime.inference.weight_transfer import join_transfer_groups
 
 WORLD = 4
 

@@ -16,9 +16,8 @@ from primerl.runtime.inference.weight_buckets import (
     FP8_BLOCK, DeltaDecodeError, Piece, decode_bucket, decode_delta, encode_bucket, encode_delta, fp8_transferable,
     plan_buckets, split_pieces, wire_bytes
 )
-from primerl.runtime.inference.weight_transfer import (
-    BucketSender, SourceReceiver, join_transfer_groups, receive_version
-)
+from primerl.runtime.inference.weight_receive import SourceReceiver, receive_version
+from primerl.runtime.inference.weight_transfer import BucketSender, join_transfer_groups
 
 
 def _port() -> int:

@@ -38,7 +38,7 @@ class WeightRPCs:
         self.engine_thread = engine_thread
         self.request_timeout = request_timeout
         self._broadcast = None  # weight_broadcast.BroadcastReceiver once trainer rank 0 asked (init_broadcast)
-        self._transfer = None  # weight_transfer.PairReceiver once trainer rank 0 asked (init_weight_transfer)
+        self._transfer = None  # weight_receive.PairReceiver once trainer rank 0 asked (init_weight_transfer)
 
     @property
     def engine(self):
@@ -114,7 +114,7 @@ class WeightRPCs:
         the bucketed transfer (``weight_transfer``: buckets, FP8 in transit, deltas) over a two-rank
         group of this server with trainer rank 0 (``pool_broadcast``); the load runs on the engine
         thread between steps, as for ``update_weights_from_broadcast``."""
-        from .weight_transfer import PairReceiver
+        from .weight_receive import PairReceiver
 
         if method == "init_weight_transfer":
             if not 2 <= len(args) <= 4:
