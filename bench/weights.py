@@ -16,7 +16,9 @@ time / that. Modes:
   safetensors file (``write_safetensors_stream``), then every receiver loads it;
 - ``broadcast``: today's ``EngineBroadcast`` protocol (``weight_broadcast.send_update_stream``): rank 0
   gathers and broadcasts one full tensor at a time;
-- ``bucketed``: rank 0 gathers, the bucketed transfer (``weight_transfer``, 64 MB buckets, pipelined);
+- ``bucketed``: rank 0 gathers, the bucketed transfer (``weight_transfer``, 64 MB buckets, pipelined;
+  without deltas each bucket's pieces go as messages of their own, unpacked, and land in the
+  assembled tensors directly);
 - ``sharded``: every trainer rank sends its own chunks on its own group, bucketed;
 - ``fp8``: sharded, every 2-D weight block-FP8 (128x128 blocks + float32 scales);
 - ``delta``: sharded, the second of two versions (a synthetic step moved every weight by N(0, 1e-4),
@@ -73,8 +75,9 @@ def _worker(rank, T, R, sizes, modes, repeats, store, port, tmp, out_q):
     from primerl.runtime.inference.weight_broadcast import receive_update, send_update_stream
     from primerl.runtime.inference.weight_buckets import Piece, fp8_transferable
     from primerl.runtime.inference.weight_transfer import (
-        BucketSender, SourceReceiver, join_transfer_groups, receive_version
+        BucketSender, join_transfer_groups
     )
+    from primerl.runtime.inference.weight_receive import SourceReceiver, receive_version
     from primerl.runtime.trainer.publish import write_safetensors_stream
 
     import primerl.kernels.fp8  # noqa: F401 - imported before any timing
@@ -313,7 +316,8 @@ def measure_stall(*, dim: int = 512, n_layers: int = 8, bucket_mb: float = 4.0, 
 
     from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
     from primerl.runtime.inference.weight_buckets import Piece
-    from primerl.runtime.inference.weight_transfer import BucketSender, bucketed_engine_receiver, join_transfer_groups
+    from primerl.runtime.inference.weight_receive import bucketed_engine_receiver
+    from primerl.runtime.inference.weight_transfer import BucketSender, join_transfer_groups
     from primerl.runtime.policy import build_model
     from primerl.runtime.validate import load_config
 

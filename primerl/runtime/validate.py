@@ -105,16 +105,17 @@ def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
 
 def check_weight_transfer(placement, cfg: RLConfig) -> None:
     """``inference.weight_transfer.dtype = "fp8"`` / ``delta`` against the placement's weight path:
-    both are forms of the bucketed broadcast (files carry the engine's dtype in full; a pool or P/D
-    servers load files)."""
+    both are forms of the bucketed broadcast (files carry the engine's dtype in full; P/D servers load
+    files). The embedded engine and a pool of ``primerl inference`` servers take them (vLLM is refused
+    by its backend's capabilities)."""
     w, i = cfg.inference.weight_transfer, cfg.inference
     for key, asked in (("dtype", w.dtype != "auto"), ("delta", w.delta)):
         if not asked:
             continue
         value = getattr(w, key)
-        _need(not (i.pool or i.pd.enabled), f"inference.weight_transfer.{key}",
-              "a pool / P/D servers take weights as files (full, in the engine's dtype); the bucketed transfer's "
-              "FP8 / delta forms reach the embedded engine by broadcast", value)
+        _need(not i.pd.enabled, f"inference.weight_transfer.{key}",
+              "P/D servers take weights as files (full, in the engine's dtype); the bucketed transfer's "
+              "FP8 / delta forms reach the embedded engine or a pool of servers by broadcast", value)
         _need(placement.weight_update == "broadcast", f"inference.weight_transfer.{key}",
               "is a form of the broadcast, but the weights go by files here (set inference.weight_update = "
               "'broadcast')", value)

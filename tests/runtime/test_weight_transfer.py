@@ -16,9 +16,8 @@ from primerl.runtime.inference.weight_buckets import (
     FP8_BLOCK, DeltaDecodeError, Piece, decode_bucket, decode_delta, encode_bucket, encode_delta, fp8_transferable,
     plan_buckets, split_pieces, wire_bytes
 )
-from primerl.runtime.inference.weight_transfer import (
-    BucketSender, SourceReceiver, join_transfer_groups, receive_version
-)
+from primerl.runtime.inference.weight_receive import SourceReceiver, receive_version
+from primerl.runtime.inference.weight_transfer import BucketSender, join_transfer_groups
 
 
 def _port() -> int:
@@ -246,11 +245,13 @@ def _fsdp_worker(rank, world, store, ports):
     model = _Model()
     fully_shard(model)
     channels = []
-    for port, fp8 in zip(ports, (False, True)):  # one receiver each: raw bf16, FP8 in transit
+    # one receiver each: raw bf16 as pieces (sent from the shards, received into the full tensors), FP8 in
+    # transit with deltas (packed buckets)
+    for port, fp8 in zip(ports, (False, True)):
         join = lambda r, port=port: join_transfer_groups(  # noqa: E731
             "127.0.0.1", port, sources=world, receivers=1, source=r, store_master=False, timeout_s=300)[r]
         channels.append(BucketedBroadcast(join, None, rank=rank, dtype=torch.bfloat16, bucket_bytes=20_000, fp8=fp8,
-                                          delta=True))
+                                          delta=fp8))
     for ch in channels:
         ch.publish(0, WeightStream(model))
     with torch.no_grad():
@@ -259,12 +260,13 @@ def _fsdp_worker(rank, world, store, ports):
     for ch in channels:
         ch.publish(1, WeightStream(model))
         ch.close()
-        assert ch.stats.last["mode"] == "delta"
+        assert ch.stats.last["mode"] == ("delta" if ch.delta else "full")
     dist.destroy_process_group()
 
 
 def test_every_fsdp2_rank_sends_its_own_shards_and_the_receiver_assembles_them(tmp_path):
-    """Two FSDP2 ranks, two channels (bf16; FP8 in transit), a receiver each in this process."""
+    """Two FSDP2 ranks, two channels (bf16 as pieces; FP8 in transit with deltas), a receiver each in
+    this process."""
     from primerl.kernels.fp8 import dequant, quant_per_block
 
     ports, world = [_port(), _port()], 2
@@ -334,7 +336,14 @@ def test_fp8_or_delta_with_a_receiver_that_cannot_take_them_is_refused_at_dry_ru
     assert main([*base, "--inference.weight_transfer.dtype", "fp8"]) == 2  # files on one machine's CPU
     assert "inference.weight_transfer.dtype: is a form of the broadcast" in capsys.readouterr().err
     assert main([*base, "--inference.weight_transfer.delta", "true", "--inference.num_servers", "2"]) == 2
-    assert "inference.weight_transfer.delta: a pool / P/D servers take weights as files" in capsys.readouterr().err
+    assert "inference.weight_transfer.delta: is a form of the broadcast" in capsys.readouterr().err  # a pool by files
+    pool = ["--inference.num_servers", "2", "--inference.weight_update", "broadcast"]
+    assert main([*base, *pool, "--inference.weight_transfer.delta", "true", "--inference.weight_transfer.dtype",
+                 "fp8"]) == 0  # a pool by broadcast takes both (pool_broadcast: a pair per server)
+    capsys.readouterr()
+    pd = ["--inference.pd.prefill", "1", "--inference.pd.decode", "1", "--inference.weight_update", "broadcast"]
+    assert main([*base, *pd, "--inference.weight_transfer.delta", "true"]) == 2
+    assert "inference.weight_transfer.delta: P/D servers take weights as files" in capsys.readouterr().err
     assert main([*base, "--inference.weight_transfer.dtype", "fp8", "--inference.backend", "vllm"]) == 2
     assert "inference.weight_transfer.dtype" in capsys.readouterr().err
     assert main([*base, "--inference.weight_transfer.full_every", "0"]) == 2

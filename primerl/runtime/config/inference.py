@@ -80,12 +80,13 @@ class WeightTransferConfig:
     """``[inference.weight_transfer]`` (issue 42): how a broadcast moves one version (the bucketed
     channel of ``inference.weight_transfer``; files are written as before).
 
-    ``bucket_mb``: tensors are packed into flat buckets of this size, the next one packed while the
-    previous is on the wire. ``dtype``: "auto" (the engine's dtype) or "fp8" (block-scaled e4m3,
-    128x128 blocks, for every 2-/3-D weight but the embedding and the output head). ``delta``: xor
-    with the previous version + zstd, per bucket, with a checksum; a full version every
-    ``full_every`` versions and whenever a receiver is new or its checksum disagreed. ``sharded``:
-    every trainer rank sends the shards it owns (false: rank 0 gathers and sends everything)."""
+    ``bucket_mb``: tensors are cut into buckets of this size, the next one prepared while the
+    previous is on the wire (packed flat with deltas; without, each piece goes as itself).
+    ``dtype``: "auto" (the engine's dtype) or "fp8" (block-scaled e4m3, 128x128 blocks, for every
+    floating 2-/3-D weight). ``delta``: xor with the previous version + zstd, per bucket, with a
+    checksum; a full version every ``full_every`` versions and whenever a receiver is new or its
+    checksum disagreed. ``sharded``: every trainer rank sends the shards it owns (false: rank 0
+    gathers and sends everything; a pool of servers is always sent to by rank 0)."""
 
     bucket_mb: float = 64.0
     dtype: str = "auto"

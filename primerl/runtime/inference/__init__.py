@@ -18,6 +18,9 @@ Modules (imported lazily: the vLLM worker loads ``inference.vllm_worker`` alone)
   weight_channels  WeightChannel: how the trainer publishes a version (files, HF files, broadcasts)
   weight_sync  the ends below the channels: BroadcastWeightSender; WeightVersions of the orchestrator
   weight_broadcast  the broadcast's wire protocol (new_group, send_update, receive_update), BroadcastReceiver
+  weight_buckets / weight_transfer / weight_receive  the bucketed transfer: wire format, sender (BucketSender),
+                  receivers (SourceReceiver, receive_version, PairReceiver, the engine's)
+  pool_broadcast  PoolBroadcastSender: a pool's weights, one two-rank group per server
   hf_weights   published weights in the Hugging Face layout (models.checkpoint.hf_layout), FP8 transfer
   generate_api  POST /inference/v1/generate and GET /v1/models: vLLM's token-in / token-out contract
   http_aiohttp  the aiohttp front end of EngineServer (optional extra ``primerl[serve]``)

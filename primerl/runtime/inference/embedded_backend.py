@@ -7,9 +7,10 @@ deployment (``inference.pd``, started by the orchestrator's client). Weights: fi
 names, or (``inference.weight_update`` = "broadcast", "auto" on a GPU of its own or an orchestrator
 on its own node) a broadcast from trainer rank 0 to the engine's receiver thread. A pool
 (``serves_from_pool``: ``inference.num_servers`` > 1, or servers on ``deployment.inference_nodes``,
-``inference.num_servers`` on each) takes files, or one broadcast from trainer rank 0 to every server
-(``pool_broadcast.PoolBroadcastSender`` behind ``weight_channels.EngineBroadcast``; the orchestrator
-reads the servers' versions: ``weight_sync.ServerWeightVersions``).
+``inference.num_servers`` on each) takes files, or the bucketed transfer from trainer rank 0 to every
+server, one pair each (``pool_broadcast.PoolBroadcastSender`` behind ``weight_channels.BucketedBroadcast``,
+FP8 / delta as ``inference.weight_transfer`` says; the orchestrator reads the servers' versions:
+``weight_sync.ServerWeightVersions``).
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ class EmbeddedBackend(InferenceBackend):
     # ------------------------------------------------------------------ trainer side
     def weight_channel(self, cfg, *, model, transport, rank):
         from ..placement import resolve_placement
-        from .weight_channels import BucketedBroadcast, EngineBroadcast, FileChannel
+        from .weight_channels import BucketedBroadcast, FileChannel
 
         placement = resolve_placement(cfg)
         if cfg.trainer.lora.rank:  # adapter-only updates (the engine applies them: engine.load_weights)
@@ -190,10 +191,12 @@ class EmbeddedBackend(InferenceBackend):
             return LoRAChannel(transport, rank=rank, base_model_name_or_path=base_model_name(cfg))
         if placement.weight_update != "broadcast":
             return FileChannel(transport, rank=rank)
-        if serves_from_pool(cfg):
-            return EngineBroadcast(_pool_sender(cfg, placement) if rank == 0 else None, transport, rank=rank,
-                                   dtype=placement.param_dtype)
         w = cfg.inference.weight_transfer
+        if serves_from_pool(cfg):  # rank 0 gathers, and sends each bucket to every server over a pair of its own
+            return BucketedBroadcast(None, transport if rank == 0 else None, rank=rank, dtype=placement.param_dtype,
+                                     bucket_bytes=w.bucket_bytes, fp8=w.dtype == "fp8", delta=w.delta,
+                                     full_every=w.full_every, sharded=False, peer="the inference pool's servers",
+                                     sender=_pool_sender(cfg, placement) if rank == 0 else None)
         sources = cfg.num_trainer_ranks if w.sharded else 1
 
         def join(source: int):
@@ -248,6 +251,8 @@ def _pool_sender(cfg, placement):
                                "pool's servers are named by `primerl rl` / `primerl node`)")
         return list(json.loads(raw)["servers"])
 
+    w = cfg.inference.weight_transfer
     return PoolBroadcastSender(servers, trainer_host(), cfg.inference.broadcast_port,
                                timeout_s=cfg.orchestrator.weights_timeout_s, backend=placement.broadcast_backend,
-                               health_timeout_s=cfg.inference.health_timeout_s)
+                               health_timeout_s=cfg.inference.health_timeout_s, bucket_bytes=w.bucket_bytes,
+                               delta=w.delta, full_every=w.full_every)

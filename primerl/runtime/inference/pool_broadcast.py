@@ -1,25 +1,30 @@
-"""Weights by broadcast to a pool of ``primerl inference`` servers (trainer rank 0's end).
+"""Weights to a pool of ``primerl inference`` servers (trainer rank 0's end).
 
-One ``torch.distributed`` group holds trainer rank 0 (rank 0, hosting the group's TCPStore on its
-own node at ``inference.broadcast_port``) and every server of the pool that answers ``/health``
-(ranks 1..n, in the order of the pool's URLs); every version is one broadcast to all of them
-(``weight_broadcast``'s wire protocol, driven over each server's ``POST /collective_rpc`` as for
-one server: ``init_broadcast`` to join, ``update_weights_from_broadcast`` for each version, whose
-answer is the version the server loaded).
+Every server of the pool that answers ``/health`` has a ``torch.distributed`` group of its own with
+trainer rank 0 (two ranks: rank 0 hosts the groups' TCPStore on its own node at
+``inference.broadcast_port``, each pair under a prefix of its own), and every version goes over
+those pairs with the bucketed transfer (``weight_transfer.BucketSender``: each bucket packed once,
+cast / FP8-quantized / delta-encoded once, and posted to every pair, pipelined), driven over each
+server's ``POST /collective_rpc`` (``init_weight_transfer`` to join, ``update_weights_from_transfer``
+for each version, whose answer is the version the server loaded).
 
-Membership: before each version :class:`PoolBroadcastSender` asks every server's ``/health`` (its
-``instance`` id changes when the pool's supervisor replaces the process). When the set of
-(URL, instance) differs from the group's, it forms a new group (a new key prefix in the same
-store) with the servers that answer, so a replaced server rejoins at the next version and gets
-that version in full before the orchestrator routes anything to it (the pool client routes only
-to servers that hold the pool's version). A server that dies during a send makes the send fail on
-every rank: the sender forms a group of the survivors and sends the same version again, from the
-copy of the version's tensors it keeps on rank 0's host while a version is in flight (the stream
-from the trainer ranks' gathers cannot be replayed; that copy is the price of surviving a death
-mid-send: one model in the transfer dtype, released when every server acknowledged).
+Why pairs and not one group: a server killed in the middle of a version breaks its own pair only.
+The sends to it fail at once (its sockets are closed with the process) and the others go on, so the
+survivors hold the version when the send returns, with nothing sent twice and no wait on a timeout.
+In one group, a collective's relay that dies leaves ranks (trainer rank 0 among them) waiting on a
+peer that is still alive, until the group's timeout (``orchestrator.weights_timeout_s``). The price:
+trainer rank 0's link carries the version once per server (a tree of one group carries it about
+log2(servers + 1) times).
 
-Every wait is bounded (``timeout_s``); a pool with no server answering within it raises
-``WeightSyncError``.
+Membership: before each version the sender asks every server's ``/health`` (its ``instance`` id
+changes when the pool's supervisor replaces the process). A server that is gone or replaced loses its
+pair; a new one (or the replacement) gets a pair, holds no version, and so gets the next version in
+full (FP8 or not) while the others may get a delta; the orchestrator routes to a server only once it
+holds the pool's version. A server whose pair fails mid-version is dropped (``lost``) and rejoins
+at the next version if it answers again.
+
+Every wait is bounded (``timeout_s``); a pool with no server answering within it, or a version
+that reached no server, raises ``WeightSyncError``.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 
@@ -43,33 +49,51 @@ __all__ = ["PoolBroadcastSender", "TRAINER_HOST_ENV", "trainer_host"]
 
 
 def trainer_host() -> str:
-    """The address of this trainer process's node, where rank 0 hosts the pool's weight group:
+    """The address of this trainer process's node, where rank 0 hosts the pool's weight groups:
     ``primerl node`` sets it from the plan for the node it runs (so rank 0's node is found when
     torchrun's rendezvous has placed rank 0, whichever trainer node that is); one machine: 127.0.0.1."""
     return os.environ.get(TRAINER_HOST_ENV) or "127.0.0.1"
 
 
+@dataclass
+class _Pair:
+    instance: str | None
+    group: object
+    number: int  # the pair's formation number (its store prefix is pool/<number>/)
+
+
 class PoolBroadcastSender:
-    """Trainer rank 0's end of the pool's broadcast group. ``servers()``: the pool's server URLs
-    (read at every version: the local launcher picks the ports when it starts the pool).
-    ``send_stream`` / ``close(goodbye=)`` as ``weight_sync.BroadcastWeightSender`` (what
-    ``weight_channels.EngineBroadcast`` calls)."""
+    """Trainer rank 0's end of the pool's weight transfer. ``servers()``: the pool's server URLs (read
+    at every version: the local launcher picks the ports when it starts the pool).
+
+    ``send(version, regions, tensors)``: as ``weight_transfer.BucketSender.send`` (what
+    ``weight_channels.BucketedBroadcast`` calls; ``bucket_bytes`` / ``delta`` / ``full_every`` as
+    there, FP8 marked on the regions); ``send_stream(version, specs, tensors)``: full tensors in their
+    own dtypes; ``close()``; ``stats`` (``TransferStats`` over every server's link)."""
 
     def __init__(self, servers: Callable[[], list[str]], host: str, port: int, *, timeout_s: float = 300.0,
-                 backend: str = "gloo", health_timeout_s: float = 10.0, max_attempts: int = 4):
+                 backend: str = "gloo", health_timeout_s: float = 10.0, max_attempts: int = 4,
+                 bucket_bytes: int = 64 * 2**20, delta: bool = False, full_every: int = 10):
+        from .weight_transfer import BucketSender
+
         self.servers, self.host, self.port, self.backend = servers, host, int(port), backend
         self.timeout_s, self.health_timeout_s, self.max_attempts = timeout_s, health_timeout_s, max_attempts
+        self.sender = BucketSender(None, bucket_bytes=bucket_bytes, delta=delta, full_every=full_every)
         self.store = None
-        self.group = None
-        self.members: tuple[tuple[str, str | None], ...] = ()  # (url, instance) of the group's ranks 1..n
-        self.generation = 0  # groups formed so far (each under its own prefix of the store)
-        self.resent = 0  # versions sent again after a server died during the send
+        self.pairs: dict[str, _Pair] = {}  # url -> its pair with trainer rank 0
+        self.formed = 0  # pairs formed so far (each under its own prefix of the store)
+        self.lost = 0  # servers dropped in the middle of a version (their pair failed)
         self._fan = ThreadPoolExecutor(16, thread_name_prefix="pool-weights")
-        self._lock = threading.Lock()
+        self._forming = ThreadPoolExecutor(16, thread_name_prefix="pool-forming")
+        self._lock, self._lock_store = threading.Lock(), threading.Lock()
 
     @property
     def num_receivers(self) -> int:
-        return len(self.members)
+        return len(self.pairs)
+
+    @property
+    def stats(self):
+        return self.sender.stats
 
     # -- membership
     def _health(self, url: str) -> tuple[str, str | None] | None:
@@ -90,139 +114,144 @@ class PoolBroadcastSender:
             if found:
                 return found
             if time.monotonic() > deadline:
-                raise WeightSyncError(f"weights by broadcast to the inference pool: none of {urls} answered /health "
+                raise WeightSyncError(f"weights to the inference pool: none of {urls} answered /health "
                                       f"within {self.timeout_s:.0f} s")
             time.sleep(0.5)
 
-    def _form(self, members) -> None:
-        """A new group of rank 0 and ``members`` under a new prefix of this side's store."""
+    def _pair(self, url: str, instance: str | None) -> _Pair:
+        """A new two-rank group of rank 0 and the server at ``url`` (its own prefix of the store);
+        raises :class:`_JoinFailed` as soon as the server's join fails (a server that dies while
+        joining would otherwise hold rank 0's rendezvous for the whole timeout)."""
         import torch.distributed as dist
 
         from .vllm_client import http_json
 
-        self._drop_group()
         timeout = timedelta(seconds=self.timeout_s)
-        if self.store is None:
-            self.store = dist.TCPStore(self.host, self.port, None, is_master=True, timeout=timeout,
-                                       wait_for_workers=False)
-        self.generation += 1
-        prefix, world = f"pool/{self.generation}/", len(members) + 1
-        args = lambda rank: [self.host, self.port, rank, world, self.timeout_s, prefix]  # noqa: E731
-        joins = {url: self._fan.submit(http_json, url + "/collective_rpc",
-                                       {"method": "init_broadcast", "args": args(rank)}, self.timeout_s)
-                 for rank, (url, _) in enumerate(members, 1)}
+        with self._lock_store:
+            self.formed += 1
+            number = self.formed
+        prefix = f"pool/{number}/"
+        join = self._fan.submit(http_json, url + "/collective_rpc",
+                                {"method": "init_weight_transfer",
+                                 "args": [self.host, self.port, self.timeout_s, prefix]}, self.timeout_s)
         # a client connection of its own: an abandoned rendezvous (a server died while joining) blocks
-        # its connection until the timeout, and must not block the next group's
+        # its connection until the timeout, and must not block another pair's
         store = dist.PrefixStore(prefix, dist.TCPStore(self.host, self.port, None, is_master=False, timeout=timeout))
 
         def construct():
             if self.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
-                return dist.ProcessGroupNCCL(store, 0, world, opts)
-            return dist.ProcessGroupGloo(store, 0, world, timeout)
+                return dist.ProcessGroupNCCL(store, 0, 2, opts)
+            return dist.ProcessGroupGloo(store, 0, 2, timeout)
 
-        # rank 0's rendezvous waits for every rank; a server that dies meanwhile would hold it for the
-        # whole timeout: watch the joins, and give up on this group as soon as one fails
         made = ThreadPoolExecutor(1, thread_name_prefix="pool-group").submit(construct)
         deadline = time.monotonic() + self.timeout_s
-        while not (made.done() and all(f.done() for f in joins.values())):
-            bad = [u for u, f in joins.items() if f.done() and f.exception() is not None]
-            if bad or made.done() and made.exception() is not None or time.monotonic() > deadline:
-                if bad:
-                    why = f"{bad} failed to join ({[str(joins[u].exception())[:200] for u in bad]})"
+        while not (made.done() and join.done()):
+            failed = join.done() and join.exception() is not None
+            if failed or made.done() and made.exception() is not None or time.monotonic() > deadline:
+                if failed:
+                    why = f"failed to join ({str(join.exception())[:200]})"
                 elif made.done():
                     why = f"trainer rank 0 could not join ({made.exception()})"
                 else:
-                    why = f"not every server joined within {self.timeout_s:.0f} s"
-                raise _Reform(f"the inference pool's weight group {self.generation} at {self.host}:{self.port} "
-                              f"({world - 1} server(s)): {why}")
+                    why = f"did not join within {self.timeout_s:.0f} s"
+                raise _JoinFailed(f"{url}: weight transfer pair {number} at {self.host}:{self.port}: {why}")
             time.sleep(0.02)
-        self.group, self.members = made.result(), tuple(members)
-        log.info("weight broadcast group %d: trainer rank 0 at %s:%d + %d server(s) %s", self.generation, self.host,
-                 self.port, len(members), [u for u, _ in members])
+        log.info("weight transfer pair %d: trainer rank 0 at %s:%d + server %s", number, self.host, self.port, url)
+        return _Pair(instance, made.result(), number)
 
-    def _drop_group(self) -> None:
-        group, self.group, self.members = self.group, None, ()
-        if group is not None:
-            self._fan.submit(_shutdown, group)  # a peer may be gone: never wait on it here
+    def _update_pairs(self, members) -> None:
+        """Drop the pairs of servers gone or replaced; form pairs with the new ones (at the same time)."""
+        import torch.distributed as dist
+
+        now = dict(members)
+        for url in [u for u, p in self.pairs.items() if u not in now or now[u] != p.instance]:
+            self._drop(url)
+        new = [(u, i) for u, i in members if u not in self.pairs]
+        if not new:
+            return
+        if self.store is None:
+            self.store = dist.TCPStore(self.host, self.port, None, is_master=True,
+                                       timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        futures = {u: self._forming.submit(self._pair, u, i) for u, i in new}
+        for url, fut in futures.items():
+            try:
+                self.pairs[url] = fut.result()
+            except _JoinFailed as e:  # left out of this version; asked again at the next
+                log.warning("%s; left out of this version", e)
+
+    def _drop(self, url: str) -> None:
+        pair = self.pairs.pop(url, None)
+        if pair is not None:
+            self._fan.submit(_shutdown, pair.group)  # the peer may be gone: never wait on it here
 
     # -- sending
-    def send_stream(self, version: int, specs: list, tensors: Iterable) -> None:
-        """Broadcast ``version`` to every server that answers (forming the group first when the pool
-        changed); a death during the send re-forms the group with the survivors and sends the version
-        again. Raises :class:`WeightSyncError` after ``max_attempts`` failed sends."""
-        from .weight_broadcast import send_update_stream
-
+    def send(self, version: int, regions: list, tensors: Iterable[torch.Tensor]) -> dict:
+        """``version`` to every server that answers (forming the pairs that changed first). A server
+        that fails during the send is dropped; the others hold the version when this returns. Raises
+        :class:`WeightSyncError` when no server took it."""
         with self._lock:
-            kept: list = []
-            source = iter(tensors)
             for attempt in range(1, self.max_attempts + 1):
-                members = self._answering()
-                if self.group is None or members != self.members:
-                    try:
-                        self._form(members)
-                    except _Reform as e:  # a server died while joining: the next attempt goes without it
-                        log.warning("%s; forming the group again", e)
-                        if attempt == self.max_attempts:
-                            raise WeightSyncError(str(e)) from e
-                        time.sleep(0.5)
-                        continue
-                loads = {url: self._fan.submit(self._receive, url, version) for url, _ in self.members}
-                try:
-                    send_update_stream(self.group, version, specs, _replay(kept, source))
-                except Exception as e:  # noqa: BLE001 - a receiver died or timed out: re-form and resend
-                    kept.extend((n, _host_copy(t)) for n, t in source)  # the other trainer ranks' gathers go on
-                    dead = [u for u, f in loads.items() if f.done() and f.exception() is not None]
-                    log.warning("weights version %d to the inference pool failed (attempt %d of %d; %s): %s; "
-                                "re-forming the group", version, attempt, self.max_attempts, dead or "a server", e)
-                    self._drop_group()
-                    self.resent += 1
-                    if attempt == self.max_attempts:
-                        raise WeightSyncError(f"weights version {version} to the inference pool failed "
-                                              f"{attempt} times: {e}") from e
+                self._update_pairs(self._answering())
+                if self.pairs:
+                    break
+                if attempt == self.max_attempts:
+                    raise WeightSyncError(f"weights version {version} to the inference pool: no server joined in "
+                                          f"{attempt} attempts")
+                time.sleep(0.5)
+            urls = list(self.pairs)
+            loads = {url: self._fan.submit(self._receive, url, version) for url in urls}
+            stats = self.sender.send(version, regions, tensors, groups=[self.pairs[u].group for u in urls])
+            for i, error in self.sender.failed.items():
+                log.warning("weights version %d: %s left in the middle of the version (%s); the others go on",
+                            version, urls[i], str(error)[:300])
+                self._drop(urls[i])
+                self.lost += 1
+            held = []
+            for url, fut in loads.items():
+                if url not in self.pairs:
                     continue
-                held = {}
-                for url, fut in loads.items():
-                    try:
-                        held[url] = fut.result(self.timeout_s)
-                    except Exception as e:  # noqa: BLE001 - it took the bytes but its load failed: not routed
-                        log.warning("%s did not confirm weights version %d: %s", url, version, e)
-                log.info("weights version %d broadcast to %d of %d server(s)", version,
-                         sum(v == version for v in held.values()), len(self.members))
-                return
+                try:
+                    fut.result(self.timeout_s)
+                    held.append(url)
+                except Exception as e:  # noqa: BLE001 - it took the bytes but its load failed: not routed
+                    log.warning("%s did not confirm weights version %d: %s", url, version, e)
+            log.info("weights version %d broadcast to %d of %d server(s) (%s)", version, len(held), len(urls),
+                     stats["mode"])
+            if not held:
+                raise WeightSyncError(f"weights version {version} reached none of the inference pool's servers {urls}")
+            return stats
+
+    def send_stream(self, version: int, specs: list, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """``send`` of whole tensors (``specs``: ``[(name, dtype, shape)]``, the tensors in that order
+        and dtype, as ``(name, tensor)``)."""
+        from .weight_buckets import Piece
+
+        regions = [Piece(n, d if isinstance(d, str) else str(d).removeprefix("torch."), tuple(s), (0,) * len(s),
+                         tuple(s)) for n, d, s in specs]
+        return self.send(version, regions, (t for _, t in tensors))
 
     def _receive(self, url: str, version: int) -> int:
         from .vllm_client import InferenceServerError, http_json, rpc_versions
 
-        got = rpc_versions(http_json(url + "/collective_rpc", {"method": "update_weights_from_broadcast", "args": []},
+        got = rpc_versions(http_json(url + "/collective_rpc", {"method": "update_weights_from_transfer", "args": []},
                                      self.timeout_s))
         if got != [version]:
             raise InferenceServerError(f"{url}: loaded weights versions {got}, expected [{version}]")
         return version
 
     def close(self, *, goodbye: bool = False) -> None:
-        """The end of the updates: leave the group (the servers need no goodbye: each receive is asked)."""
+        """The end of the updates: leave the pairs (the servers need no goodbye: each receive is asked)."""
         with self._lock:
-            group, self.group = self.group, None
-            _shutdown(group)
+            for url in list(self.pairs):
+                _shutdown(self.pairs.pop(url).group)
             # the store's server goes with its last reference: a rendezvous abandoned when a server died
             # while joining fails now, instead of holding this process's exit until its timeout
             self.store = None
             self._fan.shutdown(wait=False, cancel_futures=True)
+            self._forming.shutdown(wait=False, cancel_futures=True)
 
 
-class _Reform(WeightSyncError):
-    """Forming the group failed because a server left while joining."""
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu") if t.device.type != "cpu" else t.detach()
-
-
-def _replay(kept: list, source: Iterator) -> Iterator:
-    """What was sent before (``kept``), then the rest of ``source``, each kept for a resend."""
-    yield from kept
-    for name, t in source:
-        kept.append((name, _host_copy(t)))
-        yield name, t
+class _JoinFailed(WeightSyncError):
+    """A server's pair could not be formed (it left while joining)."""

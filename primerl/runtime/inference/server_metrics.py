@@ -40,9 +40,10 @@ class ServerStats:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self.instance = INSTANCE  # the process's (read when the server starts)
         self.snapshot = {"requests_running": 0, "requests_waiting": 0, "kv_cache_usage": 0.0, "kv_cache_bytes": 0,
                          "weights_version": 0, "generated_tokens": 0, "paused": False,
-                         "instance": INSTANCE}
+                         "instance": self.instance}
         self.requests = dict.fromkeys(OUTCOMES, 0)
 
     def refresh(self, engine, *, waiting_extra: int = 0, paused: bool = False) -> None:
@@ -50,7 +51,7 @@ class ServerStats:
         snap = {"requests_running": len(engine.running), "requests_waiting": len(engine.waiting) + waiting_extra,
                 "kv_cache_usage": engine.kv_cache_usage(), "kv_cache_bytes": engine.kv_cache_bytes,
                 "weights_version": engine.policy_version, "generated_tokens": engine.tokens_generated, "paused": paused,
-                "instance": INSTANCE}
+                "instance": self.instance}
         with self._lock:
             self.snapshot = snap
 

@@ -14,7 +14,10 @@ each entry records the piece's byte position in its bucket. On the wire a piece 
 A bucket travels whole (``kind`` :data:`FULL`) or as a delta (:data:`DELTA`): the xor of its raw
 bytes with the same bucket of the previous version, zstd-compressed. Either way ``crc32`` of the
 raw bytes goes with it, so the receiver detects a delta applied to the wrong base (or corrupted)
-and never loads it (:class:`DeltaDecodeError`).
+and never loads it (:class:`DeltaDecodeError`). Without deltas a bucket travels as its pieces
+(:data:`PIECES`, :func:`piece_wire`): one message per piece (an FP8 piece: its e4m3 bytes, then its
+scales), sent from the trainer's own tensors and received straight into the assembled tensors where
+the region is contiguous there (:func:`contiguous_in_full`): no packing copy on either side.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-__all__ = ["DELTA", "FP8_BLOCK", "FULL", "DeltaDecodeError", "Piece", "decode_bucket", "decode_delta",
+__all__ = ["DELTA", "FP8_BLOCK", "FULL", "PIECES", "DeltaDecodeError", "Piece", "decode_bucket", "decode_delta",
            "encode_bucket", "encode_delta", "fp8_transferable", "layout_from_json", "layout_to_json",
-           "plan_buckets", "split_pieces", "wire_bytes"]
+           "contiguous_in_full", "piece_wire", "plan_buckets", "split_pieces", "wire_bytes"]
 
-FULL, DELTA = 0, 1
+FULL, DELTA, PIECES = 0, 1, 2
 FP8_BLOCK = (128, 128)
 
 
@@ -160,6 +163,26 @@ def encode_piece(piece: Piece, t: torch.Tensor, out: torch.Tensor) -> None:
         return
     want = _dtype(piece.dtype)
     out.copy_(_as_bytes(t.detach().to(device=out.device, dtype=want)))
+
+
+def piece_wire(piece: Piece, t: torch.Tensor, device) -> list[torch.Tensor]:
+    """The messages of one piece sent as itself (:data:`PIECES`): flat uint8 views of ``t`` in the
+    piece's dtype on ``device`` (no copy when it already is that), or, FP8, the e4m3 bytes and then
+    the float32 block scales; ``piece.nbytes`` in all."""
+    if tuple(t.shape) != tuple(piece.size):
+        raise ValueError(f"weight transfer: {piece.name} region {list(t.shape)}, the layout says {list(piece.size)}")
+    if piece.fp8:
+        from primerl.kernels.fp8 import quant_per_block
+
+        q, sf = quant_per_block(t.detach().to(device).float(), FP8_BLOCK)
+        return [_as_bytes(q), _as_bytes(sf)]
+    return [_as_bytes(t.detach().to(device=device, dtype=_dtype(piece.dtype)))]
+
+
+def contiguous_in_full(piece: Piece) -> bool:
+    """Whether the region is one contiguous run of its full tensor: a range of dim 0 (every other dim
+    whole), as FSDP2 / expert-parallel shards and split pieces are."""
+    return all(o == 0 and s == n for o, s, n in zip(piece.offset[1:], piece.size[1:], piece.shape[1:]))
 
 
 def decode_piece(piece: Piece, raw: torch.Tensor) -> torch.Tensor:

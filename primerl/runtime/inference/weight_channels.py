@@ -215,19 +215,23 @@ class BucketedBroadcast(WeightChannel):
     engine's ``dtype`` or block-FP8 (``fp8``), whole or as deltas (``delta``, ``full_every``).
     ``sharded``: every trainer rank sends the regions it owns (``WeightStream.owned``: FSDP2 / EP
     shards, replicated tensors shared out) to the receivers over a group of its own; otherwise rank 0
-    gathers one full tensor at a time and sends everything. ``join(source)`` makes a rank's
-    ``BucketSender`` (``None`` on the ranks that send nothing). ``close()`` sends the end of updates."""
+    gathers one full tensor at a time and sends everything. ``join(source)`` gives the group a rank's
+    ``BucketSender`` sends on. ``sender``: rank 0's sender made elsewhere instead (``pool_broadcast.
+    PoolBroadcastSender``: a pool, one link per server; with ``sharded=False``), anything with
+    ``send(version, regions, tensors)``, ``stats`` and ``close()``. ``close()`` ends the updates."""
 
     to_cpu = False
 
-    def __init__(self, join: Callable[[int], object], transport: "FileTransport | None", *, rank: int,
+    def __init__(self, join: Callable[[int], object] | None, transport: "FileTransport | None", *, rank: int,
                  dtype: torch.dtype, bucket_bytes: int, fp8: bool = False, delta: bool = False, full_every: int = 10,
-                 sharded: bool = True, peer: str = "the receivers"):
+                 sharded: bool = True, peer: str = "the receivers", sender=None):
         super().__init__(rank=rank)
+        if join is None and sender is None and (sharded or rank == 0):
+            raise ValueError("BucketedBroadcast: give join (a group per sending rank) or rank 0's sender")
         self.peer = peer
         self._join, self.transport, self.dtype, self.fp8 = join, transport, dtype, fp8
         self.bucket_bytes, self.delta, self.full_every, self.sharded = bucket_bytes, delta, full_every, sharded
-        self.sender = None
+        self.sender = sender
 
     def _sender(self):
         if self.sender is None:
@@ -278,7 +282,8 @@ class BucketedBroadcast(WeightChannel):
     def metrics(self) -> dict:
         """``weights/wire_mb`` and ``weights/raw_mb`` (this rank's last version, on the wire and whole),
         ``weights/wire_fraction`` (their ratio: what a delta saves), ``weights/send_s``, and the running
-        counts ``weights/delta_versions`` and ``weights/repairs``."""
+        counts ``weights/delta_versions`` and ``weights/repairs`` (a pool: over every server's link, and
+        ``weights/servers_lost``, servers dropped in the middle of a version)."""
         if self.sender is None or not self.sender.stats.last:
             return {}
         s = self.sender.stats
@@ -286,7 +291,8 @@ class BucketedBroadcast(WeightChannel):
         return {"weights/wire_mb": last["wire_bytes"] / 2**20, "weights/raw_mb": last["raw_bytes"] / 2**20,
                 "weights/wire_fraction": last["wire_bytes"] / max(1, last["raw_bytes"]),
                 "weights/send_s": last["seconds"], "weights/delta_versions": s.delta_versions,
-                "weights/repairs": s.repairs}
+                "weights/repairs": s.repairs,
+                **({"weights/servers_lost": self.sender.lost} if hasattr(self.sender, "lost") else {})}
 
     def close(self) -> None:
         if self.sender is not None:

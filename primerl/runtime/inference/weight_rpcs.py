@@ -5,7 +5,10 @@
   ``model.safetensors``, primerl's names or the Hugging Face layout; the version from ``STABLE``),
   ``init_broadcast(host, port, rank_offset, world_size[, timeout_s[, prefix]])`` then
   ``update_weights_from_broadcast()`` (trainer rank 0 sends over torch.distributed,
-  ``weight_broadcast``), ``weights_version``; each answers ``{"results": [one per worker]}``;
+  ``weight_broadcast``), ``init_weight_transfer(host, port[, timeout_s[, prefix]])`` then
+  ``update_weights_from_transfer()`` (the bucketed transfer of ``weight_transfer`` over a group of
+  this server and trainer rank 0: a pool's weights, ``pool_broadcast``), ``weights_version``; each
+  answers ``{"results": [one per worker]}``;
 - ``POST /pause`` / ``POST /resume`` / ``GET /is_paused``: stop stepping the engine (requests and
   their KV cache kept) and continue.
 
@@ -35,6 +38,7 @@ class WeightRPCs:
         self.engine_thread = engine_thread
         self.request_timeout = request_timeout
         self._broadcast = None  # weight_broadcast.BroadcastReceiver once trainer rank 0 asked (init_broadcast)
+        self._transfer = None  # weight_receive.PairReceiver once trainer rank 0 asked (init_weight_transfer)
 
     @property
     def engine(self):
@@ -63,6 +67,8 @@ class WeightRPCs:
             return 200, {"results": [{"version": self.version()}]}
         if method in ("init_broadcast", "update_weights_from_broadcast"):
             return self.start_broadcast_call(body["method"], body.get("args", []))
+        if method in ("init_weight_transfer", "update_weights_from_transfer"):
+            return self.start_transfer_call(body["method"], body.get("args", []))
         if method != "update_weights_from_path":
             raise ValueError(f"collective_rpc: unknown method {method!r}")
         return self.start_update_weights(*body.get("args", []))
@@ -102,6 +108,28 @@ class WeightRPCs:
             self.engine_thread.call_and_wait(lambda: self.engine.load_weights(own, version), self.request_timeout)
 
         return Pending(self._broadcast.receive(load), lambda version: {"results": [{"version": version}]})
+
+    def start_transfer_call(self, method: str, args: list) -> Pending:
+        """``init_weight_transfer(host, port[, timeout_s[, prefix]])`` then ``update_weights_from_transfer()``:
+        the bucketed transfer (``weight_transfer``: buckets, FP8 in transit, deltas) over a two-rank
+        group of this server with trainer rank 0 (``pool_broadcast``); the load runs on the engine
+        thread between steps, as for ``update_weights_from_broadcast``."""
+        from .weight_receive import PairReceiver
+
+        if method == "init_weight_transfer":
+            if not 2 <= len(args) <= 4:
+                raise ValueError(f"init_weight_transfer takes (host, port[, timeout_s[, prefix]]), got {args!r}")
+            self._transfer = PairReceiver(self.engine.device, *args)
+            return Pending(self._transfer.join(), lambda _: {"results": [None]})
+        if self._transfer is None:
+            raise ValueError("update_weights_from_transfer before init_weight_transfer")
+
+        def load(version, weights):  # fresh tensors, assembled for this version: swapped in, not copied
+            own = _own_names(self.engine.model, dict(weights))
+            self.engine_thread.call_and_wait(lambda: self.engine.load_weights(own, version, assign=True),
+                                             self.request_timeout)
+
+        return Pending(self._transfer.receive(load), lambda version: {"results": [{"version": version}]})
 
 
 __all__ = ["WeightRPCs"]

@@ -19,15 +19,13 @@ One version on one source's group (:class:`BucketSender` / :class:`SourceReceive
    is counted (``repairs``) and the version is sent again in full, from the raw buckets the
    sender keeps (it never reaches the engine: the receiver discards what it got).
 
-:func:`receive_version` runs every source's receiver (a thread each) and assembles the version
-(full tensors of the global shapes, in the engine's dtype); the sources must agree on the version
-and cover every element of every tensor, or nothing is handed over.
+The receiving end (``SourceReceiver``, ``receive_version``, the engine's and a server's receivers)
+is ``weight_receive``.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -37,13 +35,13 @@ import numpy as np
 import torch
 
 from .weight_buckets import (
-    DELTA, FULL, DeltaDecodeError, Piece, checksum, decode_bucket, decode_delta, encode_bucket, encode_delta,
-    header_bytes, layout_from_json, layout_to_json, plan_buckets, split_pieces
+    DELTA, FULL, PIECES, Piece, checksum, encode_bucket, encode_delta, header_bytes, layout_to_json, piece_wire,
+    plan_buckets, split_pieces, wire_bytes
 )
 
 log = logging.getLogger("primerl.weight_sync")
 
-__all__ = ["BucketSender", "SourceReceiver", "TransferStats", "join_transfer_groups", "receive_version"]
+__all__ = ["BucketSender", "TransferStats", "join_transfer_groups"]
 
 END_OF_UPDATES = -1
 _NO_VERSION = 2**62
@@ -120,84 +118,232 @@ class TransferStats:
         self.last: dict = {}
 
 
+class _Link:
+    """One receiving group of a :class:`BucketSender`'s version: its posted operations (at most
+    ``2 * window`` in flight), the mode it gets and the error that dropped it (a dead peer)."""
+
+    def __init__(self, group, index: int):
+        self.group, self.index = group, index
+        self.pending: deque = deque()  # one entry per bucket (and the header): its [(work, tensor kept alive)]
+        self._open: list = []
+        self.error: BaseException | None = None
+        self.use_delta = False
+        self.wire = 0
+
+    @property
+    def live(self) -> bool:
+        return self.error is None
+
+    def post(self, work, keep) -> None:
+        self._open.append((work, keep))
+
+    def wait_to(self, n: int) -> None:
+        """Close the bucket being posted; wait until at most ``n`` buckets are in flight. A failure
+        drops the link."""
+        if self._open:
+            self.pending.append(self._open)
+            self._open = []
+        try:
+            while len(self.pending) > n:
+                for work, _ in self.pending.popleft():
+                    work.wait()
+        except Exception as e:  # noqa: BLE001 - a receiver died or timed out: only this link stops
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> None:
+        if self.error is None:
+            self.error = e
+        self.pending.clear()
+        self._open = []
+
+
+def _allreduce_links(links: list[_Link], value: int, op) -> list[int | None]:
+    """One int64 all-reduce on every live link at once (posted first, then waited on): the result
+    per link, ``None`` for a link that failed (and is dropped)."""
+    import torch.distributed as dist
+
+    posted = []
+    for link in links:
+        if not link.live:
+            posted.append(None)
+            continue
+        t = torch.tensor([value], dtype=torch.int64, device=_device_of(link.group))
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        try:
+            posted.append((link.group.allreduce([t], opts), t))
+        except Exception as e:  # noqa: BLE001
+            link.fail(e)
+            posted.append(None)
+    out: list[int | None] = []
+    for link, p in zip(links, posted):
+        if p is None or not link.live:
+            out.append(None)
+            continue
+        try:
+            p[0].wait()
+            out.append(int(p[1].item()))
+        except Exception as e:  # noqa: BLE001
+            link.fail(e)
+            out.append(None)
+    return out
+
+
 class BucketSender:
     """One trainer rank's end of its group (``join_transfer_groups(..., source=r)``).
 
     ``send(version, regions, tensors)``: ``regions`` the :class:`Piece` s this rank owns (unsplit),
     ``tensors`` their data in the same order (any float dtype, cast / quantized here; consumed lazily,
     so a gather behind it runs while earlier buckets are on the wire). ``delta``: keep every bucket's
-    raw bytes as the next version's base and send xor + zstd when every receiver holds it."""
+    raw bytes as the next version's base and send xor + zstd when every receiver holds it.
+
+    ``send(..., groups=[...])``: this version goes to several groups (a pool: one two-rank group per
+    server, ``pool_broadcast``), each bucket packed once and posted to every group. Each group is a
+    link of its own: it gets the delta or the full version by what its receivers hold, a failed
+    checksum is repaired on it alone, and a group whose receiver dies or times out is dropped
+    (``failed``: its index -> the error) while the others go on. With the sender's own group
+    (``groups`` left out) a failure raises."""
 
     def __init__(self, group, *, bucket_bytes: int, delta: bool = False, full_every: int = 10, window: int = 2):
         self.group, self.bucket_bytes, self.delta, self.full_every = group, int(bucket_bytes), delta, full_every
         self.window = max(1, window)
-        self.device = _device_of(group)
         self.prev_version: int | None = None
         self._base: list[np.ndarray] | None = None
         self._layout: list | None = None
         self.stats = TransferStats()
+        self.failed: dict[int, BaseException] = {}
         self.corrupt_hook = None  # tests: (bucket index, payload bytes) -> payload bytes on the wire
 
-    def _header(self, version: int, mode: int, layout_json: list) -> None:
+    def _post_header(self, link: _Link, version: int, mode: int, layout_json: list) -> None:
         raw = header_bytes({"version": int(version), "mode": mode, "delta": self.delta, "layout": layout_json})
-        _bcast(self.group, torch.tensor([len(raw)], dtype=torch.int64, device=self.device)).wait()
-        _bcast(self.group, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)).wait()
+        dev = _device_of(link.group)
+        for t in (torch.tensor([len(raw)], dtype=torch.int64, device=dev),
+                  torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)):
+            self._post_one(link, t)
 
-    def send(self, version: int, regions: list[Piece], tensors: Iterable[torch.Tensor]) -> dict:
+    def _post_one(self, link: _Link, t: torch.Tensor) -> None:
+        if not link.live:
+            return
+        try:
+            link.post(_bcast(link.group, t), t)
+        except Exception as e:  # noqa: BLE001 - the group is broken: this link stops
+            link.fail(e)
+
+    def _post(self, link: _Link, kind: int, payload: torch.Tensor, crc: int, raw_n: int) -> None:
+        dev = _device_of(link.group)
+        self._post_one(link, torch.tensor([kind, payload.numel(), crc, raw_n], dtype=torch.int64, device=dev))
+        self._post_one(link, payload if payload.device.type == dev else payload.to(dev))
+        link.wait_to(self.window)
+
+    def _post_pieces(self, link: _Link, wires: list[torch.Tensor], raw_n: int) -> None:
+        """A :data:`PIECES` bucket: its meta, then every piece's messages (``piece_wire``), no packing."""
+        dev = _device_of(link.group)
+        self._post_one(link, torch.tensor([PIECES, raw_n, 0, raw_n], dtype=torch.int64, device=dev))
+        for w in wires:
+            if w.numel():
+                self._post_one(link, w)
+        link.wait_to(self.window)
+
+    def send(self, version: int, regions: list[Piece], tensors: Iterable[torch.Tensor], *,
+             groups: list | None = None) -> dict:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
+        single = groups is None
+        links = [_Link(g, i) for i, g in enumerate([self.group] if single else groups)]
         subs = [(s, r_i) for r_i, r in enumerate(regions) for s in split_pieces(r, self.bucket_bytes)]
         buckets = plan_buckets([s for s, _ in subs], self.bucket_bytes)
         layout = layout_to_json(buckets)
-        held = _allreduce(self.group, _NO_VERSION, dist.ReduceOp.MIN)
-        use_delta = (self.delta and self.prev_version is not None and held == self.prev_version
-                     and layout == self._layout and self.stats.versions % self.full_every != 0)
-        self._header(version, DELTA if use_delta else FULL, layout)
-        wire = raw_total = 0
+        held = _allreduce_links(links, _NO_VERSION, dist.ReduceOp.MIN)
+        can_delta = (self.delta and self.prev_version is not None and layout == self._layout
+                     and self.stats.versions % self.full_every != 0)
+        for link, h in zip(links, held):
+            link.use_delta = can_delta and h == self.prev_version
+            self._post_header(link, version, DELTA if link.use_delta else FULL, layout)
+        raw_total = 0
         bases: list[np.ndarray] = []
-        pending: deque = deque()
         pieces = self._piece_tensors(regions, subs, tensors)
         for i, bucket in enumerate(buckets):
-            buf = encode_bucket(bucket, [next(pieces)[1] for _ in bucket], device=self.device)
+            if not any(link.live for link in links):  # nobody to send to: take the rest without packing it
+                for _ in pieces:
+                    pass
+                break
+            data = [next(pieces)[1] for _ in bucket]
+            if not self.delta and self.corrupt_hook is None:  # each piece as itself: no packing copy
+                raw_n = wire_bytes(bucket)
+                wires = [w for (p, _), t in zip(bucket, data) for w in piece_wire(p, t, self.device_for(links))]
+                for link in links:
+                    if link.live:
+                        link.wire += raw_n
+                        self._post_pieces(link, wires, raw_n)
+                raw_total += raw_n
+                continue
+            buf = encode_bucket(bucket, data, device=self.device_for(links))
             raw = buf.cpu().numpy() if (self.delta or self.corrupt_hook) else None
             crc = checksum(raw) if self.delta else 0
             if self.delta:
                 bases.append(raw)
-            if use_delta:
-                payload = torch.frombuffer(bytearray(encode_delta(raw, self._base[i])), dtype=torch.uint8)
-                payload = payload.to(self.device)
-            else:
-                payload = buf
-            if self.corrupt_hook is not None:
-                payload = torch.frombuffer(bytearray(self.corrupt_hook(i, payload.cpu().numpy().tobytes())),
-                                           dtype=torch.uint8).to(self.device)
-            wire += payload.numel()
+            delta_payload = None
+            for link in links:
+                if not link.live:
+                    continue
+                if link.use_delta:
+                    if delta_payload is None:
+                        delta_payload = torch.frombuffer(bytearray(encode_delta(raw, self._base[i])), dtype=torch.uint8)
+                    payload = delta_payload
+                else:
+                    payload = buf
+                if self.corrupt_hook is not None:
+                    payload = torch.frombuffer(bytearray(self.corrupt_hook(i, payload.cpu().numpy().tobytes())),
+                                               dtype=torch.uint8)
+                link.wire += payload.numel()
+                self._post(link, DELTA if link.use_delta else FULL, payload, crc, buf.numel())
             raw_total += buf.numel()
-            self._post(pending, DELTA if use_delta else FULL, payload, crc, buf.numel())
-        if next(pieces, None) is not None:
-            raise ValueError("BucketSender.send: more tensors than regions")
-        while pending:
-            pending.popleft()[0].wait()
-        bad = _allreduce(self.group, 0, dist.ReduceOp.SUM)
-        mode = "delta" if use_delta else "full"
-        if bad:
-            if not self.delta:
-                raise RuntimeError(f"weights version {version}: {bad} bucket(s) failed at the receivers")
-            self.stats.repairs += 1
-            log.warning("weights version %d: %d bucket(s) failed their checksum at a receiver: sent again in full",
-                        version, bad)
-            wire += self._resend_full(version, buckets, bases)
-            mode = "delta+repair"
+        else:
+            if next(pieces, None) is not None:
+                raise ValueError("BucketSender.send: more tensors than regions")
+        for link in links:
+            link.wait_to(0)
+        bad = _allreduce_links(links, 0, dist.ReduceOp.SUM)
+        modes = []
+        for link, b in zip(links, bad):
+            if not link.live:
+                continue
+            mode = "delta" if link.use_delta else "full"
+            if b:
+                if not self.delta:
+                    link.fail(RuntimeError(f"weights version {version}: {b} bucket(s) failed at the receivers"))
+                    continue
+                self.stats.repairs += 1
+                log.warning("weights version %d: %d bucket(s) failed their checksum at a receiver: sent again in full",
+                            version, b)
+                try:
+                    link.wire += self._resend_full(link, version, buckets, bases)
+                except Exception as e:  # noqa: BLE001
+                    link.fail(e)
+                    continue
+                mode = "delta+repair"
+            modes.append(mode)
+        self.failed = {link.index: link.error for link in links if not link.live}
+        if single and self.failed:
+            raise self.failed[0]
         self.prev_version, self._layout = version, layout
         self._base = bases if self.delta else None
         self.stats.versions += 1
-        self.stats.delta_versions += use_delta
+        self.stats.delta_versions += any(link.use_delta and link.live for link in links)
+        wire = sum(link.wire for link in links)
+        raw_sent = raw_total * len(links)
         self.stats.wire_bytes += wire
-        self.stats.raw_bytes += raw_total
-        self.stats.last = {"wire_bytes": wire, "raw_bytes": raw_total, "mode": mode,
+        self.stats.raw_bytes += raw_sent
+        self.stats.last = {"wire_bytes": wire, "raw_bytes": raw_sent,
+                           "mode": modes[0] if len(set(modes)) == 1 else "+".join(sorted(set(modes))) or "failed",
                            "seconds": time.perf_counter() - t0}
         return self.stats.last
+
+    @staticmethod
+    def device_for(links: list[_Link]) -> str:
+        """Where a bucket is packed: the links' device (CUDA when the groups are NCCL)."""
+        return _device_of(links[0].group) if links else "cpu"
 
     def _piece_tensors(self, regions, subs, tensors) -> Iterator[tuple[Piece, torch.Tensor]]:
         """The split pieces' data, each a dim-0 slice of its region's tensor."""
@@ -211,199 +357,29 @@ class BucketSender:
         for extra in it:
             yield None, extra
 
-    def _post(self, pending: deque, kind: int, payload: torch.Tensor, crc: int, raw_n: int) -> None:
-        meta = torch.tensor([kind, payload.numel(), crc, raw_n], dtype=torch.int64, device=self.device)
-        pending.append((_bcast(self.group, meta), meta))
-        pending.append((_bcast(self.group, payload), payload))
-        while len(pending) > 2 * self.window:
-            pending.popleft()[0].wait()
-
-    def _resend_full(self, version: int, buckets, bases: list[np.ndarray]) -> int:
+    def _resend_full(self, link: _Link, version: int, buckets, bases: list[np.ndarray]) -> int:
         import torch.distributed as dist
 
-        _allreduce(self.group, _NO_VERSION, dist.ReduceOp.MIN)
-        self._header(version, FULL, layout_to_json(buckets))
-        pending: deque = deque()
+        _allreduce(link.group, _NO_VERSION, dist.ReduceOp.MIN)
+        self._post_header(link, version, FULL, layout_to_json(buckets))
         for raw in bases:
-            payload = torch.from_numpy(raw).to(self.device)
-            self._post(pending, FULL, payload, checksum(raw), raw.nbytes)
-        while pending:
-            pending.popleft()[0].wait()
-        bad = _allreduce(self.group, 0, dist.ReduceOp.SUM)
+            self._post(link, FULL, torch.from_numpy(raw), checksum(raw), raw.nbytes)
+        link.wait_to(0)
+        if link.error is not None:
+            raise link.error
+        bad = _allreduce(link.group, 0, dist.ReduceOp.SUM)
         if bad:
             raise RuntimeError(f"weights version {version}: the full resend failed its checksum at a receiver too")
         return sum(b.nbytes for b in bases)
 
-    def close(self) -> None:
+    def close(self, groups: list | None = None) -> None:
         """Tell the receivers no version follows (the header of version -1)."""
         import torch.distributed as dist
 
-        _allreduce(self.group, _NO_VERSION, dist.ReduceOp.MIN)
-        self._header(END_OF_UPDATES, FULL, [])
-
-
-class _Assembly:
-    """The full tensors of one version, filled region by region from every source."""
-
-    def __init__(self, device):
-        self.device, self.tensors, self.filled = device, {}, {}
-        self._lock = threading.Lock()
-
-    def put(self, p: Piece, region: torch.Tensor) -> None:
-        with self._lock:
-            full = self.tensors.get(p.name)
-            if full is None:
-                full = self.tensors[p.name] = torch.empty(p.shape, dtype=getattr(torch, p.dtype), device=self.device)
-        full[p.index].copy_(region)
-
-    def count(self, counts: dict) -> None:
-        with self._lock:
-            for k, n in counts.items():
-                self.filled[k] = self.filled.get(k, 0) + n
-
-    def check(self, version: int) -> None:
-        short = [f"{k} ({self.filled.get(k, 0)}/{t.numel()} elements)" for k, t in self.tensors.items()
-                 if self.filled.get(k, 0) != t.numel()]
-        if short:
-            raise RuntimeError(f"weights version {version}: the sources did not cover {short[:5]}: not loaded")
-
-
-class SourceReceiver:
-    """A receiver's end of one source's group: keeps the raw buckets of the version it holds (the
-    base of the next delta) when the sender sends deltas. ``corrupt``: buckets that failed their
-    checksum (each repaired by a full resend, never loaded)."""
-
-    def __init__(self, group, source: int):
-        self.group, self.source, self.device = group, source, _device_of(group)
-        self.held = -1
-        self._base: list[np.ndarray] = []
-        self.corrupt = 0
-
-    def _recv(self, n: int, dtype=torch.uint8) -> torch.Tensor:
-        t = torch.empty(n, dtype=dtype, device=self.device)
-        _bcast(self.group, t).wait()
-        return t
-
-    def receive(self, out: _Assembly) -> int:
-        """One version from this source into ``out``; returns it (-1: the end of updates)."""
-        import json
-
-        import torch.distributed as dist
-
-        while True:
-            _allreduce(self.group, self.held, dist.ReduceOp.MIN)
-            n = int(self._recv(1, torch.int64).item())
-            head = json.loads(bytes(self._recv(n).cpu().numpy()))
-            version = int(head["version"])
-            if version == END_OF_UPDATES:
-                return version
-            keep = bool(head["delta"])
-            bad, bases, counts = 0, [], {}
-            for i, bucket in enumerate(layout_from_json(head["layout"])):
-                kind, wire_n, crc, raw_n = (int(x) for x in self._recv(4, torch.int64).cpu())
-                payload = self._recv(wire_n)
-                if bad:
-                    continue
-                try:
-                    if kind == DELTA:
-                        if i >= len(self._base):
-                            raise DeltaDecodeError(f"delta for bucket {i}, but no base is held")
-                        raw = decode_delta(payload.cpu().numpy(), self._base[i], crc)
-                        buf = torch.from_numpy(raw).to(self.device)
-                    else:
-                        buf = payload
-                        if keep:
-                            raw = payload.cpu().numpy()
-                            if checksum(raw) != crc:
-                                raise DeltaDecodeError(f"bucket {i}: checksum mismatch")
-                    if buf.numel() != raw_n:
-                        raise DeltaDecodeError(f"bucket {i}: {buf.numel()} bytes, the sender says {raw_n}")
-                except DeltaDecodeError as e:
-                    log.warning("weights version %d from source %d: %s (not loaded; asking for a full resend)",
-                                version, self.source, e)
-                    bad = 1
-                    continue
-                if keep:
-                    bases.append(raw)
-                for p, region in decode_bucket(bucket, buf):
-                    out.put(p, region)
-                    counts[p.name] = counts.get(p.name, 0) + p.numel
-            failed = _allreduce(self.group, bad, dist.ReduceOp.SUM)
-            if bad:
-                self.corrupt += 1
-                self.held, self._base = -1, []
-            elif not failed:
-                self.held, self._base = version, bases
-                out.count(counts)
-                return version
-            else:  # another receiver failed: the same version comes again in full
-                self.held, self._base = -1, []
-
-
-def receive_version(receivers: list[SourceReceiver], device, pool: ThreadPoolExecutor | None = None):
-    """``(version, {name: full tensor})`` from every source (one thread each), or ``(-1, {})`` at
-    the end of updates. Raises when the sources disagree on the version or leave elements out."""
-    out = _Assembly(device)
-    if len(receivers) == 1:
-        versions = [receivers[0].receive(out)]
-    else:
-        own = pool is None
-        pool = pool or ThreadPoolExecutor(len(receivers), thread_name_prefix="weight-source")
-        try:
-            versions = [f.result() for f in [pool.submit(r.receive, out) for r in receivers]]
-        finally:
-            if own:
-                pool.shutdown()
-    if len(set(versions)) != 1:
-        raise RuntimeError(f"weight transfer: the sources sent versions {versions}: not loaded")
-    version = versions[0]
-    if version == END_OF_UPDATES:
-        return version, {}
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.current_stream().synchronize()
-    out.check(version)
-    return version, out.tensors
-
-
-def _engine_receiver_class():
-    from .weight_sync import EngineWeightReceiver, _shutdown
-
-    class BucketedEngineReceiver(EngineWeightReceiver):
-        """The embedded engine's end of the bucketed transfer: receiver 0 of every source's group
-        (it hosts the store), a thread per source; each version is assembled into fresh tensors
-        while the engine serves the previous one, handed over whole (``take``), never mixed."""
-
-        def __init__(self, host: str, port: int, *, sources: int, backend: str, device: torch.device,
-                     timeout_s: float = 300.0):
-            super().__init__(host, port, backend=backend, device=device, timeout_s=timeout_s)
-            self.sources = sources
-            self.receivers: list[SourceReceiver] = []
-            self._pool = ThreadPoolExecutor(sources, thread_name_prefix="weight-source") if sources > 1 else None
-
-        def _join(self):
-            groups = join_transfer_groups(self.host, self.port, sources=self.sources, receivers=1, receiver=0,
-                                          store_master=True, timeout_s=self.timeout_s, backend=self.backend)
-            self.receivers = [SourceReceiver(groups[r], r) for r in range(self.sources)]
-            return groups
-
-        def _receive(self, groups) -> tuple[int, dict]:
-            return receive_version(self.receivers, self.device, self._pool)
-
-        def _leave(self, groups) -> None:
-            for g in (groups or {}).values():
-                _shutdown(g)
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-
-        @property
-        def corrupt(self) -> int:
-            """Buckets that failed their checksum (each repaired by a full resend, none loaded)."""
-            return sum(r.corrupt for r in self.receivers)
-
-    return BucketedEngineReceiver
-
-
-def bucketed_engine_receiver(host: str, port: int, *, sources: int, backend: str, device, timeout_s: float = 300.0):
-    """A started ``BucketedEngineReceiver`` (an ``EngineWeightReceiver`` over the bucketed transfer)."""
-    return _engine_receiver_class()(host, port, sources=sources, backend=backend, device=torch.device(device),
-                                    timeout_s=timeout_s).start()
+        links = [_Link(g, i) for i, g in enumerate([self.group] if groups is None else groups)]
+        _allreduce_links(links, _NO_VERSION, dist.ReduceOp.MIN)
+        for link in links:
+            self._post_header(link, END_OF_UPDATES, FULL, [])
+            link.wait_to(0)
+        if groups is None and links[0].error is not None:
+            raise links[0].error

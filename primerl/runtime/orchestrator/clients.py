@@ -102,7 +102,7 @@ def make_embedded_client(cfg: RLConfig, vocab_size: int):
     receiver = None
     if placement.weight_update == "broadcast":
         from ..inference.weight_sync import engine_broadcast_host
-        from ..inference.weight_transfer import bucketed_engine_receiver
+        from ..inference.weight_receive import bucketed_engine_receiver
 
         sources = cfg.num_trainer_ranks if i.weight_transfer.sharded else 1
         receiver = bucketed_engine_receiver(engine_broadcast_host(), i.broadcast_port, sources=sources,
