@@ -35,12 +35,12 @@ from __future__ import annotations
 import logging
 import threading
 
-from .vllm_client import InferenceServerError, http_json
+from .vllm_client import InferenceServerError
 
 log = logging.getLogger("primerl.vllm")
 
 __all__ = ["LORA_ENV", "VLLM_MAX_LORA_RANKS", "VLLMAdapters", "adapter_name", "check_vllm_lora",
-           "check_vllm_lora_machine", "lora_serve_args", "max_loras"]
+           "check_vllm_lora_machine", "lora_serve_args", "max_loras", "post_text"]
 
 # vLLM 0.32's accepted --max-lora-rank values (vllm.config.lora.MaxLoRARanks)
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -147,6 +147,25 @@ def check_vllm_lora_machine(cfg) -> None:
                           f"'embedded', got {cfg.trainer.lora.rank}")
 
 
+def post_text(url: str, payload: dict, timeout: float) -> str:
+    """``POST url`` with ``payload`` as JSON -> the answer's text (vLLM's adapter routes answer plain text,
+    ``Success: ...``); :class:`InferenceServerError` naming the URL on an HTTP error status, a refused
+    connection or no answer within ``timeout`` seconds."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"},
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        raise InferenceServerError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        raise InferenceServerError(f"{url}: no answer within {timeout} s or connection failed ({e})") from None
+
+
 class VLLMAdapters:
     """The adapter a vLLM server serves as the current policy version (``VLLMClient.adapters``).
 
@@ -169,13 +188,13 @@ class VLLMAdapters:
         previous version's name; -> its name. Raises :class:`InferenceServerError` when vLLM refuses it."""
         name = adapter_name(version)
         try:
-            http_json(self.url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, self.timeout_s)
+            post_text(self.url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, self.timeout_s)
         except InferenceServerError as e:
             raise InferenceServerError(f"weights version {version}: vLLM did not load the LoRA adapter {path} "
                                        f"({e})") from None
         with self._lock:
             previous, self.current, self.version = self.current, name, version
         if previous is not None and previous != name:
-            http_json(self.url + "/v1/unload_lora_adapter", {"lora_name": previous}, self.timeout_s)
+            post_text(self.url + "/v1/unload_lora_adapter", {"lora_name": previous}, self.timeout_s)
         log.info("weights version %d: LoRA adapter %s loaded by %s", version, name, self.url)
         return name
