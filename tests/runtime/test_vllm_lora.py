@@ -241,7 +241,7 @@ def test_rl_job_on_vllm_updates_only_the_adapters_on_policy(tmp_path):
     print("mismatch_kl/mean per step", kl, "update bytes", [r.get("weights/update_bytes") for r in rows])
     assert max(kl) < 1e-4, kl
     log = (out / "logs" / "vllm.log").read_text(errors="replace")
-    for v in range(STEPS + 1):  # the initial version and one per step
+    for v in range(STEPS):  # the version each step samples with (the last one, STEPS, samples nothing)
         assert f"Loaded new LoRA adapter: name 'primerl-v{v}'" in log, v
     assert "POST /collective_rpc" not in log  # no full weight update
     # each version on disk is a PEFT adapter directory, nothing else
@@ -250,3 +250,13 @@ def test_rl_job_on_vllm_updates_only_the_adapters_on_policy(tmp_path):
     assert files == {("adapter_config.json", "adapter_model.safetensors")}, files
     conf = json.loads((weights[-1] / "adapter_config.json").read_text())
     assert conf["r"] == 16 and "mlp.gate_proj" in conf["target_modules"]
+    # an update moves the adapters' bytes, a fraction of the model's
+    from safetensors import safe_open
+
+    from primerl.runtime.policy import build_model
+
+    with safe_open(str(weights[-1] / "adapter_model.safetensors"), "pt") as f:
+        adapter_bytes = sum(f.get_tensor(k).nbytes for k in f.keys())
+    model_bytes = sum(p.nbytes for p in build_model(cfg, 11).parameters())
+    assert all(r["weights/update_bytes"] == adapter_bytes for r in rows), [r["weights/update_bytes"] for r in rows]
+    assert adapter_bytes < model_bytes / 5, (adapter_bytes, model_bytes)
