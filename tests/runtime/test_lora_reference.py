@@ -3,12 +3,19 @@ policy with its adapters disabled, the frozen base, not a second copy of the mod
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from test_loss_config import _ranked_payload
 from test_trainer import V, _cfg, _payload, _samples
 
 from primerl.runtime.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from _parallel_dist import spawn  # noqa: E402
 
 LORA = ("--trainer.lora.rank", "4", "--trainer.lora.alpha", "8", "--trainer.lora.targets", "attention,experts",
         "--trainer.loss.ref_kl_coef", "1.0", "--trainer.router_replay", "false")
@@ -52,3 +59,25 @@ def test_plan_counts_no_reference_copy_under_lora():
 
     assert TrainerLayout.from_config(_cfg(*LORA), "cpu").ref_model is False
     assert TrainerLayout.from_config(_cfg("--trainer.loss.ref_kl_coef", "1.0"), "cpu").ref_model is True
+
+
+def _fsdp_case(rank, world_size, ref):
+    t = Trainer(_cfg(*LORA, "--num_trainer_ranks", str(world_size)), V, rank=rank, world_size=world_size)
+    assert t.fsdp and t.ref_model is t.model
+    rows = [t.train_step(_ranked_payload(step, world_size, rank)) for step in range(len(ref))]
+    return [f"step {i} {k}: {a[k]!r} != one process {b[k]!r}" for i, (a, b) in enumerate(zip(rows, ref))
+            for k in ("loss", "loss/ref_kl") if not abs(a[k] - b[k]) <= 1e-5 * abs(b[k]) + 1e-7]
+
+
+def _two_ranks(rank, world_size, log, ref):
+    log.run("fsdp", _fsdp_case, rank, world_size, ref)
+
+
+@pytest.mark.dist
+def test_the_lora_reference_under_fsdp_matches_one_process(tmp_path):
+    """FSDP2 on two gloo ranks runs the same sharded model as policy and (adapters off) reference in
+    each micro-batch: the loss and the reference KL are the one-process numbers."""
+    one = Trainer(_cfg(*LORA), V)
+    ref = [one.train_step(_ranked_payload(step, 1, 0)) for step in range(3)]
+    assert ref[-1]["loss/ref_kl"] > 0
+    assert spawn(_two_ranks, 2, tmp_path, ref) == {"fsdp": []}

@@ -163,7 +163,9 @@ class Trainer:
         if t.lora.rank:  # the adapters only train; the KL reference is the frozen base: the policy, adapters off
             from primerl.models import apply_lora
 
-            apply_lora(self.model, t.lora.rank, t.lora.alpha, targets=t.lora.targets or None)
+            with torch.random.fork_rng(devices=[]):  # the same A on every rank and in every run (seeded)
+                torch.manual_seed(cfg.seed)
+                apply_lora(self.model, t.lora.rank, t.lora.alpha, targets=t.lora.targets or None)
             self.ref_model = _rl.reference_model(t.loss, self.model, lora=True)
         self.mesh = None
         if world_size > 1 or self.fsdp:
