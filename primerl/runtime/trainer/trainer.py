@@ -136,6 +136,9 @@ def next_token_logprobs(model, mb, targets, *, replay: bool, plan=None, padded: 
     return fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
 
 
+LORA_SEED_OFFSET = 0x10AA  # the adapters' init draws from seed + this (not the model init's numbers again)
+
+
 class Trainer:
     def __init__(self, cfg: RLConfig, vocab_size: int, *, rank: int = 0, world_size: int = 1):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -163,8 +166,9 @@ class Trainer:
         if t.lora.rank:  # the adapters only train; the KL reference is the frozen base: the policy, adapters off
             from primerl.models import apply_lora
 
-            with torch.random.fork_rng(devices=[]):  # the same A on every rank and in every run (seeded)
-                torch.manual_seed(cfg.seed)
+            # the same A on every rank and in every run: seeded, apart from the model init's stream (seed)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.seed + LORA_SEED_OFFSET)
                 apply_lora(self.model, t.lora.rank, t.lora.alpha, targets=t.lora.targets or None)
             self.ref_model = _rl.reference_model(t.loss, self.model, lora=True)
         self.mesh = None
