@@ -37,6 +37,9 @@ inference`` serves the same one):
   Without those routes: the reset with ``reset_running_requests=true`` above (every running request
   recomputed). ``clear_cache=false`` matters: vLLM 0.32 resets its caches at the end of any pause
   with ``clear_cache`` true, ``keep`` included, which preempts the running requests.
+- ``trainer.lora``: no weight update at all; each version is a LoRA adapter directory loaded by
+  ``POST /v1/load_lora_adapter`` and named as the request's ``model`` (``vllm_lora.VLLMAdapters``,
+  set as ``adapters`` by the backend).
 - Abort: ``abort(ids)`` closes the request's connection; vLLM's completion and generate routes
   (``with_cancellation``) and ``primerl inference`` abort a request whose client disconnected, so the
   server stops generating it. (vLLM's ``/abort_requests`` takes the server's request ids, which
