@@ -23,6 +23,7 @@ two grouped GEMMs through :func:`primerl.kernels.fp8_training.fp8_grouped_linear
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -63,9 +64,10 @@ class LoRALinearMixin:
 
     lora_scale: float
     lora_merged: bool
+    lora_disabled: bool  # adapters_disabled(): the base alone (the KL reference of a LoRA job)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora_merged:
+        if self.lora_merged or self.lora_disabled:
             return super().forward(x)
         if isinstance(self.lora_dropout, nn.Identity):  # one op: base GEMM (bf16 or FP8) + the low-rank path
             from primerl.kernels.lora import lora_linear
@@ -115,7 +117,7 @@ def _wrap_linear(name: str, lin: nn.Linear, spec: LoRASpec) -> None:
     nn.init.kaiming_uniform_(lin.lora_A, a=math.sqrt(5))
     lin.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
     lin.lora_scale = spec.scale
-    lin.lora_merged = False
+    lin.lora_merged = lin.lora_disabled = False
 
 
 # -------------------------------------------------------------------------------------------- experts
@@ -131,11 +133,12 @@ def _wrap_experts(name: str, experts: nn.Module, spec: LoRASpec) -> None:
         for e in range(E):
             nn.init.kaiming_uniform_(a.data[e], a=math.sqrt(5))
     experts.lora_scale = spec.scale
-    experts.lora_merged = False
+    experts.lora_merged = experts.lora_disabled = False
 
 
 def experts_lora_active(experts: nn.Module) -> bool:
-    return getattr(experts, "lora_A13", None) is not None and not experts.lora_merged
+    """The routed experts run their adapters' path (adapters there, neither merged nor disabled)."""
+    return getattr(experts, "lora_A13", None) is not None and not (experts.lora_merged or experts.lora_disabled)
 
 
 def _base_grouped(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, fp8_recipe) -> torch.Tensor:
@@ -305,6 +308,23 @@ def _add_delta(module: nn.Module, sign: float) -> None:
         module.w2.add_((sign * d2).to(module.w2.dtype))
     else:
         module.weight.add_((sign * module.lora_delta()).to(module.weight.dtype))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Within the block ``model`` computes its base alone: every adapted module skips its low-rank
+    path (the adapters stay, untouched). The KL reference of a LoRA job is the policy in this state,
+    not a copy of the base. Not for a merged model (its weights hold the adapters)."""
+    mods = lora_modules(model)
+    if any(m.lora_merged for m in mods.values()):
+        raise LoRAError("adapters_disabled: the adapters are merged into the weights (unmerge_lora first)")
+    for m in mods.values():
+        m.lora_disabled = True
+    try:
+        yield model
+    finally:
+        for m in mods.values():
+            m.lora_disabled = False
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

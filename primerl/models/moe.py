@@ -72,7 +72,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], topk_ids/topk_weights [T, k] -> y [T, D] (weighted sum over the k experts)."""
-        if getattr(self, "lora_A13", None) is not None and not self.lora_merged:  # LoRA adapters (models/lora.py)
+        if getattr(self, "lora_A13", None) is not None and not (self.lora_merged or self.lora_disabled):  # LoRA
             from .lora import experts_lora_forward
 
             return experts_lora_forward(self, x, topk_ids, topk_weights)
@@ -86,7 +86,7 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"forward_grouped: local_counts must have shape ({self.w13.shape[0]},), got {tuple(local_counts.shape)}"
             )
-        if getattr(self, "lora_A13", None) is not None and not self.lora_merged:  # LoRA adapters (models/lora.py)
+        if getattr(self, "lora_A13", None) is not None and not (self.lora_merged or self.lora_disabled):  # LoRA
             from .lora import experts_lora_on_grouped_rows
 
             return experts_lora_on_grouped_rows(self, x_recv.contiguous(), local_counts.cumsum(0).to(torch.int32))

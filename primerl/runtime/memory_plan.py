@@ -145,7 +145,8 @@ class TrainerLayout:
                    activation_offload=p.activation_offload, cpu_offload=p.cpu_offload, fp8=p.fp8,
                    mixed_precision=mixed, param_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
                    fsdp=dims.world_size > 1 and t.fsdp or mixed, native_lowp=device == "cuda" and mixed,
-                   ref_model=t.loss.ref_kl_coef > 0, host_is_device=device == "cpu",
+                   ref_model=t.loss.ref_kl_coef > 0 and not t.lora.rank,  # LoRA: the policy, adapters off
+                   host_is_device=device == "cpu",
                    lora_rank=t.lora.rank, lora_targets=tuple(t.lora.targets))
 
 

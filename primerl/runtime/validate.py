@@ -49,7 +49,9 @@ so ``primerl rl --dry-run`` refuses a config with one line before anything start
 7. this machine: ``log.tensorboard`` / ``log.wandb`` / ``env.id = "verifiers"`` /
    ``orchestrator.metrics_port`` need their packages (``job_checks.check_packages``),
    ``inference.vllm.python`` is an executable where vLLM is launched here
-   (``job_checks.check_programs``), ``[distill]``'s teachers exist and share the student's vocabulary
+   (``job_checks.check_programs``), the backend's own machine checks (``check_machine``: e.g. a vLLM
+   launched here without a GPU cannot serve LoRA on a MoE model), ``[distill]``'s teachers exist and
+   share the student's vocabulary
    (``check_distill_teachers``), ``warm_start.steps`` needs the environment's task demonstrations
    (``check_warm_start_tasks`` below), ``orchestrator.curriculum`` needs each environment it covers
    to declare a prompt dataset with ids (``check_curriculum_prompts``; the mix's keys ``env[i].*``,
@@ -70,7 +72,7 @@ from pathlib import Path
 
 from . import config, job_checks
 from .config import ConfigError, RLConfig, _need
-from .inference.backend import check_backend
+from .inference.backend import check_backend, get_backend
 from .launch.kinds import check_launcher
 from .placement import resolve_placement
 from .policy import model_config
@@ -96,6 +98,7 @@ def validate(cfg: RLConfig, *, this_machine: bool = True) -> None:
         return
     job_checks.check_packages(cfg)  # 7.
     job_checks.check_programs(cfg)
+    get_backend(cfg).check_machine(cfg)
     check_distill_teachers(cfg)  # 3. (the teachers' files are on this machine: not needed to plan)
     check_warm_start_tasks(cfg)
     check_curriculum_prompts(cfg)

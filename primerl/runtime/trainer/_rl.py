@@ -1,7 +1,8 @@
 """Adapters to primerl.rl (reference model, policy loss) in the shapes the trainer uses.
 
 The trainer routes every loss setting of ``trainer.loss`` through this module: ``reference_model``
-once at start (a frozen copy of the initial policy when ``ref_kl_coef > 0``), then per optimizer
+once at start (a frozen copy of the initial policy when ``ref_kl_coef > 0``; under ``trainer.lora``
+the policy itself, run with its adapters off), then per optimizer
 step ``loss_counts`` (on the host, from the packed CPU batch, while the step is prepared; all-reduced
 by the trainer), per micro-batch ``reference_logprobs`` and ``policy_loss``, and ``LossMetrics`` for
 the metrics of the extra terms. Nothing here reads a device value on the host during the step's
@@ -10,16 +11,21 @@ device work: metrics stay 0-d tensors and are read once per optimizer step by th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 
 
-def reference_model(loss_cfg, policy: torch.nn.Module) -> torch.nn.Module | None:
-    """A frozen copy of ``policy`` (call it on the freshly built initial policy) when the
-    reference-KL term is on (``trainer.loss.ref_kl_coef > 0``), else None."""
+def reference_model(loss_cfg, policy: torch.nn.Module, *, lora: bool = False) -> torch.nn.Module | None:
+    """When the reference-KL term is on (``trainer.loss.ref_kl_coef > 0``): a frozen copy of
+    ``policy`` (call it on the freshly built initial policy), or with ``lora`` (``trainer.lora``, the
+    base frozen) ``policy`` itself, which :func:`reference_logprobs` runs with its adapters disabled:
+    the base, without a second copy of it. Else None."""
     if not loss_cfg.ref_kl_coef > 0:
         return None
+    if lora:
+        return policy
     ref = copy.deepcopy(policy).eval()
     ref.requires_grad_(False)
     return ref
@@ -27,11 +33,30 @@ def reference_model(loss_cfg, policy: torch.nn.Module) -> torch.nn.Module | None
 
 def reference_logprobs(ref_model: torch.nn.Module | None, logprob_fn) -> torch.Tensor | None:
     """``logprob_fn(ref_model)`` (the trainer's per-token log-probs of one micro-batch under a model)
-    without autograd, or None when there is no reference model."""
+    without autograd, or None when there is no reference model. A model with LoRA adapters (the
+    policy of a LoRA job) runs with them disabled (``primerl.models.lora.adapters_disabled``)."""
     if ref_model is None:
         return None
-    with torch.no_grad():
+    if getattr(ref_model, "lora", None) is None:
+        with torch.no_grad():
+            return logprob_fn(ref_model).detach()
+    with torch.no_grad(), _as_reference(ref_model):
         return logprob_fn(ref_model).detach()
+
+
+@contextlib.contextmanager
+def _as_reference(policy: torch.nn.Module):
+    """The LoRA policy as its own reference: adapters off and eval mode (as the frozen copy was: the
+    MoE layers then count no tokens for the expert-bias update), both restored after."""
+    from primerl.models.lora import adapters_disabled
+
+    training = policy.training
+    policy.eval()
+    try:
+        with adapters_disabled(policy):
+            yield
+    finally:
+        policy.train(training)
 
 
 def _pg_mask(mb, loss_cfg) -> torch.Tensor:

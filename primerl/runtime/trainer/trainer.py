@@ -136,6 +136,9 @@ def next_token_logprobs(model, mb, targets, *, replay: bool, plan=None, padded: 
     return fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
 
 
+LORA_SEED_OFFSET = 0x10AA  # the adapters' init draws from seed + this (not the model init's numbers again)
+
+
 class Trainer:
     def __init__(self, cfg: RLConfig, vocab_size: int, *, rank: int = 0, world_size: int = 1):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -154,15 +157,20 @@ class Trainer:
         self._own_group = self.fsdp and world_size == 1 and open_single_rank_group(self.placement.dist_backend)
         self.model = build_model(cfg, vocab_size, device=self.device)
         self.model.train()
-        self.ref_model = _rl.reference_model(t.loss, self.model)  # frozen initial policy, when the loss needs one
+        # frozen initial policy, when the loss needs one (LoRA: the policy itself with its adapters off, below)
+        self.ref_model = None if t.lora.rank else _rl.reference_model(t.loss, self.model)
         if par.fp8 != "off":
             from primerl.models import convert_to_fp8
 
             convert_to_fp8(self.model, par.fp8)
-        if t.lora.rank:  # the adapters only train (the reference model above is the base: no adapters)
+        if t.lora.rank:  # the adapters only train; the KL reference is the frozen base: the policy, adapters off
             from primerl.models import apply_lora
 
-            apply_lora(self.model, t.lora.rank, t.lora.alpha, targets=t.lora.targets or None)
+            # the same A on every rank and in every run: seeded, apart from the model init's stream (seed)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.seed + LORA_SEED_OFFSET)
+                apply_lora(self.model, t.lora.rank, t.lora.alpha, targets=t.lora.targets or None)
+            self.ref_model = _rl.reference_model(t.loss, self.model, lora=True)
         self.mesh = None
         if world_size > 1 or self.fsdp:
             self.mesh = self.dims.build_mesh(self.device.type)
@@ -179,7 +187,7 @@ class Trainer:
                                               else par.activation_checkpointing),
                     ac_every=2, param_dtype=param_dtype, reduce_dtype=torch.float32,
                     activation_offload=par.activation_offload, **cp_kw)
-        if self.ref_model is not None:  # the same layout: it reads the same sharded micro-batches
+        if self.ref_model is not None and self.ref_model is not self.model:  # the same layout: same micro-batches
             parallelize(self.ref_model, self.dims, self.mesh, fsdp=self.fsdp,
                         param_dtype=param_dtype, reduce_dtype=torch.float32, **cp_kw)
         # which packed batch this rank reads (the ranks of a cp group read the same one)
@@ -360,11 +368,12 @@ class Trainer:
         loss_metrics = _rl.LossMetrics(t.loss, self.world_size, device=dev)
         zero = torch.zeros((), device=dev)
         for mb, targets, plan, k, longest in prep.micro_batches:
-            lp, ent = next_token_logprobs(self.model, mb, targets, replay=replay, plan=mb.context_plan,
-                                          padded=self.padded, padded_plan=plan, max_seqlen=longest)
+            # the reference first: under LoRA it is this model (adapters off), run before the policy's graph
             ref_lp = _rl.reference_logprobs(self.ref_model, lambda ref: next_token_logprobs(
                 ref, mb, targets, replay=False, plan=mb.context_plan, padded=self.padded, padded_plan=plan,
                 max_seqlen=longest)[0])
+            lp, ent = next_token_logprobs(self.model, mb, targets, replay=replay, plan=mb.context_plan,
+                                          padded=self.padded, padded_plan=plan, max_seqlen=longest)
             loss, m = _rl.policy_loss(lp, mb, t.loss, prep.counts, entropy=ent, ref_logprobs=ref_lp)
             coef = self.entropy_coef()
             if coef:
