@@ -8,7 +8,8 @@ Every ``primerl node`` agent (trainer, orchestrator, inference) runs one watch t
   the C-level handler writes the signal number to a socket the thread sleeps on, so the thread
   wakes at once;
 - on that signal, or when this node's role fails (:meth:`NodeWatch.fail`), the thread posts the
-  reason under ``primerl/abort`` in the rendezvous store (the first reason stays), logs it and
+  reason under ``primerl/r<round>/abort`` in the rendezvous store (``round_key``: a job restarted
+  by its agents, ``node_supervise``, rejoins under the next round's keys) (the first reason stays), logs it and
   ends this node: ``on_end(reason)`` (the trainer agent stops torchrun's process group, SIGKILL
   after ``deployment.grace_s``; the orchestrator and inference agents stop their server and exit);
 - every ``interval_s`` it reads the store: a reason posted by another node ends this node the same
@@ -31,10 +32,39 @@ from typing import Callable
 
 log = logging.getLogger("primerl")
 
-ABORT_KEY = "primerl/abort"
-_ABORT_COUNT = "primerl/abort_n"
+ABORT_KEY = "abort"  # under the round's prefix (round_key): primerl/r<round>/abort
 
-__all__ = ["ABORT_KEY", "NodeWatch"]
+__all__ = ["ABORT_KEY", "NodeWatch", "post_first", "posted", "round_key", "this_round"]
+
+
+def this_round() -> int:
+    """The job's round: how many times it was restarted (``lifetime.JOB_RESTARTS_ENV``, 0 at first)."""
+    from ..lifetime import JOB_RESTARTS_ENV
+
+    return int(os.environ.get(JOB_RESTARTS_ENV, "0") or 0)
+
+
+def round_key(name: str, rnd: int | None = None) -> str:
+    """A rendezvous-store key of one round of the job (``primerl/r<round>/<name>``): the agents of a
+    restarted job rejoin the same store under the next round's keys."""
+    return f"primerl/r{this_round() if rnd is None else rnd}/{name}"
+
+
+def post_first(store, key: str, value: str) -> bool:
+    """Set ``key`` unless another process set it first (a counter decides); True when this one did.
+    Every value is also kept, in order, under ``<key>/<n>`` (:func:`posted`)."""
+    n = store.add(key + "_n", 1)
+    store.set(f"{key}/{n}", value)
+    if n == 1:
+        store.set(key, value)
+        return True
+    return False
+
+
+def posted(store, key: str) -> list[str]:
+    """Every value :func:`post_first` posted under ``key``, in order."""
+    n = store.add(key + "_n", 0)
+    return [store.get(f"{key}/{i}").decode() for i in range(1, n + 1) if store.check([f"{key}/{i}"])]
 
 
 class NodeWatch:
@@ -60,6 +90,7 @@ class NodeWatch:
         self._tx.setblocking(False)
         self._store = None
         self._closed = False
+        self.abort_key = round_key(ABORT_KEY)
         self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
 
     # -- the main thread
@@ -139,9 +170,9 @@ class NodeWatch:
     def _read_abort(self) -> str | None:
         store = self._store = self._store or self._client()  # the watch thread's own client
         try:
-            if not store.check([ABORT_KEY]):
+            if not store.check([self.abort_key]):
                 return None
-            return store.get(ABORT_KEY).decode()
+            return store.get(self.abort_key).decode()
         except Exception:
             self._store = None  # reconnect next time (or count it as lost)
             raise
@@ -150,9 +181,7 @@ class NodeWatch:
         if self._endpoint is None:
             return
         try:
-            store = self._client()  # any thread may post: a client of its own
-            if store.add(_ABORT_COUNT, 1) == 1:  # the first reason stays
-                store.set(ABORT_KEY, reason)
+            post_first(self._client(), self.abort_key, reason)  # a client of its own; the first reason stays
         except Exception as e:  # noqa: BLE001 - the store may be gone already
             log.warning("%s: could not post to the rendezvous store: %s", self.where, str(e).splitlines()[0])
 
