@@ -86,7 +86,7 @@ def test_hand_started_agents_restart_the_job_from_the_checkpoint_every_step_once
     for t in text.values():  # every agent rejoined twice, each time naming the cause
         restart_lines = [ln for ln in t.splitlines() if ": RESTART " in ln]
         assert len(restart_lines) == 2, restart_lines
-        assert "node 0 (127.0.0.1" in restart_lines[0] and "torchrun exited" in restart_lines[0], restart_lines
+        assert "node 0 (127.0.0.1) trainer: the trainer-rank0 process" in restart_lines[0], restart_lines
         assert "node 1 (127.0.0.2) orchestrator: its process" in restart_lines[1], restart_lines
         assert "code -9" in restart_lines[1], restart_lines
     assert "step_000002 (step 2)" in text["trainer"] or "(step 2)" in text["trainer"]
@@ -109,5 +109,5 @@ def test_past_max_restarts_every_agent_fails_naming_each_cause(tmp_path):
     for t in text.values():
         final = t[t.index("primerl node: FAILED: "):]
         assert "the job failed 2 times (deployment.max_restarts = 1)" in final, final
-        assert "1. node 0 (127.0.0.1" in final and "torchrun exited" in final, final
+        assert "1. node 0 (127.0.0.1) trainer: the trainer-rank0 process" in final, final
         assert "2. node 1 (127.0.0.2) orchestrator: its process" in final and "code -9" in final, final

@@ -12,8 +12,10 @@ Before its role starts, every node joins that store as a client (waiting at most
 its resolved config (``deployment.config_hash``) and checks the other nodes' hashes: nodes
 started with different configs are refused, naming both.
 
-With ``deployment.max_restarts`` > 0, an agent started by hand restarts the job with the others
-(``node_supervise``: they rejoin through the rendezvous, from the last complete checkpoint).
+An agent started by hand supervises its role (``node_supervise``): it runs the role as a child,
+watches its processes' heartbeats (``deployment.stall_timeout_s``) and, with
+``deployment.max_restarts`` > 0, restarts the job with the other agents (they rejoin through the
+rendezvous, from the last complete checkpoint).
 
 The agents end together (``node_watch.NodeWatch``): SIGTERM to any agent, or its role failing,
 is posted in the rendezvous store, and every other agent ends its role naming that node; no
@@ -32,10 +34,11 @@ import time
 from datetime import timedelta
 
 from ..config import RLConfig
+from ..config.deployment import effective_max_restarts
 from ..processes import start_process
 from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, pool_on_nodes, pool_server_urls, split_endpoint
 from .kinds import get_launcher
-from .node_supervise import agent_restarts, store_by_agent, supervise_node
+from .node_supervise import store_by_agent, supervise_node, supervised_from_above
 from .node_watch import NodeWatch, exit_process
 
 log = logging.getLogger("primerl")
@@ -329,9 +332,8 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format=f"%(asctime)s node{node.index}-{role} %(levelname)s %(message)s")
     log.info("node %d (%s) role %s; rendezvous %s", node.index, node.host, role, plan.rdzv_endpoint)
-    budget = agent_restarts(cfg)
-    if budget > 0:  # started by hand with restarts: this agent runs its role round after round (node_supervise)
-        return supervise_node(cfg, config_path, overrides, plan, node, role, budget)
+    if not supervised_from_above():  # started by hand: this agent supervises its role, round by round
+        return supervise_node(cfg, config_path, overrides, plan, node, role, effective_max_restarts(cfg))
     deadline = time.monotonic() + plan.rdzv_timeout_s
     digest = config_hash(cfg)
     where = f"node {node.index} ({node.host}) {role}"

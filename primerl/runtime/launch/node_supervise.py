@@ -1,20 +1,26 @@
-"""Supervised restarts of a job whose ``primerl node`` agents were started by hand (issue 45).
+"""The supervision of a job whose ``primerl node`` agents were started by hand (issue 45).
 
-With ``deployment.max_restarts`` > 0 (``config.deployment.effective_max_restarts``) and no
-launcher above the agents that restarts them itself (:data:`SUPERVISED_ENV`: ``primerl rl`` with
-``kind = "nodes"`` and the sbatch script set it), each ``primerl node`` agent supervises its role:
+An agent started by hand (no supervisor above it: :data:`SUPERVISED_ENV` unset; ``primerl rl``
+with ``kind = "nodes"`` and the sbatch script set it) runs its role as a child ``primerl node``,
+one round at a time, and supervises it:
 
 - trainer node 0's agent hosts the rendezvous store (``deployment.rdzv_endpoint``) for the job's
   whole life; each round's torchrun joins it as a client (``is_host=0``) under a run id of its own;
-- in round r = 0, 1, ... the agent runs its role as a child ``primerl node`` (one round:
-  ``node.node_main``) with ``PRIMERL_JOB_RESTARTS=r`` (the trainer logs it as ``job/restarts``)
-  and, from round 1, ``--checkpoint.resume true``; the child joins the round's keys of the store
-  (``node_watch.round_key``: ``primerl/r<r>/...``), so the agents rejoin through the rendezvous;
-- when a process of the round dies or stalls, the round's first reason is posted under
-  ``primerl/r<r>/abort`` (by the child's ``NodeWatch``, or by this agent when the child itself
-  died without a word, e.g. kill -9), every node's child ends (``deployment.grace_s``) and every
-  agent starts the next round from the last complete checkpoint, at most ``max_restarts`` times;
-  then each agent fails naming the process and cause of every round;
+- in round r the child (``node.node_main``) runs with ``PRIMERL_JOB_RESTARTS=r`` (the trainer logs
+  it as ``job/restarts``) and, from round 1, ``--checkpoint.resume true``; it joins the round's
+  keys of the store (``node_watch.round_key``: ``primerl/r<r>/...``), so the agents rejoin through
+  the rendezvous;
+- stall watchdog: the child's processes beat into ``<output_dir>/heartbeats/node<i>-<role>``;
+  every agent posts its node's count and sees the others' (:class:`_Progress`); when no process of
+  the job progressed for ``deployment.stall_timeout_s``, the agents dump their processes' stacks
+  (``py-spy dump``) to their logs, the one holding a stopped process names it, and the round ends;
+- when a process of the round dies or stalls, the round's reasons are posted under
+  ``primerl/r<r>/abort`` (by the child's ``NodeWatch``, by this agent for a child killed without
+  a word, or by the watchdog), every node's child ends (``deployment.grace_s``), and with
+  ``deployment.max_restarts`` = N > 0 every agent starts the next round from the last complete
+  checkpoint, at most N times; then each fails naming the process and cause of every round
+  (:func:`round_cause` picks a round's cause among its nodes' reasons). With N = 0 the agent exits
+  as its child did;
 - SIGTERM to any agent is no failure to heal: it posts ``primerl/stop`` and ends its child; every
   agent ends (no restart), its line naming that node;
 - the normal end: trainer node 0's agent posts ``primerl/done`` once its torchrun finished; a
@@ -36,7 +42,6 @@ import time
 from datetime import timedelta
 
 from ..config import RLConfig
-from ..config.deployment import effective_max_restarts
 from ..heartbeat import HEARTBEAT_DIR_ENV
 from ..lifetime import JOB_RESTARTS_ENV
 from ..processes import start_process
@@ -45,16 +50,17 @@ log = logging.getLogger("primerl")
 
 SUPERVISED_ENV = "PRIMERL_NODE_SUPERVISED"  # "agent": this node's agent restarts it; "launcher": one above does
 STOP_KEY, DONE_KEY = "primerl/stop", "primerl/done"
-SETTLE_S = 2.0  # after a round failed: how long the other nodes get to post their reasons
+SETTLE_S = 1.0  # after every node's round ended: a moment more for their last reasons
+REPORT_DELAY_S = 3.0  # a stall: how much later than the node holding a stopped process the others report
 
-__all__ = ["DONE_KEY", "STOP_KEY", "SUPERVISED_ENV", "agent_restarts", "round_cause", "store_by_agent",
+__all__ = ["DONE_KEY", "STOP_KEY", "SUPERVISED_ENV", "supervised_from_above", "round_cause", "store_by_agent",
            "supervise_node"]
 
 
-def agent_restarts(cfg: RLConfig) -> int:
-    """How many times this agent restarts the job itself: ``effective_max_restarts`` when it was
-    started by hand, 0 under a launcher that restarts its agents (``SUPERVISED_ENV`` set)."""
-    return 0 if os.environ.get(SUPERVISED_ENV) else effective_max_restarts(cfg)
+def supervised_from_above() -> bool:
+    """This agent runs one round for a supervisor above it (its own node's agent, the local nodes
+    launcher, the sbatch script): ``SUPERVISED_ENV`` is set. Else it was started by hand."""
+    return bool(os.environ.get(SUPERVISED_ENV))
 
 
 def store_by_agent() -> bool:
@@ -68,136 +74,274 @@ def _left_key(index: int, role: str) -> str:
 
 def supervise_node(cfg: RLConfig, config_path: str, overrides: list[str], plan, node, role: str, budget: int) -> int:
     """Run this node's role round after round (module docstring); the exit code, or ``NodeError``."""
-    from torch.distributed import TCPStore
+    return _Supervisor(cfg, config_path, overrides, plan, node, role, budget).run()
 
-    from .node import NodeError, connect_store
-    from .node_watch import ABORT_KEY, NodeWatch, post_first, posted, round_key
-    from .watchdog import StallWatchdog
 
-    where = f"node {node.index} ({node.host}) {role}"
-    grace = cfg.deployment.grace_s
-    hosts_store = role == "trainer" and node.trainer_node == 0
-    if hosts_store:
+class _Supervisor:
+    def __init__(self, cfg, config_path, overrides, plan, node, role, budget):
+        from .watchdog import StallWatchdog
+
+        self.cfg, self.config_path, self.overrides, self.plan, self.node = cfg, config_path, overrides, plan, node
+        self.role, self.budget = role, budget
+        self.where = f"node {node.index} ({node.host}) {role}"
+        self.grace, self.stall_s = cfg.deployment.grace_s, cfg.deployment.stall_timeout_s
+        self.hosts_store = role == "trainer" and node.trainer_node == 0
+        self.beats = os.path.abspath(os.path.join(cfg.output_dir, "heartbeats", f"node{node.index}-{role}"))
+        self.watchdog = StallWatchdog(self.beats, self.stall_s, lambda name: None)  # stacks to this agent's log
+        self.child = None
+
+    def _store(self):
+        from torch.distributed import TCPStore
+
+        from .node import NodeError, connect_store
+
+        if not self.hosts_store:
+            store = connect_store(self.plan, self.node, deadline=time.monotonic() + self.plan.rdzv_timeout_s)
+            store.set_timeout(timedelta(seconds=30))
+            return store
         try:
-            store = TCPStore(plan.rdzv_host, plan.rdzv_port, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=30), multi_tenant=True)
+            return TCPStore(self.plan.rdzv_host, self.plan.rdzv_port, is_master=True, wait_for_workers=False,
+                            timeout=timedelta(seconds=30), multi_tenant=True)
         except Exception as e:  # noqa: BLE001 - RuntimeError / DistNetworkError across versions
-            raise NodeError(f"{where}: cannot host the rendezvous store at {plan.rdzv_endpoint}: "
+            raise NodeError(f"{self.where}: cannot host the rendezvous store at {self.plan.rdzv_endpoint}: "
                             f"{str(e).splitlines()[0]}") from None
-    else:
-        store = connect_store(plan, node, deadline=time.monotonic() + plan.rdzv_timeout_s)
-        store.set_timeout(timedelta(seconds=30))
-    log.info("%s: supervising its role, at most %d restart(s) of the job (deployment.max_restarts)", where, budget)
-    held = {}
 
-    def on_sigterm(reason: str) -> None:  # the watch's thread: tell every agent, end this node's round
+    def _on_sigterm(self, reason: str) -> None:  # the watch's thread: tell every agent, end this node's round
+        from .node import connect_store
+        from .node_watch import post_first
+
         try:
-            post_first(connect_store(plan, node, deadline=time.monotonic() + 5), STOP_KEY, reason)
+            post_first(connect_store(self.plan, self.node, deadline=time.monotonic() + 5), STOP_KEY, reason)
         except Exception as e:  # noqa: BLE001 - the store may be gone already
-            log.warning("%s: could not post to the rendezvous store: %s", where, str(e).splitlines()[0])
-        child = held.get("child")
+            log.warning("%s: could not post to the rendezvous store: %s", self.where, str(e).splitlines()[0])
+        child = self.child
         if child is not None and child.returncode is None:
             try:
                 os.kill(child.pid, signal.SIGTERM)  # the round's agent ends its own processes (grace_s)
             except ProcessLookupError:
                 pass
 
-    watch = NodeWatch(where, on_sigterm, grace_s=grace).start()
-    beats = os.path.abspath(os.path.join(cfg.output_dir, "heartbeats", f"node{node.index}-{role}"))
-    causes: list[str] = []
-    try:
-        for rnd in range(budget + 1):
-            argv = [sys.executable, "-m", "primerl.runtime.cli", "node", "--config", config_path, "--role", role,
-                    "--node-rank", str(node.index), "--rdzv", plan.rdzv_endpoint, *overrides,
-                    *(["--checkpoint.resume", "true"] if rnd else [])]
-            env = dict(os.environ, **{SUPERVISED_ENV: "agent", JOB_RESTARTS_ENV: str(rnd), HEARTBEAT_DIR_ENV: beats})
-            if watch.reason is not None:
+    def run(self) -> int:
+        from .node import NodeError
+        from .node_watch import NodeWatch
+
+        self.store = self._store()
+        log.info("%s: supervising its role: at most %d restart(s) of the job (deployment.max_restarts), stall "
+                 "watchdog %s", self.where, self.budget, f"{self.stall_s:g} s" if self.stall_s else "off")
+        self.watch = NodeWatch(self.where, self._on_sigterm, grace_s=self.grace).start()
+        causes: list[str] = []
+        try:
+            for rnd in range(self.budget + 1):
+                if self.watch.reason is not None:
+                    break
+                ended = self._round(rnd)
+                if self.watch.reason is not None:
+                    break
+                if ended == "finished":
+                    return self._finish()
+                rc = self.child.returncode
+                if self.budget == 0 and rc > 0 and ended != "stalled":  # as without supervision: its line said why
+                    self._leave()
+                    return rc
+                stop, cause = self._cause(rnd, rc)
+                self._leave_if(stop is not None or rnd == self.budget)
+                if stop is not None:
+                    raise NodeError(f"{self.where}: ending: {stop}")
+                causes.append(cause)
+                if self.budget == 0:
+                    raise NodeError(cause)
+                if rnd == self.budget:
+                    raise NodeError(f"{self.where}: the job failed {len(causes)} times (deployment.max_restarts = "
+                                    f"{self.budget}); the causes:\n" + "\n".join(f"{i + 1}. {c}"
+                                                                                 for i, c in enumerate(causes)))
+                log.warning("%s: RESTART %d of at most %d (from the last checkpoint): %s", self.where, rnd + 1,
+                            self.budget, cause)
+            raise NodeError(self.watch.reason, 143)  # SIGTERM to this agent
+        finally:
+            self.watch.close()
+
+    def _round(self, rnd: int) -> str:
+        """Run round ``rnd``'s child to its end: ``"finished"``, ``"failed"`` or ``"stalled"``."""
+        argv = [sys.executable, "-m", "primerl.runtime.cli", "node", "--config", self.config_path, "--role",
+                self.role, "--node-rank", str(self.node.index), "--rdzv", self.plan.rdzv_endpoint, *self.overrides,
+                *(["--checkpoint.resume", "true"] if rnd else [])]
+        env = dict(os.environ, **{SUPERVISED_ENV: "agent", JOB_RESTARTS_ENV: str(rnd), HEARTBEAT_DIR_ENV: self.beats})
+        self.child = start_process(argv, name=f"node{self.node.index}-{self.role}", role=self.role, log_path=None,
+                                   env=env, die_with_parent=True)
+        progress = _Progress(self, rnd)
+        self.vanished, seen, aborted = [], {}, False
+        ended = "failed"
+        while self.child.poll() is None:
+            time.sleep(0.5)
+            self._note_vanished(seen, aborted)  # against the previous pass's abort: both may be seen at once
+            aborted = aborted or self._aborted(rnd)
+            if self._done():
+                self.child.stop(self.grace)
+                ended = "finished"
                 break
-            child = held["child"] = start_process(argv, name=f"node{node.index}-{role}", role=role, log_path=None,
-                                                  env=env, die_with_parent=True)
-            finished = _wait_round(child, store, role, hosts_store, grace)
-            StallWatchdog(beats, 0, lambda name: None).end_leftovers()  # a killed torchrun's ranks, say
-            shutil.rmtree(beats, ignore_errors=True)
-            if watch.reason is not None:
+            if progress.stalled():
+                ended = "stalled"
+                self.child.stop(self.grace)
                 break
-            if finished:
-                return _finish(store, plan, node, role, hosts_store, grace, where)
-            key = round_key(ABORT_KEY, rnd)
-            try:
-                stop = store.get(STOP_KEY).decode() if store.check([STOP_KEY]) else None
-                if stop is None and child.returncode < 0:  # it died without a word (kill -9): say it for it
-                    post_first(store, key, f"{where}: its process (pid {child.pid}) exited with code "
-                                           f"{child.returncode}")
-                time.sleep(SETTLE_S)  # the other nodes' reasons of this round, its cause among them
-                cause = round_cause(posted(store, key))
-            except Exception as e:  # noqa: BLE001 - the store is gone: trainer node 0's agent is
-                raise NodeError(f"{where}: the round's process exited with code {child.returncode} and the "
-                                f"rendezvous store at {plan.rdzv_endpoint} (hosted by trainer node 0's agent) is "
-                                f"gone ({str(e).splitlines()[0]}): not restarting") from None
-            if stop is not None:
-                _leave(store, node, role)
-                raise NodeError(f"{where}: ending: {stop}")
-            causes.append(cause)
-            if rnd == budget:
-                _leave(store, node, role)
-                raise NodeError(f"{where}: the job failed {len(causes)} times (deployment.max_restarts = {budget}); "
-                                "the causes:\n" + "\n".join(f"{i + 1}. {c}" for i, c in enumerate(causes)))
-            log.warning("%s: RESTART %d of at most %d (from the last checkpoint): %s", where, rnd + 1, budget, cause)
-        raise NodeError(watch.reason, 143)  # SIGTERM to this agent
-    finally:
-        watch.close()
+        else:
+            ended = "finished" if self.child.returncode == 0 else "failed"
+        self.watchdog.end_leftovers()  # a killed torchrun's ranks, a stopped process
+        shutil.rmtree(self.beats, ignore_errors=True)
+        return ended
+
+    def _aborted(self, rnd: int) -> bool:
+        from .node_watch import ABORT_KEY, round_key
+
+        try:
+            return self.store.check([round_key(ABORT_KEY, rnd)])
+        except Exception:  # noqa: BLE001 - the store is gone: the child's watch ends this node
+            return False
+
+    def _note_vanished(self, seen: dict, aborted: bool) -> None:
+        """A process of this node (a heartbeat row) that ended before any node reported a failure is
+        a candidate cause, posted if the round fails (a trainer rank killed under torchrun: its exit
+        code is torchrun's to see; the orchestrator's "peer gone" error is often posted first)."""
+        from ..heartbeat import read_heartbeats
+        from .watchdog import process_state
+
+        for r in read_heartbeats(self.beats):
+            alive = process_state(r["pid"]) not in (None, "Z", "X")
+            if alive:
+                seen[r["pid"]] = r
+            elif r["pid"] in seen:
+                gone = seen.pop(r["pid"])
+                if not aborted:
+                    self.vanished.append(f"{self.where}: the {gone['name']} process (pid {gone['pid']}) ended while "
+                                         f"the job ran, before any node reported a failure (its last progress: "
+                                         f"{gone['what']})")
+
+    def _done(self) -> bool:
+        """A serving node is told that the trainers finished."""
+        if self.role != "inference" or self.hosts_store:
+            return False
+        try:
+            return self.store.check([DONE_KEY])
+        except Exception:  # noqa: BLE001 - the child's watch names a store that is gone
+            return False
+
+    def _cause(self, rnd: int, rc: int) -> tuple[str | None, str]:
+        """``(stop, cause)``: the reason every agent ends (SIGTERM to one), or the cause of this round."""
+        from .node import NodeError
+        from .node_watch import ABORT_KEY, post_first, posted, round_key
+
+        key = round_key(ABORT_KEY, rnd)
+        try:
+            if self.store.check([STOP_KEY]):
+                return self.store.get(STOP_KEY).decode(), ""
+            if rc < 0:  # it died without a word (kill -9): say it for it
+                post_first(self.store, key, f"{self.where}: its process (pid {self.child.pid}) exited with code {rc}")
+            for why in self.vanished:
+                post_first(self.store, key, why)
+            # every node's round ended (within grace_s): their reasons are in, the cause among them
+            ended = [round_key(f"ended/{n.index}/{r}", rnd) for n in self.plan.nodes for r in n.roles]
+            self.store.set(round_key(f"ended/{self.node.index}/{self.role}", rnd), "1")
+            deadline = time.monotonic() + self.grace + 15
+            while not self.store.check(ended) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(SETTLE_S)
+            if self.store.check([STOP_KEY]):
+                return self.store.get(STOP_KEY).decode(), ""
+            return None, round_cause(posted(self.store, key))
+        except Exception as e:  # noqa: BLE001 - the store is gone: trainer node 0's agent is
+            raise NodeError(f"{self.where}: the round's process exited with code {rc} and the rendezvous store at "
+                            f"{self.plan.rdzv_endpoint} (hosted by trainer node 0's agent) is gone "
+                            f"({str(e).splitlines()[0]})") from None
+
+    def _leave_if(self, cond: bool) -> None:
+        if cond:
+            self._leave()
+
+    def _leave(self) -> None:
+        try:
+            self.store.set(_left_key(self.node.index, self.role), "1")
+        except Exception:  # noqa: BLE001 - the store is gone: nobody waits
+            pass
+
+    def _finish(self) -> int:
+        """The job ended well: trainer node 0's agent tells the serving nodes and keeps the store up
+        until every agent has left; the others say they have."""
+        if not self.hosts_store:
+            self._leave()
+            return 0
+        self.store.set(DONE_KEY, "1")
+        others = [_left_key(n.index, r) for n in self.plan.nodes for r in n.roles
+                  if (n.index, r) != (self.node.index, self.role)]
+        wait_s = max(self.grace, 30.0)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not self.store.check(others):
+            time.sleep(0.2)
+        if not self.store.check(others):
+            log.warning("%s: not every agent left within %g s", self.where, wait_s)
+        return 0
+
+
+class _Progress:
+    """The job's progress as every agent sees it: each posts its node's heartbeat count under the
+    round's ``progress/<node>/<role>``; no count of any node changed for ``stall_timeout_s`` (this
+    agent's clock) is a stall. The agent holding a stopped (SIGSTOP) process reports it at once; the
+    others wait ``REPORT_DELAY_S`` more, then report their own (the first posted is the round's reason
+    unless ``round_cause`` ranks another first). Reporting dumps this node's stacks to its log."""
+
+    def __init__(self, sup: _Supervisor, rnd: int):
+        from .node_watch import round_key
+
+        self.sup, self.rnd = sup, rnd
+        self.mine = round_key(f"progress/{sup.node.index}/{sup.role}", rnd)
+        self.keys = [round_key(f"progress/{n.index}/{r}", rnd) for n in sup.plan.nodes for r in n.roles]
+        self.seen, self.changed, self.posted = None, time.monotonic(), None
+
+    def stalled(self) -> bool:
+        from .node_watch import ABORT_KEY, post_first, round_key
+        from .watchdog import process_state
+
+        sup = self.sup
+        if not sup.stall_s:
+            return False
+        rows = sup.watchdog.live()
+        count = str(sum(r.get("progress", 0) for r in rows) + 1000 * len(rows))
+        try:
+            if count != self.posted:
+                sup.store.set(self.mine, count)
+                self.posted = count
+            seen = [sup.store.get(k) if sup.store.check([k]) else b"" for k in self.keys]
+        except Exception:  # noqa: BLE001 - the store is gone: the child's watch ends this node
+            return False
+        now = time.monotonic()
+        if seen != self.seen:
+            self.seen, self.changed = seen, now
+            return False
+        quiet = now - self.changed
+        stopped = any(process_state(r["pid"]) in ("T", "t") for r in rows)
+        if not rows or quiet < sup.stall_s or (not stopped and quiet < sup.stall_s + REPORT_DELAY_S):
+            return False
+        line = sup.watchdog.report(rows, time.time())
+        log.error("%s: %s", sup.where, line)
+        try:
+            post_first(sup.store, round_key(ABORT_KEY, self.rnd), f"{sup.where}: {line}")
+        except Exception:  # noqa: BLE001 - the store is gone
+            pass
+        return True
 
 
 def round_cause(reasons: list[str]) -> str:
     """The cause of a failed round among the reasons its nodes posted (in order): a stall or a process
-    killed by a signal first, then a trainer node's, then the first posted (the others are usually its
-    victims: a peer gone)."""
+    killed by a signal first, then a process that ended before any failure was reported, then a
+    trainer node's, then the first posted (the others are usually its victims: a peer gone)."""
     import re
 
     if not reasons:
         return "no node posted a reason"
 
-    def rank(r: str) -> tuple[bool, bool]:
-        return (not ("made no progress" in r or re.search(r"exited with code -\d+", r)),
-                not ("torchrun exited" in r or re.match(r"node \d+ \([^)]*\) trainer", r)))
+    def rank(r: str) -> int:
+        if "made no progress" in r or re.search(r"exited with code -\d+", r):
+            return 0
+        if "before any node reported a failure" in r:
+            return 1
+        return 2 if ("torchrun exited" in r or re.match(r"node \d+ \([^)]*\) trainer", r)) else 3
 
     return min(reasons, key=rank)  # min is stable: among equals, the first posted
-
-
-def _wait_round(child, store, role: str, hosts_store: bool, grace: float) -> bool:
-    """Wait for this round's child; True when the job finished (its role ended well, or a serving
-    node was told the trainers are done)."""
-    while child.poll() is None:
-        time.sleep(0.5)
-        if role == "inference" and not hosts_store:
-            try:
-                done = store.check([DONE_KEY])
-            except Exception:  # noqa: BLE001 - the child's watch names a store that is gone
-                done = False
-            if done:
-                child.stop(grace)
-                return True
-    return child.returncode == 0
-
-
-def _leave(store, node, role: str) -> None:
-    try:
-        store.set(_left_key(node.index, role), "1")
-    except Exception:  # noqa: BLE001 - the store is gone: nobody waits
-        pass
-
-
-def _finish(store, plan, node, role: str, hosts_store: bool, grace: float, where: str) -> int:
-    """The job ended well: trainer node 0's agent tells the serving nodes and keeps the store up until
-    every agent has left; the others say they have."""
-    if not hosts_store:
-        _leave(store, node, role)
-        return 0
-    store.set(DONE_KEY, "1")
-    others = [_left_key(n.index, r) for n in plan.nodes for r in n.roles if (n.index, r) != (node.index, role)]
-    deadline = time.monotonic() + max(grace, 30.0)
-    while time.monotonic() < deadline and not store.check(others):
-        time.sleep(0.2)
-    if not store.check(others):
-        log.warning("%s: not every agent left within %g s", where, max(grace, 30.0))
-    return 0
