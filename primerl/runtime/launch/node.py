@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -39,21 +38,12 @@ from ..processes import start_process
 from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, pool_on_nodes, pool_server_urls, split_endpoint
 from .kinds import get_launcher
 from .node_supervise import store_by_agent, supervise_node, supervised_from_above
-from .node_watch import NodeWatch, exit_process
+from .node_watch import NodeError, NodeWatch, connect_store, exit_process  # noqa: F401 (NodeError: re-exported)
 
 log = logging.getLogger("primerl")
 
 __all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "connect_store", "join_rendezvous", "peer_env",
            "run_vllm_node", "run_pool_node", "start_pool_router", "node_main"]
-
-
-class NodeError(RuntimeError):
-    """This node cannot take its part in the job (the message says why, with the address or key);
-    ``exit_code``: the agent's exit code (143 when it ended on SIGTERM)."""
-
-    def __init__(self, msg: str, exit_code: int = 1):
-        super().__init__(msg)
-        self.exit_code = exit_code
 
 
 def job_hosts(cfg: RLConfig) -> list[str]:
@@ -112,32 +102,6 @@ def trainer_command(plan: NodePlan, node: Node, entry: list[str], *, python: str
             f"--nproc-per-node={plan.ranks_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={plan.rdzv_endpoint}",
             f"--rdzv-id={run_id}", f"--rdzv-conf=join_timeout={plan.rdzv_timeout_s:g},is_host={int(host)}",
             f"--local-addr={node.host}", "--max-restarts=0", *entry]
-
-
-def connect_store(plan: NodePlan, node: Node, *, deadline: float, alive=None):
-    """A client of the rendezvous store at ``plan.rdzv_endpoint``, retried until ``deadline`` (a
-    ``time.monotonic()``; then a ``NodeError`` naming the address). ``alive()``: False when this
-    node's torchrun has already exited (stop waiting)."""
-    from torch.distributed import TCPStore
-
-    left = lambda: max(deadline - time.monotonic(), 0.1)  # noqa: E731
-    store, err = None, None
-    while store is None and time.monotonic() < deadline:
-        if alive is not None and not alive():
-            raise NodeError(f"node {node.index} ({node.host}): torchrun exited before the rendezvous at "
-                            f"{plan.rdzv_endpoint} was reached (see its output above)")
-        try:  # a plain connect first: TCPStore's own retries overrun a short timeout by seconds
-            socket.create_connection((plan.rdzv_host, plan.rdzv_port), timeout=min(left(), 1.0)).close()
-            store = TCPStore(plan.rdzv_host, plan.rdzv_port, is_master=False, timeout=timedelta(seconds=left()),
-                             wait_for_workers=False)
-        except (RuntimeError, TimeoutError, OSError) as e:  # not up yet (trainer node 0 starts it)
-            err = e
-            time.sleep(min(0.2, left()))
-    if store is None:
-        raise NodeError(f"node {node.index} ({node.host}): cannot reach the rendezvous at {plan.rdzv_endpoint} within "
-                        f"{plan.rdzv_timeout_s:g} s (deployment.rdzv_endpoint / --rdzv; last error: "
-                        f"{str(err).splitlines()[0] if err else 'none'})")
-    return store
 
 
 def join_rendezvous(plan: NodePlan, node: Node, role: str, digest: str, *, deadline: float,

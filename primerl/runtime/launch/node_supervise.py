@@ -93,7 +93,7 @@ class _Supervisor:
     def _store(self):
         from torch.distributed import TCPStore
 
-        from .node import NodeError, connect_store
+        from .node_watch import NodeError, connect_store
 
         if not self.hosts_store:
             store = connect_store(self.plan, self.node, deadline=time.monotonic() + self.plan.rdzv_timeout_s)
@@ -107,7 +107,7 @@ class _Supervisor:
                             f"{str(e).splitlines()[0]}") from None
 
     def _on_sigterm(self, reason: str) -> None:  # the watch's thread: tell every agent, end this node's round
-        from .node import connect_store
+        from .node_watch import connect_store
         from .node_watch import post_first
 
         try:
@@ -122,7 +122,7 @@ class _Supervisor:
                 pass
 
     def run(self) -> int:
-        from .node import NodeError
+        from .node_watch import NodeError
         from .node_watch import NodeWatch
 
         self.store = self._store()
@@ -226,7 +226,7 @@ class _Supervisor:
 
     def _cause(self, rnd: int, rc: int) -> tuple[str | None, str]:
         """``(stop, cause)``: the reason every agent ends (SIGTERM to one), or the cause of this round."""
-        from .node import NodeError
+        from .node_watch import NodeError
         from .node_watch import ABORT_KEY, post_first, posted, round_key
 
         key = round_key(ABORT_KEY, rnd)

@@ -28,13 +28,51 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .deployment import Node, NodePlan
 
 log = logging.getLogger("primerl")
 
 ABORT_KEY = "abort"  # under the round's prefix (round_key): primerl/r<round>/abort
 
-__all__ = ["ABORT_KEY", "NodeWatch", "post_first", "posted", "round_key", "this_round"]
+__all__ = ["ABORT_KEY", "NodeError", "NodeWatch", "connect_store", "post_first", "posted", "round_key", "this_round"]
+
+
+class NodeError(RuntimeError):
+    """This node cannot take its part in the job (the message says why, with the address or key);
+    ``exit_code``: the agent's exit code (143 when it ended on SIGTERM)."""
+
+    def __init__(self, msg: str, exit_code: int = 1):
+        super().__init__(msg)
+        self.exit_code = exit_code
+
+
+def connect_store(plan: "NodePlan", node: "Node", *, deadline: float, alive=None):
+    """A client of the rendezvous store at ``plan.rdzv_endpoint``, retried until ``deadline`` (a
+    ``time.monotonic()``; then a ``NodeError`` naming the address). ``alive()``: False when this
+    node's torchrun has already exited (stop waiting)."""
+    from torch.distributed import TCPStore
+
+    left = lambda: max(deadline - time.monotonic(), 0.1)  # noqa: E731
+    store, err = None, None
+    while store is None and time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise NodeError(f"node {node.index} ({node.host}): torchrun exited before the rendezvous at "
+                            f"{plan.rdzv_endpoint} was reached (see its output above)")
+        try:  # a plain connect first: TCPStore's own retries overrun a short timeout by seconds
+            socket.create_connection((plan.rdzv_host, plan.rdzv_port), timeout=min(left(), 1.0)).close()
+            store = TCPStore(plan.rdzv_host, plan.rdzv_port, is_master=False, timeout=timedelta(seconds=left()),
+                             wait_for_workers=False)
+        except (RuntimeError, TimeoutError, OSError) as e:  # not up yet (trainer node 0 starts it)
+            err = e
+            time.sleep(min(0.2, left()))
+    if store is None:
+        raise NodeError(f"node {node.index} ({node.host}): cannot reach the rendezvous at {plan.rdzv_endpoint} within "
+                        f"{plan.rdzv_timeout_s:g} s (deployment.rdzv_endpoint / --rdzv; last error: "
+                        f"{str(err).splitlines()[0] if err else 'none'})")
+    return store
 
 
 def this_round() -> int:
