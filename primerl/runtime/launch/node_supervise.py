@@ -140,8 +140,10 @@ class _Supervisor:
                 if ended == "finished":
                     return self._finish()
                 rc = self.child.returncode
-                if self.budget == 0 and rc > 0 and ended != "stalled":  # as without supervision: its line said why
-                    self._leave()
+                if self.budget == 0 and rc > 0 and ended != "stalled":  # as without supervision: its line said why,
+                    stall = self._stall_reported(rnd)  # unless the watchdog named a stopped process: the cause
+                    if stall is not None:
+                        raise NodeError(f"{self.where}: ending: {stall}")
                     return rc
                 stop, cause = self._cause(rnd, rc)
                 self._leave_if(stop is not None or rnd == self.budget)
@@ -159,9 +161,31 @@ class _Supervisor:
             raise NodeError(self.watch.reason, 143)  # SIGTERM to this agent
         finally:
             self.watch.close()
+            if not self.hosts_store:
+                self._leave()
+            self._linger()
+
+    def _linger(self) -> None:
+        """Trainer node 0's agent keeps the store up until every other agent has left (at most
+        ``max(grace_s, 30)`` s): they read the round's reasons and the end from it."""
+        if not self.hosts_store:
+            return
+        others = [_left_key(n.index, r) for n in self.plan.nodes for r in n.roles
+                  if (n.index, r) != (self.node.index, self.role)]
+        wait_s = max(self.grace, 30.0)
+        deadline = time.monotonic() + wait_s
+        try:
+            while time.monotonic() < deadline and not self.store.check(others):
+                time.sleep(0.2)
+            if not self.store.check(others):
+                log.warning("%s: not every agent left within %g s", self.where, wait_s)
+        except Exception:  # noqa: BLE001 - a store error here must not hide the agent's own end
+            pass
 
     def _round(self, rnd: int) -> str:
         """Run round ``rnd``'s child to its end: ``"finished"``, ``"failed"`` or ``"stalled"``."""
+        from .node_watch import round_key
+
         argv = [sys.executable, "-m", "primerl.runtime.cli", "node", "--config", self.config_path, "--role",
                 self.role, "--node-rank", str(self.node.index), "--rdzv", self.plan.rdzv_endpoint, *self.overrides,
                 *(["--checkpoint.resume", "true"] if rnd else [])]
@@ -187,7 +211,20 @@ class _Supervisor:
             ended = "finished" if self.child.returncode == 0 else "failed"
         self.watchdog.end_leftovers()  # a killed torchrun's ranks, a stopped process
         shutil.rmtree(self.beats, ignore_errors=True)
+        try:
+            self.store.set(round_key(f"ended/{self.node.index}/{self.role}", rnd), "1")
+        except Exception:  # noqa: BLE001 - the store is gone: _cause says so
+            pass
         return ended
+
+    def _stall_reported(self, rnd: int) -> str | None:
+        """A stall the watchdog of some node reported in round ``rnd`` (the round's true cause), or None."""
+        from .node_watch import ABORT_KEY, posted, round_key
+
+        try:
+            return next((r for r in posted(self.store, round_key(ABORT_KEY, rnd)) if "made no progress" in r), None)
+        except Exception:  # noqa: BLE001 - the store is gone
+            return None
 
     def _aborted(self, rnd: int) -> bool:
         from .node_watch import ABORT_KEY, round_key
@@ -239,7 +276,6 @@ class _Supervisor:
                 post_first(self.store, key, why)
             # every node's round ended (within grace_s): their reasons are in, the cause among them
             ended = [round_key(f"ended/{n.index}/{r}", rnd) for n in self.plan.nodes for r in n.roles]
-            self.store.set(round_key(f"ended/{self.node.index}/{self.role}", rnd), "1")
             deadline = time.monotonic() + self.grace + 15
             while not self.store.check(ended) and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -268,15 +304,7 @@ class _Supervisor:
         if not self.hosts_store:
             self._leave()
             return 0
-        self.store.set(DONE_KEY, "1")
-        others = [_left_key(n.index, r) for n in self.plan.nodes for r in n.roles
-                  if (n.index, r) != (self.node.index, self.role)]
-        wait_s = max(self.grace, 30.0)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and not self.store.check(others):
-            time.sleep(0.2)
-        if not self.store.check(others):
-            log.warning("%s: not every agent left within %g s", self.where, wait_s)
+        self.store.set(DONE_KEY, "1")  # run() lingers until the others have left
         return 0
 
 
@@ -285,7 +313,9 @@ class _Progress:
     round's ``progress/<node>/<role>``; no count of any node changed for ``stall_timeout_s`` (this
     agent's clock) is a stall. The agent holding a stopped (SIGSTOP) process reports it at once; the
     others wait ``REPORT_DELAY_S`` more, then report their own (the first posted is the round's reason
-    unless ``round_cause`` ranks another first). Reporting dumps this node's stacks to its log."""
+    unless ``round_cause`` ranks another first). A process of this node stopped for
+    ``stall_timeout_s`` is reported even while the rest of the job goes on (this node's round agent
+    too, which beats no heartbeat). Reporting dumps this node's stacks to its log."""
 
     def __init__(self, sup: _Supervisor, rnd: int):
         from .node_watch import round_key
@@ -294,15 +324,51 @@ class _Progress:
         self.mine = round_key(f"progress/{sup.node.index}/{sup.role}", rnd)
         self.keys = [round_key(f"progress/{n.index}/{r}", rnd) for n in sup.plan.nodes for r in n.roles]
         self.seen, self.changed, self.posted = None, time.monotonic(), None
+        self.started, self.stopped_since = time.time(), {}
+
+    def _stopped_alone(self, rows: list[dict]) -> list[dict] | None:
+        """A process of this node stopped (SIGSTOP) for ``stall_timeout_s`` while the job may go on
+        (this node's round agent, which has no heartbeat, too): the rows to report, it first."""
+        import socket
+
+        from .watchdog import process_state
+
+        sup, now = self.sup, time.monotonic()
+        watched = list(rows)
+        if sup.child is not None and all(r["pid"] != sup.child.pid for r in rows):
+            watched.append({"name": f"node{sup.node.index}-{sup.role} agent", "pid": sup.child.pid,
+                            "host": socket.gethostname(), "progress": 0, "time": self.started,
+                            "what": "its round's start (a node agent beats no heartbeat)"})
+        for r in watched:
+            if process_state(r["pid"]) in ("T", "t"):
+                self.stopped_since.setdefault(r["pid"], now)
+            else:
+                self.stopped_since.pop(r["pid"], None)
+        long = [r for r in watched if now - self.stopped_since.get(r["pid"], now) >= sup.stall_s]
+        return long + [r for r in watched if r not in long] if long else None
+
+    def _report(self, rows: list[dict], *, alone: bool = False) -> bool:
+        from .node_watch import ABORT_KEY, post_first, round_key
+
+        sup = self.sup
+        line = sup.watchdog.report(rows, time.time(), alone=alone)
+        log.error("%s: %s", sup.where, line)
+        try:
+            post_first(sup.store, round_key(ABORT_KEY, self.rnd), f"{sup.where}: {line}")
+        except Exception:  # noqa: BLE001 - the store is gone
+            pass
+        return True
 
     def stalled(self) -> bool:
-        from .node_watch import ABORT_KEY, post_first, round_key
         from .watchdog import process_state
 
         sup = self.sup
         if not sup.stall_s:
             return False
         rows = sup.watchdog.live()
+        alone = self._stopped_alone(rows)
+        if alone:
+            return self._report(alone, alone=True)
         count = str(sum(r.get("progress", 0) for r in rows) + 1000 * len(rows))
         try:
             if count != self.posted:
@@ -319,13 +385,7 @@ class _Progress:
         stopped = any(process_state(r["pid"]) in ("T", "t") for r in rows)
         if not rows or quiet < sup.stall_s or (not stopped and quiet < sup.stall_s + REPORT_DELAY_S):
             return False
-        line = sup.watchdog.report(rows, time.time())
-        log.error("%s: %s", sup.where, line)
-        try:
-            post_first(sup.store, round_key(ABORT_KEY, self.rnd), f"{sup.where}: {line}")
-        except Exception:  # noqa: BLE001 - the store is gone
-            pass
-        return True
+        return self._report(rows)
 
 
 def round_cause(reasons: list[str]) -> str:

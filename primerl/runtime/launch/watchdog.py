@@ -70,9 +70,10 @@ class StallWatchdog:
             return None
         return self.report(rows, now)
 
-    def report(self, rows: list[dict], now: float) -> str:
+    def report(self, rows: list[dict], now: float, *, alone: bool = False) -> str:
         """Dump the stacks of the stalled processes ``rows`` (every one's to its log) and return the
-        line naming the culprit: the stopped one, else the one whose progress stopped first."""
+        line naming the culprit: the stopped one, else the one whose progress stopped first.
+        ``alone``: the culprit stayed stopped for the timeout while the rest of the job went on."""
         stopped = [r for r in rows if process_state(r["pid"]) in ("T", "t")]
         culprit = stopped[0] if stopped else min(rows, key=lambda r: r["time"])
         how_culprit = ""
@@ -96,8 +97,9 @@ class StallWatchdog:
         age = now - culprit["time"]
         when = time.strftime("%H:%M:%S", time.localtime(culprit["time"]))
         why = ", stopped by a signal (SIGSTOP)" if stopped else ""
+        others = "" if alone else ", nor did any other process of the job"
         return (f"the {culprit['name']} process (pid {culprit['pid']} on {culprit['host']}{why}) made no progress for "
-                f"{age:.0f} s, nor did any other process of the job (deployment.stall_timeout_s = {self.timeout_s:g});"
+                f"{age:.0f} s{others} (deployment.stall_timeout_s = {self.timeout_s:g});"
                 f" its last progress: {culprit['what']} at {when}; every thread's stack ({how_culprit}) is in "
                 f"{self.log_for(culprit['name']) or 'the log of this node agent'}")
 
