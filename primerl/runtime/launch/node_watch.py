@@ -232,7 +232,7 @@ class NodeWatch:
 
         ENDING["exit_code"] = 143 if self.signalled else 1
         log.error("%s", reason)
-        if post:
+        if post and self._endpoint is not None:
             self._post(reason)
             time.sleep(self.interval_s * 2)  # the other nodes read it before this node's store host may go
         try:
