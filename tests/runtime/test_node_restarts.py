@@ -96,7 +96,8 @@ def test_hand_started_agents_restart_the_job_from_the_checkpoint_every_step_once
 def test_past_max_restarts_every_agent_fails_naming_each_cause(tmp_path):
     out, procs, logs = _job(tmp_path, "--max_steps", "200", "--deployment.max_restarts", "1")
     try:
-        _until(lambda: _rank_pid(out) is not None, "trainer rank 0 of round 0", procs, logs)
+        # round 0's trainer rank, once it made a step (its agent has seen it alive)
+        _until(lambda: read_metrics(out / "metrics.jsonl"), "a step of round 0", procs, logs)
         _kill(_rank_pid(out))
         _until(lambda: "RESTART 1" in logs["orchestrator"].read_text() and _orch_pid(out) is not None,
                "round 1's orchestrator", procs, logs)

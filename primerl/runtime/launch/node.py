@@ -37,7 +37,7 @@ from ..config.deployment import effective_max_restarts
 from ..processes import start_process
 from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, pool_on_nodes, pool_server_urls, split_endpoint
 from .kinds import get_launcher
-from .node_supervise import store_by_agent, supervise_node, supervised_from_above
+from .node_supervise import die_with_agent, store_by_agent, supervise_node, supervised_from_above
 from .node_watch import NodeError, NodeWatch, connect_store, exit_process  # noqa: F401 (NodeError: re-exported)
 
 log = logging.getLogger("primerl")
@@ -298,6 +298,7 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     log.info("node %d (%s) role %s; rendezvous %s", node.index, node.host, role, plan.rdzv_endpoint)
     if not supervised_from_above():  # started by hand: this agent supervises its role, round by round
         return supervise_node(cfg, config_path, overrides, plan, node, role, effective_max_restarts(cfg))
+    die_with_agent()  # a round under its node's agent (node_supervise)
     deadline = time.monotonic() + plan.rdzv_timeout_s
     digest = config_hash(cfg)
     where = f"node {node.index} ({node.host}) {role}"

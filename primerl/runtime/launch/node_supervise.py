@@ -38,8 +38,10 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
+from typing import Callable
 
 from ..config import RLConfig
 from ..heartbeat import HEARTBEAT_DIR_ENV
@@ -51,6 +53,7 @@ log = logging.getLogger("primerl")
 SUPERVISED_ENV = "PRIMERL_NODE_SUPERVISED"  # "agent": this node's agent restarts it; "launcher": one above does
 STOP_KEY, DONE_KEY = "primerl/stop", "primerl/done"
 SETTLE_S = 1.0  # after every node's round ended: a moment more for their last reasons
+ALIVE_TICK_S, ALIVE_GONE_S = 0.5, 5.0  # an agent's sign of life in the store; none for this long: gone
 REPORT_DELAY_S = 3.0  # a stall: how much later than the node holding a stopped process the others report
 
 __all__ = ["DONE_KEY", "STOP_KEY", "SUPERVISED_ENV", "supervised_from_above", "round_cause", "store_by_agent",
@@ -63,6 +66,22 @@ def supervised_from_above() -> bool:
     return bool(os.environ.get(SUPERVISED_ENV))
 
 
+AGENT_PID_ENV = "PRIMERL_NODE_AGENT_PID"
+
+
+def die_with_agent() -> None:
+    """A round process dies at once (SIGKILL) with its supervising agent, as the agent's own role
+    process would: a killed agent is not a SIGTERM of the job (Linux; elsewhere nothing is set)."""
+    pid = int(os.environ.get(AGENT_PID_ENV, "0") or 0)
+    if not pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != pid:  # gone already
+        os._exit(137)
+
+
 def store_by_agent() -> bool:
     """This process runs one round under a supervising agent: trainer node 0's agent hosts the store."""
     return os.environ.get(SUPERVISED_ENV) == "agent"
@@ -70,6 +89,10 @@ def store_by_agent() -> bool:
 
 def _left_key(index: int, role: str) -> str:
     return f"primerl/left/{index}/{role}"
+
+
+def _alive_key(index: int, role: str) -> str:
+    return f"primerl/alive/{index}/{role}"
 
 
 def supervise_node(cfg: RLConfig, config_path: str, overrides: list[str], plan, node, role: str, budget: int) -> int:
@@ -129,6 +152,8 @@ class _Supervisor:
         log.info("%s: supervising its role: at most %d restart(s) of the job (deployment.max_restarts), stall "
                  "watchdog %s", self.where, self.budget, f"{self.stall_s:g} s" if self.stall_s else "off")
         self.watch = NodeWatch(self.where, self._on_sigterm, grace_s=self.grace).start()
+        self._closing = threading.Event()
+        threading.Thread(target=self._tick, name="agent-alive", daemon=True).start()
         causes: list[str] = []
         try:
             for rnd in range(self.budget + 1):
@@ -164,21 +189,52 @@ class _Supervisor:
             if not self.hosts_store:
                 self._leave()
             self._linger()
+            self._closing.set()
+
+    def _tick(self) -> None:
+        """This agent is alive: a counter in the store, advanced every ``ALIVE_TICK_S`` (its own
+        client) until the agent ends; the others stop waiting for an agent whose counter stands."""
+        from .node_watch import connect_store
+
+        try:
+            client = connect_store(self.plan, self.node, deadline=time.monotonic() + 10)
+            while not self._closing.is_set():
+                client.add(_alive_key(self.node.index, self.role), 1)
+                self._closing.wait(ALIVE_TICK_S)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is waiting
+            return
+
+    def _wait_agents(self, key: Callable[[int, str], str], wait_s: float) -> list[str]:
+        """Wait until every other agent has set ``key(node, role)``, gave no sign of life for
+        ``ALIVE_GONE_S`` (killed), or ``wait_s`` passed; the agents still missing, named."""
+        others = [(n.index, r) for n in self.plan.nodes for r in n.roles if (n.index, r) != (self.node.index,
+                                                                                              self.role)]
+        last: dict = {}
+        deadline = time.monotonic() + wait_s
+        while True:
+            now, missing = time.monotonic(), []
+            for i, r in others:
+                if self.store.check([key(i, r)]):
+                    continue
+                count = self.store.add(_alive_key(i, r), 0)
+                if last.get((i, r), (None,))[0] != count:
+                    last[(i, r)] = (count, now)
+                if now - last[(i, r)][1] < ALIVE_GONE_S:
+                    missing.append(f"node {i} {r}")
+            if not missing or now >= deadline:
+                return missing
+            time.sleep(0.2)
 
     def _linger(self) -> None:
         """Trainer node 0's agent keeps the store up until every other agent has left (at most
-        ``max(grace_s, 30)`` s): they read the round's reasons and the end from it."""
+        ``max(grace_s, 30)`` s; one that stopped ticking is not waited for): they read the round's
+        reasons and the end from it."""
         if not self.hosts_store:
             return
-        others = [_left_key(n.index, r) for n in self.plan.nodes for r in n.roles
-                  if (n.index, r) != (self.node.index, self.role)]
-        wait_s = max(self.grace, 30.0)
-        deadline = time.monotonic() + wait_s
         try:
-            while time.monotonic() < deadline and not self.store.check(others):
-                time.sleep(0.2)
-            if not self.store.check(others):
-                log.warning("%s: not every agent left within %g s", self.where, wait_s)
+            missing = self._wait_agents(_left_key, max(self.grace, 30.0))
+            if missing:
+                log.warning("%s: %s did not leave within %g s", self.where, missing, max(self.grace, 30.0))
         except Exception:  # noqa: BLE001 - a store error here must not hide the agent's own end
             pass
 
@@ -189,7 +245,8 @@ class _Supervisor:
         argv = [sys.executable, "-m", "primerl.runtime.cli", "node", "--config", self.config_path, "--role",
                 self.role, "--node-rank", str(self.node.index), "--rdzv", self.plan.rdzv_endpoint, *self.overrides,
                 *(["--checkpoint.resume", "true"] if rnd else [])]
-        env = dict(os.environ, **{SUPERVISED_ENV: "agent", JOB_RESTARTS_ENV: str(rnd), HEARTBEAT_DIR_ENV: self.beats})
+        env = dict(os.environ, **{SUPERVISED_ENV: "agent", JOB_RESTARTS_ENV: str(rnd), HEARTBEAT_DIR_ENV: self.beats,
+                                  AGENT_PID_ENV: str(os.getpid())})
         self.child = start_process(argv, name=f"node{self.node.index}-{self.role}", role=self.role, log_path=None,
                                    env=env, die_with_parent=True)
         progress = _Progress(self, rnd)
@@ -275,10 +332,7 @@ class _Supervisor:
             for why in self.vanished:
                 post_first(self.store, key, why)
             # every node's round ended (within grace_s): their reasons are in, the cause among them
-            ended = [round_key(f"ended/{n.index}/{r}", rnd) for n in self.plan.nodes for r in n.roles]
-            deadline = time.monotonic() + self.grace + 15
-            while not self.store.check(ended) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            self._wait_agents(lambda i, r: round_key(f"ended/{i}/{r}", rnd), self.grace + 15)
             time.sleep(SETTLE_S)
             if self.store.check([STOP_KEY]):
                 return self.store.get(STOP_KEY).decode(), ""
