@@ -189,7 +189,8 @@ def _describe_supervision(cfg) -> str:
     d, c = cfg.deployment, cfg.checkpoint
     n = effective_max_restarts(cfg)
     every = f"every {c.interval} steps" if c.interval else "at the end only"
-    if not get_launcher(cfg).capabilities.restarts:
+    caps = get_launcher(cfg).capabilities
+    if not (caps.restarts or caps.job_restarts):
         restarts = f"none by this launcher (deployment.kind {d.kind!r})"
     elif n:
         restarts = (f"up to {n} (deployment.max_restarts{' auto' if d.max_restarts < 0 else ''}), each from the last "

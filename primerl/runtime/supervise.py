@@ -9,7 +9,10 @@ first, ``heartbeat.dump_stacks``, for a Python process), is killed and started a
 command line (the same port), at most ``max_restarts`` times each; the first line about it names
 the process (name, role, pid, URL, exit code or signal). Past the budget, ``failure`` says so and
 the owner stops the job. ``on_up(process)`` runs once a restarted process answers ``/health``
-again (e.g. to hand it the current weights).
+again (e.g. to hand it the current weights; "waiting for weights" counts as an answer:
+``health_state``), and the process counts as up (``wait_up``) only once it returned;
+``restart_env(process)`` adds to a restarted process's environment (e.g. the weights version it
+must load before it samples, so no request reaches it before: ``http_routes.waiting_for_weights``).
 """
 
 from __future__ import annotations
@@ -28,16 +31,31 @@ from .processes import ManagedProcess
 
 log = logging.getLogger("primerl")
 
-__all__ = ["Supervisor", "describe_exit", "healthy"]
+__all__ = ["Supervisor", "describe_exit", "health_state", "healthy"]
 
 
 def healthy(url: str, timeout: float) -> bool:
     """``GET url/health`` answers 200 within ``timeout`` s."""
+    return health_state(url, timeout) == "ok"
+
+
+def health_state(url: str, timeout: float) -> str | None:
+    """``GET url/health`` within ``timeout`` s: ``"ok"`` (200), ``"waiting"`` (503 with status
+    ``"waiting for weights"``: a restarted server alive, not yet given the job's weights; routers
+    skip it), else None."""
+    import json
+
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
-            return r.status == 200
+            return "ok" if r.status == 200 else None
+    except urllib.error.HTTPError as e:
+        try:
+            waiting = e.code == 503 and json.loads(e.read() or b"{}").get("status") == "waiting for weights"
+        except (ValueError, OSError, AttributeError):
+            waiting = False
+        return "waiting" if waiting else None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError):
-        return False
+        return None
 
 
 def describe_exit(rc: int | None) -> str:
@@ -56,8 +74,10 @@ class Supervisor:
 
     def __init__(self, procs: list[ManagedProcess], *, max_restarts: int, health_timeout_s: float = 10.0,
                  interval_s: float = 1.0, startup_timeout_s: float = 600.0, key: str = "inference.max_restarts",
-                 on_up: Callable[[ManagedProcess], None] | None = None, python_roles: tuple[str, ...] = ()):
+                 on_up: Callable[[ManagedProcess], None] | None = None, python_roles: tuple[str, ...] = (),
+                 restart_env: Callable[[ManagedProcess], dict] | None = None):
         self.procs, self.max_restarts, self.key = procs, max_restarts, key
+        self.restart_env = restart_env
         self.health_timeout_s, self.interval_s, self.startup_timeout_s = health_timeout_s, interval_s, startup_timeout_s
         self.on_up, self.python_roles = on_up, python_roles
         self.failure: str | None = None
@@ -114,6 +134,8 @@ class Supervisor:
             return
         log.error("%s: restarting it (restart %d of at most %d)", what, p.restarts + 1, self.max_restarts)
         p.kill()
+        if self.restart_env is not None:  # e.g. the job's weights version, which it must load before it samples
+            p.env.update(self.restart_env(p))
         p.start()
         self._up[p.name], self._misses[p.name] = False, 0
         self._restarted.add(p.name)
@@ -131,11 +153,20 @@ class Supervisor:
             if not p.alive():
                 self._restart(p, describe_exit(p.proc.returncode if p.proc else None))
                 continue
-            if healthy(p.url, self.health_timeout_s):
-                was_up = self._up.get(p.name)
-                self._up[p.name], self._misses[p.name] = True, 0
-                if not was_up and p.name in self._restarted and self.on_up is not None:
-                    self.on_up(p)
+            state = health_state(p.url, self.health_timeout_s)
+            if state is not None:
+                self._misses[p.name] = 0
+                if not self._up.get(p.name) and p.name in self._restarted and self.on_up is not None:
+                    try:
+                        self.on_up(p)  # its weights: up (wait_up) only once they are loaded
+                    except Exception as e:  # noqa: BLE001 - not up yet; the next pass tries again
+                        log.warning("the restarted %s process %s (%s) answers /health but taking the current "
+                                    "weights failed (tried again): %s", p.role, p.name, p.url, str(e)[:300])
+                        if time.monotonic() - p.started_at > self.startup_timeout_s:
+                            self._restart(p, f"did not take the current weights within {self.startup_timeout_s:g} "
+                                             "s of its start")
+                        continue
+                self._up[p.name] = True
             elif self._up.get(p.name):
                 self._misses[p.name] = self._misses.get(p.name, 0) + 1
                 if self._misses[p.name] >= 2:  # two health timeouts in a row: hung (e.g. SIGSTOP)

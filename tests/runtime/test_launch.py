@@ -107,8 +107,9 @@ def test_slurm_dry_run_prints_the_sbatch_script(tmp_path, capsys):
     assert "#SBATCH --nodes=2" in script and "#SBATCH --partition=x" in script and "GRACE=7" in script
     assert "--nnodes=2" in script and "--rdzv-backend=c10d" in script and "--kill-on-bad-exit=1" in script
     assert "wait -n" in script and 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
-    starts = [line for line in script.splitlines() if line.startswith("start ")]
+    starts = [line.strip() for line in script.splitlines() if line.strip().startswith("start ")]
     assert starts == ["start trainer 0", "start trainer 1", "start orchestrator 0"]
+    assert "MAX_RESTARTS=0 " in script  # deployment.max_restarts auto: 0 for this short job
     assert not (tmp_path / "primerl.sbatch").exists()  # a dry run writes nothing
 
 

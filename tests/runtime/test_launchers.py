@@ -64,7 +64,7 @@ def test_the_built_in_launchers_and_their_capabilities():
     caps = {name: get_launcher(name).capabilities for name in ("local", "nodes", "slurm", "threads")}
     assert caps == {"local": LauncherCapabilities(spans_nodes=False, server_pool=True, restarts=True),
                     "nodes": LauncherCapabilities(spans_nodes=True, server_pool=False, restarts=True),
-                    "slurm": LauncherCapabilities(spans_nodes=True, server_pool=False),
+                    "slurm": LauncherCapabilities(spans_nodes=True, server_pool=False, job_restarts=True),
                     "threads": LauncherCapabilities(spans_nodes=False, server_pool=False)}
     assert all(c.warm_start for c in caps.values())
     assert {"local", "nodes", "slurm", "threads"} <= set(LAUNCHERS.names())

@@ -1,7 +1,9 @@
 """The engine server's route table, free of any HTTP front end: ``RouteTable.route(method, path,
 body, headers)`` -> ``(status, body)`` or a ``Pending`` engine call whose result is the body.
 
-GET: ``/health`` (200, or 503 once the engine thread died), ``/v1/models``, ``/metrics``
+GET: ``/health`` (200, or 503 once the engine thread died, or while a restarted server waits for
+the job's weights: :meth:`RouteTable.waiting_for_weights`, which also answers the sampling routes
+503), ``/v1/models``, ``/metrics``
 (Prometheus text), ``/is_paused``, ``/kv_transfer/<id>`` (``pd_leg``). POST (a JSON object body):
 ``/inference/v1/generate`` (``generate_api``; ``X-Session-ID`` recorded in ``sessions``),
 ``/v1/completions`` (primerl's vLLM client protocol), ``/v1/score`` (prefill only: one log-prob per
@@ -12,6 +14,8 @@ prefix cache). Anything else: 404 naming it. A bad request raises ValueError (in
 """
 
 from __future__ import annotations
+
+import os
 
 from .engine_thread import EngineThread, Pending
 from .generate_api import (
@@ -24,6 +28,11 @@ from .server_metrics import ServerStats, render_prometheus
 from .sessions import SESSION_HEADER, SessionStore
 from .vllm_client import encode_routed_experts
 from .weight_rpcs import WeightRPCs
+
+# set by the supervisor that restarts a server (``pd_client``): the job's weights version at that moment
+MIN_WEIGHTS_ENV = "PRIMERL_MIN_WEIGHTS_VERSION"
+WAITING_STATUS = "waiting for weights"
+SAMPLING_ROUTES = ("/inference/v1/generate", "/v1/completions", "/v1/score")
 
 
 class RouteTable:
@@ -40,15 +49,28 @@ class RouteTable:
         self.stats = stats
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.min_version = int(os.environ.get(MIN_WEIGHTS_ENV, "0") or 0)  # a restarted server's: waiting_for_weights
 
     @property
     def vocab_size(self) -> int:
         return self.engine_thread.engine.cfg.vocab_size
 
+    def waiting_for_weights(self) -> str | None:
+        """Why this server must not sample yet, or None: restarted by its supervisor while the job's
+        weights were at version ``PRIMERL_MIN_WEIGHTS_VERSION``, it has not loaded them yet (it
+        would sample from its initial weights)."""
+        have = self.weights.version()
+        if have >= self.min_version:
+            return None
+        return (f"waiting for weights: restarted while the job's weights were at version {self.min_version}, it "
+                f"holds version {have}")
+
     def route(self, method: str, path: str, body: dict | None, headers) -> tuple[int, dict] | Pending:
         """One HTTP request -> (status, body), or a ``Pending`` engine call whose result is the body.
         Raises ValueError (incl. GenerateRequestError) for a bad request (HTTP 400)."""
         path = path.split("?")[0]
+        if method == "POST" and path in SAMPLING_ROUTES and self.waiting_for_weights():
+            return 503, {"error": self.waiting_for_weights()}
         if method == "GET":
             if path == "/health":
                 return self.health()
@@ -84,7 +106,11 @@ class RouteTable:
         """``GET /health``: 200 ``{"status": "ok", ...ServerStats}`` (plus ``pd`` for a prefill or
         decode server), 503 ``"engine dead"`` once the engine thread died."""
         ok = self.engine_thread.error is None
+        waiting = self.waiting_for_weights()
         out = {"status": "ok" if ok else "engine dead", **self.stats.read()}
+        if ok and waiting:  # not 200: a router does not send it requests; its supervisor hands it the weights
+            out["status"], out["waiting"] = WAITING_STATUS, waiting
+            return 503, out
         pd = self.pd.health()
         if pd is not None:
             out["pd"] = pd

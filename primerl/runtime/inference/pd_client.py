@@ -9,7 +9,8 @@ orchestrator logs them. After the last attempt the error is raised (the run stop
 With the deployment it started (``pd_launch.PDDeployment``, supervised): a request that fails
 while a process of it is down or restarting (a connection error) is resent too (cause
 ``server_down``, counted as ``inference/redispatched``); a weight update skips a server that is
-restarting, and the server takes the current weights once it answers ``/health`` again; once the
+restarting, and the server takes the current weights once it answers ``/health`` again (it is
+started waiting for them: no request reaches it before, ``_restart_env``); once the
 deployment gives up on a process (``inference.max_restarts``), its ``failure``, naming that
 process, is the error raised. ``inference/restarts``: the deployment's restarts so far.
 """
@@ -58,6 +59,7 @@ class PDClient(VLLMClient):
         self._transport = None  # the last weight update's, for a restarted server
         if deployment is not None:
             deployment.on_up = self._restarted
+            deployment.restart_env = self._restart_env
 
     @property
     def resampled(self) -> int:
@@ -99,6 +101,14 @@ class PDClient(VLLMClient):
                 log.info("P/D server %s is down (the deployment restarts it; it takes weights version %d when it "
                          "answers /health): %s", s.url, version, str(e)[:200])
         self.version = version
+
+    def _restart_env(self, proc) -> dict[str, str]:
+        """A restarted server answers no sampling request (and its /health 503: the router skips it)
+        until it holds the current weights (``http_routes.waiting_for_weights``); ``_restarted`` hands
+        them over."""
+        from .http_routes import MIN_WEIGHTS_ENV
+
+        return {MIN_WEIGHTS_ENV: str(max(self.version, 0))}
 
     def _restarted(self, proc) -> None:
         """The supervisor's call once a restarted process answers /health: the current weights."""

@@ -125,6 +125,7 @@ class PDDeployment:
         self.procs: list[tuple[str, str, ManagedProcess]] = []
         self.supervisor: Supervisor | None = None
         self.on_up = None  # called with a restarted process once it answers /health (the client: its weights)
+        self.restart_env = None  # a restarted process's extra environment (the client: the weights version to wait for)
 
     @property
     def failure(self) -> str | None:
@@ -185,6 +186,7 @@ class PDDeployment:
         self.supervisor = Supervisor([p for _, _, p in self.procs], max_restarts=i.max_restarts,
                                      health_timeout_s=i.health_timeout_s, startup_timeout_s=i.pd.launch_timeout_s,
                                      on_up=lambda p: self.on_up(p) if self.on_up is not None else None,
+                                     restart_env=lambda p: self.restart_env(p) if self.restart_env is not None else {},
                                      python_roles=embedded).start()
         log.info("P/D deployment up: router %s, prefill+decode %s", self.router_url, self.server_urls)
         return self

@@ -30,6 +30,7 @@ class LauncherCapabilities:
     server_pool: bool  # starts inference.num_servers > 1 servers (or external inference.vllm.urls) and a router
     warm_start: bool = True  # runs [warm_start] in prepare_job (every built-in one does: the shared preparation)
     restarts: bool = False  # run_job restarts a failed job from its last checkpoint (deployment.max_restarts)
+    job_restarts: bool = False  # the job it submits restarts its own steps from the last checkpoint (sbatch script)
 
 
 @runtime_checkable

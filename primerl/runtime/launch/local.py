@@ -26,6 +26,7 @@ from ..metrics import ascii_curve, progress_line, read_metrics
 from ..processes import ProcessTable, start_process
 from .common import JobFailed
 from .deployment import Node, describe_nodes, is_loopback, node_plan
+from .node_supervise import SUPERVISED_ENV
 from .launcher import LauncherCapabilities, PreparedJob, check_spans_nodes, register_launcher
 from .watchdog import StallWatchdog
 
@@ -84,8 +85,9 @@ class NodesLauncher:
                             f"on each host (the config at {cfg_path} copied there):\n{cmds}")
         beats = out / "heartbeats"
         shutil.rmtree(beats, ignore_errors=True)  # a previous start's processes
+        # this launcher restarts the agents itself (launcher.run_job): they run one round each
         env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1",
-                   **{LAUNCHER_PID_ENV: str(os.getpid()), HEARTBEAT_DIR_ENV: str(beats)})
+                   **{LAUNCHER_PID_ENV: str(os.getpid()), HEARTBEAT_DIR_ENV: str(beats), SUPERVISED_ENV: "launcher"})
         plan = node_plan(cfg)
 
         def log_for(name: str) -> Path:  # trainer-rank<R> -> the log of R's node; orchestrator / inference -> theirs

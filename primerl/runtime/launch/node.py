@@ -12,6 +12,11 @@ Before its role starts, every node joins that store as a client (waiting at most
 its resolved config (``deployment.config_hash``) and checks the other nodes' hashes: nodes
 started with different configs are refused, naming both.
 
+An agent started by hand supervises its role (``node_supervise``): it runs the role as a child,
+watches its processes' heartbeats (``deployment.stall_timeout_s``) and, with
+``deployment.max_restarts`` > 0, restarts the job with the other agents (they rejoin through the
+rendezvous, from the last complete checkpoint).
+
 The agents end together (``node_watch.NodeWatch``): SIGTERM to any agent, or its role failing,
 is posted in the rendezvous store, and every other agent ends its role naming that node; no
 agent's signal handler waits on a process (issue 45).
@@ -22,31 +27,23 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
 
 from ..config import RLConfig
+from ..config.deployment import effective_max_restarts
 from ..processes import start_process
 from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, pool_on_nodes, pool_server_urls, split_endpoint
 from .kinds import get_launcher
-from .node_watch import NodeWatch, exit_process
+from .node_supervise import die_with_agent, store_by_agent, supervise_node, supervised_from_above
+from .node_watch import NodeError, NodeWatch, connect_store, exit_process  # noqa: F401 (NodeError: re-exported)
 
 log = logging.getLogger("primerl")
 
-__all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "join_rendezvous", "peer_env", "run_vllm_node",
-           "run_pool_node", "start_pool_router", "node_main"]
-
-
-class NodeError(RuntimeError):
-    """This node cannot take its part in the job (the message says why, with the address or key);
-    ``exit_code``: the agent's exit code (143 when it ended on SIGTERM)."""
-
-    def __init__(self, msg: str, exit_code: int = 1):
-        super().__init__(msg)
-        self.exit_code = exit_code
+__all__ = ["NodeError", "job_hosts", "resolve_node", "trainer_command", "connect_store", "join_rendezvous", "peer_env",
+           "run_vllm_node", "run_pool_node", "start_pool_router", "node_main"]
 
 
 def job_hosts(cfg: RLConfig) -> list[str]:
@@ -92,8 +89,15 @@ def resolve_node(cfg: RLConfig, role: str, node_rank: int | None = None, rdzv: s
 def trainer_command(plan: NodePlan, node: Node, entry: list[str], *, python: str = sys.executable,
                     run_id: str = "primerl") -> list[str]:
     """torchrun for one trainer node: c10d rendezvous, its address as ``--local-addr``; trainer
-    node 0 hosts the store (``is_host``). ``entry``: the script or ``-m module`` with arguments."""
-    host = node.trainer_node == 0
+    node 0 hosts the store (``is_host``; not when its agent hosts it: ``node_supervise``), a restarted
+    job's torchrun joins under ``<run_id>-r<round>``. ``entry``: the script or ``-m module`` with arguments."""
+    from .node_watch import this_round
+
+    # under an agent that restarts its role (node_supervise), trainer node 0's agent hosts the store for the
+    # job's whole life; each round's torchrun joins it under a run id of its own
+    host = node.trainer_node == 0 and not store_by_agent()
+    rnd = this_round()
+    run_id = f"{run_id}-r{rnd}" if rnd else run_id
     return [python, "-m", "torch.distributed.run", f"--nnodes={len(plan.trainer_nodes)}",
             f"--nproc-per-node={plan.ranks_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={plan.rdzv_endpoint}",
             f"--rdzv-id={run_id}", f"--rdzv-conf=join_timeout={plan.rdzv_timeout_s:g},is_host={int(host)}",
@@ -105,27 +109,12 @@ def join_rendezvous(plan: NodePlan, node: Node, role: str, digest: str, *, deadl
     """Connect to the rendezvous store, post this node's config hash and compare it with every
     other node's role process (all must post before ``deadline``, a ``time.monotonic()``).
     ``alive()``: False when this node's torchrun has already exited (stop waiting). Returns the store."""
-    from torch.distributed import TCPStore
+    from .node_watch import round_key
 
+    store = connect_store(plan, node, deadline=deadline, alive=alive)
     left = lambda: max(deadline - time.monotonic(), 0.1)  # noqa: E731
-    store, err = None, None
-    while store is None and time.monotonic() < deadline:
-        if alive is not None and not alive():
-            raise NodeError(f"node {node.index} ({node.host}): torchrun exited before the rendezvous at "
-                            f"{plan.rdzv_endpoint} was reached (see its output above)")
-        try:  # a plain connect first: TCPStore's own retries overrun a short timeout by seconds
-            socket.create_connection((plan.rdzv_host, plan.rdzv_port), timeout=min(left(), 1.0)).close()
-            store = TCPStore(plan.rdzv_host, plan.rdzv_port, is_master=False, timeout=timedelta(seconds=left()),
-                             wait_for_workers=False)
-        except (RuntimeError, TimeoutError, OSError) as e:  # not up yet (trainer node 0 starts it)
-            err = e
-            time.sleep(min(0.2, left()))
-    if store is None:
-        raise NodeError(f"node {node.index} ({node.host}): cannot reach the rendezvous at {plan.rdzv_endpoint} within "
-                        f"{plan.rdzv_timeout_s:g} s (deployment.rdzv_endpoint / --rdzv; last error: "
-                        f"{str(err).splitlines()[0] if err else 'none'})")
-    store.set(f"primerl/config/{node.index}/{role}", f"{digest} {node.host}")
-    names = {f"primerl/config/{n.index}/{r}": f"{n.index} {r}" for n in plan.nodes for r in n.roles}
+    store.set(round_key(f"config/{node.index}/{role}"), f"{digest} {node.host}")
+    names = {round_key(f"config/{n.index}/{r}"): f"{n.index} {r}" for n in plan.nodes for r in n.roles}
     keys = list(names)
     store.set_timeout(timedelta(seconds=left()))
     try:
@@ -307,6 +296,9 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format=f"%(asctime)s node{node.index}-{role} %(levelname)s %(message)s")
     log.info("node %d (%s) role %s; rendezvous %s", node.index, node.host, role, plan.rdzv_endpoint)
+    if not supervised_from_above():  # started by hand: this agent supervises its role, round by round
+        return supervise_node(cfg, config_path, overrides, plan, node, role, effective_max_restarts(cfg))
+    die_with_agent()  # a round under its node's agent (node_supervise)
     deadline = time.monotonic() + plan.rdzv_timeout_s
     digest = config_hash(cfg)
     where = f"node {node.index} ({node.host}) {role}"

@@ -8,7 +8,8 @@ Every ``primerl node`` agent (trainer, orchestrator, inference) runs one watch t
   the C-level handler writes the signal number to a socket the thread sleeps on, so the thread
   wakes at once;
 - on that signal, or when this node's role fails (:meth:`NodeWatch.fail`), the thread posts the
-  reason under ``primerl/abort`` in the rendezvous store (the first reason stays), logs it and
+  reason under ``primerl/r<round>/abort`` in the rendezvous store (``round_key``: a job restarted
+  by its agents, ``node_supervise``, rejoins under the next round's keys) (the first reason stays), logs it and
   ends this node: ``on_end(reason)`` (the trainer agent stops torchrun's process group, SIGKILL
   after ``deployment.grace_s``; the orchestrator and inference agents stop their server and exit);
 - every ``interval_s`` it reads the store: a reason posted by another node ends this node the same
@@ -27,14 +28,81 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .deployment import Node, NodePlan
 
 log = logging.getLogger("primerl")
 
-ABORT_KEY = "primerl/abort"
-_ABORT_COUNT = "primerl/abort_n"
+ABORT_KEY = "abort"  # under the round's prefix (round_key): primerl/r<round>/abort
 
-__all__ = ["ABORT_KEY", "NodeWatch"]
+__all__ = ["ABORT_KEY", "NodeError", "NodeWatch", "connect_store", "post_first", "posted", "round_key", "this_round"]
+
+
+class NodeError(RuntimeError):
+    """This node cannot take its part in the job (the message says why, with the address or key);
+    ``exit_code``: the agent's exit code (143 when it ended on SIGTERM)."""
+
+    def __init__(self, msg: str, exit_code: int = 1):
+        super().__init__(msg)
+        self.exit_code = exit_code
+
+
+def connect_store(plan: "NodePlan", node: "Node", *, deadline: float, alive=None):
+    """A client of the rendezvous store at ``plan.rdzv_endpoint``, retried until ``deadline`` (a
+    ``time.monotonic()``; then a ``NodeError`` naming the address). ``alive()``: False when this
+    node's torchrun has already exited (stop waiting)."""
+    from torch.distributed import TCPStore
+
+    left = lambda: max(deadline - time.monotonic(), 0.1)  # noqa: E731
+    store, err = None, None
+    while store is None and time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise NodeError(f"node {node.index} ({node.host}): torchrun exited before the rendezvous at "
+                            f"{plan.rdzv_endpoint} was reached (see its output above)")
+        try:  # a plain connect first: TCPStore's own retries overrun a short timeout by seconds
+            socket.create_connection((plan.rdzv_host, plan.rdzv_port), timeout=min(left(), 1.0)).close()
+            store = TCPStore(plan.rdzv_host, plan.rdzv_port, is_master=False, timeout=timedelta(seconds=left()),
+                             wait_for_workers=False)
+        except (RuntimeError, TimeoutError, OSError) as e:  # not up yet (trainer node 0 starts it)
+            err = e
+            time.sleep(min(0.2, left()))
+    if store is None:
+        raise NodeError(f"node {node.index} ({node.host}): cannot reach the rendezvous at {plan.rdzv_endpoint} within "
+                        f"{plan.rdzv_timeout_s:g} s (deployment.rdzv_endpoint / --rdzv; last error: "
+                        f"{str(err).splitlines()[0] if err else 'none'})")
+    return store
+
+
+def this_round() -> int:
+    """The job's round: how many times it was restarted (``lifetime.JOB_RESTARTS_ENV``, 0 at first)."""
+    from ..lifetime import JOB_RESTARTS_ENV
+
+    return int(os.environ.get(JOB_RESTARTS_ENV, "0") or 0)
+
+
+def round_key(name: str, rnd: int | None = None) -> str:
+    """A rendezvous-store key of one round of the job (``primerl/r<round>/<name>``): the agents of a
+    restarted job rejoin the same store under the next round's keys."""
+    return f"primerl/r{this_round() if rnd is None else rnd}/{name}"
+
+
+def post_first(store, key: str, value: str) -> bool:
+    """Set ``key`` unless another process set it first (a counter decides); True when this one did.
+    Every value is also kept, in order, under ``<key>/<n>`` (:func:`posted`)."""
+    n = store.add(key + "_n", 1)
+    store.set(f"{key}/{n}", value)
+    if n == 1:
+        store.set(key, value)
+        return True
+    return False
+
+
+def posted(store, key: str) -> list[str]:
+    """Every value :func:`post_first` posted under ``key``, in order."""
+    n = store.add(key + "_n", 0)
+    return [store.get(f"{key}/{i}").decode() for i in range(1, n + 1) if store.check([f"{key}/{i}"])]
 
 
 class NodeWatch:
@@ -60,6 +128,7 @@ class NodeWatch:
         self._tx.setblocking(False)
         self._store = None
         self._closed = False
+        self.abort_key = round_key(ABORT_KEY)
         self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
 
     # -- the main thread
@@ -139,9 +208,9 @@ class NodeWatch:
     def _read_abort(self) -> str | None:
         store = self._store = self._store or self._client()  # the watch thread's own client
         try:
-            if not store.check([ABORT_KEY]):
+            if not store.check([self.abort_key]):
                 return None
-            return store.get(ABORT_KEY).decode()
+            return store.get(self.abort_key).decode()
         except Exception:
             self._store = None  # reconnect next time (or count it as lost)
             raise
@@ -150,9 +219,7 @@ class NodeWatch:
         if self._endpoint is None:
             return
         try:
-            store = self._client()  # any thread may post: a client of its own
-            if store.add(_ABORT_COUNT, 1) == 1:  # the first reason stays
-                store.set(ABORT_KEY, reason)
+            post_first(self._client(), self.abort_key, reason)  # a client of its own; the first reason stays
         except Exception as e:  # noqa: BLE001 - the store may be gone already
             log.warning("%s: could not post to the rendezvous store: %s", self.where, str(e).splitlines()[0])
 
@@ -165,7 +232,7 @@ class NodeWatch:
 
         ENDING["exit_code"] = 143 if self.signalled else 1
         log.error("%s", reason)
-        if post:
+        if post and self._endpoint is not None:
             self._post(reason)
             time.sleep(self.interval_s * 2)  # the other nodes read it before this node's store host may go
         try:

@@ -5,9 +5,14 @@
 The script runs one srun step per (node, role) of the plan: ``primerl node`` with the node's
 index in the allocation (``--relative``), inference first, then the trainer nodes (torchrun
 ``--nnodes`` with c10d rendezvous on the first node), then the orchestrator. Each step logs to
-``<output_dir>/logs/node<i>-<role>.log``. ``wait -n`` notices the first step to fail; the others
-then get ``deployment.grace_s`` seconds to stop before they are killed. ``output_dir`` (the
-config, metrics, checkpoints) must be on a path every node sees.
+``<output_dir>/logs/node<i>-<role>.log`` (appended across restarts). ``wait -n`` notices the
+first step to fail; the others then get ``deployment.grace_s`` seconds to stop before they are
+killed. Then the script restarts every step (``deployment.max_restarts``, auto resolved by
+``effective_max_restarts``; issue 45) with ``--checkpoint.resume true`` and
+``PRIMERL_JOB_RESTARTS`` = the round (the trainer's ``job/restarts``; the agents run one round
+each: ``PRIMERL_NODE_SUPERVISED=launcher``), and past that budget it fails naming the step and
+the failure line of every round. ``output_dir`` (the config, metrics, checkpoints) must be on a
+path every node sees.
 
 The preparation is every launcher's (``launcher.prepare_job``), on the submitting machine: the
 ``[warm_start]`` runs there before ``sbatch`` (a supervised warm start of the random init, minutes
@@ -23,6 +28,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, RLConfig
+from ..config.deployment import effective_max_restarts
 from .common import JobFailed
 from .deployment import DEFAULT_RDZV_PORT, Node, describe_nodes, node_plan, split_endpoint
 from .launcher import LauncherCapabilities, PreparedJob, check_spans_nodes, register_launcher
@@ -62,7 +68,8 @@ def _render(tmpl, template, d, plan, out, python, config_path, rdzv, cfg) -> str
     return tmpl.render(
         template=str(template), job_name=f"primerl-{out.name}", num_nodes=len(plan.nodes),
         gpus_per_node=d.gpus_per_node, sbatch_args=list(d.sbatch_args), grace_s=f"{d.grace_s:g}",
-        log_dir=shlex.quote(str(out / "logs")), python=shlex.quote(python), config=shlex.quote(config_path),
+        max_restarts=effective_max_restarts(cfg), log_dir=shlex.quote(str(out / "logs")), python=shlex.quote(python),
+        config=shlex.quote(config_path),
         rdzv=rdzv, trainer_nodes=[n.index for n in plan.trainer_nodes],
         inference_nodes=[n.index for n in plan.with_role("inference")],
         orchestrator_node=plan.with_role("orchestrator")[0].index, plan=plan, cfg=cfg,
@@ -95,7 +102,7 @@ class SlurmLauncher:
     """Render the sbatch script into ``output_dir`` and submit it; the job runs later, under SLURM."""
 
     name = "slurm"
-    capabilities = LauncherCapabilities(spans_nodes=True, server_pool=False)
+    capabilities = LauncherCapabilities(spans_nodes=True, server_pool=False, job_restarts=True)
 
     def check(self, cfg: RLConfig) -> None:
         check_spans_nodes(cfg)

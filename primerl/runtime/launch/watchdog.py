@@ -14,6 +14,7 @@ where the stacks are; then the launcher applies the restart policy (``launcher.r
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,7 +34,8 @@ def process_state(pid: int) -> str | None:
 
 class StallWatchdog:
     """``check()``: None while the job progresses, else the failure line (stacks already dumped).
-    ``log_for(name)``: the log file of the process whose heartbeat is ``name``."""
+    ``log_for(name)``: the log file of the process whose heartbeat is ``name`` (None: this process's
+    stderr, a node agent's log)."""
 
     def __init__(self, directory: str | Path, timeout_s: float, log_for: Callable[[str], Path]):
         self.directory, self.timeout_s, self.log_for = Path(directory), timeout_s, log_for
@@ -66,6 +68,12 @@ class StallWatchdog:
         now = time.time() if now is None else now
         if not rows or now - max(r["time"] for r in rows) < self.timeout_s:
             return None
+        return self.report(rows, now)
+
+    def report(self, rows: list[dict], now: float, *, alone: bool = False) -> str:
+        """Dump the stacks of the stalled processes ``rows`` (every one's to its log) and return the
+        line naming the culprit: the stopped one, else the one whose progress stopped first.
+        ``alone``: the culprit stayed stopped for the timeout while the rest of the job went on."""
         stopped = [r for r in rows if process_state(r["pid"]) in ("T", "t")]
         culprit = stopped[0] if stopped else min(rows, key=lambda r: r["time"])
         how_culprit = ""
@@ -76,9 +84,12 @@ class StallWatchdog:
             head = (f"\n==== primerl watchdog: {r['name']} (pid {r['pid']} on {r['host']}, state {state}) made no "
                     f"progress for {now - r['time']:.0f} s; its last: {r['what']}; every thread's stack ({how}):\n")
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "a") as f:
-                    f.write(head + text.rstrip() + "\n====\n")
+                if path is None:  # the log is this process's stderr (a node agent started by hand)
+                    print(head + text.rstrip() + "\n====", file=sys.stderr, flush=True)
+                else:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    with open(path, "a") as f:
+                        f.write(head + text.rstrip() + "\n====\n")
             except OSError:
                 pass
             if r is culprit:
@@ -86,10 +97,11 @@ class StallWatchdog:
         age = now - culprit["time"]
         when = time.strftime("%H:%M:%S", time.localtime(culprit["time"]))
         why = ", stopped by a signal (SIGSTOP)" if stopped else ""
+        others = "" if alone else ", nor did any other process of the job"
         return (f"the {culprit['name']} process (pid {culprit['pid']} on {culprit['host']}{why}) made no progress for "
-                f"{age:.0f} s, nor did any other process of the job (deployment.stall_timeout_s = {self.timeout_s:g});"
+                f"{age:.0f} s{others} (deployment.stall_timeout_s = {self.timeout_s:g});"
                 f" its last progress: {culprit['what']} at {when}; every thread's stack ({how_culprit}) is in "
-                f"{self.log_for(culprit['name'])}")
+                f"{self.log_for(culprit['name']) or 'the log of this node agent'}")
 
 
 def _is_job_process(pid: int) -> bool:
