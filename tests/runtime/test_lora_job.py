@@ -112,7 +112,9 @@ def test_lora_job_moves_only_adapters_and_resumes(tmp_path, engine):
                                "--trainer.lora.engine", engine))
     assert [r["step"] for r in resumed][-1] == 4
     other = _cfg(tmp_path / "run", "--max_steps", "6", "--checkpoint.resume", "true", "--trainer.lora.rank", "2")
-    with pytest.raises(Exception, match="its trainer.lora is"):
+    # refused by whichever side meets the rank-4 adapters first: the trainer's checkpoint check (naming
+    # trainer.lora) or the orchestrator's engine loading the last version's adapters (naming the tensor)
+    with pytest.raises(Exception, match=r"its trainer.lora is|has shape \(16, 128\), this model's adapter expects"):
         run_threads(other)
 
 

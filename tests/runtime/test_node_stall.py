@@ -51,7 +51,9 @@ def _ppid(stat: Path) -> int | None:
 @pytest.mark.parametrize("role", ["trainer", "orchestrator", "agent"])
 def test_a_stopped_process_of_a_hand_started_node_is_named_with_its_stack(tmp_path, role):
     out = tmp_path / "out"
-    cfg = _cfg("--output_dir", str(out), "--max_steps", "200", "--checkpoint.interval", "0",
+    # far more steps than fit in STALL (~0.04 s a step): a stopped agent leaves its torchrun running, and
+    # a job that finished before the stall was seen would end rc 0 (seen in CI)
+    cfg = _cfg("--output_dir", str(out), "--max_steps", "100000", "--checkpoint.interval", "0",
                "--deployment.max_restarts", "0", "--deployment.stall_timeout_s", str(STALL),
                "--deployment.grace_s", str(GRACE), "--orchestrator.weights_timeout_s", "300",
                "--trainer.batch_timeout_s", "300")

@@ -98,10 +98,14 @@ def test_the_server_pool_holds_its_ports_until_it_stops(tmp_path):
     ("inference.pd.base_port", ["--inference.pd.prefill", "1", "--inference.pd.decode", "1"]),
 ])
 def test_dry_run_refuses_a_fixed_port_in_use_naming_the_key(tmp_path, capsys, key, over):
+    # the reservation keeps the port from another process's connections (an ephemeral port) once the
+    # listener closes, so "free again" below is not left to luck
+    reservation = reserve_port()
+    port = reservation.port
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
         s.listen()
-        port = s.getsockname()[1]
         rc = cli.main(["rl", "--config", EXAMPLE, "--output_dir", str(tmp_path), *over, f"--{key}", str(port),
                        "--dry-run"])
         err = capsys.readouterr().err.strip().splitlines()
@@ -109,4 +113,5 @@ def test_dry_run_refuses_a_fixed_port_in_use_naming_the_key(tmp_path, capsys, ke
     assert len(err) == 1 and err[0].startswith(f"primerl: config error: {key}: port {port} on "), err
     rc = cli.main(["rl", "--config", EXAMPLE, "--output_dir", str(tmp_path), *over, f"--{key}", str(port),
                    "--dry-run"])  # free again: the same command passes
+    reservation.close()
     assert rc == 0, capsys.readouterr().err

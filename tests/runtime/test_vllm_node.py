@@ -14,7 +14,6 @@ rank 0 (``inference.vllm.weight_update = "broadcast"``).
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
@@ -52,9 +51,10 @@ def _cfg(py: str, vport: int, *over):
 
 @pytest.mark.vllm
 @pytest.mark.dist
-def test_inference_node_runs_vllm_takes_broadcast_weights_and_stops_on_sigterm(tmp_path):
-    from primerl.runtime.inference.vllm_client import VLLMClient
-
+def test_inference_node_runs_vllm_takes_broadcast_weights_and_ends_with_the_job(tmp_path):
+    """Three nodes started by hand. At the job's normal end trainer node 0 posts it in the rendezvous
+    and the inference node's agent stops vLLM's process group and exits 0 by itself (issue 45: a
+    hand-started agent supervises its role); SIGTERM to an agent is tests/runtime/test_node_sigterm.py."""
     py = need_vllm()
     vport = free_port()
     cfg = _cfg(py, vport)
@@ -63,30 +63,25 @@ def test_inference_node_runs_vllm_takes_broadcast_weights_and_stops_on_sigterm(t
     try:
         rcs = {role: _wait(procs, role, 420) for role in ("trainer", "orchestrator")}
         wall = time.monotonic() - t0
-        alive = procs["inference"].poll() is None  # it serves until the scheduler stops it
-        held = VLLMClient(cfg.inference.vllm, timeout_s=30).server_versions() if alive else None
-        procs["inference"].send_signal(signal.SIGTERM)  # the node process only: it must stop vLLM's group
         t1 = time.monotonic()
-        rc_inf = _wait(procs, "inference", cfg.deployment.grace_s + 30)
+        rc_inf = _wait(procs, "inference", max(cfg.deployment.grace_s, 30) + 60)
         took = time.monotonic() - t1
     finally:
         _stop(procs)
     logs = {i: (tmp_path / f"host{i}" / "node.log").read_text(errors="replace") for i in range(3)}
     assert rcs == {"trainer": 0, "orchestrator": 0}, {k: v[-3000:] for k, v in logs.items()}
-    assert alive, logs[1][-3000:]
-    print(f"3 nodes with vLLM: {STEPS} steps in {wall:.0f} s; vLLM stopped {took:.1f} s after SIGTERM")
+    print(f"3 nodes with vLLM: {STEPS} steps in {wall:.0f} s; the inference node ended {took:.1f} s after them")
     rows = read_metrics(tmp_path / "host0" / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(STEPS))
     # on policy (max_async_level 0): step s sampled by vLLM holding the broadcast version s, and the
     # trainer's log-probs of those tokens are vLLM's (float32 on both sides)
     assert [r["policy_version"] for r in rows] == list(range(STEPS)), rows
     assert max(r["mismatch_kl/mean"] for r in rows) < 1e-3, [r["mismatch_kl/mean"] for r in rows]
-    assert held == [STEPS], held  # the trainer's last version, received by vLLM's worker over gloo
     assert f"weights version {STEPS} broadcast to 1 receiver(s)" in logs[0]
     vlog = (tmp_path / "host1" / "out" / "logs" / "vllm.log").read_text(errors="replace")
     assert "vllm.entrypoints.openai.api_server" in logs[1] and "--host 127.0.0.2" in logs[1]
     assert vlog.count("POST /collective_rpc") >= STEPS + 1  # init_broadcast + one update per version
-    assert rc_inf == 143, logs[1][-3000:]
+    assert rc_inf == 0, logs[1][-3000:]
     assert _processes_mentioning(str(tmp_path / "host1" / "out" / "vllm_init")) == []
     for i in (1, 2):  # the servers' and the orchestrator's nodes hold no weights file or marker
         assert not [f for f in _files(tmp_path / f"host{i}" / "out") if "weights" in f or f.endswith("STABLE")], i
