@@ -27,6 +27,8 @@ HAS_CUDA = torch.cuda.is_available()
 # `with torch.device(...)` looks factory functions up in a set it builds (and caches) on first use:
 # built while a test's poisoned torch.empty is installed, it would hold the wrapper, and every later
 # `with torch.device("meta")` would leave nn.Linear's weights on the CPU. Build it now, unpoisoned.
+import torch.utils._device  # noqa: E402  (not imported by torch itself)
+
 torch.utils._device._device_constructors()
 
 

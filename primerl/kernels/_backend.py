@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._constant_result import assume_constant_result
 from ._ext import CUDA_EXT_ERROR, HAS_CUDA_EXT
 
 BUILTIN_BACKENDS = ("torch", "triton", "cuda")
@@ -90,7 +91,7 @@ TORCH_KERNEL_BACKENDS = {
 # A compile-time constant: torch.compile calls it at trace time instead of tracing it (probing an
 # external backend imports its module, which dynamo refuses to trace: backend="deep_gemm" /
 # "flash_attn", and backend=None on CUDA, which tries DeepGEMM first, would break a fullgraph trace).
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def backend_status(name: str) -> BackendStatus:
     if name == "torch":
         return BackendStatus(True, f"plain PyTorch {torch.__version__} (the reference)")

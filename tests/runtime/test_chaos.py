@@ -24,7 +24,7 @@ from primerl.runtime.metrics import read_metrics
 from primerl.runtime.ports import held_port
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 10
+STEPS = 16  # the job's last start must outlast a server's restart on a loaded machine (CI: 2 cores)
 JOB = ["--max_steps", str(STEPS), "--orchestrator.batch_size", "4", "--orchestrator.group_size", "2",
        "--orchestrator.max_async_level", "0", "--checkpoint.interval", "2",
        "--inference.num_servers", "2", "--inference.router_policy", "round_robin", "--inference.health_timeout_s", "2",
@@ -95,17 +95,19 @@ def test_chaos_every_role_killed_or_stopped_once_the_job_heals(tmp_path):
         orch = _beat(chaos, "orchestrator")
         os.kill(orch["pid"], signal.SIGSTOP)
         done.append(f"orchestrator SIGSTOP after step {at}")
-        # 3. an inference server of the pool, -9, and 4. the router, SIGSTOP, in the job's last start
+        # 3. the router, SIGSTOP, and 4. an inference server of the pool, -9, at the first step of the job's
+        # last start: the stopped router holds every request, so no step passes until the pool has replaced
+        # it, and the server's restart is under way long before the remaining steps are done
         _wait(proc, lambda: any(r.get("job/restarts") == 2 for r in read_metrics(chaos / "metrics.jsonl")),
               "the second restart")
-        server = _pool(chaos)[f"inference-{rng.randint(0, 1)}"]
+        pool = _pool(chaos)
+        os.kill(pool["router"]["pid"], signal.SIGSTOP)
+        done.append("router SIGSTOP")
+        server = pool[f"inference-{rng.randint(0, 1)}"]
         os.kill(server["pid"], signal.SIGKILL)
         done.append(f"{server['url']} -9")
-        _wait(proc, lambda: _pool(chaos)["inference-0"]["restarts"] + _pool(chaos)["inference-1"]["restarts"] == 1,
-              "the server restarted")
-        router = _pool(chaos)["router"]
-        os.kill(router["pid"], signal.SIGSTOP)
-        done.append("router SIGSTOP")
+        _wait(proc, lambda: sum(r.get("restarts", 0) for r in _pool(chaos).values()) == 2,
+              "the router and the server restarted")
         text, _ = proc.communicate(timeout=400)
         ref_text, _ = ref.communicate(timeout=300)
     finally:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._constant_result import assume_constant_result
 from .layout import BLOCK
 from .offsets import device_capability
 
@@ -187,7 +188,7 @@ def probe(device_index: int) -> Support:
     return Support(True, pad_k, why_n is None, why_m is None, "; ".join(notes))
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def device_support(device_index: int) -> Support:
     """:func:`probe` of ``cuda:device_index``; torch.compile calls it at trace time and keeps the result
     as a constant instead of tracing the probe's GEMMs."""

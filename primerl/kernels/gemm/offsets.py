@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .._constant_result import assume_constant_result
+
 M_ALIGNMENT = 128  # DeepGEMM's legacy alignment (SM90)
 _alignment = [M_ALIGNMENT]
 
@@ -57,7 +59,7 @@ def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = 
     return block_m
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def device_capability(device) -> tuple[int, int]:
     """The CUDA compute capability of ``device``: the one place primerl asks (tests mock it). A
     compile-time constant: torch.compile calls it at trace time rather than tracing the query."""
