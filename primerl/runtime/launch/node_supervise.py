@@ -294,11 +294,16 @@ class _Supervisor:
     def _note_vanished(self, seen: dict, aborted: bool) -> None:
         """A process of this node (a heartbeat row) that ended before any node reported a failure is
         a candidate cause, posted if the round fails (a trainer rank killed under torchrun: its exit
-        code is torchrun's to see; the orchestrator's "peer gone" error is often posted first)."""
+        code is torchrun's to see; the orchestrator's "peer gone" error is often posted first). The
+        round's own process (the orchestrator runs in it) is not one: its end is said by its exit code
+        (``_cause``) or by the error it posted itself, and taken for a vanished process it would outrank
+        the process whose loss it reports (its death and its post fall in one poll)."""
         from ..heartbeat import read_heartbeats
         from .watchdog import process_state
 
         for r in read_heartbeats(self.beats):
+            if r["pid"] == self.child.pid:
+                continue
             alive = process_state(r["pid"]) not in (None, "Z", "X")
             if alive:
                 seen[r["pid"]] = r
