@@ -476,7 +476,7 @@ def check_checkpoint_lora(path, expected: dict) -> None:
                          "(resume with the config that wrote it)")
 
 
-def compile_model(model, backend: str = "inductor") -> None:
+def compile_model(model, backend: str | Callable = "inductor") -> None:
     """``trainer.compile``: the model's forward under ``torch.compile(dynamic=True)``, in place
     (``nn.Module.compile``: parameter names, checkpoints and weight publishing are unchanged). Token
     and sequence counts are symbolic from the first call, so a new packing reuses the graph instead
