@@ -36,8 +36,11 @@ def _has_nvidia_backend() -> bool:
     return Path(aot._tool("cuobjdump")).exists() and Path(aot._tool("ptxas")).exists()
 
 
-pytestmark = pytest.mark.skipif(not _has_nvidia_backend(),
-                                reason="triton wheel without the NVIDIA backend / ptxas / cuobjdump")
+# One xdist worker runs the whole file (--dist loadgroup): the module fixture ``reports`` is built
+# once per worker that runs one of its tests, and the last CI compiled the suite on both workers.
+pytestmark = [pytest.mark.skipif(not _has_nvidia_backend(),
+                                 reason="triton wheel without the NVIDIA backend / ptxas / cuobjdump"),
+              pytest.mark.xdist_group("aot_reports")]
 
 
 @pytest.fixture(scope="module")

@@ -101,8 +101,11 @@ def lora_parity(tmp_path_factory):
     return spawn(_worker, WORLD, tmp_path_factory.mktemp("lora_parity"))
 
 
+# xdist_group: under `-n 2 --dist loadgroup` a module fixture is built once per worker that runs one
+# of its tests; the group keeps the tests of the one multi-rank spawn on one worker.
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.xdist_group("lora_parity_results")
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_lora_matches_single_process(lora_parity, layout):
     assert layout in lora_parity, f"layout {layout} did not run"

@@ -69,8 +69,11 @@ def parity_results(tmp_path_factory):
     return spawn(_worker, WORLD, tmp_path_factory.mktemp("parity_ulysses"))
 
 
+# xdist_group: under `-n 2 --dist loadgroup` a module fixture is built once per worker that runs one
+# of its tests; the group keeps the tests of the one multi-rank spawn on one worker.
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.xdist_group("parity_ulysses_results")
 @pytest.mark.parametrize("case", CASES)
 def test_matches_single_process(parity_results, case):
     assert case in parity_results, f"case {case} did not run"

@@ -62,6 +62,9 @@ def _worker(rank, world_size, log, out_dir):
     Path(out_dir, f"measured_{rank}.json").write_text(json.dumps(results))
 
 
+# Every test that uses this fixture carries the xdist_group mark "memory_plan_measured": under
+# `pytest -n 2 --dist loadgroup` a module fixture is built once per worker that runs one of its
+# tests, and the last CI spread them over both workers (the 4-rank measurement ran twice).
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("memory_plan")
@@ -71,6 +74,7 @@ def measured(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.dist
+@pytest.mark.xdist_group("memory_plan_measured")
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_predicted_peak_within_tolerance(measured, name):
     plan = plan_for_config(job_config(WORLD, SEQ_LEN, LAYOUTS[name]), device="cpu").trainer
@@ -86,6 +90,7 @@ def test_predicted_peak_within_tolerance(measured, name):
 
 @pytest.mark.slow
 @pytest.mark.dist
+@pytest.mark.xdist_group("memory_plan_measured")
 @pytest.mark.parametrize("name", ["cp1_dp4", "cp2_ep2_fp8_selective"])
 def test_state_shards_match(measured, name):
     """Parameter, gradient and optimizer-state bytes per rank: FSDP pads a dim-0 shard to a whole

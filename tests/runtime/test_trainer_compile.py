@@ -43,11 +43,18 @@ def test_compiled_trainer_matches_eager_without_recompiling(monkeypatch):
     are checked in tests/models/test_compile_model.py)."""
     from functools import partial
 
+    from torch._dynamo.backends.debugging import aot_eager
     from torch._dynamo.utils import counters
 
     from primerl.runtime.trainer import trainer as trainer_mod
 
-    monkeypatch.setattr(trainer_mod, "compile_model", partial(trainer_mod.compile_model, backend="aot_eager"))
+    backend_calls = []
+
+    def counting_aot_eager(gm, example_inputs):  # a restart of dynamo's analysis calls it again
+        backend_calls.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    monkeypatch.setattr(trainer_mod, "compile_model", partial(trainer_mod.compile_model, backend=counting_aot_eager))
     torch._dynamo.reset()
     counters.clear()
     eager, compiled = Trainer(_cfg(), V), Trainer(_cfg("--trainer.compile", "true"), V)
@@ -62,6 +69,8 @@ def test_compiled_trainer_matches_eager_without_recompiling(monkeypatch):
     # at most 2 graphs: one for micro-batches of >= 2 sequences and, once, one for a micro-batch of a
     # single sequence (dynamo specialises sizes 0 and 1; the (5, 20) packing has one)
     assert graphs[-1] <= 2, f"graphs after each step {graphs}: a new packing recompiled"
+    # each graph traced once: no second trace with the model's floats specialized (compile_model)
+    assert len(backend_calls) == graphs[-1], f"{len(backend_calls)} backend calls for {graphs[-1]} graphs"
     torch._dynamo.reset()
 
 

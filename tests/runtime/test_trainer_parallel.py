@@ -165,7 +165,10 @@ def parallel_results(tmp_path_factory):
     return spawn(_worker, WORLD, tmp_path_factory.mktemp("trainer_parallel"), refs)
 
 
+# xdist_group: under `-n 2 --dist loadgroup` a module fixture is built once per worker that runs one
+# of its tests; the group keeps the tests of the one 4-rank spawn on one worker.
 @pytest.mark.dist
+@pytest.mark.xdist_group("trainer_parallel_results")
 @pytest.mark.parametrize("case", CASES)
 def test_layout_matches_single_process(parallel_results, case):
     assert case in parallel_results, f"case {case} did not run"

@@ -476,12 +476,32 @@ def check_checkpoint_lora(path, expected: dict) -> None:
                          "(resume with the config that wrote it)")
 
 
-def compile_model(model, backend: str = "inductor") -> None:
+def compile_model(model, backend: str | Callable = "inductor") -> None:
     """``trainer.compile``: the model's forward under ``torch.compile(dynamic=True)``, in place
     (``nn.Module.compile``: parameter names, checkpoints and weight publishing are unchanged). Token
     and sequence counts are symbolic from the first call, so a new packing reuses the graph instead
-    of recompiling; autograd compiles the backward alongside."""
+    of recompiling; autograd compiles the backward alongside.
+
+    Python floats (norm eps, rope theta, softmax scale, route scale) are traced as constants
+    (dynamo's ``specialize_float``, thread-local while the compiled call runs): under
+    ``dynamic=True`` dynamo otherwise makes each module float symbolic, the model's float-only uses
+    (``route_scale != 1.0``, float op arguments) cannot become tensors, and dynamo traces the whole
+    forward and backward a second time with them specialized (one restart per graph; 34 -> 19 CPU
+    s for tests/runtime/test_trainer_compile.py's compiled-trainer test). The floats never change
+    between steps, so the graphs and guards are otherwise the same."""
+    import torch._dynamo
+
     model.compile(backend=backend, dynamic=True)
+    compiled = getattr(model, "_compiled_call_impl", None)
+    if compiled is None:
+        raise RuntimeError("trainer.compile: nn.Module.compile left no _compiled_call_impl on the model "
+                           f"(torch {torch.__version__}); compile_model needs updating for this torch")
+
+    def call_with_constant_floats(*args, **kwargs):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    model._compiled_call_impl = call_with_constant_floats
 
 
 def open_single_rank_group(backend: str) -> bool:
