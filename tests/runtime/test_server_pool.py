@@ -139,7 +139,7 @@ def test_pool_survives_a_killed_server_and_a_killed_router(tmp_path):
 @needs_router
 def test_pool_survives_a_hung_server(tmp_path):
     out, steps = tmp_path / "job", 16
-    proc = _start(out, steps)
+    proc = _start(out, steps, "--inference.num_servers", "2")  # the hung one and one to take its requests
     try:
         _wait_step(out, proc, 1)
         victim = _processes(out)["inference-0"]
@@ -161,17 +161,17 @@ def test_pool_survives_a_hung_server(tmp_path):
 @needs_router
 def test_a_server_dying_past_max_restarts_fails_the_job_naming_it(tmp_path):
     out = tmp_path / "job"
-    proc = _start(out, 200, "--inference.max_restarts", "0")
+    proc = _start(out, 200, "--inference.max_restarts", "0", "--inference.num_servers", "2")
     try:
         _wait_step(out, proc, 1)
-        victim = _processes(out)["inference-2"]
+        victim = _processes(out)["inference-1"]
         os.kill(victim["pid"], signal.SIGKILL)
         text, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    assert f"the inference-2 process ({victim['url']}) exited with code -9 after 0 restart(s)" in text, text[-2000:]
+    assert f"the inference-1 process ({victim['url']}) exited with code -9 after 0 restart(s)" in text, text[-2000:]
     assert "inference.max_restarts = 0" in text
 
 
