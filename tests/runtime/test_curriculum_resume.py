@@ -72,7 +72,7 @@ def test_curriculum_state_survives_kill_and_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_primerl_eval_scores_a_checkpoint(tmp_path):
+def test_primerl_eval_scores_a_checkpoint(tmp_path, capsys):
     cfg = _cfg(tmp_path / "run", "--max_steps", "2", "--orchestrator.curriculum.enabled", "false")
     run_threads(cfg)
     conf = tmp_path / "c.toml"
@@ -87,6 +87,9 @@ def test_primerl_eval_scores_a_checkpoint(tmp_path):
     assert res["step"] == 2 and res["eval/held/version"] == 2
     assert 0 <= res["eval/held/pass@1"] <= res["eval/held/pass@2"] <= 1
     assert "eval/held/pass@2" in out
-    proc = _cli("eval", "--config", str(conf), "--checkpoint", str(tmp_path / "nope"))
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2 and "--checkpoint" in err
+    from primerl.runtime.cli import main  # a missing checkpoint: the command's own entry point, in this process
+
+    capsys.readouterr()
+    rc = main(["eval", "--config", str(conf), "--checkpoint", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--checkpoint" in err

@@ -191,13 +191,16 @@ def test_filesystem_weights_are_refused_for_an_orchestrator_node_and_auto_broadc
     assert beside.deployment.orchestrator == "trainer" and resolve_placement(beside).weight_update == "filesystem"
 
 
-def test_dry_run_names_the_key_in_one_line(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--dry-run", *PLAN,
-                          "--inference.weight_update", "filesystem"], cwd=tmp_path, env=_env(), capture_output=True,
-                         text=True, timeout=120)
-    assert res.returncode != 0
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "inference.weight_update: 'filesystem' needs output_dir shared" in lines[0], res.stderr
+def test_dry_run_names_the_key_in_one_line(tmp_path, capsys, monkeypatch):
+    from primerl.runtime.cli import main  # the command's own entry point, in this process (no torch import)
+
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    rc = main(["rl", "--dry-run", *PLAN, "--inference.weight_update", "filesystem"])
+    err = capsys.readouterr().err
+    assert rc != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "inference.weight_update: 'filesystem' needs output_dir shared" in lines[0], err
 
 
 def test_filesystem_weights_are_refused_for_inference_nodes():

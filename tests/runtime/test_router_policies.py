@@ -35,11 +35,15 @@ def _router_or_skip():
     (["--inference.pd.prefill", "1", "--inference.pd.decode", "2", "--inference.pd.policy", "power_of_two"],
      "inference.pd.policy"),
 ])
-def test_power_of_two_with_one_worker_is_refused_at_dry_run(tmp_path, over, key):
-    r = _rl("--output_dir", str(tmp_path / "job"), *over, "--dry-run", timeout=120)
-    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    err = r.stderr.strip().splitlines()
-    assert len(err) == 1 and key in err[0] and "power_of_two" in err[0] and "at least 2" in err[0], r.stderr
+def test_power_of_two_with_one_worker_is_refused_at_dry_run(tmp_path, capsys, over, key):
+    from primerl.runtime.cli import main  # the command's own entry point, in this process (no torch import)
+
+    capsys.readouterr()
+    rc = main(["rl", "--config", EXAMPLE, "--output_dir", str(tmp_path / "job"), *over, "--dry-run"])
+    r = capsys.readouterr()
+    assert rc == 2, r.out[-2000:] + r.err[-2000:]
+    err = r.err.strip().splitlines()
+    assert len(err) == 1 and key in err[0] and "power_of_two" in err[0] and "at least 2" in err[0], r.err
     assert not (tmp_path / "job").exists()  # nothing written
 
 
