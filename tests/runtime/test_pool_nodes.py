@@ -74,9 +74,7 @@ def _router(out: Path) -> str:
 @needs_router
 @pytest.mark.dist
 def test_pool_on_two_inference_nodes_survives_a_killed_server_on_each(tmp_path):
-    # 45 steps: both killed servers were back (pairs 5, 6) at step 14 of a run on a loaded 2-core
-    # machine (restart ~27 s at ~2 s/step); the steps after that are margin, each ~1 s of CPU
-    out, steps = tmp_path / "job", 45
+    out, steps = tmp_path / "job", 60  # the killed servers must be back before the job ends, under CI's load
     proc = subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(EXAMPLE),
                              *_over(out, steps)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
