@@ -136,5 +136,23 @@ def assert_replay_is_the_samplers_routing(rec: Recorder) -> int:
     return rows
 
 
+def sdpa_attention(monkeypatch) -> None:
+    """The job's training forwards (the warm start's and the trainer's) attend with the "sdpa"
+    backend, torch's fused CPU kernel per run of equal-length sequences, instead of the CPU default
+    "torch", which scores one dense ``[T, T]`` block over a whole packed batch (T = every token of the
+    batch: ~1400 in a warm-start step of 8 demonstrations, up to ``orchestrator.seq_len`` in a
+    training micro-batch). The same attention (tests/kernels check the backends against each other;
+    here the warm start's losses agree to 1e-6), ~50x less CPU for the warm start; only a model
+    whose ``attn_backend`` names none is switched. The sampling engine has its own cached attention."""
+    import primerl.models.layers as layers
+
+    dense = layers._attention
+
+    def _attention(q, k, v, cu_seqlens, softmax_scale, backend=None):
+        return dense(q, k, v, cu_seqlens, softmax_scale, backend or "sdpa")
+
+    monkeypatch.setattr(layers, "_attention", _attention)
+
+
 def similarity(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
