@@ -31,8 +31,8 @@ torch.utils._device._device_constructors()
 # - a test marked `vllm` (it starts a real vLLM-CPU server, which reserves VLLM_CPU_KVCACHE_SPACE of
 #   RAM and loads a model in several processes; tests/runtime/test_verifiers_suite.py runs tests/vf,
 #   which starts one) runs in the group "vllm": one at a time, beside everything else;
-# - a test marked `fixed_ports` (it needs a port at the config's default, e.g. it checks what a
-#   config without port overrides does) runs in the group "fixed_ports": one at a time.
+# - a test marked `fixed_ports` (it needs a port at a config default or an example's own: it binds
+#   it, or a --dry-run checks that it is free) runs in the group "fixed_ports": one at a time.
 # Any other test that starts a server or a job takes its ports from primerl.runtime.ports (held_port,
 # reserve_port, reserve_block) or binds 0, never a config default: two such tests can then run at once.
 _GROUPS = ("vllm", "fixed_ports")  # marker -> xdist group of the same name; the first that applies
@@ -40,7 +40,8 @@ _GROUPS = ("vllm", "fixed_ports")  # marker -> xdist group of the same name; the
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fixed_ports: binds a port at a config default (8000, 8090, 8100, 29400, 29600, "
-                                       "29610, 29620, ...): runs in the xdist group 'fixed_ports', one at a time")
+                                       "29610, 29620, ...) or an example's, or a --dry-run checks that it is free: "
+                                       "runs in the xdist group 'fixed_ports', one at a time")
 
 
 def pytest_collection_modifyitems(config, items):
