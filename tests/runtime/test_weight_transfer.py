@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
 
 import pytest
@@ -20,10 +21,11 @@ from primerl.runtime.inference.weight_transfer import BucketSender, join_transfe
 
 
 def _port() -> int:
-    """A free port, reserved until this process exits (no other process can take it first)."""
-    from primerl.runtime.ports import held_port
-
-    return held_port()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
 
 
 def _whole(name, t, dtype="bfloat16", fp8=False):
