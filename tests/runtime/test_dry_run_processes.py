@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from primerl.runtime.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.fixed_ports  # the examples' P/D ports 8100, 8101, 8090, 8091: the dry run checks they are free
 
 
 def _dry_run(capsys, tmp_path, example, *over) -> list[str]:

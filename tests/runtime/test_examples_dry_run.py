@@ -16,6 +16,7 @@ from primerl.runtime.config import load_config
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml"))
 
 
+@pytest.mark.fixed_ports  # the examples' own ports (P/D 8100/8090, zmq 29620, ...): the dry run checks they are free
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_passes_the_dry_run(path, tmp_path, capsys):
     rc = main(["rl", "--config", str(path), "--dry-run", "--output_dir", str(tmp_path / "out")])

@@ -91,7 +91,7 @@ def test_dry_run_refuses_a_rendezvous_port_in_use(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"primerl: config error: deployment.rdzv_endpoint: port {port} on "
                                                "127.0.0.1 is in use"), err
     rc = cli.main(["rl", *NODES2, "--output_dir", str(tmp_path), "--deployment.rdzv_endpoint",
-                   f"127.0.0.1:{_free_port()}", "--dry-run"])
+                   f"127.0.0.1:{_free_port()}", "--orchestrator.zmq_port", str(_free_port()), "--dry-run"])
     out = capsys.readouterr().out
     assert rc == 0 and "# node 1 127.0.0.2: trainer ranks 2-3 (CPU)" in out
     assert "node --config" in out and "--role trainer --node-rank 1" in out

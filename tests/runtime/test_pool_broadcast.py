@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,9 +42,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def _model(seed: int) -> MoETransformer:

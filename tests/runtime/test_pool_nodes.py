@@ -33,9 +33,10 @@ EXAMPLE = ROOT / "examples" / "reverse_text_2node_pool.toml"
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def _ports(n: int) -> int:
@@ -121,6 +122,7 @@ def _dry_run(capsys, *over: str) -> tuple[int, str, str]:
     return rc, got.out, got.err
 
 
+@pytest.mark.fixed_ports  # the example's own ports (servers 8200, 8201, zmq, rendezvous): the dry run checks them
 def test_dry_run_names_every_node_server_and_port(capsys):
     rc, out, err = _dry_run(capsys)
     assert rc == 0, err

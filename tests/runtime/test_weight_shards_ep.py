@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import threading
 
 import pytest
@@ -24,9 +23,10 @@ WORLD = 4
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, reserved until this process exits (no other process can take it first)."""
+    from primerl.runtime.ports import held_port
+
+    return held_port()
 
 
 def _model() -> MoETransformer:
