@@ -276,12 +276,13 @@ def test_three_nodes_trainer_inference_server_orchestrator_share_no_file(tmp_pat
     procs = _start(tmp_path, cfg, ((1, "inference"), (0, "trainer"), (2, "orchestrator")))
     try:
         rcs = {role: _wait(procs, role, 150) for role in ("trainer", "orchestrator")}
-        server_up = procs["inference"].poll() is None  # it serves until the scheduler stops it
+        # the serving node's agent (hand-started: it supervises its role) ends it with the job, rc 0
+        rc_inf = _wait(procs, "inference", max(cfg.deployment.grace_s, 30) + 60)
     finally:
         _stop(procs)
     logs = {i: (tmp_path / f"host{i}" / "node.log").read_text(errors="replace") for i in range(3)}
     assert rcs == {"trainer": 0, "orchestrator": 0}, {k: v[-3000:] for k, v in logs.items()}
-    assert server_up, logs[1][-3000:]
+    assert rc_inf == 0, logs[1][-3000:]
     rows = read_metrics(tmp_path / "host0" / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(6))
     assert "weights version 6 broadcast to 1 receiver(s)" in logs[0]
