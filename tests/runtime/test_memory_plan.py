@@ -4,11 +4,12 @@
   8 sequences per 4096-token micro-batch) measured with the CPU allocator's running total
   (``tests/runtime/memory_testing.py``) for each layout below: cp 1 / 2 / 4; ring, Ulysses and
   2-D; GQA and dense MLA; checkpointing none / full / selective, with activation and CPU
-  offload; FP8 off / on; EP. Every rank's measured peak must be within ``TOLERANCE`` of the
-  plan's prediction for the CPU. The activations are most of each peak (parameters and optimizer
-  state are a few MB), so this tests the activation formulas. Measured 2026-12-05: -3.2% to
-  +12.0%; 50-150 s on 2 shared cores, depending on their load. Per-rank shard bytes of
-  parameters, gradients and AdamW state within 2% (FSDP pads rows).
+  offload; FP8 off / on; EP. No rank's measured peak may exceed the plan's prediction for the CPU
+  by more than ``TOLERANCE``, and the prediction may not exceed the largest rank's by more. The
+  activations are most of each peak (parameters and optimizer state are a few MB), so this tests
+  the activation formulas. Measured 2026-12-06 (largest rank): -0.1% to +9.3%; 50-150 s on 2
+  shared cores, depending on their load. Per-rank shard bytes of parameters, gradients and AdamW
+  state within 2% (FSDP pads rows).
 * Per block: the saved activations of each half against autograd's saved tensors (one process).
 * Exact: parameter counts (``numel``) and KV bytes per token (the embedded engine's cache).
 * The plan's arithmetic: monotone in seq_len, max_seq_len consistent with the verdict, offload
@@ -77,15 +78,19 @@ def measured(tmp_path_factory):
 @pytest.mark.xdist_group("memory_plan_measured")
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_predicted_peak_within_tolerance(measured, name):
+    """The plan predicts the peak rank (what decides an OOM): no rank may exceed it by more than
+    TOLERANCE, and it may not be more than TOLERANCE above the largest rank. A single rank may read
+    lower than the largest: how long gloo holds a ring step's send buffer depends on when its peer
+    takes it (one CI run: 17.43 / 18.11 / 18.56 MiB on three ranks of one layout)."""
     plan = plan_for_config(job_config(WORLD, SEQ_LEN, LAYOUTS[name]), device="cpu").trainer
-    rows = []
-    for rank, per_layout in enumerate(measured):
-        m = per_layout[name]
-        err = plan.peak / m["peak"] - 1
-        rows.append(f"rank {rank}: measured {m['peak'] / 2**20:.2f} MiB predicted {plan.peak / 2**20:.2f} MiB "
-                    f"({err:+.1%})")
-        assert abs(err) <= TOLERANCE, "\n".join(rows)
-    print(name, "\n".join(rows))
+    rows = [f"rank {rank}: measured {m[name]['peak'] / 2**20:.2f} MiB predicted {plan.peak / 2**20:.2f} MiB "
+            f"({plan.peak / m[name]['peak'] - 1:+.1%})" for rank, m in enumerate(measured)]
+    report = "\n".join(rows)
+    for m in measured:
+        assert plan.peak / m[name]["peak"] - 1 >= -TOLERANCE, f"a rank exceeds the plan\n{report}"
+    largest = max(m[name]["peak"] for m in measured)
+    assert plan.peak / largest - 1 <= TOLERANCE, f"the plan is loose for the peak rank\n{report}"
+    print(name, report)
 
 
 @pytest.mark.slow
