@@ -10,8 +10,10 @@ is ``python -m bench aot``.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,6 +176,8 @@ def test_check_cuda_fails_a_spilling_kernel(tmp_path):
     src = tmp_path / "spill.cu"
     src.write_text(_SPILLING_CU)
     script = Path(__file__).resolve().parents[2] / ".ci" / "check_cuda.sh"
-    done = subprocess.run(["bash", str(script), str(src)], capture_output=True, text=True, timeout=300)
+    # the script runs `python` for torch's include paths: this interpreter's, as in CI's activated venv
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    done = subprocess.run(["bash", str(script), str(src)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert all(s in done.stdout for s in ("spills registers", "many_live", "bytes spill stores")), done.stdout
