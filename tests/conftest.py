@@ -146,3 +146,28 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+# Where CI's minutes go, beyond --durations: with PRIMERL_TEST_CPU_LOG=<file>, each test appends one
+# JSON line {"test", "wall_s", "cpu_s"}: cpu_s is the worker's own CPU plus that of the processes the
+# test started and reaped (os.times' children). A test whose wall_s is far above its cpu_s waits
+# (sleeps, timeouts, a peer's start-up) and leaves its core to the other worker.
+_CPU_LOG = os.environ.get("PRIMERL_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+    import json
+    import time
+
+    t0, c0 = time.monotonic(), os.times()
+    yield
+    c1 = os.times()
+    cpu = (c1.user - c0.user) + (c1.system - c0.system) + (c1.children_user - c0.children_user) \
+        + (c1.children_system - c0.children_system)
+    with open(_CPU_LOG, "a") as f:  # one short line per write: O_APPEND keeps workers' lines whole
+        f.write(json.dumps({"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2),
+                            "cpu_s": round(cpu, 2)}) + "\n")
