@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import venv_ready
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -70,13 +69,17 @@ def pytest_collection_modifyitems(config, items):
                         for m in item.iter_markers("xdist_group")})
         if names and "@" not in item.nodeid.rsplit("::", 1)[-1]:
             item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+    import venv_ready
+
     items[:] = venv_ready.order_units(items)
 
 
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
+@pytest.hookimpl(hookwrapper=True, tryfirst=True, specname="pytest_runtest_protocol")
+def pytest_runtest_protocol_waits_for_venvs(item, nextitem):
     """A test that runs in an extra venv waits for it here, before its timeout starts (in CI only:
     tests/venv_ready.py). Not ready or failed: the test's own venv_python() fails it, saying why."""
+    import venv_ready
+
     for name in venv_ready.venvs_of(item):
         try:
             venv_ready.wait_for_venv(name)
