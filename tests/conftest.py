@@ -49,11 +49,19 @@ torch.utils._device._device_constructors()
 # reserve_port, reserve_block) or binds 0, never a config default: two such tests can then run at once.
 _GROUPS = ("vllm", "fixed_ports")  # marker -> xdist group of the same name; the first that applies
 
+# The tests that run an interpreter of one of the two extra venvs are marked `vllm` (the vLLM venv) or
+# `verifiers` (the verifiers venv). .ci/run installs both beside the tests: under --dist loadgroup, a work
+# unit holding such a test goes into xdist's queue after half of the single tests (tests/venv_ready.py:
+# order_units; docs/testing.md), and each such test waits for its venvs before it starts.
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fixed_ports: binds a port at a config default (8000, 8090, 8100, 29400, 29600, "
                                        "29610, 29620, ...) or an example's, or a --dry-run checks that it is free: "
                                        "runs in the xdist group 'fixed_ports', one at a time")
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        # the conftest orders the work units itself (venv_ready.order_units); xdist's default sorts them by size
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(trylast=True)
@@ -71,6 +79,23 @@ def pytest_collection_modifyitems(config, items):
                         for m in item.iter_markers("xdist_group")})
         if names and "@" not in item.nodeid.rsplit("::", 1)[-1]:
             item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+    import venv_ready
+
+    items[:] = venv_ready.order_units(items)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True, specname="pytest_runtest_protocol")
+def pytest_runtest_protocol_waits_for_venvs(item, nextitem):
+    """A test that runs in an extra venv waits for it here, before its timeout starts (in CI only:
+    tests/venv_ready.py). Not ready or failed: the test's own venv_python() fails it, saying why."""
+    import venv_ready
+
+    for name in venv_ready.venvs_of(item):
+        try:
+            venv_ready.wait_for_venv(name)
+        except venv_ready.VenvNotReady:
+            pass
+    yield
 
 
 def _mark_items(config, items):

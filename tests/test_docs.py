@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from venv_ready import venv_python
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -115,7 +116,9 @@ def _cases(kind: str):
             out.append(pytest.param(b, id=b.where, marks=marks))
         if kind == "primerl" and b.lang == "bash":
             for n, argv in enumerate(c for c in shell_commands(b.text) if is_primerl(c)):
-                out.append(pytest.param(b, argv, id=f"{b.where}#{n}", marks=marks))
+                # run in the verifiers venv: scheduled and waited for as tests/conftest.py says
+                vf = [pytest.mark.verifiers] if argv[0] == ".venv-vf/bin/primerl" else []
+                out.append(pytest.param(b, argv, id=f"{b.where}#{n}", marks=marks + vf))
     return out
 
 
@@ -171,7 +174,7 @@ def test_python_block_runs(block: Block, tmp_path: Path):
 
 
 def _vf_python() -> str | None:
-    cand = os.environ.get("PRIMERL_VF_PYTHON") or str(REPO / ".venv-vf" / "bin" / "python")
+    cand = venv_python("vf")  # in CI: once .ci/run has installed it (tests/venv_ready.py)
     return cand if Path(cand).exists() else None
 
 

