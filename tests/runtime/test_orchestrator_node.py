@@ -283,6 +283,12 @@ def test_three_nodes_trainer_inference_server_orchestrator_share_no_file(tmp_pat
     logs = {i: (tmp_path / f"host{i}" / "node.log").read_text(errors="replace") for i in range(3)}
     assert rcs == {"trainer": 0, "orchestrator": 0}, {k: v[-3000:] for k, v in logs.items()}
     assert rc_inf == 0, logs[1][-3000:]
+    # a normal end, said so (issue 45): the serving node's round, ended by its agent once the job was done, used to
+    # log `primerl node: FAILED: ... got SIGTERM` (and post an abort) although the job had ended well
+    for i, log in logs.items():
+        assert "FAILED" not in log and "got SIGTERM" not in log, (i, log[-3000:])
+    assert "node 1 (127.0.0.2) inference: the job is done (trainer node 0 finished); ending this node" in logs[1], \
+        logs[1][-3000:]
     rows = read_metrics(tmp_path / "host0" / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(6))
     assert "weights version 6 broadcast to 1 receiver(s)" in logs[0]

@@ -37,7 +37,7 @@ from ..config.deployment import effective_max_restarts
 from ..processes import start_process
 from .deployment import ROLES, Node, NodePlan, config_hash, node_plan, pool_on_nodes, pool_server_urls, split_endpoint
 from .kinds import get_launcher
-from .node_supervise import die_with_agent, store_by_agent, supervise_node, supervised_from_above
+from .node_supervise import DONE_KEY, die_with_agent, store_by_agent, supervise_node, supervised_from_above
 from .node_watch import NodeError, NodeWatch, connect_store, exit_process  # noqa: F401 (NodeError: re-exported)
 
 log = logging.getLogger("primerl")
@@ -187,7 +187,7 @@ def run_pool_node(cfg: RLConfig, config_path: str, overrides: list[str], plan: N
     def stop(reason: str) -> None:  # on the watch's thread (no signal handler waits on a process)
         log.info("%s: stopping its %d server(s)", where, len(pool.servers))
         pool.stop()
-        exit_process(143 if watch.signalled else 1, f"primerl node: FAILED: {reason}")
+        exit_process(*watch.final(reason))  # a plain line, rc 0, at the job's normal end
 
     own = watch is None
     if own:
@@ -257,7 +257,7 @@ def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5, watch: Node
     def stop(reason: str) -> None:  # on the watch's thread, also while vLLM loads: it must not outlive this node
         log.info("%s: stopping vLLM (grace %g s)", where, cfg.deployment.grace_s)
         server.stop(cfg.deployment.grace_s)
-        exit_process(143 if watch.signalled else 1, f"primerl node: FAILED: {reason}")
+        exit_process(*watch.final(reason))  # a plain line, rc 0, at the job's normal end
 
     own = watch is None
     if own:
@@ -306,10 +306,12 @@ def node_main(cfg: RLConfig, config_path: str, overrides: list[str], role: str, 
     store_node = f"trainer node 0 ({host0.host})"
     grace = cfg.deployment.grace_s
     if role != "trainer":
-        # the role runs in this process: ending it (SIGTERM, another node gone) ends the process
-        watch = NodeWatch(where, lambda reason: exit_process(143 if watch.signalled else 1,
-                                                             f"primerl node: FAILED: {reason}"), grace_s=grace,
-                          store_grace_s=max(grace, 30.0) if role == "inference" else None).start()
+        # the role runs in this process: ending it (SIGTERM, another node gone) ends the process. Under a
+        # hand-started agent, SIGTERM after trainer node 0's agent posted DONE_KEY is the job's normal end (a
+        # serving node's agent ends its round so): a plain line and rc 0, not a failure
+        watch = NodeWatch(where, lambda reason: exit_process(*watch.final(reason)), grace_s=grace,
+                          store_grace_s=max(grace, 30.0) if role == "inference" else None,
+                          done_key=DONE_KEY if store_by_agent() else None).start()
         try:
             return _run_role(cfg, config_path, overrides, plan, node, role, digest, deadline, watch, store_node)
         finally:
@@ -358,8 +360,10 @@ def _run_role(cfg, config_path, overrides, plan, node, role, digest, deadline, w
 
             serve(cfg, host=node.host, port=cfg.inference.vllm.port)
     except Exception as e:
+        if watch.job_done:  # the job is done and this node was ended with it (the watch's thread exits too)
+            return 0
         if watch.reason is not None:  # this node is ending (SIGTERM, another node's end): the error follows from it
-            raise NodeError(watch.reason, 143 if watch.signalled else 1) from None
+            raise NodeError(watch.reason, watch.exit_code()) from None
         log.exception("%s failed", where)
         watch.fail(str(e) if isinstance(e, NodeError) else
                    f"{where} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

@@ -15,7 +15,12 @@ Every ``primerl node`` agent (trainer, orchestrator, inference) runs one watch t
 - every ``interval_s`` it reads the store: a reason posted by another node ends this node the same
   way, naming that node; a store that stops answering (trainer node 0's torchrun hosts it, so that
   node is gone) ends this node ``deployment.grace_s`` later unless its role has finished by itself
-  by then (:meth:`NodeWatch.finished`: the normal end of a job closes the store too).
+  by then (:meth:`NodeWatch.finished`: the normal end of a job closes the store too);
+- SIGTERM once the job is done is no failure: a serving node's agent ends its round that way when
+  trainer node 0's agent has posted ``done_key`` (``node_supervise.DONE_KEY``). The watch thread
+  (never the signal handler) reads that key when the signal comes; set, the node ends with a plain
+  line and exit code 0 (:meth:`NodeWatch.final`), and no reason is posted. Unset, or the store
+  unreachable, it is the failure above.
 """
 
 from __future__ import annotations
@@ -111,8 +116,11 @@ class NodeWatch:
     the watch thread); ``reason`` / ``signalled``: why it ended (None while it has not)."""
 
     def __init__(self, where: str, on_end: Callable[[str], None], *, grace_s: float, interval_s: float = 0.5,
-                 store_grace_s: float | None = None):
+                 store_grace_s: float | None = None, done_key: str | None = None):
         self.where, self.on_end, self.grace_s, self.interval_s = where, on_end, grace_s, interval_s
+        # a key of the store that marks the job's normal end (SIGTERM after it is no failure); None: none is posted
+        self.done_key = done_key
+        self.job_done = False  # this node ended on SIGTERM after the job was done (a normal end)
         # how long a store that stopped answering is waited out (default grace_s); a serving node (it never
         # finishes by itself) waits longer: the store also goes at the job's normal end, before the
         # launcher has seen the trainer nodes exit and stopped the servers
@@ -164,6 +172,15 @@ class NodeWatch:
         """This node's role failed: tell the other nodes (the store) and end this node."""
         self._end(reason, post=True)
 
+    def exit_code(self) -> int:
+        """This process's exit code once the watch ended it: 0 at the job's normal end, 143 on SIGTERM, else 1."""
+        return 0 if self.job_done else 143 if self.signalled else 1
+
+    def final(self, reason: str) -> tuple[int, str]:
+        """``(exit code, last line)`` of a process the watch ended (for :func:`exit_process`): a plain line at
+        the job's normal end, else ``primerl node: FAILED: <reason>``."""
+        return self.exit_code(), f"primerl node: {reason}" if self.job_done else f"primerl node: FAILED: {reason}"
+
     # -- the thread
     def _run(self) -> None:
         lost_at = None
@@ -176,6 +193,11 @@ class NodeWatch:
                     got = b""
                 if signal.SIGTERM in got:
                     self.signalled = True
+                    if self._job_is_done():  # read here, on this thread: the signal handler does nothing
+                        self.job_done = True
+                        self._end(f"{self.where}: the job is done (trainer node 0 finished); ending this node",
+                                  post=False)
+                        return
                     self._end(f"{self.where}: got SIGTERM; ending the job's processes (grace {self.grace_s:g} s)",
                               post=True)
                     return
@@ -215,6 +237,15 @@ class NodeWatch:
             self._store = None  # reconnect next time (or count it as lost)
             raise
 
+    def _job_is_done(self) -> bool:
+        """The job's normal end is posted (``done_key``); False when none is watched or the store is gone."""
+        if self.done_key is None or self._endpoint is None:
+            return False
+        try:
+            return bool(self._client().check([self.done_key]))  # a client of its own, bounded
+        except Exception:  # noqa: BLE001 - the store is gone: no normal end can be told
+            return False
+
     def _post(self, reason: str) -> None:
         if self._endpoint is None:
             return
@@ -230,8 +261,8 @@ class NodeWatch:
             self.reason = reason
         from ..lifetime import ENDING
 
-        ENDING["exit_code"] = 143 if self.signalled else 1
-        log.error("%s", reason)
+        ENDING["exit_code"] = self.exit_code()
+        (log.info if self.job_done else log.error)("%s", reason)
         if post and self._endpoint is not None:
             self._post(reason)
             time.sleep(self.interval_s * 2)  # the other nodes read it before this node's store host may go
