@@ -310,7 +310,7 @@ class SlowTeacher(TableTeacher):
         return super().score(seqs)
 
 
-def _orch_run(tmp_path, teacher_run, teacher, steps=2):
+def _orch_run(tmp_path, teacher_run, teacher, steps=2, trainer=True):
     from test_orchestrator import FakeClient, fake_trainer
 
     from primerl.runtime.orchestrator import Orchestrator
@@ -322,7 +322,8 @@ def _orch_run(tmp_path, teacher_run, teacher, steps=2):
                              "--env.args", '{"num_symbols": 4}', "--distill.teacher", str(teacher_run)], check=False)
     tr = FileTransport(cfg.output_dir)
     seen = []
-    threading.Thread(target=fake_trainer, args=(tr, steps, seen), daemon=True).start()
+    if trainer:  # a trainer thread left waiting for a batch that never comes times out later, in another test
+        threading.Thread(target=fake_trainer, args=(tr, steps, seen), daemon=True).start()
     Orchestrator(cfg, ReverseText(num_symbols=4), FakeClient(), tr, teachers={str(teacher_run): teacher}).run()
     return seen
 
@@ -338,4 +339,4 @@ def test_a_slow_teacher_delays_the_hand_over_and_says_so(tmp_path, teacher_run):
 
 def test_a_failing_teacher_stops_the_orchestrator_naming_it(tmp_path, teacher_run):
     with pytest.raises(RuntimeError, match="teacher scoring failed: teacher server unreachable"):
-        _orch_run(tmp_path, teacher_run, SlowTeacher(fail=True))
+        _orch_run(tmp_path, teacher_run, SlowTeacher(fail=True), trainer=False)

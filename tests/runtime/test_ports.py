@@ -103,9 +103,10 @@ def test_dry_run_refuses_a_fixed_port_in_use_naming_the_key(tmp_path, capsys, ke
         over = [*over, "--inference.pd.base_port", str(servers[0].port), "--inference.pd.router_port", str(held_port()),
                 "--inference.pd.router_metrics_port", str(held_port())]
     # the reservation keeps the port from another process's connections (an ephemeral port) once the
-    # listener closes, so "free again" below is not left to luck
-    reservation = reserve_port()
-    port = reservation.port
+    # listener closes, so "free again" below is not left to luck. The decode server takes base_port + 1: it
+    # is held too, or another process's connection may sit on it (CI saw that once, an ephemeral port)
+    block = reserve_block(2) if key == "inference.pd.base_port" else [reserve_port()]
+    port = block[0].port
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
@@ -117,5 +118,6 @@ def test_dry_run_refuses_a_fixed_port_in_use_naming_the_key(tmp_path, capsys, ke
     assert len(err) == 1 and err[0].startswith(f"primerl: config error: {key}: port {port} on "), err
     rc = cli.main(["rl", "--config", EXAMPLE, "--output_dir", str(tmp_path), *over, f"--{key}", str(port),
                    "--dry-run"])  # free again: the same command passes
-    reservation.close()
+    for r in block:
+        r.close()
     assert rc == 0, capsys.readouterr().err
