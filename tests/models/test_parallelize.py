@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import traceback
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from primerl.models import MoETransformer, MoETransformerConfig, parallelize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from _parallel_dist import start_ranks  # noqa: E402
 
 WORLD = 2
 LENS = ((5, 1, 7), (3, 8))  # the packed batch of rank 0 and of rank 1
@@ -167,7 +172,7 @@ def _worker(rank, init_file, err_dir):
 @pytest.mark.dist
 def test_parallelize_matches_single_process(tmp_path):
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    start_ranks(_worker, (str(tmp_path / "store"), str(tmp_path)), WORLD)
     reports = sorted(tmp_path.glob("rank*.txt"))
     assert not reports, "\n".join(p.read_text() for p in reports)
 

@@ -5,6 +5,13 @@ each case records ``None`` (passed) or an error text, and the pytest items asser
 Checks inside a case must not raise between collectives (a rank that stops early would leave
 its peers waiting), so cases compute first and compare at the end; a hang still ends at the
 process group timeout.
+
+Ranks start from a fork server (:func:`start_ranks`): one process per pytest worker that has imported
+torch, torch._dynamo and torch.distributed once, forked for every rank of every spawn. A spawned rank
+pays ~5 CPU-s of imports before its first collective (measured: 2 spawns of 4 trivial ranks, 41 CPU-s
+and 71 s on 2 loaded cores; from the fork server 8 s): the suite's multi-rank tests start ~100 ranks.
+The fork server is a clean single-threaded process (pytest's worker, with execnet's threads, is not
+forked), and each rank takes the caller's environment of the moment, as a spawned one would.
 """
 
 from __future__ import annotations
@@ -16,9 +23,16 @@ import time
 import traceback
 from pathlib import Path
 
+import multiprocessing
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# what every rank imports before its first line; the server loads them once (set before it starts)
+_FORK_SERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
+                        "torch.distributed.checkpoint"]
+multiprocessing.set_forkserver_preload(_FORK_SERVER_PRELOAD)
 
 _INT_POISON = {torch.int8: -99, torch.uint8: 0xA5, torch.int16: -30000, torch.int32: -(2**30), torch.int64: -(2**40)}
 
@@ -83,12 +97,28 @@ def _entry(rank: int, world_size: int, tmp: str, worker, args) -> None:
         dist.destroy_process_group()
 
 
-def spawn(worker, world_size: int, tmp: str | os.PathLike, *args) -> dict[str, list[str]]:
+def _rank_entry(rank: int, environ: dict[str, str], fn, args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(rank, *args)
+
+
+def start_ranks(fn, args: tuple, nprocs: int, *, fresh: bool = False) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` (``fn(rank, *args)`` in ``nprocs`` processes,
+    joined; a rank's exception is raised here), each rank forked from the fork server with the
+    caller's current ``os.environ``; ``fresh``: spawned as new interpreters instead (a measurement
+    of what a process allocates from its start)."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # also the fork server's, when this call starts it
+    mp.start_processes(_rank_entry, args=(dict(os.environ), fn, args), nprocs=nprocs, join=True,
+                       start_method="spawn" if fresh else "forkserver")
+
+
+def spawn(worker, world_size: int, tmp: str | os.PathLike, *args, fresh: bool = False) -> dict[str, list[str]]:
     """Run ``worker(rank, world_size, log, *args)`` on ``world_size`` gloo ranks; returns
-    ``{case: [error text of each failing rank]}`` (an empty list means every rank passed)."""
+    ``{case: [error text of each failing rank]}`` (an empty list means every rank passed).
+    ``fresh``: see :func:`start_ranks`."""
     tmp = str(tmp)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_entry, args=(world_size, tmp, worker, args), nprocs=world_size, join=True)
+    start_ranks(_entry, (world_size, tmp, worker, args), world_size, fresh=fresh)
     merged: dict[str, list[str]] = {}
     for r in range(world_size):
         for name, err in json.loads(Path(tmp, f"rank{r}.json").read_text()).items():

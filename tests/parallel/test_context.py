@@ -11,10 +11,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from primerl.kernels.attention import attention
 from primerl.parallel.context import LAYOUTS, ContextShardPlan, allgather_attention, ring_attention
+from _parallel_dist import start_ranks
 
 
 def _cu(lens):
@@ -232,7 +232,7 @@ def _worker(rank, world, init_file, err_dir):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_and_allgather_match_single_process(world, tmp_path):
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
+    start_ranks(_worker, (world, str(tmp_path / "store"), str(tmp_path)), world)
     reports = sorted(tmp_path.glob("rank*.txt"))
     assert not reports, "\n".join(p.read_text() for p in reports)
 

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from primerl.models import MoETransformer, MoETransformerConfig, parallelize
 from primerl.runtime.inference.weight_receive import SourceReceiver, receive_version
 from primerl.runtime.inference.weight_transfer import join_transfer_groups
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from _parallel_dist import start_ranks  # noqa: E402
 
 WORLD = 4
 
@@ -79,8 +83,7 @@ def test_expert_parallel_shards_are_sent_once_each_at_their_offsets_and_assemble
     thread = threading.Thread(target=receive)
     thread.start()
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(WORLD, str(tmp_path / "store"), port, str(tmp_path / "keys.pt")), nprocs=WORLD,
-             join=True)
+    start_ranks(_worker, (WORLD, str(tmp_path / "store"), port, str(tmp_path / "keys.pt")), WORLD)
     thread.join(300)
     assert not errors, errors
     ref = _model().state_dict()

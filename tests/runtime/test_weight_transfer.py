@@ -6,11 +6,12 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from primerl.runtime.inference.weight_buckets import (
     FP8_BLOCK, DeltaDecodeError, Piece, decode_bucket, decode_delta, encode_bucket, encode_delta, fp8_transferable,
@@ -18,6 +19,9 @@ from primerl.runtime.inference.weight_buckets import (
 )
 from primerl.runtime.inference.weight_receive import SourceReceiver, receive_version
 from primerl.runtime.inference.weight_transfer import BucketSender, join_transfer_groups
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from _parallel_dist import start_ranks  # noqa: E402
 
 
 def _port() -> int:
@@ -286,7 +290,7 @@ def test_every_fsdp2_rank_sends_its_own_shards_and_the_receiver_assembles_them(t
     for t in threads:
         t.start()
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "store"), ports), nprocs=world, join=True)
+    start_ranks(_fsdp_worker, (world, str(tmp_path / "store"), ports), world)
     for t in threads:
         t.join(300)
     assert not errors, errors
