@@ -157,3 +157,23 @@ def test_rooms_load_lazily(imported, not_loaded):
     code = f"import sys, {imported}; sys.exit(1 if {not_loaded!r} in sys.modules else 0)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"importing {imported} loaded {not_loaded}\n{out.stderr[-2000:]}"
+
+
+def test_the_embedded_engine_samples_without_loading_dynamo():
+    """An inference process (orchestrator, server) never traces: sampling through the MoE's grouped
+    GEMMs must not import torch._dynamo (~2 CPU-s per process; the custom ops' first call did)."""
+    code = """if True:
+        import sys
+        from primerl.runtime.inference.engine import InferenceEngine, Request, SamplingParams
+        from primerl.runtime.policy import build_model
+        from primerl.runtime.validate import load_config
+        cfg = load_config("examples/reverse_text.toml", [])
+        assert cfg.model.num_experts > 1
+        reqs = [Request(i, [1, 2, 3], SamplingParams(max_new_tokens=4, seed=i)) for i in range(2)]
+        outs = InferenceEngine(build_model(cfg, 12), max_batch_size=4).generate(reqs)
+        assert [len(o.tokens) for o in outs] == [4, 4]
+        sys.exit(3 if "torch._dynamo" in sys.modules else 0)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, f"sampling loaded torch._dynamo (exit {out.returncode})\n{out.stderr[-2000:]}"

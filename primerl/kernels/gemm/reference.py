@@ -33,11 +33,17 @@ def _direct_grouped_mm(a: torch.Tensor) -> bool:
     return a.device.type == "cuda" and (a.dtype == torch.bfloat16 or not tracing(a))
 
 
+def _eager_without_grad(*tensors: torch.Tensor) -> bool:
+    """Not traced and no gradient to record (inference): the custom op would run the same eager code
+    under no_grad, and its first call imports torch._dynamo (~2 CPU-s per inference process)."""
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and not tracing(*tensors)
+
+
 def grouped_gemm_nt_offsets(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                             out_dtype: torch.dtype) -> torch.Tensor:
     """a [M, K], b [G, N, K], offsets [G] int32 (cumulative ends) -> [M, N]; rows past
     ``offsets[-1]`` are zero (and their input is never read, NaN included). Differentiable."""
-    if _direct_grouped_mm(a):
+    if _direct_grouped_mm(a) or _eager_without_grad(a, b, offsets):
         return grouped_gemm_nt_offsets_eager(a, b, offsets, out_dtype)
     from . import _opaque_ops
 
