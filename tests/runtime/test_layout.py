@@ -80,7 +80,7 @@ def test_rooms_hold_their_processes():
     assert {"cli", "placement", "policy", "transport", "metrics", "output_dir", "lifetime", "validate"} <= top
     assert packages == ROOMS | {"config"}, "a new runtime package: a room for a process, or the config"
     assert top - {"__init__", "cli", "placement", "policy", "transport", "metrics", "output_dir", "validate",
-                  "lifetime", "_lazy", "memory_plan", "job_checks", "zmq_transport", "registry",
+                  "lifetime", "memory_plan", "job_checks", "zmq_transport", "registry",
                   "processes", "ports", "heartbeat", "supervise", "update_plan"} == set(), \
         "a new top-level runtime module: give it a room"
     for room, members in {"trainer": {"main", "trainer", "_rl", "checkpoint", "dcp_checkpoint", "full_state",
@@ -177,3 +177,21 @@ def test_the_embedded_engine_samples_without_loading_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, f"sampling loaded torch._dynamo (exit {out.returncode})\n{out.stderr[-2000:]}"
+
+
+def test_reading_a_layout_loads_neither_fsdp_nor_dtensor():
+    """The launcher and the orchestrator validate the trainer's layout (``ParallelDims``) but never
+    shard: FSDP2 and DTensor stay unloaded there (~1 CPU-s per process; ``primerl.parallel`` loads
+    its names lazily)."""
+    code = """if True:
+        import sys
+        from primerl.parallel import ParallelDims
+        from primerl.runtime.validate import load_config
+        cfg = load_config("examples/reverse_text.toml", ["--trainer.parallel.dp_shard", "1"])
+        assert ParallelDims(dp_shard=2, world_size=2).dp_shard == 2
+        loaded = [m for m in ("torch.distributed.fsdp", "torch.distributed.tensor") if m in sys.modules]
+        sys.exit(f"loaded {loaded}" if loaded else 0)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]

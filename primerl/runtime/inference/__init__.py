@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_exports
+from ..._lazy import lazy_exports
 
 _EXPORTS = {
     **{name: "engine" for name in ("InferenceEngine", "SamplingParams", "Request", "Completion", "EngineError",

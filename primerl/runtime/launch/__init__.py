@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_exports
+from ..._lazy import lazy_exports
 
 _EXPORTS = {**{name: "deployment" for name in (
     "DEFAULT_RDZV_PORT", "Node", "NodePlan", "check_rendezvous_port", "config_hash", "describe_nodes", "node_plan")},

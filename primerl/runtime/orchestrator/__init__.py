@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_exports
+from ..._lazy import lazy_exports
 
 _EXPORTS = {**{name: "orchestrator" for name in (
     "Orchestrator", "EmbeddedClient", "EnvError", "COUNTS", "TransportTimeout", "ProducerDied")},

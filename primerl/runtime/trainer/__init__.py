@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_exports
+from ..._lazy import lazy_exports
 
 _EXPORTS = {name: "trainer" for name in (
     "Trainer", "run_trainer", "lr_lambda", "shifted_logprobs", "next_token_logprobs", "next_token_batch",

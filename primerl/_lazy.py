@@ -1,4 +1,4 @@
-"""Lazy re-exports for the runtime's package ``__init__``s: a name is imported from its module on
+"""Lazy re-exports for package ``__init__``s (runtime, parallel): a name is imported from its module on
 first access, so importing one room (e.g. the vLLM worker extension) does not load the others."""
 
 from __future__ import annotations
