@@ -96,36 +96,7 @@ SMALL = ["--max_steps", "3", "--orchestrator.batch_size", "4", "--orchestrator.g
          "--deployment.trainer_nodes", "2", "--deployment.rdzv_timeout_s", "120", "--deployment.grace_s", "5"]
 
 
-@pytest.mark.dist
-def test_the_sbatch_script_runs_end_to_end_under_slurm_standins(tmp_path):
-    """``primerl rl`` with kind = "slurm" renders the script, and sbatch / srun / scontrol stand-ins
-    (tests/runtime/slurm_standins: each srun step a local process with its SLURM_* variables) run
-    it on hosts 127.0.0.1 and 127.0.0.2: every step once, each (node, role) in its own log."""
-    out = tmp_path / "out"
-    cfg = load_config(ROOT / "examples" / "reverse_text.toml",
-                      ["--output_dir", str(out), *SMALL, "--deployment.kind", "slurm",
-                       "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}",
-                       "--orchestrator.zmq_port", str(_free_port())])  # not the default: a previous job may linger
-    from primerl.runtime.config import to_toml
-    from primerl.runtime.metrics import read_metrics
-
-    (tmp_path / "cfg.toml").write_text(to_toml(cfg))
-    standins = Path(__file__).resolve().parent / "slurm_standins"
-    res = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(tmp_path / "cfg.toml")],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=500,
-                         env=_env(PATH=f"{standins}{os.pathsep}{os.environ['PATH']}",
-                                  PRIMERL_TEST_NODELIST="127.0.0.1,127.0.0.2"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "Submitted batch job" in res.stdout
-    slurm_out = next((out / "logs").glob("slurm-*.out"))
-    logs = {p.name: p.read_text(errors="replace") for p in (out / "logs").glob("node*.log")}
-    assert Path(f"{slurm_out}.rc").read_text().strip() == "0", slurm_out.read_text()[-3000:] + str(
-        {k: v[-1500:] for k, v in logs.items()})
-    assert sorted(logs) == ["node0-orchestrator.log", "node0-trainer.log", "node1-trainer.log"]
-    assert "every trainer node finished" in slurm_out.read_text()
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
-    assert "trainer rank 1/2 started" in logs["node1-trainer.log"]  # rank 1 lives on node 1
-    assert (out / "primerl.sbatch").read_text().startswith("#!/bin/bash")
+# the sbatch script end to end under the SLURM stand-ins: tests/runtime/test_slurm_restarts.py (its one job)
 
 
 def _descendants(pid: int) -> list[int]:
