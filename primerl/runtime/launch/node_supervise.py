@@ -109,7 +109,8 @@ class _Supervisor:
         self.grace, self.stall_s = cfg.deployment.grace_s, cfg.deployment.stall_timeout_s
         self.hosts_store = role == "trainer" and node.trainer_node == 0
         self.beats = os.path.abspath(os.path.join(cfg.output_dir, "heartbeats", f"node{node.index}-{role}"))
-        self.watchdog = StallWatchdog(self.beats, self.stall_s, lambda name: None)  # stacks to this agent's log
+        self.watchdog = StallWatchdog(self.beats, self.stall_s, lambda name: None,  # stacks to this agent's log
+                                      startup_s=cfg.deployment.stall_startup_s)
         self.child = None
 
     def _store(self):
