@@ -82,6 +82,7 @@ def test_a_stopped_process_of_a_hand_started_node_is_named_with_its_stack(tmp_pa
     own = text["trainer" if role == "agent" else role]
     assert f"primerl watchdog: {name} (pid {victim}" in own and frame in own, own[-4000:]  # its stack, in its log
     assert "stopped by a signal (SIGSTOP)" in own and f"deployment.stall_timeout_s = {STALL}" in own, own[-4000:]
+    assert f"stall watchdog {STALL} s ({STARTUP} s in the start-up)" in text["trainer"]  # the agent's first line
     for t in text.values():  # each agent's last line names the stopped process
         last = t.strip().splitlines()[-1]
         assert last.startswith("primerl node: FAILED:") and said in last, t[-3000:]
