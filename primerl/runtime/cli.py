@@ -198,6 +198,8 @@ def _describe_supervision(cfg) -> str:
     else:
         restarts = "none (deployment.max_restarts = 0: the first death or stall fails the job)"
     stall = f"{d.stall_timeout_s:g} s without progress" if d.stall_timeout_s else "off"
+    if d.stall_timeout_s and d.stall_startup_s > d.stall_timeout_s:
+        stall += f" ({d.stall_startup_s:g} s in the start-up: deployment.stall_startup_s)"
     return f"# supervision: checkpoints {every}; restarts {restarts}; stall watchdog {stall}\n"
 
 

@@ -4,7 +4,9 @@ tests/runtime/slurm_standins (each srun step a local process on hosts 127.0.0.1 
 
 The orchestrator's step is killed (-9) after the step-2 checkpoint: the script names it, restarts
 every step with ``--checkpoint.resume true``, and the job ends rc 0 with every step once in
-``metrics.jsonl`` and ``job/restarts`` = 1 from the restart on.
+``metrics.jsonl`` and ``job/restarts`` = 1 from the restart on. The same job is the sbatch
+script's end-to-end run (every step once, each (node, role) in its own log): it was a job of its own
+in test_multinode.py.
 """
 
 from __future__ import annotations
@@ -39,14 +41,17 @@ def _pids_with(*parts: str) -> list[int]:
     return out
 
 
-@pytest.mark.dist
-def test_the_sbatch_script_restarts_its_steps_from_the_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def restarted_job(tmp_path_factory):
+    """``primerl rl`` with kind = "slurm" under the stand-ins, its orchestrator step killed (-9) after the
+    step-2 checkpoint: (output_dir, returncode, stdout, stderr). One job for the two tests below."""
+    tmp_path = tmp_path_factory.mktemp("slurm_job")
     out = tmp_path / "out"
     cfg = load_config(ROOT / "examples" / "reverse_text.toml",
                       ["--output_dir", str(out), *SMALL, "--max_steps", "6", "--checkpoint.interval", "2",
                        "--deployment.kind", "slurm", "--deployment.max_restarts", "1",
                        "--deployment.rdzv_endpoint", f"127.0.0.1:{_free_port()}",
-                       "--orchestrator.zmq_port", str(_free_port())])
+                       "--orchestrator.zmq_port", str(_free_port())])  # not the default: a previous job may linger
     (tmp_path / "cfg.toml").write_text(to_toml(cfg))
     standins = Path(__file__).resolve().parent / "slurm_standins"
     proc = subprocess.Popen([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(tmp_path / "cfg.toml")],
@@ -67,9 +72,17 @@ def test_the_sbatch_script_restarts_its_steps_from_the_checkpoint(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    return out, proc.returncode, stdout, stderr
+
+
+# the two tests share the module's one job (restarted_job): one xdist worker builds it
+@pytest.mark.dist
+@pytest.mark.xdist_group("slurm_restarted_job")
+def test_the_sbatch_script_restarts_its_steps_from_the_checkpoint(restarted_job):
+    out, returncode, stdout, stderr = restarted_job
     slurm_out = next((out / "logs").glob("slurm-*.out"))
     text = slurm_out.read_text(errors="replace")
-    assert proc.returncode == 0, stderr[-3000:]
+    assert returncode == 0, stderr[-3000:]
     assert Path(f"{slurm_out}.rc").read_text().strip() == "0", text[-4000:]
     restarts = [ln for ln in text.splitlines() if "RESTART" in ln]
     assert len(restarts) == 1 and "RESTART 1 of at most 1" in restarts[0], text[-4000:]
@@ -79,6 +92,28 @@ def test_the_sbatch_script_restarts_its_steps_from_the_checkpoint(tmp_path):
     counts = [r["job/restarts"] for r in rows]
     assert counts == sorted(counts) and counts[-1] == 1 and counts.count(0) >= 2, counts  # resumed, not rerun
     assert "every trainer node finished" in text
+
+
+@pytest.mark.dist
+@pytest.mark.xdist_group("slurm_restarted_job")
+def test_the_sbatch_script_runs_end_to_end_under_slurm_standins(restarted_job):
+    """``primerl rl`` with kind = "slurm" renders the script, and sbatch / srun / scontrol stand-ins
+    (tests/runtime/slurm_standins: each srun step a local process with its SLURM_* variables) run
+    it on hosts 127.0.0.1 and 127.0.0.2 to max_steps: each (node, role) in its own log (appended
+    across the restart). The job of the test above (its restarted round runs the script's steps
+    to their normal end; every step once is asserted there)."""
+    out, returncode, stdout, stderr = restarted_job
+    assert returncode == 0, stderr[-3000:]
+    assert "Submitted batch job" in stdout
+    slurm_out = next((out / "logs").glob("slurm-*.out"))
+    logs = {p.name: p.read_text(errors="replace") for p in (out / "logs").glob("node*.log")}
+    assert Path(f"{slurm_out}.rc").read_text().strip() == "0", slurm_out.read_text()[-3000:] + str(
+        {k: v[-1500:] for k, v in logs.items()})
+    assert sorted(logs) == ["node0-orchestrator.log", "node0-trainer.log", "node1-trainer.log"]
+    assert "every trainer node finished" in slurm_out.read_text()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(6))
+    assert "trainer rank 1/2 started" in logs["node1-trainer.log"]  # rank 1 lives on node 1
+    assert (out / "primerl.sbatch").read_text().startswith("#!/bin/bash")
 
 
 FAKE_PYTHON = """#!/bin/bash

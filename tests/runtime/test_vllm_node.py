@@ -14,7 +14,6 @@ rank 0 (``inference.vllm.weight_update = "broadcast"``).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 import time
@@ -28,7 +27,7 @@ from primerl.runtime.validate import load_config
 from vllm_testing import REPO, free_port, need_vllm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_orchestrator_node import _env, _files, _start, _stop, _wait  # noqa: E402
+from test_orchestrator_node import _files, _start, _stop, _wait  # noqa: E402
 from test_vllm_job import _processes_mentioning  # noqa: E402
 
 STEPS = 3
@@ -127,27 +126,31 @@ def test_a_vllm_that_exits_fails_the_inference_node_naming_it(tmp_path, monkeypa
     assert (tmp_path / "out" / "vllm_init" / "config.json").exists()  # the seeded init, in this node's output_dir
 
 
-def _dry_run(tmp_path, *over) -> str:
-    res = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--dry-run", "--config",
-                          str(REPO / "examples" / "reverse_text_vllm.toml"), "--deployment.kind", "nodes",
-                          "--deployment.trainer_nodes", "1", "--deployment.inference_nodes", "1",
-                          "--deployment.orchestrator", "own", "--deployment.hosts", HOSTS,
-                          "--deployment.rdzv_endpoint", f"127.0.0.1:{free_port()}", "--inference.vllm.port", "8123",
-                          "--inference.vllm.url", "http://127.0.0.2:8123", "--inference.vllm.weight_update",
-                          "broadcast", *over], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    return next(line for line in res.stdout.splitlines() if line.startswith("# node 1 "))
+def _dry_run(capsys, *over) -> str:
+    """``primerl rl --dry-run`` in this process (the test's working directory is its tmp_path)."""
+    from primerl.runtime import cli
+
+    rc = cli.main(["rl", "--dry-run", "--config", str(REPO / "examples" / "reverse_text_vllm.toml"),
+                   "--deployment.kind", "nodes", "--deployment.trainer_nodes", "1", "--deployment.inference_nodes",
+                   "1", "--deployment.orchestrator", "own", "--deployment.hosts", HOSTS,
+                   "--deployment.rdzv_endpoint", f"127.0.0.1:{free_port()}", "--inference.vllm.port", "8123",
+                   "--inference.vllm.url", "http://127.0.0.2:8123", "--inference.vllm.weight_update", "broadcast",
+                   *over])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return next(line for line in out.splitlines() if line.startswith("# node 1 "))
 
 
-def test_dry_run_plan_line_names_the_inference_nodes_server(tmp_path):
-    line = _dry_run(tmp_path)
+def test_dry_run_plan_line_names_the_inference_nodes_server(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the output_dir (outputs/...) is relative to it
+    line = _dry_run(capsys)
     assert line.startswith("# node 1 127.0.0.2: inference server (GPUs none): vLLM (inference.vllm.launch) on "
                            "127.0.0.2:8123: "), line
     init = str(tmp_path.resolve() / "outputs" / "reverse_text_vllm" / "vllm_init")
     for part in (".venv-vllm/bin/python -m vllm.entrypoints.openai.api_server", f"--model {init}",
                  "--host 127.0.0.2 --port 8123", "--worker-extension-cls", "--skip-tokenizer-init"):
         assert part in line, (part, line)
-    line = _dry_run(tmp_path, "--inference.vllm.launch", "false")
+    line = _dry_run(capsys, "--inference.vllm.launch", "false")
     assert line == ("# node 1 127.0.0.2: inference server (GPUs none): primerl inference on 127.0.0.2:8123 (vLLM's "
                     "protocol; inference.vllm.launch = true runs vLLM itself)"), line
 

@@ -30,6 +30,9 @@ class DeploymentConfig:
     # with checkpoints, checkpoint.interval > 0; else 0); 0: fail at the first death
     max_restarts: int = -1
     stall_timeout_s: float = 600.0  # no process of the job made progress this long: a stall (stacks dumped); 0: off
+    # the job's start-up (until every process made progress past its start: a step, a finished request) may go
+    # without progress max(this, stall_timeout_s); 0: stall_timeout_s from the start. A stopped process: stall_timeout_s
+    stall_startup_s: float = 0.0
     sbatch_template: str = ""  # a Jinja2 sbatch template; "": primerl/runtime/launch/templates/sbatch.sh.j2
     sbatch_args: list = field(default_factory=list)  # extra #SBATCH options, e.g. ["--partition=gpu", "--time=4:00:00"]
 
@@ -55,6 +58,7 @@ def check_deployment(d: DeploymentConfig) -> None:
     _need(d.grace_s >= 0, "deployment.grace_s", "must be >= 0", d.grace_s)
     _need(d.max_restarts >= -1, "deployment.max_restarts", "must be >= 0 (-1: auto)", d.max_restarts)
     _need(d.stall_timeout_s >= 0, "deployment.stall_timeout_s", "must be >= 0 (0: off)", d.stall_timeout_s)
+    _need(d.stall_startup_s >= 0, "deployment.stall_startup_s", "must be >= 0 (0: stall_timeout_s)", d.stall_startup_s)
     _need(all(isinstance(h, str) and h for h in d.hosts), "deployment.hosts", "must be host names or addresses",
           d.hosts)
     _need(all(isinstance(a, str) for a in d.sbatch_args), "deployment.sbatch_args", "must be strings", d.sbatch_args)

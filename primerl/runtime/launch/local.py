@@ -95,7 +95,8 @@ class NodesLauncher:
             node = next((n for n in plan.nodes if rank and int(rank) in n.ranks), None) or plan.with_role(role)[0]
             return out / "logs" / f"node{node.index}-{role}.log"
 
-        job.state["watchdog"] = StallWatchdog(beats, cfg.deployment.stall_timeout_s, log_for)
+        job.state["watchdog"] = StallWatchdog(beats, cfg.deployment.stall_timeout_s, log_for,
+                                              startup_s=cfg.deployment.stall_startup_s)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH"))
                                             if p)
         procs = job.state["procs"] = {}

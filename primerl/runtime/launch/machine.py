@@ -73,7 +73,8 @@ class MachineLauncher:
         base_env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), PYTHONUNBUFFERED="1",
                         **{LAUNCHER_PID_ENV: str(os.getpid()), HEARTBEAT_DIR_ENV: str(beats)})
         job.state["watchdog"] = StallWatchdog(beats, cfg.deployment.stall_timeout_s,
-                                              lambda name: out / "logs" / f"{name.split('-rank')[0]}.log")
+                                              lambda name: out / "logs" / f"{name.split('-rank')[0]}.log",
+                                              startup_s=cfg.deployment.stall_startup_s)
         job.state["t0"] = time.perf_counter()
         if not job.quiet:
             print(f"primerl rl: output_dir {out} | start step {job.start_step} | logs in {out / 'logs'}", flush=True)

@@ -20,7 +20,11 @@ class JobProgress:
     others wait ``REPORT_DELAY_S`` more, then report their own (the first posted is the round's reason
     unless ``round_cause`` ranks another first). A process of this node stopped for
     ``stall_timeout_s`` is reported even while the rest of the job goes on (this node's round agent
-    too, which beats no heartbeat). Reporting dumps this node's stacks to its log."""
+    too, which beats no heartbeat). Reporting dumps this node's stacks to its log.
+
+    Start-up: each agent's count ends in ``+`` once every process of its node made progress past its
+    start (``watchdog.started_up``); until every node's count does, the quiet allowed is
+    ``max(stall_timeout_s, deployment.stall_startup_s)`` (the watchdog's ``startup_s``)."""
 
     def __init__(self, sup, rnd: int):  # sup: the agent's supervisor (store, child, watchdog, plan, node, role)
         from .node_watch import round_key
@@ -65,7 +69,7 @@ class JobProgress:
         return True
 
     def stalled(self) -> bool:
-        from .watchdog import process_state
+        from .watchdog import process_state, started_up
 
         sup = self.sup
         if not sup.stall_s:
@@ -74,7 +78,7 @@ class JobProgress:
         alone = self._stopped_alone(rows)
         if alone:
             return self._report(alone, alone=True)
-        count = str(sum(r.get("progress", 0) for r in rows) + 1000 * len(rows))
+        count = str(sum(r.get("progress", 0) for r in rows) + 1000 * len(rows)) + ("+" if started_up(rows) else "")
         try:
             if count != self.posted:
                 sup.store.set(self.mine, count)
@@ -88,6 +92,7 @@ class JobProgress:
             return False
         quiet = now - self.changed
         stopped = any(process_state(r["pid"]) in ("T", "t") for r in rows)
-        if not rows or quiet < sup.stall_s or (not stopped and quiet < sup.stall_s + REPORT_DELAY_S):
+        limit = sup.stall_s if all(v.endswith(b"+") for v in seen) else max(sup.stall_s, sup.watchdog.startup_s)
+        if not rows or quiet < limit or (not stopped and quiet < limit + REPORT_DELAY_S):
             return False
         return self._report(rows)

@@ -109,7 +109,8 @@ class _Supervisor:
         self.grace, self.stall_s = cfg.deployment.grace_s, cfg.deployment.stall_timeout_s
         self.hosts_store = role == "trainer" and node.trainer_node == 0
         self.beats = os.path.abspath(os.path.join(cfg.output_dir, "heartbeats", f"node{node.index}-{role}"))
-        self.watchdog = StallWatchdog(self.beats, self.stall_s, lambda name: None)  # stacks to this agent's log
+        self.watchdog = StallWatchdog(self.beats, self.stall_s, lambda name: None,  # stacks to this agent's log
+                                      startup_s=cfg.deployment.stall_startup_s)
         self.child = None
 
     def _store(self):
@@ -148,8 +149,11 @@ class _Supervisor:
         from .node_watch import NodeWatch
 
         self.store = self._store()
+        stall = f"{self.stall_s:g} s" if self.stall_s else "off"
+        if self.stall_s and self.watchdog.startup_s > self.stall_s:
+            stall += f" ({self.watchdog.startup_s:g} s in the start-up)"
         log.info("%s: supervising its role: at most %d restart(s) of the job (deployment.max_restarts), stall "
-                 "watchdog %s", self.where, self.budget, f"{self.stall_s:g} s" if self.stall_s else "off")
+                 "watchdog %s", self.where, self.budget, stall)
         self.watch = NodeWatch(self.where, self._on_sigterm, grace_s=self.grace).start()
         self._closing = threading.Event()
         threading.Thread(target=self._tick, name="agent-alive", daemon=True).start()

@@ -4,7 +4,9 @@
 The job's processes beat (``heartbeat.beat``) into ``<output_dir>/heartbeats`` when their work
 advances. A process that waits on a peer (a trainer rank for its batch, the orchestrator for new
 weights) does not beat, so one process alone going quiet is no stall; the job is stalled when the
-newest beat of every live process is older than the timeout. The process named is the one
+newest beat of every live process is older than the timeout; while a process of the job has not
+yet made progress past its start (its first beat, ``"started"``), the timeout is
+``max(stall_timeout_s, deployment.stall_startup_s)`` (a slow start-up is no stall). The process named is the one
 stopped by a signal (state ``T`` in ``/proc``: SIGSTOP) if any, else the one whose progress
 stopped first. Every stalled process's threads' Python stacks go to its log first
 (``heartbeat.dump_stacks``: ``py-spy dump --nonblocking``, which also reads a stopped process, or
@@ -21,7 +23,7 @@ from typing import Callable
 
 from ..heartbeat import dump_stacks, read_heartbeats
 
-__all__ = ["StallWatchdog", "process_state"]
+__all__ = ["StallWatchdog", "process_state", "started_up"]
 
 
 def process_state(pid: int) -> str | None:
@@ -37,8 +39,13 @@ class StallWatchdog:
     ``log_for(name)``: the log file of the process whose heartbeat is ``name`` (None: this process's
     stderr, a node agent's log)."""
 
-    def __init__(self, directory: str | Path, timeout_s: float, log_for: Callable[[str], Path]):
+    def __init__(self, directory: str | Path, timeout_s: float, log_for: Callable[[str], Path], startup_s: float = 0.0):
         self.directory, self.timeout_s, self.log_for = Path(directory), timeout_s, log_for
+        self.startup_s = startup_s  # deployment.stall_startup_s
+
+    def limit(self, rows: list[dict]) -> float:
+        """The stall timeout for the live processes ``rows``: longer (``startup_s``) while one is starting."""
+        return self.timeout_s if started_up(rows) else max(self.timeout_s, self.startup_s)
 
     def end_leftovers(self, grace_s: float = 3.0) -> list[str]:
         """After the launcher stopped its process groups: end every job process that still beats
@@ -66,7 +73,7 @@ class StallWatchdog:
             return None
         rows = self.live()
         now = time.time() if now is None else now
-        if not rows or now - max(r["time"] for r in rows) < self.timeout_s:
+        if not rows or now - max(r["time"] for r in rows) < self.limit(rows):
             return None
         return self.report(rows, now)
 
@@ -98,10 +105,17 @@ class StallWatchdog:
         when = time.strftime("%H:%M:%S", time.localtime(culprit["time"]))
         why = ", stopped by a signal (SIGSTOP)" if stopped else ""
         others = "" if alone else ", nor did any other process of the job"
+        startup = (f", in the job's start-up: deployment.stall_startup_s = {self.startup_s:g}"
+                   if not alone and not started_up(rows) and self.startup_s > self.timeout_s else "")
         return (f"the {culprit['name']} process (pid {culprit['pid']} on {culprit['host']}{why}) made no progress for "
-                f"{age:.0f} s{others} (deployment.stall_timeout_s = {self.timeout_s:g});"
+                f"{age:.0f} s{others} (deployment.stall_timeout_s = {self.timeout_s:g}{startup});"
                 f" its last progress: {culprit['what']} at {when}; every thread's stack ({how_culprit}) is in "
                 f"{self.log_for(culprit['name']) or 'the log of this node agent'}")
+
+
+def started_up(rows: list[dict]) -> bool:
+    """Every process of ``rows`` (heartbeat rows, at least one) made progress past its start: beat more than once."""
+    return bool(rows) and all(r.get("progress", 0) >= 2 for r in rows)
 
 
 def _is_job_process(pid: int) -> bool:

@@ -43,8 +43,10 @@ def trainer_main(cfg: RLConfig) -> None:
 
 
 def collective_timeout(cfg: RLConfig):
-    """The trainer group's collective timeout: twice ``deployment.stall_timeout_s`` (30 min when it is off)."""
+    """The trainer group's collective timeout: twice ``deployment.stall_timeout_s``, or twice
+    ``deployment.stall_startup_s`` where that is longer (the start-up's collectives wait on the slowest
+    rank's start; 30 min when the watchdog is off)."""
     from datetime import timedelta
 
     t = cfg.deployment.stall_timeout_s
-    return timedelta(seconds=2 * t if t > 0 else 1800)
+    return timedelta(seconds=2 * max(t, cfg.deployment.stall_startup_s) if t > 0 else 1800)
