@@ -214,7 +214,10 @@ def dist_results(tmp_path_factory):
     return spawn(_worker, WORLD, tmp_path_factory.mktemp("ep"))
 
 
+# xdist_group: under `-n 2 --dist loadgroup` a module fixture is built once per worker that runs one
+# of its tests (the last CI spawned this one on both); the group keeps its tests on one worker.
 @pytest.mark.dist
+@pytest.mark.xdist_group("expert_dispatch_results")
 @pytest.mark.parametrize("case", ["bad_ids_raise_on_every_rank", *CASES])
 def test_dispatch_combine_on_gloo(dist_results, case):
     assert case in dist_results, f"case {case} did not run"

@@ -52,7 +52,10 @@ def parity_results(tmp_path_factory):
     return spawn(_worker, WORLD, tmp_path_factory.mktemp("parity_mla"))
 
 
+# xdist_group: under `-n 2 --dist loadgroup` a module fixture is built once per worker that runs one
+# of its tests (the last CI spawned this one on both); the group keeps its tests on one worker.
 @pytest.mark.dist
+@pytest.mark.xdist_group("parity_mla_results")
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_matches_single_process(parity_results, case):

@@ -145,7 +145,10 @@ def results(tmp_path_factory):
     return spawn(_worker, WORLD, tmp_path_factory.mktemp("ulysses"))
 
 
+# xdist_group: under `-n 2 --dist loadgroup` a module fixture is built once per worker that runs one
+# of its tests (the last CI spawned this one on both); the group keeps its tests on one worker.
 @pytest.mark.dist
+@pytest.mark.xdist_group("ulysses_results")
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_ulysses_matches_single_process(results, case):
     assert case in results, f"case {case} did not run"
