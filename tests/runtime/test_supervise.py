@@ -82,7 +82,10 @@ def test_describe_exit():
 def test_a_killed_prefill_server_is_named_and_restarted_and_the_job_finishes(tmp_path):
     """``primerl rl`` with ``examples/reverse_text_pd.toml``: kill -9 of the prefill server mid-run;
     the orchestrator's log names it (role, pid, URL, signal), it is restarted on its port and takes
-    the current weights, the job ends rc 0 with every step once and ``inference/restarts`` 1."""
+    the current weights, the job ends rc 0 with every step once and ``inference/restarts`` 1.
+    Also (the job of test_pd_launch.py's former ``test_job_runs_through_pd_and_lists_processes``): the job
+    runs through 1 prefill + 1 decode embedded server behind vllm-router, processes.json lists them with
+    their URLs, and every one of them is stopped with the job."""
     import subprocess
     from pathlib import Path
 
@@ -121,7 +124,16 @@ def test_a_killed_prefill_server_is_named_and_restarted_and_the_job_finishes(tmp
     metrics = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(steps))
     assert metrics[-1]["inference/restarts"] == 1
-    after = {r["role"]: r for r in json.loads((out / "processes.json").read_text())}
+    listed = json.loads((out / "processes.json").read_text())
+    after = {r["role"]: r for r in listed}
     assert after["prefill"]["restarts"] == 1 and after["prefill"]["url"] == victim["url"]
+    pd = [r for r in listed if r["role"] in ("prefill", "decode", "router")]  # the launcher lists trainer and
+    assert [r["role"] for r in pd] == ["prefill", "decode", "router"]       # orchestrator too
+    assert pd[0]["url"] == f"http://127.0.0.1:{base}" and pd[2]["url"] == f"http://127.0.0.1:{base + 2}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([m for m in rows if "reward/mean" in m]) >= 2
+    for r in pd:  # all stopped with the job
+        status = Path(f"/proc/{r['pid']}/status")
+        assert not Path(f"/proc/{r['pid']}").exists() or "zombie" in status.read_text().lower(), r
     assert sorted(p.name for p in (out / "logs").glob("*.log")) == ["decode-0.log", "orchestrator.log", "prefill-0.log",
                                                                       "router.log", "trainer.log"]
