@@ -75,6 +75,47 @@ def test_a_killed_and_a_hung_server_are_named_and_restarted_on_their_port(tmp_pa
             r.close()
 
 
+def test_a_server_killed_while_its_health_is_asked_is_named_by_its_signal_not_as_hung(tmp_path, monkeypatch, caplog):
+    """One slow /health (a busy server on a loaded machine: a miss), then the process is killed while the
+    next /health is asked: that second miss must not make it "hung" (a P/D job's kill -9 was reported as
+    "did not answer /health within 2 s twice" in a run on the loaded 2-core machine)."""
+    from primerl.runtime import supervise
+
+    procs, ports = _procs(tmp_path, 1, None)
+    p, killed = procs[0], procs[0].pid
+    sup = Supervisor(procs, max_restarts=1, health_timeout_s=1.0, python_roles=("prefill",))  # passes by hand
+
+    def killed_meanwhile(url, timeout):
+        os.kill(killed, signal.SIGKILL)
+        _wait(lambda: _state(killed) in ("Z", "gone"), "the killed server gone")
+        return None
+
+    try:
+        with caplog.at_level("ERROR", logger="primerl"):
+            sup.check_once()  # up
+            monkeypatch.setattr(supervise, "health_state", lambda url, timeout: None)  # alive, too slow: a miss
+            sup.check_once()
+            assert p.restarts == 0 and p.pid == killed
+            monkeypatch.setattr(supervise, "health_state", killed_meanwhile)
+            sup.check_once()
+        assert p.restarts == 1 and p.pid != killed
+        said = f"the prefill process prefill-0 (pid {killed}, {p.url}) was killed by signal 9 (SIGKILL): restarting it"
+        assert said in caplog.text and "did not answer /health" not in caplog.text, caplog.text
+    finally:
+        sup.stop()
+        for q in procs:
+            q.kill()
+        for r in ports:
+            r.close()
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def test_describe_exit():
     assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)" and describe_exit(3) == "exited with code 3"
 
@@ -100,7 +141,9 @@ def test_a_killed_prefill_server_is_named_and_restarted_and_the_job_finishes(tmp
          "--output_dir", str(out), "--max_steps", str(steps), "--orchestrator.batch_size", "4",
          "--orchestrator.group_size", "2", "--checkpoint.interval", "0", "--log.plot", "false",
          "--inference.pd.base_port", str(base), "--inference.pd.router_port", str(base + 2),
-         "--inference.pd.router_metrics_port", str(base + 3), "--inference.health_timeout_s", "2"],
+         "--inference.pd.router_metrics_port", str(base + 3),
+         # the default 10 s (was 2): a busy server missed 2 s /health checks on the loaded 2-core machine
+         "--inference.health_timeout_s", "10"],
         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     try:
