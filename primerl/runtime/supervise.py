@@ -154,6 +154,9 @@ class Supervisor:
                 self._restart(p, describe_exit(p.proc.returncode if p.proc else None))
                 continue
             state = health_state(p.url, self.health_timeout_s)
+            if state is None and not p.alive():  # it died while /health was asked: its exit, not a hang
+                self._restart(p, describe_exit(p.proc.returncode if p.proc else None))
+                continue
             if state is not None:
                 self._misses[p.name] = 0
                 if not self._up.get(p.name) and p.name in self._restarted and self.on_up is not None:

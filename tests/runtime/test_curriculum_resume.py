@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from primerl.runtime.config import EvalEnvConfig, to_toml
+from primerl.runtime.launch.common import JobFailed
+from primerl.runtime.launch.machine import run_rl
 from primerl.runtime.launch.threads import run_threads
 from primerl.runtime.metrics import read_metrics
 from primerl.runtime.validate import load_config
@@ -56,9 +58,9 @@ def test_curriculum_state_survives_kill_and_resume(tmp_path):
     proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert (tmp_path / "killed" / "orchestrator_state" / "step_000002.json").is_file()
-    proc = _cli("rl", "--config", str(cfg_path), "--checkpoint.resume", "true")
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    # the resumes: ``primerl rl``'s launcher (run_rl) in this process, not a third and fourth launcher process
+    cfg.checkpoint.resume = True
+    run_rl(cfg, quiet=True)  # raises JobFailed (the failing process's log) unless the job ends with rc 0
     resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(6))
     for a, b in zip(full, resumed):
@@ -66,9 +68,10 @@ def test_curriculum_state_survives_kill_and_resume(tmp_path):
     # a resume whose curriculum state is gone is refused, not restarted from scratch
     for f in (tmp_path / "killed" / "orchestrator_state").glob("*.json"):
         f.unlink()
-    proc = _cli("rl", "--config", str(cfg_path), "--checkpoint.resume", "true", "--max_steps", "8")
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 1 and "no saved curriculum state for step 6" in err, err[-3000:]
+    cfg.max_steps = 8
+    with pytest.raises(JobFailed, match="the orchestrator exited with code 1") as e:
+        run_rl(cfg, quiet=True)
+    assert "no saved curriculum state for step 6" in str(e.value), str(e.value)[-3000:]
 
 
 @pytest.mark.slow

@@ -225,7 +225,10 @@ def dist_results(tmp_path_factory):
     return tmp, results
 
 
+# xdist_group: under `-n 2 --dist loadgroup` a module fixture is built once per worker that runs one
+# of its tests (CI built this one twice: ~44 CPU-s each); the group keeps its tests on one worker.
 @pytest.mark.dist
+@pytest.mark.xdist_group("dcp_checkpoint_results")
 @pytest.mark.parametrize("case", ["save_cp2_ep2", "load_dp_shard4", "load_ep4", "async_save", "publish",
                                   "load_dp_shard2"])
 def test_dcp_layouts(dist_results, case):
@@ -235,6 +238,7 @@ def test_dcp_layouts(dist_results, case):
 
 
 @pytest.mark.dist
+@pytest.mark.xdist_group("dcp_checkpoint_results")
 def test_dcp_load_in_one_process(dist_results):
     """The 4-rank checkpoint loads into a plain model and optimizer (no process group)."""
     tmp, results = dist_results

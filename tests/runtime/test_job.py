@@ -89,22 +89,6 @@ def test_failing_environment_stops_the_job_with_its_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.dist
-def test_torchrun_trainer_with_two_gloo_ranks_trains_the_same_job(tmp_path):
-    """FSDP2 over 2 gloo ranks: same metrics as one process, and a resume from its checkpoint
-    (full state gathered from the shards, loaded back into them) continues identically."""
-    const = ["--trainer.lr_schedule", "constant"]
-    single = run_threads(_cfg(tmp_path / "one", "--max_steps", "5", *const))
-    two = run_rl(_cfg(tmp_path / "two", "--max_steps", "3", "--num_trainer_ranks", "2", *const), quiet=True)
-    log = (tmp_path / "two" / "logs" / "trainer.log").read_text()
-    assert "trainer rank 0/2 started (gloo)" in log and "trainer rank 1/2 started (gloo)" in log
-    resumed = run_rl(_cfg(tmp_path / "two", "--max_steps", "5", "--num_trainer_ranks", "2",
-                          "--checkpoint.resume", "true", *const), quiet=True)
-    assert two == resumed[:3]
-    _same_run(single, resumed, 5)
-
-
-@pytest.mark.slow
 def test_rl_command_trains_and_writes_metrics_and_plot(tmp_path):
     """The README command, shortened: progress lines, metrics.jsonl with the required keys, the
     plot, and a reward that has clearly left chance level."""
@@ -126,36 +110,76 @@ def test_rl_command_trains_and_writes_metrics_and_plot(tmp_path):
     assert last > first + 0.06, (first, last)
 
 
+@pytest.fixture(scope="module")
+def two_rank_job(tmp_path_factory):
+    """One 2-rank torchrun job (FSDP2 over gloo, constant lr: the resumes change max_steps) for the two tests
+    below, beside a single-process run of the same 6 steps: killed with kill -9 on one rank after its step-2
+    DCP checkpoint (interval saves written asynchronously), resumed on the same 2 ranks to step 4, then in one
+    process (another layout) from the 2-rank checkpoint of step 4 to step 6. The facts the tests check."""
+    from primerl.runtime.trainer.dcp_checkpoint import is_dcp_checkpoint
+
+    tmp = tmp_path_factory.mktemp("two_rank_job")
+    const = ["--trainer.lr_schedule", "constant"]
+    got = {"single": run_threads(_cfg(tmp / "one", *const))}
+    out = tmp / "killed"
+    cfg = _cfg(out, "--num_trainer_ranks", "2", "--checkpoint.async_save", "true", *const)
+    proc = _start_until_checkpoint(cfg, tmp, timeout=240)
+    ckpt = out / "checkpoints" / "step_000002"
+    got["step2_dcp_shards"] = is_dcp_checkpoint(ckpt), len(list(ckpt.glob("*.distcp")))
+    pids = dict(line.split() for line in (out / "pids").read_text().splitlines())
+    ranks = subprocess.run(["pgrep", "-P", pids["trainer"]], capture_output=True, text=True).stdout.split()
+    got["rank_pids"] = ranks
+    if len(ranks) == 2:
+        os.kill(int(ranks[-1]), signal.SIGKILL)
+    else:
+        proc.kill()
+    proc.communicate(timeout=120)
+    got["killed_rc"] = proc.returncode
+    got["killed_log"] = (out / "logs" / "trainer.log").read_text()
+    got["killed_rows"] = read_metrics(out / "metrics.jsonl")
+    got["resume_at"] = latest_checkpoint(out / "checkpoints")[0]  # the step the same-layout resume starts at
+    cfg.checkpoint.resume = True
+    cfg.max_steps = 4
+    got["two_ranks"] = run_rl(cfg, quiet=True)  # same layout
+    cfg.max_steps, cfg.num_trainer_ranks = 6, 1
+    got["one_rank"] = run_rl(cfg, quiet=True)  # one process, from the 2-rank checkpoint at step 4
+    got["log"] = (out / "logs" / "trainer.log").read_text()
+    return got
+
+
+# the two tests share the fixture's job: one worker builds it (xdist_group)
 @pytest.mark.slow
 @pytest.mark.dist
-def test_kill_two_rank_trainer_then_resume_from_dcp_checkpoint(tmp_path):
+@pytest.mark.xdist_group("job_two_ranks")
+def test_torchrun_trainer_with_two_gloo_ranks_trains_the_same_job(two_rank_job):
+    """FSDP2 over 2 gloo ranks: same metrics as one process, through a resume from its sharded
+    checkpoint on the same 2 ranks (each rank loads its slices) and one from 2 ranks to one process."""
+    got = two_rank_job
+    log = got["killed_log"]
+    assert "trainer rank 0/2 started (gloo)" in log and "trainer rank 1/2 started (gloo)" in log, log[-2000:]
+    # resumed, not restarted: the rows before the checkpoint are the killed run's own, and those of
+    # the 2-rank resume stay when one process takes over
+    ckpt = got["resume_at"]
+    assert got["two_ranks"][:ckpt] == [r for r in got["killed_rows"] if r["step"] < ckpt]
+    assert got["one_rank"][:4] == got["two_ranks"]
+    _same_run(got["single"], got["one_rank"], 6)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.xdist_group("job_two_ranks")
+def test_kill_two_rank_trainer_then_resume_from_dcp_checkpoint(two_rank_job):
     """A 2-rank torchrun trainer (FSDP2) killed with kill -9 on one rank after its step-2 DCP
     checkpoint (saved asynchronously); the job resumes from that sharded checkpoint, once on the same 2 ranks and
     once in one process (another layout), and metrics.jsonl ends with every step exactly once."""
-    from primerl.runtime.trainer.dcp_checkpoint import is_dcp_checkpoint
-
-    cfg = _cfg(tmp_path / "killed", "--num_trainer_ranks", "2", "--trainer.lr_schedule", "constant",
-               "--checkpoint.async_save", "true")  # interval saves written in the background
-    proc = _start_until_checkpoint(cfg, tmp_path, timeout=240)
-    ckpt = tmp_path / "killed" / "checkpoints" / "step_000002"
-    assert is_dcp_checkpoint(ckpt) and len(list(ckpt.glob("*.distcp"))) == 2  # each rank wrote its shard
-    pids = dict(line.split() for line in (tmp_path / "killed" / "pids").read_text().splitlines())
-    ranks = subprocess.run(["pgrep", "-P", pids["trainer"]], capture_output=True, text=True).stdout.split()
-    assert len(ranks) == 2, ranks
-    os.kill(int(ranks[-1]), signal.SIGKILL)
-    proc.communicate(timeout=120)
-    assert proc.returncode == 1
-    killed_at = max(r["step"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl"))
-    assert killed_at < 5
-    cfg.checkpoint.resume = True
-    cfg.max_steps = 4
-    run_rl(cfg, quiet=True)  # same layout
-    assert [r["step"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl")] == list(range(4))
-    cfg.max_steps, cfg.num_trainer_ranks = 6, 1
-    run_rl(cfg, quiet=True)  # one process, from the 2-rank checkpoint at step 4
-    rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(6))
-    log = (tmp_path / "killed" / "logs" / "trainer.log").read_text()
+    got = two_rank_job
+    assert got["step2_dcp_shards"] == (True, 2)  # each rank wrote its shard
+    assert len(got["rank_pids"]) == 2, got["rank_pids"]
+    assert got["killed_rc"] == 1
+    assert max(r["step"] for r in got["killed_rows"]) < 5
+    assert [r["step"] for r in got["two_ranks"]] == list(range(4))
+    assert [r["step"] for r in got["one_rank"]] == list(range(6))
+    log = got["log"]
     assert "resumed from" in log and "step_000004" in log, log[-2000:]
 
 

@@ -1,11 +1,10 @@
 """``inference.pd``: config checks name the key; the rendered vLLM P/D commands (NixlConnector,
-kv_both, one side-channel port each) and the router's P/D command; the job runs the main task
-through 1 prefill + 1 decode embedded server behind vllm-router and lists them in processes.json."""
+kv_both, one side-channel port each) and the router's P/D command. The job itself (the main task
+through 1 prefill + 1 decode embedded server behind vllm-router, listed in processes.json, all stopped
+with the job) runs once, with a prefill server killed mid-run, in tests/runtime/test_supervise.py
+(``test_a_killed_prefill_server_is_named_and_restarted_and_the_job_finishes``)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -62,29 +61,3 @@ def test_embedded_commands(tmp_path):
     conf = dep.commands[0][1][dep.commands[0][1].index("--config") + 1]
     assert load_config(conf).inference.pd.prefill == 1  # the servers read the job's resolved config
     assert dep.server_urls == ["http://127.0.0.1:8100", "http://127.0.0.1:8101"]
-
-
-def test_job_runs_through_pd_and_lists_processes(tmp_path):
-    from primerl.runtime.ports import reserve_block
-
-    held = reserve_block(4)  # consecutive ports below the ephemeral range, bound until the test ends: no race
-    base = held[0].port
-    ports = [base + 2, base + 3]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", str(EXAMPLE), "--output_dir",
-                        str(tmp_path / "run"), "--max_steps", "2", "--orchestrator.batch_size", "4",
-                        "--orchestrator.group_size", "2", "--checkpoint.interval", "0",
-                        "--inference.pd.router_port", str(ports[0]),
-                        "--inference.pd.router_metrics_port", str(ports[1]),
-                        "--inference.pd.base_port", str(base)],
-                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    procs = [p for p in json.loads((tmp_path / "run" / "processes.json").read_text())
-             if p["role"] in ("prefill", "decode", "router")]  # the launcher lists trainer and orchestrator too
-    assert [p["role"] for p in procs] == ["prefill", "decode", "router"]
-    assert procs[0]["url"] == f"http://127.0.0.1:{base}" and procs[2]["url"] == f"http://127.0.0.1:{ports[0]}"
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len([m for m in rows if "reward/mean" in m]) >= 2
-    for p in procs:  # all stopped with the job
-        status = Path(f"/proc/{p['pid']}/status")
-        assert not Path(f"/proc/{p['pid']}").exists() or "zombie" in status.read_text().lower()

@@ -177,6 +177,52 @@ def test_a_server_dying_past_max_restarts_fails_the_job_naming_it(tmp_path):
     assert "inference.max_restarts = 0" in text
 
 
+def test_a_server_killed_while_its_health_is_asked_is_named_by_its_exit_not_as_hung(tmp_path, monkeypatch):
+    """One slow /health (a busy server on a loaded machine: a miss), then the server is killed while the
+    next /health is asked: that second miss must not make it "hung" (as in test_supervise.py, where a P/D
+    job's kill -9 was reported as "did not answer /health within 2 s twice" on the loaded 2-core machine)."""
+    from primerl.runtime.launch import servers
+    from primerl.runtime.launch.servers import ServerPool
+    from primerl.runtime.processes import ManagedProcess
+
+    held = _ports_held(1)  # its URL's port (nothing is asked there: /health is the stand-ins below)
+    pool = ServerPool("c.toml", 0, tmp_path, ProcessTable(tmp_path / "processes.json"), router=False, max_restarts=0,
+                      health_timeout_s=1.0)
+    p = ManagedProcess("inference-0", "inference", [sys.executable, "-c", "import time; time.sleep(600)"],
+                       tmp_path / "inference-0.log", url=f"http://127.0.0.1:{held[0].port}").start()
+    pool.servers.append(p)
+    killed = p.pid
+
+    def killed_meanwhile(url, timeout):
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{killed}").exists() and "zombie" not in Path(f"/proc/{killed}/status").read_text():
+            assert time.monotonic() < deadline, "the killed server is still running"
+            time.sleep(0.05)
+        return False
+
+    try:
+        monkeypatch.setattr(servers, "_healthy", lambda url, timeout: True)
+        pool.check_once()  # up
+        monkeypatch.setattr(servers, "_healthy", lambda url, timeout: False)  # alive, too slow: a miss
+        pool.check_once()
+        assert pool.failure is None
+        monkeypatch.setattr(servers, "_healthy", killed_meanwhile)
+        pool.check_once()
+        assert pool.failure is not None and pool.failure.startswith(
+            f"the inference-0 process ({p.url}) exited with code -9 after 0 restart(s)"), pool.failure
+    finally:
+        p.kill()
+        for r in held:
+            r.close()
+
+
+def _ports_held(n: int):
+    from primerl.runtime.ports import reserve_port
+
+    return [reserve_port() for _ in range(n)]
+
+
 def test_processes_json_is_replaced_atomically(tmp_path):
     t = ProcessTable(tmp_path / "processes.json")
     t.set("inference-0", "inference", 11, "http://127.0.0.1:1")

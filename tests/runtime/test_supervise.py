@@ -75,6 +75,47 @@ def test_a_killed_and_a_hung_server_are_named_and_restarted_on_their_port(tmp_pa
             r.close()
 
 
+def test_a_server_killed_while_its_health_is_asked_is_named_by_its_signal_not_as_hung(tmp_path, monkeypatch, caplog):
+    """One slow /health (a busy server on a loaded machine: a miss), then the process is killed while the
+    next /health is asked: that second miss must not make it "hung" (a P/D job's kill -9 was reported as
+    "did not answer /health within 2 s twice" in a run on the loaded 2-core machine)."""
+    from primerl.runtime import supervise
+
+    procs, ports = _procs(tmp_path, 1, None)
+    p, killed = procs[0], procs[0].pid
+    sup = Supervisor(procs, max_restarts=1, health_timeout_s=1.0, python_roles=("prefill",))  # passes by hand
+
+    def killed_meanwhile(url, timeout):
+        os.kill(killed, signal.SIGKILL)
+        _wait(lambda: _state(killed) in ("Z", "gone"), "the killed server gone")
+        return None
+
+    try:
+        with caplog.at_level("ERROR", logger="primerl"):
+            sup.check_once()  # up
+            monkeypatch.setattr(supervise, "health_state", lambda url, timeout: None)  # alive, too slow: a miss
+            sup.check_once()
+            assert p.restarts == 0 and p.pid == killed
+            monkeypatch.setattr(supervise, "health_state", killed_meanwhile)
+            sup.check_once()
+        assert p.restarts == 1 and p.pid != killed
+        said = f"the prefill process prefill-0 (pid {killed}, {p.url}) was killed by signal 9 (SIGKILL): restarting it"
+        assert said in caplog.text and "did not answer /health" not in caplog.text, caplog.text
+    finally:
+        sup.stop()
+        for q in procs:
+            q.kill()
+        for r in ports:
+            r.close()
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def test_describe_exit():
     assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)" and describe_exit(3) == "exited with code 3"
 
@@ -82,7 +123,10 @@ def test_describe_exit():
 def test_a_killed_prefill_server_is_named_and_restarted_and_the_job_finishes(tmp_path):
     """``primerl rl`` with ``examples/reverse_text_pd.toml``: kill -9 of the prefill server mid-run;
     the orchestrator's log names it (role, pid, URL, signal), it is restarted on its port and takes
-    the current weights, the job ends rc 0 with every step once and ``inference/restarts`` 1."""
+    the current weights, the job ends rc 0 with every step once and ``inference/restarts`` 1.
+    Also (the job of test_pd_launch.py's former ``test_job_runs_through_pd_and_lists_processes``): the job
+    runs through 1 prefill + 1 decode embedded server behind vllm-router, processes.json lists them with
+    their URLs, and every one of them is stopped with the job."""
     import subprocess
     from pathlib import Path
 
@@ -97,7 +141,9 @@ def test_a_killed_prefill_server_is_named_and_restarted_and_the_job_finishes(tmp
          "--output_dir", str(out), "--max_steps", str(steps), "--orchestrator.batch_size", "4",
          "--orchestrator.group_size", "2", "--checkpoint.interval", "0", "--log.plot", "false",
          "--inference.pd.base_port", str(base), "--inference.pd.router_port", str(base + 2),
-         "--inference.pd.router_metrics_port", str(base + 3), "--inference.health_timeout_s", "2"],
+         "--inference.pd.router_metrics_port", str(base + 3),
+         # the default 10 s (was 2): a busy server missed 2 s /health checks on the loaded 2-core machine
+         "--inference.health_timeout_s", "10"],
         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     try:
@@ -121,7 +167,16 @@ def test_a_killed_prefill_server_is_named_and_restarted_and_the_job_finishes(tmp
     metrics = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(steps))
     assert metrics[-1]["inference/restarts"] == 1
-    after = {r["role"]: r for r in json.loads((out / "processes.json").read_text())}
+    listed = json.loads((out / "processes.json").read_text())
+    after = {r["role"]: r for r in listed}
     assert after["prefill"]["restarts"] == 1 and after["prefill"]["url"] == victim["url"]
+    pd = [r for r in listed if r["role"] in ("prefill", "decode", "router")]  # the launcher lists trainer and
+    assert [r["role"] for r in pd] == ["prefill", "decode", "router"]       # orchestrator too
+    assert pd[0]["url"] == f"http://127.0.0.1:{base}" and pd[2]["url"] == f"http://127.0.0.1:{base + 2}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([m for m in rows if "reward/mean" in m]) >= 2
+    for r in pd:  # all stopped with the job
+        status = Path(f"/proc/{r['pid']}/status")
+        assert not Path(f"/proc/{r['pid']}").exists() or "zombie" in status.read_text().lower(), r
     assert sorted(p.name for p in (out / "logs").glob("*.log")) == ["decode-0.log", "orchestrator.log", "prefill-0.log",
                                                                       "router.log", "trainer.log"]

@@ -228,7 +228,11 @@ class ServerPool:
             if not p.alive():
                 self._restart(p, f"exited with code {p.proc.returncode}")
                 continue
-            if _healthy(p.url, self.health_timeout_s):
+            healthy = _healthy(p.url, self.health_timeout_s)
+            if not healthy and not p.alive():  # it died while /health was asked: its exit, not a hang
+                self._restart(p, f"exited with code {p.proc.returncode}")
+                continue
+            if healthy:
                 self._up[p.name], self._misses[p.name] = True, 0
             elif self._up.get(p.name):
                 self._misses[p.name] = self._misses.get(p.name, 0) + 1
