@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_exports
+from .._lazy import lazy_exports as _lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(("ContextShardPlan", "allgather_attention", "ring_attention"), "context"),
@@ -33,4 +33,4 @@ if TYPE_CHECKING:
     from .mesh import ParallelDims, build_mesh  # noqa: F401
     from .ulysses import UlyssesAttention, head_to_seq, seq_to_head, ulysses_attention, ulysses_groups  # noqa: F401
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())
