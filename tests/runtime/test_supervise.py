@@ -68,11 +68,7 @@ def test_a_killed_and_a_hung_server_are_named_and_restarted_on_their_port(tmp_pa
                                       "by signal 9 (SIGKILL) after 1 restart(s) (inference.max_restarts = 1)"), \
             sup.failure
     finally:
-        sup.stop()
-        for p in procs:
-            p.kill()
-        for r in ports:
-            r.close()
+        _stop_all(sup, procs, ports)
 
 
 def test_a_server_killed_while_its_health_is_asked_is_named_by_its_signal_not_as_hung(tmp_path, monkeypatch, caplog):
@@ -102,11 +98,16 @@ def test_a_server_killed_while_its_health_is_asked_is_named_by_its_signal_not_as
         said = f"the prefill process prefill-0 (pid {killed}, {p.url}) was killed by signal 9 (SIGKILL): restarting it"
         assert said in caplog.text and "did not answer /health" not in caplog.text, caplog.text
     finally:
-        sup.stop()
-        for q in procs:
-            q.kill()
-        for r in ports:
-            r.close()
+        _stop_all(sup, procs, ports)
+
+
+def _stop_all(sup, procs, ports) -> None:
+    """The supervisor, its processes and their held ports, whatever the test left running."""
+    sup.stop()
+    for p in procs:
+        p.kill()
+    for r in ports:
+        r.close()
 
 
 def _state(pid: int) -> str:
