@@ -2,7 +2,8 @@
 (and rollouts sampled) until the 20-step mean reward reaches 0.9, per seed, through ``primerl rl``.
 
 ``python -m bench._dapo_reach`` (``PRIMERL_DAPO_SEEDS``, default "0,1,2,3"; ``PRIMERL_DAPO_SECONDS``
-per run, default 900; ``PRIMERL_DAPO_ARGS``: more ``--key value`` for both modes). The reward
+per run, default 900; ``PRIMERL_DAPO_ARGS``: more ``--key value`` for both modes; ``PRIMERL_DAPO_KEEP``:
+a folder that keeps each run's output, ``<seed>_<filter>/``, in place of a temporary one). The reward
 judged is that of every group sampled for a step (``reward/all_sampled`` with the filter: its
 ``reward/mean`` leaves the dropped uniform groups out, so it would understate the policy), the
 same figure as ``reward/mean`` without it. One JSON line per run on stdout.
@@ -29,8 +30,11 @@ def main() -> None:
     extra = tuple(os.environ.get("PRIMERL_DAPO_ARGS", "").split())
     for seed in seeds:
         for mode in ("none", "dapo"):
+            keep = os.environ.get("PRIMERL_DAPO_KEEP")
             with tempfile.TemporaryDirectory() as d:
-                metrics = run_job("cpu", seconds, Path(d) / "job",
+                out = Path(keep) / f"{seed}_{mode}" if keep else Path(d) / "job"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                metrics = run_job("cpu", seconds, out,
                                   args=("--seed", seed, "--orchestrator.filter", mode, *extra),
                                   stop=lambda ms: first_reached([policy_reward(m) for m in ms], 0.9) is not None)
             step = first_reached([policy_reward(m) for m in metrics], 0.9)
