@@ -9,14 +9,17 @@ example's: ``outputs/reverse_text``, what ``primerl rl --config examples/reverse
 modes interleaved (so a bench cut short has as many seeds of each mode); ``PRIMERL_DISTILL_RUNS``
 ("rl:0,opd:0,...") lists the runs instead.
 
-Modes: ``rl`` (``--distill.teacher "" --distill.only false``: RL alone, the reward advantage),
+Modes: ``rl`` (``--distill.teacher "" --distill.only false --trainer.weight_decay 0.1``: RL alone, the
+reward advantage, with the main example's optimiser: the example's weight decay, 0.03, is OPD's),
 ``opd`` (the example: ``distill.only = true``, the per-token reverse-KL advantage alone) and
 ``opd_reward`` (``--distill.only false``: reward advantage + reverse-KL advantage). One row per
 run: the step at which the 20-step mean first reached 0.9 and the seconds from the job's start
 (nan: not reached), the median teacher scoring time per step (``distill/score_s``), the median wait
 of a batch on the teacher (``distill/wait_s``) and the median time the trainer waited for its batch
 (``time/wait_s``, the first 3 steps left out: whether the teacher's latency reached the step); then
-one row per mode: median steps and seconds over the seeds that reached, seeds reached / run.
+one row per mode: the median steps over every run (a run that did not reach counts as more steps
+than any that did: "not reached" where that is the median), the median seconds over the runs that
+reached, seeds reached / run.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .harness import Row
 from .job import ROOT, run_job
 from .reach import first_reached, stop_at_reach
 
-MODES = {"rl": ("--distill.teacher", "", "--distill.only", "false"), "opd": (),
+MODES = {"rl": ("--distill.teacher", "", "--distill.only", "false", "--trainer.weight_decay", "0.1"), "opd": (),
          "opd_reward": ("--distill.only", "false")}
 
 
@@ -76,8 +79,9 @@ def run(args) -> list[Row]:
         rows.append(Row("distill_reach", f"{mode} seed {seed}, 20-step mean >= {threshold:g}", "-", args.device,
                         hit.get("seconds", float("nan")), extra=extra, values=values))
     for mode, (steps, secs, ran) in reached.items():
+        median = statistics.median(steps + [float("inf")] * (len(ran) - len(steps))) if ran else float("nan")
         summary = {"reached": f"{len(steps)}/{len(ran)}",
-                   "median_step": statistics.median(steps) if steps else "-",
+                   "median_step": "not reached" if median == float("inf") else median,
                    "median_s": f"{statistics.median(secs):.0f}" if secs else "-"}
         rows.append(Row("distill_reach", f"{mode}: {len(ran)} seeds, {seconds:g} s each", "-", args.device,
                         float("nan"), extra=summary, values={"reached": len(steps), "seeds": len(ran)}))

@@ -289,3 +289,55 @@ def test_verifiers_path_refuses_filter_and_curriculum(tmp_path):
             cfg.orchestrator.curriculum.enabled = True
         with pytest.raises(ConfigError, match=f"orchestrator.{key}"):
             validate_fields(cfg)
+
+
+class EnvTeacher:
+    """A teacher that records what it scored: log pi_T(token t) = -scale * token id."""
+
+    def __init__(self, scale):
+        self.scale, self.seqs = scale, []
+
+    def score(self, seqs):
+        self.seqs += [list(s) for s in seqs]
+        return [[0.0] + [-self.scale * t for t in s[1:]] for s in seqs]
+
+
+def test_distill_teachers_score_each_environment_of_a_mix_with_its_own_teacher(tmp_path):
+    """`distill.teachers = {env id = PATH}` in a mix: every reverse-text episode goes to its teacher,
+    every copy-text episode (prompt BOS SEP ...) to the other, and each trained sample's per-token
+    advantage is its own environment's teacher's log-prob minus the sampler's."""
+    (tmp_path / "mix.toml").write_text(MIX + '[distill]\nonly = true\ncoef = 1.0\n'
+                                       'teachers = {"reverse-text" = "/teacher/rev", "copy-text" = "/teacher/copy"}\n')
+    cfg = load_config(str(tmp_path / "mix.toml"), ["--output_dir", str(tmp_path / "out"),
+                                                   "--orchestrator.weights_timeout_s", "20"], check=False)
+    cfg.max_steps = 3
+    rev, cop = EnvTeacher(0.1), EnvTeacher(0.3)
+    tr = FileTransport(cfg.output_dir)
+    seen = []
+
+    def trainer():
+        tr.publish_weights(0, {"w": torch.zeros(1)})
+        for s in range(3):
+            seen.append(tr.get_batch(s, 0, timeout=30))
+            tr.publish_weights(s + 1, {"w": torch.zeros(1)})
+
+    th = threading.Thread(target=trainer, daemon=True)
+    th.start()
+    Orchestrator(cfg, load_environment(cfg.env.id, **cfg.env.args), TaskClient(), tr,
+                 teachers={"/teacher/rev": rev, "/teacher/copy": cop}).run()
+    th.join(10)
+    assert len(seen) == 3
+    assert rev.seqs and all(s[1] != SEP for s in rev.seqs)
+    assert cop.seqs and all(s[1] == SEP for s in cop.seqs)
+    for p in seen:
+        counts = {"rev": 0, "copy": 0}
+        for mb in p["micro_batches"]:
+            cu = mb.cu_seqlens.tolist()
+            for a, b in zip(cu[:-1], cu[1:]):
+                ids = mb.input_ids[a:b].tolist()
+                kind, scale = ("copy", 0.3) if ids[1] == SEP else ("rev", 0.1)
+                lt = torch.tensor([0.0] + [-scale * t for t in ids[1:]])
+                want = torch.where(mb.loss_mask[a:b], lt - mb.inference_logprobs[a:b], 0.0)
+                torch.testing.assert_close(mb.advantages[a:b], want)
+                counts[kind] += 1
+        assert counts == {"rev": 28, "copy": 6}  # 7 groups of 4 and 3 groups of 2, as the mix deals them
