@@ -9,8 +9,8 @@ example's: ``outputs/reverse_text``, what ``primerl rl --config examples/reverse
 modes interleaved (so a bench cut short has as many seeds of each mode); ``PRIMERL_DISTILL_RUNS``
 ("rl:0,opd:0,...") lists the runs instead.
 
-Modes: ``rl`` (``--distill.teacher "" --distill.only false --trainer.weight_decay 0.1``: RL alone, the
-reward advantage, with the main example's optimiser: the example's weight decay, 0.03, is OPD's),
+Modes: ``rl`` (``--distill.teacher "" --distill.only false``: RL alone, the reward advantage, with the
+example's optimiser; ``PRIMERL_DISTILL_ARGS``: more ``--key value`` for every mode),
 ``opd`` (the example: ``distill.only = true``, the per-token reverse-KL advantage alone) and
 ``opd_reward`` (``--distill.only false``: reward advantage + reverse-KL advantage). One row per
 run: the step at which the 20-step mean first reached 0.9 and the seconds from the job's start
@@ -33,7 +33,7 @@ from .harness import Row
 from .job import ROOT, run_job
 from .reach import first_reached, stop_at_reach
 
-MODES = {"rl": ("--distill.teacher", "", "--distill.only", "false", "--trainer.weight_decay", "0.1"), "opd": (),
+MODES = {"rl": ("--distill.teacher", "", "--distill.only", "false"), "opd": (),
          "opd_reward": ("--distill.only", "false")}
 
 
@@ -52,7 +52,8 @@ def run(args) -> list[Row]:
         hit: dict = {}
         stop = stop_at_reach(threshold, hit)
 
-        extra_args = ("--seed", seed.strip(), "--distill.teacher", teacher, *MODES[mode])
+        extra_args = ("--seed", seed.strip(), "--distill.teacher", teacher, *MODES[mode],
+                      *os.environ.get("PRIMERL_DISTILL_ARGS", "").split())
         reached[mode][2].append(seed)
         with tempfile.TemporaryDirectory() as d:
             try:
