@@ -130,3 +130,44 @@ def test_a_client_leaving_the_generate_proxy_aborts_upstream(slow_server):
         assert srv.stats.read()["requests_running"] == 0 and proxy.pop_session("t1") is None
     finally:
         proxy.stop()
+
+
+def test_a_finished_request_is_in_the_health_snapshot_before_its_waiter_has_it():
+    """The engine thread refreshes the /health snapshot before it hands out completions: a client
+    that reads /health right after its answer sees its tokens (the snapshot lagged one step before,
+    and test_inference_server's metrics test failed on it once, in a fresh-clone run under load)."""
+    from types import SimpleNamespace
+
+    from primerl.runtime.inference.engine_thread import EngineThread
+    from primerl.runtime.inference.server_metrics import ServerStats
+
+    class OneStepEngine:  # the engine's surface that EngineThread and ServerStats use
+        running, waiting, kv_cache_bytes, policy_version = {}, [], 0, 0
+
+        def __init__(self):
+            self.tokens_generated, self.pending = 0, []
+
+        def add_request(self, req):
+            self.pending.append(req)
+
+        def has_unfinished(self):
+            return bool(self.pending)
+
+        def kv_cache_usage(self):
+            return 0.0
+
+        def step(self):
+            done, self.pending = self.pending, []
+            self.tokens_generated += 5 * len(done)
+            return [SimpleNamespace(request_id=r.request_id) for r in done]
+
+    stats = ServerStats()
+    thread = EngineThread(OneStepEngine(), stats).start()
+    try:
+        seen = []
+        fut = thread.submit(SimpleNamespace(request_id=thread.new_id()))
+        fut.add_done_callback(lambda f: seen.append(stats.read()["generated_tokens"]))  # runs at set_result
+        fut.result(timeout=10)
+        assert seen == [5]
+    finally:
+        thread.stop()

@@ -139,14 +139,17 @@ class EngineThread:
                     self.stats.refresh(self.engine, waiting_extra=self._incoming.qsize(), paused=self.paused)
                     self._stop.wait(0.002)
                     continue
-                for c in self.engine.step():
+                finished = self.engine.step()
+                # the snapshot before the waiters: a client that has its completion reads /health
+                # counters (generated tokens, running requests) that include it
+                self.stats.refresh(self.engine, waiting_extra=self._incoming.qsize())
+                for c in finished:
                     f = self._futures.pop(c.request_id, None)
                     # a waiter that gave up (aiohttp cancels the wrapped future) is an abort in flight
                     if f is not None and not f.cancelled():
                         f.set_result(c)
                         self.stats.count("finished")
                         beat("request finished")
-                self.stats.refresh(self.engine, waiting_extra=self._incoming.qsize())
         except BaseException as e:  # noqa: BLE001 - every waiter gets the error
             self.error = e
             log.exception("engine thread died")
