@@ -28,9 +28,9 @@ def main() -> None:
     seeds = os.environ.get("PRIMERL_DAPO_SEEDS", "0,1,2,3").split(",")
     seconds = float(os.environ.get("PRIMERL_DAPO_SECONDS", 900))
     extra = tuple(os.environ.get("PRIMERL_DAPO_ARGS", "").split())
+    keep = os.environ.get("PRIMERL_DAPO_KEEP")
     for seed in seeds:
         for mode in ("none", "dapo"):
-            keep = os.environ.get("PRIMERL_DAPO_KEEP")
             with tempfile.TemporaryDirectory() as d:
                 out = Path(keep) / f"{seed}_{mode}" if keep else Path(d) / "job"
                 out.parent.mkdir(parents=True, exist_ok=True)

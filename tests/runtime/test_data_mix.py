@@ -83,7 +83,7 @@ args = {num_symbols = 8}
 """
 
 
-def _run(cfg, client, steps):
+def _run(cfg, client, steps, **orchestrator_kwargs):
     cfg.max_steps = steps
     tr = FileTransport(cfg.output_dir)
     seen = []
@@ -97,7 +97,7 @@ def _run(cfg, client, steps):
 
     th = threading.Thread(target=trainer, daemon=True)
     th.start()
-    orch = Orchestrator(cfg, load_environment(cfg.env.id, **cfg.env.args), client, tr)
+    orch = Orchestrator(cfg, load_environment(cfg.env.id, **cfg.env.args), client, tr, **orchestrator_kwargs)
     orch.run()
     th.join(10)
     return orch, seen
@@ -291,16 +291,6 @@ def test_verifiers_path_refuses_filter_and_curriculum(tmp_path):
             validate_fields(cfg)
 
 
-class EnvTeacher:
-    """A teacher that records what it scored: log pi_T(token t) = -scale * token id."""
-
-    def __init__(self, scale):
-        self.scale, self.seqs = scale, []
-
-    def score(self, seqs):
-        self.seqs += [list(s) for s in seqs]
-        return [[0.0] + [-self.scale * t for t in s[1:]] for s in seqs]
-
 
 def test_distill_teachers_score_each_environment_of_a_mix_with_its_own_teacher(tmp_path):
     """`distill.teachers = {env id = PATH}` in a mix: every reverse-text episode goes to its teacher,
@@ -310,22 +300,10 @@ def test_distill_teachers_score_each_environment_of_a_mix_with_its_own_teacher(t
                                        'teachers = {"reverse-text" = "/teacher/rev", "copy-text" = "/teacher/copy"}\n')
     cfg = load_config(str(tmp_path / "mix.toml"), ["--output_dir", str(tmp_path / "out"),
                                                    "--orchestrator.weights_timeout_s", "20"], check=False)
-    cfg.max_steps = 3
-    rev, cop = EnvTeacher(0.1), EnvTeacher(0.3)
-    tr = FileTransport(cfg.output_dir)
-    seen = []
+    from test_distill_teacher import TableTeacher
 
-    def trainer():
-        tr.publish_weights(0, {"w": torch.zeros(1)})
-        for s in range(3):
-            seen.append(tr.get_batch(s, 0, timeout=30))
-            tr.publish_weights(s + 1, {"w": torch.zeros(1)})
-
-    th = threading.Thread(target=trainer, daemon=True)
-    th.start()
-    Orchestrator(cfg, load_environment(cfg.env.id, **cfg.env.args), TaskClient(), tr,
-                 teachers={"/teacher/rev": rev, "/teacher/copy": cop}).run()
-    th.join(10)
+    rev, cop = TableTeacher(0.1), TableTeacher(0.3)
+    _, seen = _run(cfg, TaskClient(), 3, teachers={"/teacher/rev": rev, "/teacher/copy": cop})
     assert len(seen) == 3
     assert rev.seqs and all(s[1] != SEP for s in rev.seqs)
     assert cop.seqs and all(s[1] == SEP for s in cop.seqs)

@@ -185,14 +185,16 @@ def test_vocabulary_check_of_a_hugging_face_teacher(tmp_path):
 
 
 class TableTeacher:
-    """log pi_T(token t) = -0.1 * token id (a teacher whose numbers the test can predict)."""
+    """log pi_T(token t) = -scale * token id (a teacher whose numbers the test can predict); it
+    records the sequences it scored."""
 
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, scale: float = 0.1):
+        self.scale, self.calls, self.seqs = scale, 0, []
 
     def score(self, seqs):
         self.calls += 1
-        return [[0.0] + [-0.1 * t for t in s[1:]] for s in seqs]
+        self.seqs += [list(s) for s in seqs]
+        return [[0.0] + [-self.scale * t for t in s[1:]] for s in seqs]
 
 
 @pytest.mark.parametrize("only", [True, False])
