@@ -9,10 +9,11 @@ example's: ``outputs/reverse_text``, what ``primerl rl --config examples/reverse
 modes interleaved (so a bench cut short has as many seeds of each mode); ``PRIMERL_DISTILL_RUNS``
 ("rl:0,opd:0,...") lists the runs instead.
 
-Modes: ``rl`` (``--distill.teacher "" --distill.only false``: RL alone, the reward advantage, with the
-example's optimiser; ``PRIMERL_DISTILL_ARGS``: more ``--key value`` for every mode),
-``opd`` (the example: ``distill.only = true``, the per-token reverse-KL advantage alone) and
-``opd_reward`` (``--distill.only false``: reward advantage + reverse-KL advantage). One row per
+Modes: ``rl`` (``--distill.teacher "" --distill.only false --distill.topk 0``: RL alone, the reward
+advantage, with the example's optimiser; ``PRIMERL_DISTILL_ARGS``: more ``--key value`` for every
+mode), ``opd`` (the example: ``distill.only = true``, the per-token reverse-KL advantage and the
+teacher's top-4 term), ``opd_reward`` (``--distill.only false``: the reward advantage added) and
+``opd_sampled`` (``--distill.topk 0``: the sampled tokens' reverse-KL advantage alone, no top-k). One row per
 run: the step at which the 20-step mean first reached 0.9 and the seconds from the job's start
 (nan: not reached), the median teacher scoring time per step (``distill/score_s``), the median wait
 of a batch on the teacher (``distill/wait_s``) and the median time the trainer waited for its batch
@@ -33,8 +34,8 @@ from .harness import Row
 from .job import ROOT, run_job
 from .reach import first_reached, stop_at_reach
 
-MODES = {"rl": ("--distill.teacher", "", "--distill.only", "false"), "opd": (),
-         "opd_reward": ("--distill.only", "false")}
+MODES = {"rl": ("--distill.teacher", "", "--distill.only", "false", "--distill.topk", "0"), "opd": (),
+         "opd_reward": ("--distill.only", "false"), "opd_sampled": ("--distill.topk", "0")}
 
 
 def run(args) -> list[Row]:

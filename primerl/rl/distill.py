@@ -23,6 +23,15 @@ Options (all on per-token tensors ``[T]``, aligned with the packed batch: entry 
 
 ``A_t`` is exactly 0 outside ``loss_mask`` (there a token keeps only its reward advantage).
 
+The teacher's top-k (``distill.topk``): a sampled token carries one number of the teacher's
+distribution; the teacher's k most likely next tokens at each sampled position carry most of it.
+:func:`topk_distill_kl` is the forward KL from the teacher's top-k (renormalised over those k) to
+the student at every loss position, ``sum_j q_T(j) (log q_T(j) - log pi_S(j))`` with
+``q_T = p_T / sum_k p_T`` (>= 0, 0 only where the student matches the teacher on the k tokens and
+puts no mass elsewhere): a supervised term on the student's own prefixes (GKD's on-policy
+distillation with a forward KL). :func:`student_topk_logprobs` gives the student's log-probs of the
+k tokens from the fused log-prob of the sampled token, without a second pass over the vocabulary.
+
 >>> import torch
 >>> from primerl.rl import distill_advantages
 >>> out = distill_advantages(torch.tensor([0.0, -1.0, -2.0]), torch.tensor([0.0, -0.5, -3.0]),
@@ -37,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DistillAdvantages", "distill_advantages", "NORMALIZATIONS"]
+__all__ = ["DistillAdvantages", "distill_advantages", "NORMALIZATIONS", "student_topk_logprobs", "topk_distill_kl"]
 
 NORMALIZATIONS = (None, "token", "sequence")
 
@@ -120,3 +129,60 @@ def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.T
             _check("reward_advantages", reward_advantages, shape)
         adv = adv + torch.as_tensor(reward_advantages, dtype=torch.float32, device=adv.device)
     return DistillAdvantages(adv.float(), reverse_kl.float())
+
+
+def student_topk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          target_logprobs: torch.Tensor, topk_ids: torch.Tensor, *,
+                          temperature: float | torch.Tensor = 1.0, chunk_size: int = 2048) -> torch.Tensor:
+    """The student's ``log softmax(hidden @ weight.T / temperature)`` at ``topk_ids``, [T, k] float32.
+
+    hidden [T, D] and weight [V, D] (the LM head) as given to ``fused_logprobs``; targets [T] the
+    tokens it scored and target_logprobs [T] its result (differentiable). Since
+    ``log p(v) = (h.W_v - h.W_y) / temperature + log p(y)``, only k + 1 rows of the head are read
+    per token, and the log-partition's gradient reaches ``hidden`` and ``weight`` through
+    ``target_logprobs``. temperature: a float or [T]. Chunks of ``chunk_size`` tokens are
+    recomputed in backward (the gathered [chunk, k + 1, D] rows are not kept).
+    """
+    T = hidden.shape[0]
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"student_topk_logprobs: hidden must be [T, D] and weight [V, D], got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"student_topk_logprobs: topk_ids must be [T={T}, k], got {tuple(topk_ids.shape)}")
+    if targets.shape != (T,) or target_logprobs.shape != (T,):
+        raise ValueError(f"student_topk_logprobs: targets and target_logprobs must be [T={T}], got "
+                         f"{tuple(targets.shape)} and {tuple(target_logprobs.shape)}")
+    inv_t = (1.0 / torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device)).expand(T)
+
+    def chunk(h, ids, y, inv):
+        rows = weight[torch.cat([ids, y.unsqueeze(1)], 1).long()].float()  # [c, k + 1, D]
+        logits = torch.einsum("cd,ckd->ck", h.float(), rows)
+        return (logits[:, :-1] - logits[:, -1:]) * inv.unsqueeze(1)
+
+    from torch.utils.checkpoint import checkpoint
+
+    parts = []
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    for a in range(0, T, chunk_size):
+        b = min(a + chunk_size, T)
+        args = (hidden[a:b], topk_ids[a:b], targets[a:b], inv_t[a:b])
+        parts.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
+    diff = torch.cat(parts) if parts else hidden.new_zeros((0, topk_ids.shape[1]), dtype=torch.float32)
+    return diff + target_logprobs.float().unsqueeze(1)
+
+
+def topk_distill_kl(student_topk_logprobs: torch.Tensor, teacher_topk_logprobs: torch.Tensor,
+                    loss_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token forward KL from the teacher's top-k (renormalised) to the student, [T] float32, 0
+    outside ``loss_mask`` (the module docstring). student_/teacher_topk_logprobs: [T, k] at the
+    same token ids (the teacher's k most likely); loss_mask [T] bool."""
+    if student_topk_logprobs.shape != teacher_topk_logprobs.shape or student_topk_logprobs.ndim != 2:
+        raise ValueError("topk_distill_kl: student and teacher top-k log-probs must both be [T, k], got "
+                         f"{tuple(student_topk_logprobs.shape)} and {tuple(teacher_topk_logprobs.shape)}")
+    if loss_mask.dtype != torch.bool or loss_mask.shape != student_topk_logprobs.shape[:1]:
+        raise ValueError(f"topk_distill_kl: loss_mask must be a bool [T={student_topk_logprobs.shape[0]}], got "
+                         f"{loss_mask.dtype} {tuple(loss_mask.shape)}")
+    lt = teacher_topk_logprobs.float()
+    lq = lt - torch.logsumexp(lt, dim=1, keepdim=True)
+    kl = (lq.exp() * (lq - student_topk_logprobs.float())).sum(1)
+    return torch.where(loss_mask, kl, 0.0)

@@ -46,6 +46,10 @@ class Sample:
     replay_ids: [L, num_layers, k] int — the experts the sampler routed each token to, or None.
     loss_weights: [L] float >= 0 — per-token weights of the policy-gradient term (0 takes a token
         out of it and of its denominator), or None (weight 1 on every loss token).
+    teacher_topk_ids: [L, k] int, teacher_topk_logprobs: [L, k] float — a distillation teacher's k
+        most likely tokens for each position and their log-probs (entry t: the distribution token
+        t was drawn from; anything where loss_mask is False), or None. All samples of a batch carry
+        them with one k, or none does.
     """
 
     input_ids: torch.Tensor
@@ -55,6 +59,8 @@ class Sample:
     temperature: float | None = None
     replay_ids: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -69,7 +75,8 @@ class MicroBatch:
     loss_mask [T] bool; advantages [T] float32; inference_logprobs [T] float32;
     temperatures [T] float32 or None; replay_ids [T, num_layers, k] int64 or None (padding rows
     route to experts 0..k-1); loss_weights [T] float32 or None (None unless a packed sample has
-    weights; then 1.0 for samples without, 0.0 on padding); is_padding: the whole micro-batch is
+    weights; then 1.0 for samples without, 0.0 on padding); teacher_topk_ids [T, k] int64 and
+    teacher_topk_logprobs [T, k] float32 or None (padding: ids 0, log-probs 0); is_padding: the whole micro-batch is
     filler (it has no loss token);
     sample_indices: the packed samples' indices in the list given to :func:`pack`;
     cost: the estimated cost used for balancing; num_real_tokens: tokens that are not padding.
@@ -84,6 +91,8 @@ class MicroBatch:
     temperatures: torch.Tensor | None = None
     replay_ids: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
     is_padding: bool = False
     sample_indices: tuple[int, ...] = ()
     cost: float = 0.0
@@ -91,7 +100,7 @@ class MicroBatch:
     context_plan: object | None = field(default=None, repr=False)
 
     PER_TOKEN = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures",
-                 "replay_ids", "loss_weights")
+                 "replay_ids", "loss_weights", "teacher_topk_ids", "teacher_topk_logprobs")
 
     @property
     def num_tokens(self) -> int:
@@ -143,7 +152,7 @@ def sequence_cost(length: int, cost: tuple[float, float]) -> float:
 
 def _validated(op: str, samples: Sequence[Sample], seq_len: int, truncate: bool) -> list[Sample]:
     out = []
-    trailing = None
+    trailing, topk = None, 0
     for i, s in enumerate(samples):
         if not isinstance(s, Sample):
             raise ValueError(f"{op}: samples[{i}] must be a Sample, got {type(s).__name__}")
@@ -176,6 +185,12 @@ def _validated(op: str, samples: Sequence[Sample], seq_len: int, truncate: bool)
             if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
                 raise ValueError(f"{op}: samples[{i}].loss_weights must be finite and >= 0, got min "
                                  f"{float(w.min())}, max {float(w.max())}")
+        k = _check_topk(op, i, s)
+        if i == 0:
+            topk = k
+        elif k != topk:
+            raise ValueError(f"{op}: samples[{i}] carries the teacher's top-{k} and samples[0] its top-{topk} "
+                             "(all samples carry one k, or none; 0: none)")
         if s.temperature is not None and not s.temperature > 0:
             raise ValueError(f"{op}: samples[{i}].temperature must be > 0, got {s.temperature}")
         if L > seq_len:
@@ -187,10 +202,25 @@ def _validated(op: str, samples: Sequence[Sample], seq_len: int, truncate: bool)
     return out
 
 
+def _check_topk(op: str, i: int, s: Sample) -> int:
+    """k of the teacher's top-k that ``s`` carries (0: none), after checking both tensors' shapes."""
+    ids, lps = s.teacher_topk_ids, s.teacher_topk_logprobs
+    if ids is None and lps is None:
+        return 0
+    L = len(s)
+    if ids is None or lps is None or ids.ndim != 2 or ids.shape[0] != L or lps.shape != ids.shape \
+            or ids.is_floating_point() or not lps.is_floating_point():
+        raise ValueError(f"{op}: samples[{i}].teacher_topk_ids (int) and teacher_topk_logprobs (float) must both "
+                         f"be [{L}, k], got {None if ids is None else tuple(ids.shape)} and "
+                         f"{None if lps is None else tuple(lps.shape)}")
+    return int(ids.shape[1])
+
+
 def _truncated(s: Sample, n: int) -> Sample:
     cut = lambda x: x[:n] if isinstance(x, torch.Tensor) else x
     return Sample(cut(s.input_ids), cut(s.loss_mask), cut(s.advantages), cut(s.inference_logprobs),
-                  s.temperature, cut(s.replay_ids), cut(s.loss_weights))
+                  s.temperature, cut(s.replay_ids), cut(s.loss_weights), cut(s.teacher_topk_ids),
+                  cut(s.teacher_topk_logprobs))
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -228,7 +258,7 @@ def _balance(costs: list[float], num_ranks: int) -> list[list[int]]:
 
 def _build(samples: list[Sample], idx: list[int], seq_len: int, pad_to_seq_len: bool, pad_token_id: int,
            with_temp: bool, replay_shape, cost: tuple[float, float], is_padding: bool = False,
-           with_weights: bool = False) -> MicroBatch:
+           with_weights: bool = False, topk: int = 0) -> MicroBatch:
     parts = [samples[i] for i in idx]
     lengths = [len(s) for s in parts]
     used = sum(lengths)
@@ -266,6 +296,11 @@ def _build(samples: list[Sample], idx: list[int], seq_len: int, pad_to_seq_len: 
         if pad:
             chunks.append(torch.arange(k, device=dev).expand(pad, layers, k))
         replay = torch.cat(chunks)
+    topk_ids = topk_lps = None
+    if topk:
+        pad_rows = [torch.zeros(pad, topk, device=dev)] if pad else []
+        topk_ids = torch.cat([s.teacher_topk_ids.long() for s in parts] + [r.long() for r in pad_rows])
+        topk_lps = torch.cat([s.teacher_topk_logprobs.float() for s in parts] + pad_rows)
     return MicroBatch(
         input_ids=cat([s.input_ids for s in parts], pad_token_id, torch.long),
         position_ids=position_ids.long(),
@@ -276,6 +311,8 @@ def _build(samples: list[Sample], idx: list[int], seq_len: int, pad_to_seq_len: 
         temperatures=temps,
         replay_ids=replay,
         loss_weights=weights,
+        teacher_topk_ids=topk_ids,
+        teacher_topk_logprobs=topk_lps,
         is_padding=is_padding,
         sample_indices=tuple(idx),
         cost=sum(sequence_cost(n, cost) for n in lengths),
@@ -315,15 +352,16 @@ def pack(
     with_temp = any(s.temperature is not None for s in samples)
     with_weights = any(s.loss_weights is not None for s in samples)
     replay_shape = tuple(samples[0].replay_ids.shape[1:]) if samples and samples[0].replay_ids is not None else None
+    topk = _check_topk("pack", 0, samples[0]) if samples else 0
     per_rank_count = max((len(a) for a in assignment), default=0)
     out = []
     for r in range(int(num_ranks)):
         mbs = [_build(samples, sorted(bins[b]), int(seq_len), pad_to_seq_len, pad_token_id, with_temp, replay_shape,
-                      cost, with_weights=with_weights)
+                      cost, with_weights=with_weights, topk=topk)
                for b in assignment[r]]
         while len(mbs) < per_rank_count:
             mbs.append(_build(samples, [], int(seq_len), pad_to_seq_len, pad_token_id, with_temp, replay_shape, cost,
-                              is_padding=True, with_weights=with_weights))
+                              is_padding=True, with_weights=with_weights, topk=topk))
         out.append(mbs)
     return out
 

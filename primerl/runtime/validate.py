@@ -217,6 +217,7 @@ def check_distill_teachers(cfg: RLConfig) -> None:
         student_vocab = model_config(cfg, load_environment(job_envs[0].id, **job_envs[0].args).vocab_size).vocab_size
     except (ValueError, TypeError, ImportError):
         return  # the environment / model is refused by its own check, naming its key
+    _need(d.topk <= student_vocab, "distill.topk", f"must be at most the vocabulary size ({student_vocab})", d.topk)
     keyed = ([("distill.teacher", d.teacher)] if d.teacher else []) + \
         [(f"distill.teachers.{k}", v) for k, v in d.teachers.items()]
     for key, path in keyed:

@@ -107,3 +107,74 @@ def test_sampled_estimator_matches_full_reverse_kl():
     (grad_pg,) = torch.autograd.grad((out.advantages * log_s[y]).mean(), s_logits)
     err = (grad_pg + grad_kl).abs().max()
     assert err < 0.02, f"sampled policy gradient vs -grad KL: max abs error {float(err):.4f}"
+
+
+# --- the teacher's top-k term (distill.topk) -------------------------------------------------------
+
+def _head(T=9, D=6, V=13, k=4, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g, dtype=dtype, requires_grad=True)
+    W = torch.randn(V, D, generator=g, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, V, (T,), generator=g)
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(T)])
+    temp = torch.rand(T, generator=g, dtype=torch.float32) + 0.5
+    return h, W, y, ids, temp
+
+
+@pytest.mark.parametrize("chunk", [2, 64])
+def test_student_topk_logprobs_is_the_full_log_softmax_with_its_gradients(chunk):
+    """Against log_softmax over the whole vocabulary: values (max abs error < 1e-5) and the gradients
+    of hidden and weight (fused log-probs of the sampled tokens carry the log-partition)."""
+    from primerl.kernels.logprobs import fused_logprobs
+    from primerl.rl import student_topk_logprobs
+
+    h, W, y, ids, temp = _head()
+    lp, _ = fused_logprobs(h.float(), W.float(), y, temperature=temp)
+    got = student_topk_logprobs(h.float(), W.float(), y, lp, ids, temperature=temp, chunk_size=chunk)
+    want = torch.log_softmax((h @ W.T) / temp.double().unsqueeze(1), -1).gather(1, ids)
+    assert (got.double() - want).abs().max() < 1e-5
+    probe = torch.randn(got.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    g_got = torch.autograd.grad((got.double() * probe).sum(), (h, W))
+    g_want = torch.autograd.grad((want * probe).sum(), (h, W))
+    for a, b, name in zip(g_got, g_want, ("hidden", "weight")):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err < 1e-5, f"{name} gradient: max error {err:.2e} relative to its largest entry"
+
+
+def test_topk_distill_kl_against_brute_force_and_its_minimum():
+    """The renormalised forward KL over the teacher's top-k: equal to the brute-force sum, 0 outside
+    the mask, >= 0, and 0 where the student is the teacher's renormalised top-k."""
+    from primerl.rl import topk_distill_kl
+
+    g = torch.Generator().manual_seed(2)
+    T, V, k = 6, 10, 3
+    t_logits, s_logits = torch.randn(T, V, generator=g), torch.randn(T, V, generator=g)
+    lt, ls = torch.log_softmax(t_logits, -1), torch.log_softmax(s_logits, -1)
+    ids = lt.topk(k, dim=1).indices
+    mask = torch.tensor([True, True, False, True, True, True])
+    kl = topk_distill_kl(ls.gather(1, ids), lt.gather(1, ids), mask)
+    for t in range(T):
+        if not mask[t]:
+            assert kl[t] == 0
+            continue
+        p = lt[t, ids[t]].exp()
+        q = p / p.sum()
+        want = sum(float(q[j] * (q[j].log() - ls[t, ids[t, j]])) for j in range(k))
+        assert float(kl[t]) == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert float(kl[t]) >= 0
+    q_all = torch.full((T, V), -30.0)
+    q_all.scatter_(1, ids, lt.gather(1, ids))
+    match = torch.log_softmax(q_all, -1)  # the student that is the teacher's renormalised top-k
+    assert topk_distill_kl(match.gather(1, ids), lt.gather(1, ids), mask).abs().max() < 1e-5
+
+
+def test_topk_bad_shapes():
+    from primerl.rl import student_topk_logprobs, topk_distill_kl
+
+    h, W, y, ids, _ = _head()
+    with pytest.raises(ValueError, match="topk_ids must be"):
+        student_topk_logprobs(h, W, y, torch.zeros(9), ids[:3])
+    with pytest.raises(ValueError, match="both be"):
+        topk_distill_kl(torch.zeros(9, 4), torch.zeros(9, 3), torch.ones(9, dtype=torch.bool))
+    with pytest.raises(ValueError, match="loss_mask"):
+        topk_distill_kl(torch.zeros(9, 4), torch.zeros(9, 4), torch.ones(9))

@@ -7,7 +7,7 @@ from primerl.rl.losses import policy_loss
 from primerl.rl.packing import MicroBatch, Sample, _balance, pack, packing_stats
 
 
-def _sample(L, seed, temperature=None, replay=None):
+def _sample(L, seed, temperature=None, replay=None, topk=0):
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(L, generator=g) < 0.7
     mask[0] = False
@@ -18,6 +18,8 @@ def _sample(L, seed, temperature=None, replay=None):
         inference_logprobs=-torch.rand(L, generator=g),
         temperature=temperature,
         replay_ids=None if replay is None else torch.randint(0, 8, (L, *replay), generator=g),
+        teacher_topk_ids=torch.randint(0, 1000, (L, topk), generator=g) if topk else None,
+        teacher_topk_logprobs=-torch.rand(L, topk, generator=g) if topk else None,
     )
 
 
@@ -157,7 +159,7 @@ def test_packed_batch_feeds_sequence_level_losses():
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_shard_for_context_splits_every_per_token_tensor(layout):
     from primerl.parallel import context  # primerl's own module: an import error fails, never skips
-    samples = [_sample(L, i, temperature=0.5 + i, replay=(2, 2)) for i, L in enumerate([5, 6, 9])]
+    samples = [_sample(L, i, temperature=0.5 + i, replay=(2, 2), topk=3) for i, L in enumerate([5, 6, 9])]
     samples[1].loss_weights = torch.rand(len(samples[1])) + 0.5
     (mbs,) = pack(samples, seq_len=24, num_ranks=1)
     mb = mbs[0]
@@ -190,3 +192,28 @@ def test_shard_for_context_splits_every_per_token_tensor(layout):
     other = context.ContextShardPlan(torch.tensor([0, 24], dtype=torch.int32), world_size=W, rank=0)
     with pytest.raises(ValueError, match="different cu_seqlens"):
         mb.shard_for_context(other)
+
+
+def test_teacher_topk_rides_with_its_tokens_through_pack_and_next_token_batch():
+    """distill.topk: each sample's [L, k] rows land at its tokens' positions (padding rows 0), move
+    one token earlier with the other loss-side fields, and a batch mixing k (or one tensor without
+    the other) is refused naming the sample."""
+    from primerl.rl import next_token_batch
+
+    samples = [_sample(L, i, topk=2) for i, L in enumerate([4, 7, 3])]
+    (mbs,) = pack(samples, seq_len=16, num_ranks=1)
+    mb = mbs[0]
+    cu = mb.cu_seqlens.tolist()
+    for j, i in enumerate(mb.sample_indices):
+        assert torch.equal(mb.teacher_topk_ids[cu[j]:cu[j + 1]], samples[i].teacher_topk_ids)
+        assert torch.equal(mb.teacher_topk_logprobs[cu[j]:cu[j + 1]], samples[i].teacher_topk_logprobs)
+    assert (mb.teacher_topk_ids[14:] == 0).all() and (mb.teacher_topk_logprobs[14:] == 0).all()
+    shifted, _ = next_token_batch(mb)
+    assert torch.equal(shifted.teacher_topk_ids[:-1], mb.teacher_topk_ids[1:])
+    assert torch.equal(shifted.teacher_topk_logprobs[:-1], mb.teacher_topk_logprobs[1:])
+    with pytest.raises(ValueError, match=r"samples\[1\] carries the teacher's top-3 and samples\[0\] its top-2"):
+        pack([samples[0], _sample(5, 9, topk=3)], seq_len=16)
+    half = _sample(5, 9, topk=2)
+    half.teacher_topk_logprobs = None
+    with pytest.raises(ValueError, match=r"samples\[0\].teacher_topk_ids \(int\) and teacher_topk_logprobs"):
+        pack([half], seq_len=16)

@@ -119,17 +119,29 @@ def test_primerl_inference_teacher_server_matches_the_in_process_teacher(tmp_pat
                 break
         assert url, "the teacher server did not start"
         seqs = _seqs()
-        embedded = InProcessTeacher(load_teacher(resolve_teacher(str(teacher_run)))).score(seqs)
+        teacher = load_teacher(resolve_teacher(str(teacher_run)))
+        embedded = InProcessTeacher(teacher).score(seqs)
         served = ServerTeacher(url).score(seqs)
         assert [len(x) for x in served] == [len(s) for s in seqs]
         torch.testing.assert_close(torch.tensor(sum(served, [])), torch.tensor(sum(embedded, [])),
                                    rtol=1e-5, atol=1e-5)
         status, body = _post(url, {"sequences": [[1, 2, 3]]})
         assert status == 200 and body["logprobs"][0][0] is None and len(body["logprobs"][0]) == 3
+        # distill.topk: the same k most likely tokens and log-probs from both (ties aside: fresh random weights)
+        emb_top, served_top = InProcessTeacher(teacher).score_topk(seqs, 3), ServerTeacher(url).score_topk(seqs, 3)
+        for (lp_e, ids_e, top_e), (lp_s, ids_s, top_s), sq in zip(emb_top, served_top, seqs):
+            assert ids_s == ids_e and len(ids_s) == len(sq) and all(len(r) == 3 for r in ids_s)
+            torch.testing.assert_close(torch.tensor(top_s), torch.tensor(top_e), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(lp_s), torch.tensor(lp_e), rtol=1e-5, atol=1e-5)
+            full = torch.tensor(top_e)[1:]
+            assert (full[:, :-1] >= full[:, 1:]).all() and (torch.tensor(lp_e)[1:] <= full[:, 0] + 1e-6).all()
         for bad, field in [({"sequences": []}, "sequences"), ({"sequences": [[1, 99]]}, "sequences[0]"),
                            ({"sequences": [[1], "x"]}, "sequences[1]"), ({"sequences": [[1, 2]], "temperature": 0},
                                                                         "temperature"),
-                           ({"sequences": [[1, 2]], "top_k": 3}, "top_k"), ({"token_ids": [1]}, "sequences")]:
+                           ({"sequences": [[1, 2]], "top_k": -1}, "top_k"), ({"sequences": [[1, 2]], "top_k": "3"},
+                                                                              "top_k"),
+                           ({"sequences": [[1, 2]], "top_k": 10_000}, "top_k"), ({"sequences": [[1, 2]], "k": 3}, "k"),
+                           ({"token_ids": [1]}, "sequences")]:
             status, body = _post(url, bad)
             assert status == 400 and field in body["error"], (bad, body)
         assert _post(url, {"sequences": [[1, 2, 3]]})[0] == 200  # still serving
@@ -152,6 +164,8 @@ def test_dry_run_refuses_a_teacher_with_another_vocabulary(tmp_path, teacher_run
     assert len(r.stderr.strip().splitlines()) == 1
     ok = _dry_run(tmp_path, "--distill.teacher", str(teacher_run), "--distill.only", "true")
     assert ok.returncode == 0, ok.stderr
+    no_teacher = _dry_run(tmp_path, "--distill.topk", "4")
+    assert no_teacher.returncode == 2 and "config error: distill.topk:" in no_teacher.stderr, no_teacher.stderr
     assert 'teacher = "' in ok.stdout
 
 
@@ -162,6 +176,9 @@ def test_dry_run_refuses_a_teacher_with_another_vocabulary(tmp_path, teacher_run
     (["--distill.coef", "0"], "distill.coef"),
     (["--distill.normalize", "batch"], "distill.normalize"),
     (["--distill.backend", "nope"], "distill.backend"),
+    (["--distill.topk", "-1"], "distill.topk"),
+    (["--distill.topk", "100000"], "distill.topk"),
+    (["--distill.topk", "2", "--distill.topk_coef", "0"], "distill.topk_coef"),
 ])
 def test_config_checks_name_the_key(tmp_path, teacher_run, over, key):
     from primerl.runtime.config import ConfigError
@@ -242,15 +259,16 @@ def test_orchestrator_hands_over_per_token_distill_advantages(tmp_path, teacher_
 
 
 def test_primerl_rl_with_a_teacher_logs_distill_metrics(tmp_path, teacher_run):
-    """`primerl rl` with [distill]: the in-process teacher scores every batch, the trainer trains on
-    the per-token advantages, and every step logs distill/reverse_kl and the scoring times."""
+    """`primerl rl` with [distill] and the teacher's top-2 (distill.topk): the in-process teacher
+    scores every batch, the trainer trains on the per-token advantages and the top-k term, and every
+    step logs distill/reverse_kl, the top-k KL and the scoring times."""
     from primerl.runtime.metrics import read_metrics
 
     steps = 3
     r = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--output_dir", str(tmp_path / "job"),
                         *TINY, "--max_steps", str(steps), "--orchestrator.batch_size", "4",
                         "--orchestrator.group_size", "4", "--checkpoint.interval", "0", "--log.plot", "false",
-                        "--distill.teacher", str(teacher_run), "--distill.only", "true"],
+                        "--distill.teacher", str(teacher_run), "--distill.only", "true", "--distill.topk", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -258,6 +276,7 @@ def test_primerl_rl_with_a_teacher_logs_distill_metrics(tmp_path, teacher_run):
     assert [x["step"] for x in rows] == list(range(steps))
     for x in rows:
         assert x["distill/reverse_kl"] != 0 and x["distill/score_s"] > 0 and x["distill/wait_s"] >= 0
+        assert x["loss/distill_topk_kl"] > 0
         assert math.isfinite(x["loss"])
 
 
@@ -275,7 +294,10 @@ def test_vllm_teacher_reads_prompt_logprobs_from_a_vllm_style_server():
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             bodies.append(body)
             p = body["prompt"]
-            pl = None if p == [9, 9] else [None] + [{str(t): {"logprob": -0.5 * t, "rank": 1}} for t in p[1:]]
+            k = body["prompt_logprobs"]  # top-k (rank 1..k) and the prompt's own token (its rank), as vLLM
+            pl = None if p == [9, 9] else [None] + [
+                {**{str(100 + j): {"logprob": -0.1 * (j + 1), "rank": j + 1} for j in range(k)},
+                 str(t): {"logprob": -0.5 * t, "rank": k + 1 if k else 1}} for t in p[1:]]
             out = json.dumps({"choices": [{"prompt_logprobs": pl, "text": ""}]}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(out)))
@@ -294,6 +316,12 @@ def test_vllm_teacher_reads_prompt_logprobs_from_a_vllm_style_server():
                              "temperature": 1.0}
         with pytest.raises(TeacherError, match="prompt_logprobs"):
             t.score([[9, 9]])
+        lp, ids, tops = t.score_topk([[1, 2, 3]], 3)[0]  # distill.topk: prompt_logprobs = k
+        assert bodies[-1]["prompt_logprobs"] == 3 and lp == [0.0, -1.0, -1.5]
+        assert ids == [[0, 0, 0], [100, 101, 102], [100, 101, 102]]
+        assert tops[1:] == [[-0.1, -0.2, pytest.approx(-0.3)]] * 2
+        with pytest.raises(TeacherError, match="prompt_logprobs"):
+            t.score_topk([[9, 9]], 3)
     finally:
         srv.shutdown()
     with pytest.raises(TeacherError, match="teacher at http://127.0.0.1:9"):

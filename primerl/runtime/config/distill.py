@@ -30,6 +30,9 @@ class DistillConfig:
     url: str = ""  # "": score in the orchestrator's process; else the teacher's server
     backend: str = ""  # the protocol of url's server: an inference.backend name ("": inference.backend)
     timeout_s: float = 300.0  # a scoring request that takes longer fails the job, naming the teacher
+    topk: int = 0  # > 0: the teacher also returns its k most likely tokens at every position, and the
+    # trainer adds topk_coef * the forward KL from them (renormalised) to the student (0: off)
+    topk_coef: float = 1.0
 
 
 def distill_enabled(d: DistillConfig) -> bool:
@@ -44,8 +47,11 @@ def check_distill(d: DistillConfig) -> None:
     _need(d.clip >= 0, "distill.clip", "must be >= 0 (0: no clipping)", d.clip)
     _need(d.normalize in NORMALIZE, "distill.normalize", "must be none, token or sequence", d.normalize)
     _need(d.timeout_s > 0, "distill.timeout_s", "must be > 0", d.timeout_s)
+    _need(isinstance(d.topk, int) and d.topk >= 0, "distill.topk", "must be an integer >= 0 (0: off)", d.topk)
+    _need(d.topk_coef > 0, "distill.topk_coef", "must be > 0", d.topk_coef)
     on = distill_enabled(d)
     _need(on or not d.only, "distill.only", "pure distillation needs a teacher (distill.teacher)", d.only)
+    _need(on or not d.topk, "distill.topk", "the teacher's top-k needs a teacher (distill.teacher)", d.topk)
     _need(on or not d.url, "distill.url", "a teacher server needs distill.teacher (the teacher it serves)", d.url)
     _need(not d.url or d.url.startswith(("http://", "https://")), "distill.url", "must be an http(s):// URL", d.url)
     _need(not (d.url and d.teachers), "distill.url",

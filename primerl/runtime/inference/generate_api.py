@@ -199,9 +199,10 @@ def models_response(model_name: str, max_model_len: int) -> dict:
 
 def parse_score_request(body, *, max_model_len: int, vocab_size: int | None = None) -> tuple[list[list[int]], float]:
     """``POST /v1/score`` (prefill only: the log-prob of every given token, the distillation teacher's
-    route): ``{"sequences": [[int, ...], ...], "temperature": float}`` -> (sequences, temperature).
-    Every field is checked (a non-empty list of non-empty token-id lists inside the vocabulary and
-    ``max_model_len``, a temperature > 0); the message names it (HTTP 400)."""
+    route): ``{"sequences": [[int, ...], ...], "temperature": float, "top_k": int}`` -> (sequences,
+    temperature, top_k). Every field is checked (a non-empty list of non-empty token-id lists inside
+    the vocabulary and ``max_model_len``, a temperature > 0, ``top_k`` an integer from 0 (the
+    default: none) to the vocabulary size); the message names it (HTTP 400)."""
     if not isinstance(body, dict):
         raise GenerateRequestError("the body must be a JSON object")
     seqs = body.get("sequences")
@@ -216,13 +217,24 @@ def parse_score_request(body, *, max_model_len: int, vocab_size: int | None = No
     temperature = _float(body.get("temperature", 1.0), "temperature")
     if temperature <= 0:
         raise GenerateRequestError(f"temperature must be > 0, got {temperature}")
-    unknown = sorted(set(body) - {"sequences", "temperature", "model"})
+    top_k = body.get("top_k", 0)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0 or (vocab_size and top_k > vocab_size):
+        raise GenerateRequestError(f"top_k must be an integer from 0 to the vocabulary size ({vocab_size}), got "
+                                   f"{top_k!r}")
+    unknown = sorted(set(body) - {"sequences", "temperature", "model", "top_k"})
     if unknown:
-        raise GenerateRequestError(f"unknown field(s) {unknown} (the score route takes sequences, temperature, model)")
-    return out, temperature
+        raise GenerateRequestError(f"unknown field(s) {unknown} (the score route takes sequences, temperature, top_k, "
+                                   "model)")
+    return out, temperature, top_k
 
 
-def score_response(logprobs: list[list[float]], policy_version: int) -> dict:
-    """The route's body: entry 0 of every sequence is null (no prediction), as vLLM's ``prompt_logprobs``."""
-    return {"object": "score", "policy_version": int(policy_version),
-            "logprobs": [[None] + [float(x) for x in lp[1:]] for lp in logprobs]}
+def score_response(logprobs: list[list[float]], policy_version: int, topk: list | None = None) -> dict:
+    """The route's body: entry 0 of every sequence is null (no prediction), as vLLM's ``prompt_logprobs``;
+    with ``topk`` (per sequence ``(ids [L][k], log-probs [L][k])``) also ``top_ids`` and
+    ``top_logprobs``, entry 0 null too."""
+    out = {"object": "score", "policy_version": int(policy_version),
+           "logprobs": [[None] + [float(x) for x in lp[1:]] for lp in logprobs]}
+    if topk is not None:
+        out["top_ids"] = [[None] + ids[1:] for ids, _ in topk]
+        out["top_logprobs"] = [[None] + lps[1:] for _, lps in topk]
+    return out

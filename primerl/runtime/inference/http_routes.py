@@ -7,7 +7,8 @@ the job's weights: :meth:`RouteTable.waiting_for_weights`, which also answers th
 (Prometheus text), ``/is_paused``, ``/kv_transfer/<id>`` (``pd_leg``). POST (a JSON object body):
 ``/inference/v1/generate`` (``generate_api``; ``X-Session-ID`` recorded in ``sessions``),
 ``/v1/completions`` (primerl's vLLM client protocol), ``/v1/score`` (prefill only: one log-prob per
-given token, ``generate_api.parse_score_request``; the distillation teacher's route),
+given token, and with ``top_k`` each position's k most likely tokens; ``generate_api.parse_score_request``;
+the distillation teacher's route),
 ``/collective_rpc``, ``/pause``, ``/resume`` (``weight_rpcs``), ``/reset_prefix_cache`` (a no-op: no
 prefix cache). Anything else: 404 naming it. A bad request raises ValueError (incl.
 ``GenerateRequestError``), KeyError or TypeError, which the front ends answer 400.
@@ -145,13 +146,17 @@ class RouteTable:
     def start_score(self, body: dict) -> Pending:
         """``POST /v1/score``: the engine's model scores the given tokens (one prefill forward, run on
         the engine thread between two steps) -> ``generate_api.score_response``."""
-        from .teacher import score_logprobs
+        from .teacher import score_logprobs, score_topk
 
-        seqs, temperature = parse_score_request(body, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        seqs, temperature, top_k = parse_score_request(body, max_model_len=self.max_model_len,
+                                                       vocab_size=self.vocab_size)
         engine = self.engine_thread.engine
 
         def score():
-            return score_logprobs(engine.model, seqs, temperature=temperature), engine.policy_version
+            if not top_k:
+                return score_logprobs(engine.model, seqs, temperature=temperature), engine.policy_version, None
+            rows = score_topk(engine.model, seqs, top_k, temperature=temperature)
+            return [lp for lp, _, _ in rows], engine.policy_version, [(ids, lps) for _, ids, lps in rows]
 
         return Pending(self.engine_thread.call(score), lambda r: score_response(*r))
 

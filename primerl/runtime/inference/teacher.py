@@ -11,7 +11,8 @@ orchestrator's in-process teacher and ``POST /v1/score`` of ``primerl inference`
 over the packed sequences (on the CPU the trainer's padded attention path, ``padded_forward``:
 the attention kernel walks a packed batch sequence by sequence); entry t of a sequence's result
 is ``log softmax(logits_{t-1} / T)`` at token t (entry 0 has no prediction: 0.0 here, ``null`` on the wire, as vLLM's
-``prompt_logprobs``).
+``prompt_logprobs``). ``score_topk`` adds the k most likely tokens of every position's distribution
+(``distill.topk``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TeacherSource", "resolve_teacher", "load_teacher", "score_logprobs", "check_same_vocabulary"]
+__all__ = ["TeacherSource", "resolve_teacher", "load_teacher", "score_logprobs", "score_topk", "check_same_vocabulary"]
 
 
 @dataclass
@@ -133,14 +134,29 @@ def _load_checkpoint_weights(model, ckpt: Path) -> None:
         model.load_state_dict(sd)
 
 
-@torch.no_grad()
 def score_logprobs(model, sequences: list[list[int]], *, temperature: float = 1.0,
                    max_tokens: int = 16384) -> list[list[float]]:
     """Per-token log-probs of ``sequences`` under ``model`` (prefill only; forwards of at most
     ``max_tokens`` packed tokens, a longer sequence alone): ``out[i][t] = log p(seq_i[t] | seq_i[:t])``
     at ``temperature``, ``out[i][0] = 0.0``."""
+    return [lp for lp, _, _ in _score(model, sequences, temperature, max_tokens, 0)]
+
+
+def score_topk(model, sequences: list[list[int]], k: int, *, temperature: float = 1.0,
+               max_tokens: int = 16384) -> list[tuple[list[float], list[list[int]], list[list[float]]]]:
+    """``score_logprobs`` and, per position, the model's ``k`` most likely tokens and their
+    log-probs: ``out[i] = (logprobs [L], topk_ids [L][k], topk_logprobs [L][k])``, entry t the
+    distribution token t was drawn from (entry 0: ids 0 and log-probs 0.0, no prediction); ties
+    in the order ``torch.topk`` gives."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"score_topk: k must be an integer >= 1, got {k!r}")
+    return _score(model, sequences, temperature, max_tokens, k)
+
+
+@torch.no_grad()
+def _score(model, sequences, temperature, max_tokens, k):
     dev = next(model.parameters()).device
-    out: list[list[float]] = [[] for _ in sequences]
+    out: list = [None for _ in sequences]
     chunk: list[int] = []
     n = 0
 
@@ -160,8 +176,14 @@ def score_logprobs(model, sequences: list[list[int]], *, temperature: float = 1.
         # the prediction at t-1 scores token t: gather the next token of every position
         nxt = torch.roll(ids, -1, 0)
         scored = lp.gather(1, nxt.unsqueeze(1)).squeeze(1).cpu()
+        top = lp.topk(k, dim=-1) if k else None
+        top_lp, top_ids = (top.values.cpu(), top.indices.cpu()) if k else (None, None)
         for i, a, b in zip(idx, cu[:-1].tolist(), cu[1:].tolist()):
-            out[i] = [0.0] + scored[a:b - 1].tolist()
+            row = [0.0] + scored[a:b - 1].tolist()
+            if k:
+                out[i] = (row, [[0] * k] + top_ids[a:b - 1].tolist(), [[0.0] * k] + top_lp[a:b - 1].tolist())
+            else:
+                out[i] = (row, None, None)
 
     for i, s in enumerate(sequences):
         if chunk and n + len(s) > max_tokens:

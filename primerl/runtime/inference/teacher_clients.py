@@ -6,6 +6,11 @@ convention: entry t scores token t, entry 0 is 0.0), whatever serves the teacher
 - :class:`VLLMTeacher`: vLLM's ``/v1/completions`` with ``prompt_logprobs = 0`` and ``max_tokens = 1``
   (the vllm backend): vLLM returns the log-prob of every prompt token after the first.
 
+Each also has ``score_topk(sequences, k)`` (``distill.topk``): per sequence ``(logprobs [L], topk_ids
+[L][k], topk_logprobs [L][k])``, entry t the teacher's k most likely tokens where token t was drawn
+(entry 0: zeros). The server gets ``top_k`` in the same request; vLLM is asked for
+``prompt_logprobs = k`` (vLLM caps it at its ``--max-logprobs``, 20 by default).
+
 An inference backend makes one (``InferenceBackend.make_teacher_client``); the orchestrator runs it
 on its scoring thread (``orchestrator.teacher_scoring.TeacherScorer``).
 """
@@ -32,6 +37,11 @@ class InProcessTeacher:
         from .teacher import score_logprobs
 
         return score_logprobs(self.model, sequences, temperature=self.temperature)
+
+    def score_topk(self, sequences: list[list[int]], k: int) -> list:
+        from .teacher import score_topk
+
+        return score_topk(self.model, sequences, k, temperature=self.temperature)
 
 
 def _post(url: str, body: dict, timeout: float, name: str) -> dict:
@@ -71,6 +81,17 @@ class ServerTeacher:
                      self.timeout_s, self.name)
         return _check(body.get("logprobs"), sequences, f"{self.name} at {self.url}")
 
+    def score_topk(self, sequences: list[list[int]], k: int) -> list:
+        body = _post(f"{self.url}/v1/score", {"sequences": sequences, "temperature": self.temperature, "top_k": k},
+                     self.timeout_s, self.name)
+        name = f"{self.name} at {self.url}"
+        lps = _check(body.get("logprobs"), sequences, name)
+        ids, tops = body.get("top_ids"), body.get("top_logprobs")
+        if not (isinstance(ids, list) and isinstance(tops, list) and len(ids) == len(tops) == len(sequences)):
+            raise TeacherError(f"{name}: expected top_ids and top_logprobs of {len(sequences)} sequences")
+        return [_topk_rows(lp, i_rows, t_rows, len(s), k, name, n)
+                for n, (lp, i_rows, t_rows, s) in enumerate(zip(lps, ids, tops, sequences))]
+
 
 class VLLMTeacher:
     """A vLLM server of the teacher at ``url`` (model name ``model``): one completion request per
@@ -94,6 +115,50 @@ class VLLMTeacher:
                 raise TeacherError(f"{self.name} at {self.url}: no prompt_logprobs in the answer ({e!r}): "
                                    f"{str(body)[:200]}") from None
         return _check(out, sequences, f"{self.name} at {self.url}")
+
+    def score_topk(self, sequences: list[list[int]], k: int) -> list:
+        out = []
+        for s in sequences:
+            body = _post(f"{self.url}/v1/completions",
+                         {"model": self.model, "prompt": s, "max_tokens": 1, "prompt_logprobs": k,
+                          "temperature": self.temperature}, self.timeout_s, self.name)
+            try:
+                pl = body["choices"][0]["prompt_logprobs"]
+                tops = [_vllm_topk(d, k) for d in pl[1:]]
+                out.append(([None] + [_vllm_entry(d, t) for d, t in zip(pl[1:], s[1:])],
+                            [[0] * k] + [i for i, _ in tops], [[0.0] * k] + [x for _, x in tops]))
+            except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+                raise TeacherError(f"{self.name} at {self.url}: no prompt_logprobs in the answer ({e!r}): "
+                                   f"{str(body)[:200]}") from None
+        lps = _check([lp for lp, _, _ in out], sequences, f"{self.name} at {self.url}")
+        return [_topk_rows(lp, i, x, len(s), k, f"{self.name} at {self.url}", n)
+                for n, (lp, (_, i, x), s) in enumerate(zip(lps, out, sequences))]
+
+
+def _topk_rows(lp, id_rows, lp_rows, L: int, k: int, name: str, n: int):
+    """One sequence's (logprobs, topk_ids, topk_logprobs) from the wire (entry 0 null), checked."""
+    if not isinstance(id_rows, list) or not isinstance(lp_rows, list) or len(id_rows) != L or len(lp_rows) != L:
+        raise TeacherError(f"{name}: sequence {n} has {L} tokens but its top-k rows do not match")
+    ids, lps = [[0] * k], [[0.0] * k]
+    for a, b in zip(id_rows[1:], lp_rows[1:]):
+        if not isinstance(a, list) or not isinstance(b, list) or len(a) != k or len(b) != k:
+            raise TeacherError(f"{name}: sequence {n}: a top-k row is not {k} ids and {k} log-probs")
+        row = [float(x) for x in b]
+        if not all(math.isfinite(x) for x in row):
+            raise TeacherError(f"{name}: non-finite top-k log-probs for sequence {n}")
+        ids.append([int(x) for x in a])
+        lps.append(row)
+    return lp, ids, lps
+
+
+def _vllm_topk(d: dict, k: int) -> tuple[list[int], list[float]]:
+    """vLLM's prompt_logprobs entry (the k most likely tokens, each with its ``rank``, plus the
+    prompt's own token when it is not among them) -> the k most likely ids and log-probs."""
+    items = [(int(t), float(v["logprob"] if isinstance(v, dict) else v)) for t, v in d.items()]
+    items.sort(key=lambda x: -x[1])
+    if len(items) < k:
+        raise KeyError(f"{len(items)} entries where the top-{k} was asked for: {str(d)[:80]}")
+    return [t for t, _ in items[:k]], [x for _, x in items[:k]]
 
 
 def _vllm_entry(d: dict, token: int) -> float:

@@ -101,7 +101,7 @@ class Orchestrator(BatchSteps):
         if distill_enabled(cfg.distill):
             from .teacher_scoring import TeacherScorer, build_teachers, teacher_key
 
-            self.scorer = TeacherScorer(build_teachers(cfg) if teachers is None else teachers)
+            self.scorer = TeacherScorer(build_teachers(cfg) if teachers is None else teachers, topk=cfg.distill.topk)
             self._teacher_keys = [teacher_key(cfg.distill, m.cfg.id) for m in self.mix]
 
     # ---------------------------------------------------------------- env calls (concurrent, timeout + retry)

@@ -27,12 +27,13 @@ __all__ = ["TeacherScorer", "build_teachers", "distill_batch", "in_process_teach
 class TeacherScorer:
     """``submit(episode_state, teacher_key)`` queues a finished episode; the thread sets
     ``st.teacher_logprobs`` (aligned with ``st.episode.tokens``), ``st.scored_at`` and
-    ``st.score_s`` (its share of the forward's time). A teacher failure is kept and re-raised by
+    ``st.score_s`` (its share of the forward's time); with ``topk`` > 0 (``distill.topk``) also
+    ``st.teacher_topk`` = (ids [L][k], log-probs [L][k]). A teacher failure is kept and re-raised by
     ``check()`` in the orchestrator's loop, naming the teacher."""
 
-    def __init__(self, teachers: dict, *, max_batch: int = 512):
-        self.teachers = teachers  # key -> teacher client (score(sequences))
-        self.max_batch = max_batch
+    def __init__(self, teachers: dict, *, max_batch: int = 512, topk: int = 0):
+        self.teachers = teachers  # key -> teacher client (score(sequences), score_topk(sequences, k))
+        self.max_batch, self.topk = max_batch, topk
         self._q: queue.Queue = queue.Queue()
         self._queued = 0
         self._lock = threading.Lock()
@@ -43,7 +44,7 @@ class TeacherScorer:
         self._thread.start()
 
     def submit(self, st, key) -> None:
-        st.teacher_logprobs, st.done_at = None, time.monotonic()
+        st.teacher_logprobs, st.teacher_topk, st.done_at = None, None, time.monotonic()
         with self._lock:
             self._queued += 1
         self._q.put((st, key))
@@ -87,11 +88,16 @@ class TeacherScorer:
             try:
                 for key, sts in by_key.items():
                     t0 = time.perf_counter()
-                    out = self.teachers[key].score([list(st.episode.tokens) for st in sts])
+                    seqs = [list(st.episode.tokens) for st in sts]
+                    if self.topk:
+                        out = self.teachers[key].score_topk(seqs, self.topk)
+                    else:
+                        out = [(lp, None, None) for lp in self.teachers[key].score(seqs)]
                     dt = (time.perf_counter() - t0) / len(sts)
                     now = time.monotonic()
-                    for st, lp in zip(sts, out):
+                    for st, (lp, ids, lps) in zip(sts, out):
                         st.score_s, st.scored_at = dt, now
+                        st.teacher_topk = None if ids is None else (ids, lps)
                         st.teacher_logprobs = lp
             except BaseException as e:  # noqa: BLE001 - kept, re-raised in the orchestrator's loop
                 log.exception("teacher scoring failed")
@@ -137,7 +143,9 @@ def in_process_teacher(cfg, path: str):
 def distill_batch(samples, states, d) -> dict:
     """Replace every sample's advantage by ``distill_advantages`` over the batch (student: the
     sampler's log-probs; teacher: ``st.teacher_logprobs``), composed with its reward advantage
-    unless ``d.only``. -> the step's ``distill/*`` metrics (reverse KL and scoring times)."""
+    unless ``d.only``; with ``d.topk`` the samples carry the teacher's top-k to the trainer
+    (``Sample.teacher_topk_ids`` / ``teacher_topk_logprobs``). -> the step's ``distill/*`` metrics
+    (reverse KL and scoring times)."""
     import torch
 
     lens = [len(s.input_ids) for s in samples]
@@ -150,8 +158,12 @@ def distill_batch(samples, states, d) -> dict:
     norm = None if d.normalize == "none" else d.normalize
     out = distill_advantages(ls, lt, mask, clip=d.clip or None, normalize=norm, cu_seqlens=cu,
                              reward_advantages=reward, coef=d.coef)
-    for s, a, b in zip(samples, cu[:-1].tolist(), cu[1:].tolist()):
+    for s, st, a, b in zip(samples, states, cu[:-1].tolist(), cu[1:].tolist()):
         s.advantages = out.advantages[a:b].clone()
+        if d.topk:
+            ids, lps = st.teacher_topk
+            s.teacher_topk_ids = torch.tensor(ids, dtype=torch.long)
+            s.teacher_topk_logprobs = torch.tensor(lps, dtype=torch.float32)
     done = max(st.done_at for st in states)
     scored = max(st.scored_at for st in states)
     return {"distill/reverse_kl": float(out.reverse_kl), "distill/score_s": sum(st.score_s for st in states),

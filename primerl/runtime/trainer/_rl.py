@@ -124,6 +124,22 @@ def policy_loss(logprobs, mb, loss_cfg, counts, *, entropy=None, ref_logprobs=No
     return loss, metrics
 
 
+def topk_distill_term(model, hidden, mb, targets, logprobs, coef: float, counts, num_tokens: int):
+    """The teacher's top-k term of one micro-batch (``distill.topk``; ``primerl.rl.distill``):
+    ``coef`` * the forward KL from the teacher's renormalised top-k to the student, summed over the
+    micro-batch's loss tokens and divided by the step's (``counts[0]``, all ranks), so that the sum
+    over micro-batches and ranks is the mean per loss token. ``hidden`` [t, D], ``targets`` and
+    ``logprobs`` [t]: the policy's forward and fused log-probs of ``mb`` (a ``next_token_batch``).
+    -> (the term, the micro-batch's mean KL per loss token as a detached 0-d tensor)."""
+    from primerl.rl.distill import student_topk_logprobs, topk_distill_kl
+
+    temperature = 1.0 if mb.temperatures is None else mb.temperatures
+    student = student_topk_logprobs(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, targets, logprobs,
+                                    mb.teacher_topk_ids, temperature=temperature)
+    kl = topk_distill_kl(student, mb.teacher_topk_logprobs, mb.loss_mask).sum()
+    return coef * kl / max(float(counts[0]), 1.0), kl.detach() / max(num_tokens, 1)
+
+
 class LossMetrics:
     """Means over a step's micro-batches (and ranks) of the metrics of the policy-loss options, each
     weighted by the tokens it is a mean over (policy_kl and a custom method's metrics: the
@@ -134,8 +150,8 @@ class LossMetrics:
     Keys are fixed by the config so every rank reduces the same tensor; a custom method's own
     metrics (``custom()``, not reduced) are logged only with one rank."""
 
-    def __init__(self, loss_cfg, world_size: int = 1, device: torch.device | str = "cpu"):
-        self.keys = ["zero_adv_frac", "correction_drop_frac", "policy_kl", "pg_loss"]
+    def __init__(self, loss_cfg, world_size: int = 1, device: torch.device | str = "cpu", extra: tuple = ()):
+        self.keys = ["zero_adv_frac", "correction_drop_frac", "policy_kl", "pg_loss", *extra]
         if loss_cfg.ref_kl_coef > 0:
             self.keys += ["ref_kl", "ref_kl_loss", "ref_kl_drop_frac"]
         if loss_cfg.sft_coef > 0:

@@ -117,12 +117,13 @@ def shifted_logprobs(model, mb, *, replay: bool, chunk_size: int | None = None, 
 
 def next_token_logprobs(model, mb, targets, *, replay: bool, plan=None, padded: bool = False,
                         chunk_size: int | None = None, padded_plan: PaddedPlan | None = None,
-                        max_seqlen: int | None = None):
+                        max_seqlen: int | None = None, return_hidden: bool = False):
     """Fused log-probs of ``targets`` and entropies from each hidden state of ``mb`` (a
     ``next_token_batch``, sharded by ``plan`` under context parallelism), both [t] float32.
     ``padded_plan``: the ``PaddedPlan`` of ``mb.cu_seqlens`` built beforehand (else built here,
     which reads ``cu_seqlens`` on the host); ``max_seqlen``: the longest sequence of ``mb`` (passed to
-    the model, whose sparse-attention form reads it on the device otherwise)."""
+    the model, whose sparse-attention form reads it on the device otherwise). ``return_hidden``:
+    the hidden states [t, D] come third (the teacher's top-k term scores more tokens from them)."""
     replay_ids = mb.replay_ids if replay else None
     if padded:
         hidden = padded_forward(model, mb.input_ids, mb.position_ids,
@@ -133,7 +134,8 @@ def next_token_logprobs(model, mb, targets, *, replay: bool, plan=None, padded: 
         hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens if plan is None else plan, replay_ids=replay_ids,
                        **extra)
     temperature = 1.0 if mb.temperatures is None else mb.temperatures
-    return fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
+    lp, ent = fused_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature, chunk_size=chunk_size)
+    return (lp, ent, hidden) if return_hidden else (lp, ent)
 
 
 LORA_SEED_OFFSET = 0x10AA  # the adapters' init draws from seed + this (not the model init's numbers again)
@@ -159,6 +161,8 @@ class Trainer:
         self.model.train()
         # frozen initial policy, when the loss needs one (LoRA: the policy itself with its adapters off, below)
         self.ref_model = None if t.lora.rank else _rl.reference_model(t.loss, self.model)
+        # the teacher's top-k term (distill.topk): its batches carry the teacher's k tokens per position
+        self.topk_coef = cfg.distill.topk_coef if cfg.distill.topk else 0.0
         if par.fp8 != "off":
             from primerl.models import convert_to_fp8
 
@@ -365,16 +369,22 @@ class Trainer:
         # each micro-batch's loss tokens), float64 on the device
         acc = torch.zeros(6, dtype=torch.float64, device=dev)
         ratio_max = torch.zeros((), dtype=torch.float64, device=dev)
-        loss_metrics = _rl.LossMetrics(t.loss, self.world_size, device=dev)
+        loss_metrics = _rl.LossMetrics(t.loss, self.world_size, device=dev,
+                                       extra=("distill_topk_kl",) if self.topk_coef else ())
         zero = torch.zeros((), device=dev)
         for mb, targets, plan, k, longest in prep.micro_batches:
             # the reference first: under LoRA it is this model (adapters off), run before the policy's graph
             ref_lp = _rl.reference_logprobs(self.ref_model, lambda ref: next_token_logprobs(
                 ref, mb, targets, replay=False, plan=mb.context_plan, padded=self.padded, padded_plan=plan,
                 max_seqlen=longest)[0])
-            lp, ent = next_token_logprobs(self.model, mb, targets, replay=replay, plan=mb.context_plan,
-                                          padded=self.padded, padded_plan=plan, max_seqlen=longest)
+            lp, ent, hidden = next_token_logprobs(self.model, mb, targets, replay=replay, plan=mb.context_plan,
+                                                  padded=self.padded, padded_plan=plan, max_seqlen=longest,
+                                                  return_hidden=True)
             loss, m = _rl.policy_loss(lp, mb, t.loss, prep.counts, entropy=ent, ref_logprobs=ref_lp)
+            if self.topk_coef and mb.teacher_topk_ids is not None:
+                term, m["distill_topk_kl"] = _rl.topk_distill_term(self.model, hidden, mb, targets, lp,
+                                                                   self.topk_coef, prep.counts, k)
+                loss = loss + term
             coef = self.entropy_coef()
             if coef:
                 loss = loss - coef * (ent * mb.loss_mask).sum() / prep.total
@@ -542,12 +552,15 @@ def _dummy_like(mb):
     from dataclasses import replace
 
     two = torch.zeros(2, dtype=mb.input_ids.dtype)
+    topk = 0 if mb.teacher_topk_ids is None else mb.teacher_topk_ids.shape[1]
     replay = (None if mb.replay_ids is None
               else torch.arange(mb.replay_ids.shape[-1]).expand(2, *mb.replay_ids.shape[1:]))
     return replace(mb, input_ids=two, position_ids=torch.arange(2), cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
                    loss_mask=torch.zeros(2, dtype=torch.bool), advantages=torch.zeros(2),
                    inference_logprobs=torch.zeros(2), temperatures=None if mb.temperatures is None else torch.ones(2),
                    replay_ids=replay, loss_weights=None if mb.loss_weights is None else torch.zeros(2),
+                   teacher_topk_ids=None if mb.teacher_topk_ids is None else mb.teacher_topk_ids.new_zeros(2, topk),
+                   teacher_topk_logprobs=None if mb.teacher_topk_ids is None else torch.zeros(2, topk),
                    is_padding=True, num_real_tokens=0)
 
 
