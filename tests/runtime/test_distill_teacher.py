@@ -213,6 +213,12 @@ class TableTeacher:
         self.seqs += [list(s) for s in seqs]
         return [[0.0] + [-self.scale * t for t in s[1:]] for s in seqs]
 
+    def score_topk(self, seqs, k):
+        """Top-k rows the test can predict too: at token t, ids t, t + 1, ... and log-probs -scale * id."""
+        rows = [[[t + j for j in range(k)] for t in s[1:]] for s in seqs]
+        return [(lp, [[0] * k] + r, [[0.0] * k] + [[-self.scale * i for i in ids] for ids in r])
+                for lp, r in zip(self.score(seqs), rows)]
+
 
 @pytest.mark.parametrize("only", [True, False])
 def test_orchestrator_hands_over_per_token_distill_advantages(tmp_path, teacher_run, only):
@@ -225,6 +231,7 @@ def test_orchestrator_hands_over_per_token_distill_advantages(tmp_path, teacher_
                              "--orchestrator.group_size", "4", "--orchestrator.seq_len", "64", "--max_steps", "3",
                              "--env.args", '{"num_symbols": 4}', "--distill.teacher", str(teacher_run),
                              "--distill.only", str(only).lower(), "--distill.coef", "0.5",
+                             *(["--distill.topk", "2"] if only else []),
                              "--orchestrator.max_async_level", "1"], check=False)
     tr = FileTransport(cfg.output_dir)
     seen = []
@@ -247,6 +254,11 @@ def test_orchestrator_hands_over_per_token_distill_advantages(tmp_path, teacher_
         distill = torch.where(mb.loss_mask, 0.5 * (lt - ls), 0.0)
         if only:
             torch.testing.assert_close(mb.advantages, distill)
+            # distill.topk 2: each loss token's row is the teacher's for that very token
+            m = mb.loss_mask
+            want = torch.stack([mb.input_ids[m], mb.input_ids[m] + 1], 1)
+            assert torch.equal(mb.teacher_topk_ids[m], want)
+            torch.testing.assert_close(mb.teacher_topk_logprobs[m], -0.1 * want.float())
         else:  # what is left after removing A_distill is the reward advantage: constant over a sequence
             rest = mb.advantages - distill
             for a, b in zip(cu[:-1], cu[1:]):
