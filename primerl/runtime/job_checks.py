@@ -30,12 +30,14 @@ def check_packages(cfg) -> None:
     if cfg.orchestrator.metrics_port and not _installed("prometheus_client"):
         raise _error("orchestrator.metrics_port", "GET /metrics needs the prometheus-client package "
                      "(pip install 'primerl[serve]')", cfg.orchestrator.metrics_port)
-    if cfg.env.id == "verifiers":
+    from .config.data import env_key, job_envs
+
+    for i, e in enumerate(job_envs(cfg)):
         missing = [m for m in ("verifiers", "verifiers.v1", "renderers") if not _installed(m)]
-        if missing:
-            raise _error("env.id", f"the verifiers environment needs verifiers 0.4.0 and renderers "
+        if e.id == "verifiers" and missing:
+            raise _error(f"{env_key(cfg, i)}.id", f"the verifiers environment needs verifiers 0.4.0 and renderers "
                          f"({', '.join(missing)} not installed: pip install 'primerl[verifiers]'; docs/verifiers.md)",
-                         cfg.env.id)
+                         e.id)
 
 
 def check_programs(cfg) -> None:

@@ -277,19 +277,32 @@ def test_mix_config_round_trips_through_the_dry_run_toml(tmp_path):
     assert again.env == cfg.env and again.env_mix == cfg.env_mix and again.eval == cfg.eval
 
 
-def test_verifiers_path_refuses_filter_and_curriculum(tmp_path):
-    from primerl.runtime.config import RLConfig, validate_fields
+def test_verifiers_environments_mix_with_builtin_ones_and_what_stays_refused():
+    """A verifiers environment in a mix, with dynamic sampling and the curriculum, passes the field
+    checks (tests/vf/test_vf_mix.py runs it); its own token cap and online eval are refused, one
+    line naming the key."""
+    from primerl.runtime.config import EvalEnvConfig, RLConfig, validate_fields
+    from primerl.runtime.config.schema import EnvConfig
 
-    for key, val in (("filter", "dapo"), ("curriculum", None)):
-        cfg = RLConfig()
-        cfg.env.id = "verifiers"
-        if key == "filter":
-            cfg.orchestrator.filter = "dapo"
-        else:
-            cfg.orchestrator.curriculum.enabled = True
-        with pytest.raises(ConfigError, match=f"orchestrator.{key}"):
-            validate_fields(cfg)
-
+    cfg = RLConfig()
+    cfg.env.id, cfg.env.name, cfg.env.group_size = "verifiers", "vf", 4
+    cfg.env_mix = [EnvConfig(id="reverse-text", name="rev", weight=0.5, group_size=2, max_tokens=4)]
+    cfg.orchestrator.filter = "dapo"
+    cfg.orchestrator.curriculum.enabled = True
+    validate_fields(cfg)
+    cfg.env.max_tokens = 8
+    with pytest.raises(ConfigError, match=r"^env\[0\]\.max_tokens: a verifiers environment caps its model turns "
+                                          r"with env\[0\]\.args\.max_tokens"):
+        validate_fields(cfg)
+    cfg.env.max_tokens = 0
+    cfg.env, cfg.env_mix[0] = cfg.env_mix[0], cfg.env
+    with pytest.raises(ConfigError, match=r"^env\[1\]\.id: list a verifiers environment first in the mix"):
+        validate_fields(cfg)
+    cfg.env, cfg.env_mix[0] = cfg.env_mix[0], cfg.env
+    cfg.eval.interval, cfg.eval.env = 10, [EvalEnvConfig(env="rev")]
+    with pytest.raises(ConfigError, match="^eval.env: online evaluation is not run in a job with a verifiers "
+                                          "environment"):
+        validate_fields(cfg)
 
 
 def test_distill_teachers_score_each_environment_of_a_mix_with_its_own_teacher(tmp_path):

@@ -160,3 +160,31 @@ def test_orchestrator_runs_the_reward_calls_of_a_batch_concurrently(tmp_path):
     # FakeClient finishes 4 requests per poll: their 4 reward calls must all be running together
     orch, seen = _run(_cfg(tmp_path, "--env.max_retries", "0"), NeedsCompany(4), FakeClient(), steps=2)
     assert len(seen) == 2 and orch.counters["env_errors"] == 0
+
+
+def test_async_env_calls_return_results_and_time_out_on_the_event_loop():
+    """``AsyncEnvCalls`` (the verifiers path's built-in environments): results, an environment's
+    error and a hanging call's timeout arrive in their awaiting coroutines, the others unaffected,
+    including a call that waited for a free slot (max_concurrent 2) behind the hanging one."""
+    import asyncio
+
+    from primerl.runtime.orchestrator.env_calls import AsyncEnvCalls
+
+    release = threading.Event()
+
+    def boom():
+        raise ValueError("bad grader")
+
+    async def main():
+        calls = AsyncEnvCalls(EnvCalls("env", timeout_s=0.3, max_concurrent=2), asyncio.get_running_loop())
+        return await asyncio.gather(calls.call("reward", release.wait), calls.call("reward", boom),
+                                    calls.call("reward", lambda: 7), calls.call("respond", lambda: [1, 2]),
+                                    return_exceptions=True)
+
+    try:
+        hung, err, ok, reply = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        release.set()
+    assert isinstance(hung, EnvCallTimeout) and "'env': reward() did not return within env.timeout_s" in str(hung)
+    assert isinstance(err, EnvCallError) and "reward() raised ValueError: bad grader" in str(err)
+    assert ok == 7 and reply == [1, 2]

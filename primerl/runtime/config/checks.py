@@ -12,8 +12,8 @@ import dataclasses
 import math
 from typing import Any
 
-from .data import (check_curriculum, check_env_list, check_env_mix, check_eval, check_eval_names, check_verifiers_data,
-                   env_key, env_name, job_envs)
+from .data import (check_curriculum, check_env_list, check_env_mix, check_eval, check_eval_names, env_key, env_name,
+                   job_envs)
 from .deployment import check_deployment
 from .distill import check_distill
 from .errors import _need
@@ -46,7 +46,6 @@ def validate_fields(cfg: RLConfig) -> None:
     check_env_mix(cfg)
     check_curriculum(cfg.orchestrator.curriculum, [env_name(e) for e in job_envs(cfg)])
     check_eval(cfg)
-    check_verifiers_data(cfg)
     check_deployment(cfg.deployment)
     check_distill(cfg.distill)
 

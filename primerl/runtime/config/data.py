@@ -76,8 +76,9 @@ def check_env_list(cfg) -> None:
 
 
 def check_env_mix(cfg) -> None:
-    """``[[env]]``: names unique and usable in metric keys, weights > 0, the overrides' ranges,
-    verifiers not mixed (each entry's ``[env]`` ranges: ``schema.check_env``)."""
+    """``[[env]]``: names unique and usable in metric keys, weights > 0, the overrides' ranges; a
+    verifiers entry's token cap is its ``args.max_tokens`` (each entry's ``[env]`` ranges:
+    ``schema.check_env``)."""
     envs = job_envs(cfg)
     seen: dict[str, int] = {}
     for i, e in enumerate(envs):
@@ -93,12 +94,10 @@ def check_env_mix(cfg) -> None:
         _need(e.group_size == 0 or e.group_size >= 2, f"{key}.group_size",
               "must be >= 2 (0: orchestrator.group_size)", e.group_size)
         _need(e.max_tokens >= 0, f"{key}.max_tokens", "must be >= 0 (0: the environment's own)", e.max_tokens)
-        if len(envs) > 1 and e.id == "verifiers":
-            raise ConfigError(f"{key}.id: a verifiers environment cannot be part of a mix (the verifiers path runs "
-                              "one environment); train it on its own")
-        if len(envs) == 1 and e.id == "verifiers" and (e.group_size or e.max_tokens):
-            raise ConfigError(f"{key}.group_size / max_tokens: not used by the verifiers path (set "
-                              "orchestrator.group_size and env.args.max_tokens)")
+        _need(e.id != "verifiers" or envs[0].id == "verifiers", f"{key}.id",
+              "list a verifiers environment first in the mix (its tokenizer sizes the policy's vocabulary)", e.id)
+        _need(e.id != "verifiers" or not e.max_tokens, f"{key}.max_tokens",
+              f"a verifiers environment caps its model turns with {key}.args.max_tokens (leave this 0)", e.max_tokens)
 
 
 def check_filter(o) -> None:
@@ -107,15 +106,10 @@ def check_filter(o) -> None:
           "must be >= 1 (groups sampled per batch, at most max_oversample x batch_size)", o.max_oversample)
 
 
-def check_verifiers_data(cfg) -> None:
-    """The verifiers path (``env.id = "verifiers"``) has neither dynamic sampling nor a curriculum yet."""
-    if cfg.env.id != "verifiers":
-        return
-    o = cfg.orchestrator
-    _need(o.filter == "none", "orchestrator.filter", "the verifiers path does not filter groups yet; set none",
-          o.filter)
-    _need(not o.curriculum.enabled, "orchestrator.curriculum.enabled",
-          "the verifiers path does not sample by a curriculum yet; set false", o.curriculum.enabled)
+def uses_verifiers(cfg) -> bool:
+    """Whether an environment of the job is a verifiers one (the job then runs the verifiers path,
+    ``orchestrator.vf_orchestrator``, for all of them)."""
+    return any(e.id == "verifiers" for e in job_envs(cfg))
 
 
 def check_curriculum(c: CurriculumConfig, names: list[str]) -> None:
@@ -159,9 +153,9 @@ def check_eval(cfg) -> None:
                   "must be ints >= 1", k)
             _need(k <= x.samples, f"{key}.pass_at", f"pass@{k} needs at least {k} samples per prompt "
                   f"({key}.samples = {x.samples})", k)
-    if ev.env and cfg.env.id == "verifiers":
-        raise ConfigError("eval.env: online evaluation runs on the built-in orchestrator path; the verifiers "
-                          "path does not evaluate yet")
+    if ev.env and uses_verifiers(cfg):
+        raise ConfigError("eval.env: online evaluation is not run in a job with a verifiers environment (its "
+                          "orchestrator, the verifiers path, has no eval yet); leave [[eval.env]] out")
 
 
 def eval_name(x: EvalEnvConfig) -> str:
@@ -189,6 +183,6 @@ def check_eval_names(cfg) -> None:
 
 
 __all__ = ["CurriculumConfig", "EvalConfig", "EvalEnvConfig", "FILTERS", "check_curriculum", "check_env_list",
-           "check_env_mix", "check_verifiers_data",
+           "check_env_mix", "uses_verifiers",
            "check_eval", "check_eval_names", "check_filter", "env_key", "env_name", "eval_env_spec", "eval_name",
            "job_envs"]

@@ -47,7 +47,8 @@ import torch
 from .engine import Completion, SamplingParams
 
 __all__ = ["GenerateRequestError", "parse_generate_request", "parse_completion_request", "parse_score_request",
-           "generate_response", "models_response", "encode_routed_experts_raw", "score_response"]
+           "generate_response", "models_response", "encode_routed_experts_raw",
+           "decode_routed_experts_raw", "score_response"]
 
 
 class GenerateRequestError(ValueError):
@@ -174,6 +175,19 @@ def encode_routed_experts_raw(routing: torch.Tensor, start: int) -> dict:
             "dtype": str(arr.dtype)}
 
 
+def decode_routed_experts_raw(value: dict) -> tuple[torch.Tensor, int]:
+    """``encode_routed_experts_raw``'s ``{data, shape, start, dtype}`` -> (``[n, L, k]`` uint8 or
+    int32 expert ids, the sequence position of row 0)."""
+    import numpy as np
+
+    dtype = {"uint8": np.uint8, "uint16": np.uint16}.get(value.get("dtype"))
+    if dtype is None:
+        raise ValueError(f"routed_experts.dtype must be uint8 or uint16, got {value.get('dtype')!r}")
+    arr = np.frombuffer(base64.b64decode(value["data"]), dtype=dtype).reshape(value["shape"])
+    t = torch.from_numpy(arr.copy())
+    return (t if dtype is np.uint8 else t.to(torch.int32)), int(value["start"])
+
+
 def generate_response(request_id: str, c: Completion, routed_start: int) -> dict:
     bad = [x for x in c.logprobs if not math.isfinite(x)]
     if bad:  # a client checks for this too; the engine must never produce it
@@ -197,7 +211,8 @@ def models_response(model_name: str, max_model_len: int) -> dict:
                                         "root": model_name, "max_model_len": int(max_model_len)}]}
 
 
-def parse_score_request(body, *, max_model_len: int, vocab_size: int | None = None) -> tuple[list[list[int]], float]:
+def parse_score_request(body, *, max_model_len: int,
+                        vocab_size: int | None = None) -> tuple[list[list[int]], float, int]:
     """``POST /v1/score`` (prefill only: the log-prob of every given token, the distillation teacher's
     route): ``{"sequences": [[int, ...], ...], "temperature": float, "top_k": int}`` -> (sequences,
     temperature, top_k). Every field is checked (a non-empty list of non-empty token-id lists inside

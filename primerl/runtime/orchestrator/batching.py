@@ -30,24 +30,27 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, *, method: str):
     return out.advantages, {"num_zero_groups": int(out.uniform_groups.sum())}
 
 
+def episode_sample(st, advantage: float, top_k: int, *, replay: bool, temperature: float) -> Sample:
+    """One finished ``EpisodeState`` -> its ``Sample`` (module docstring)."""
+    return Sample(
+        input_ids=torch.tensor(st.episode.tokens, dtype=torch.long),
+        loss_mask=torch.tensor(st.episode.loss_mask, dtype=torch.bool),
+        advantages=float(advantage),
+        inference_logprobs=torch.tensor(st.logprobs, dtype=torch.float32),
+        temperature=temperature,
+        replay_ids=st.routing_tensor(top_k) if replay else None,
+        loss_weights=None if st.loss_weights is None else torch.tensor(st.loss_weights, dtype=torch.float32),
+    )
+
+
 def build_samples(groups, method: str, top_k: int, *, replay: bool, temperature: float):
     """groups: list of lists of finished ``EpisodeState`` -> (list of sample dicts, metrics)."""
     rewards = torch.tensor([[st.reward for st in grp] for grp in groups], dtype=torch.float32)
     G = rewards.shape[1]
     adv, info = compute_advantages(rewards.flatten(), G, method=method)
     adv = adv.view_as(rewards)
-    samples = []
-    for gi, grp in enumerate(groups):
-        for mi, st in enumerate(grp):
-            samples.append(Sample(
-                input_ids=torch.tensor(st.episode.tokens, dtype=torch.long),
-                loss_mask=torch.tensor(st.episode.loss_mask, dtype=torch.bool),
-                advantages=float(adv[gi, mi]),
-                inference_logprobs=torch.tensor(st.logprobs, dtype=torch.float32),
-                temperature=temperature,
-                replay_ids=st.routing_tensor(top_k) if replay else None,
-                loss_weights=None if st.loss_weights is None else torch.tensor(st.loss_weights, dtype=torch.float32),
-            ))
+    samples = [episode_sample(st, float(adv[gi, mi]), top_k, replay=replay, temperature=temperature)
+               for gi, grp in enumerate(groups) for mi, st in enumerate(grp)]
     metrics = {"advantage/abs_mean": float(adv.abs().mean()),
                "groups/zero_advantage": int(info.get("num_zero_groups", 0))}
     return samples, metrics

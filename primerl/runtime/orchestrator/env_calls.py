@@ -20,6 +20,7 @@ reported as clipped, so advantages stay representable in float32.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import math
@@ -33,7 +34,8 @@ import torch
 
 from primerl.rl.envs import call_env
 
-__all__ = ["EnvCalls", "EnvCallError", "EnvCallTimeout", "RewardRejected", "check_reward", "check_token_weights"]
+__all__ = ["AsyncEnvCalls", "EnvCalls", "EnvCallError", "EnvCallTimeout", "RewardRejected", "check_reward",
+           "check_token_weights"]
 
 
 class EnvCallError(RuntimeError):
@@ -103,6 +105,7 @@ class EnvCalls:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._idle_workers = 0  # workers blocked on _jobs and not reserved by a dispatched call
         self._lock = threading.Lock()
+        self.on_result: Callable[[], None] | None = None  # called from a worker once its result is ready
 
     def submit(self, key: Any, name: str, fn: Callable, *args) -> None:
         self._waiting.append((key, name, fn, args))
@@ -110,6 +113,10 @@ class EnvCalls:
 
     def pending(self) -> int:
         return len(self._waiting) + len(self._running)
+
+    def next_deadline(self) -> float | None:
+        """The nearest deadline (``time.monotonic()``) of a running call, or None."""
+        return min((d for _, _, d in self._running.values()), default=None)
 
     def _start(self) -> None:
         while self._waiting and len(self._running) < self.max_concurrent:
@@ -135,6 +142,8 @@ class EnvCalls:
             with self._lock:  # free before the result is seen, so the next dispatch can reuse this worker
                 self._idle_workers += 1
             self._done.put((cid, out))
+            if self.on_result is not None:
+                self.on_result()
 
     def poll(self, wait_s: float = 0.0) -> list[tuple[Any, str, bool, Any]]:
         """Finished and timed-out calls as ``(key, name, ok, result_or_error)``; waits up to
@@ -168,3 +177,41 @@ class EnvCalls:
         entry = self._running.pop(cid, None)
         if entry is not None:  # None: it already timed out
             out.append((entry[0], entry[1], ok, value))
+
+
+class AsyncEnvCalls:
+    """``EnvCalls`` awaited from an event loop (the verifiers path's built-in environments):
+    ``await calls.call("reward", env.reward, episode)`` returns the result or raises the call's
+    ``EnvCallError`` / ``EnvCallTimeout``. A worker's result wakes the loop; a timer set to the
+    nearest deadline reports a call that hangs."""
+
+    def __init__(self, calls: EnvCalls, loop: asyncio.AbstractEventLoop):
+        self.calls, self.loop = calls, loop
+        self._timer: asyncio.TimerHandle | None = None
+        calls.on_result = self._wake
+
+    def _wake(self) -> None:  # a worker thread
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: the run is over
+            pass
+
+    def _deliver(self) -> None:
+        for fut, _name, ok, value in self.calls.poll(0.0):
+            if not fut.done():
+                fut.set_result((ok, value))
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.calls.next_deadline()
+        if deadline is not None:
+            self._timer = self.loop.call_later(max(0.0, deadline - time.monotonic()) + 1e-3, self._deliver)
+
+    async def call(self, name: str, fn: Callable, *args) -> Any:
+        fut = self.loop.create_future()
+        self.calls.submit(fut, name, fn, *args)
+        self._deliver()  # (re)arm the deadline timer
+        ok, value = await fut
+        if not ok:
+            raise value
+        return value

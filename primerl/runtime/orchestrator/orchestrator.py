@@ -86,6 +86,7 @@ class Orchestrator(BatchSteps):
         self.episodes: dict[int, EpisodeState] = {}  # request id -> episode waiting on the engine
         self._rid = 0
         from .evaluation import OnlineEval
+        from .mix_stats import MixStats
         from .sampling import PromptSampler, build_mix
 
         self.mix = build_mix(cfg, env)  # the job's environments ([env] or [[env]])
@@ -93,8 +94,7 @@ class Orchestrator(BatchSteps):
         self.sampler.load_state(cfg.output_dir, start_step)  # the curriculum's, when resuming
         self._env_calls = [EnvCalls(m.cfg.id, m.cfg.timeout_s, m.cfg.max_concurrent_calls) for m in self.mix]
         self.evals = OnlineEval(cfg)
-        self._mix_counts = [0] * len(self.mix)  # groups trained per environment (observed mix)
-        self._filtered_rewards: dict[int, list[float]] = {}  # step -> rewards of the groups dapo dropped
+        self.stats = MixStats(cfg, self.mix, self.sampler)  # per-env metrics, dapo's choice, the curriculum's records
         self.scorer = None
         from ..config import distill_enabled
 
@@ -256,18 +256,9 @@ class Orchestrator(BatchSteps):
         if not all(s.done for s in grp):
             return
         step = st.step
-        rewards = [s.reward for s in grp]
-        uniform = all(r == rewards[0] for r in rewards)
-        if self.o.filter != "dapo" or not uniform:
+        if not self.stats.replaces(step, _outcome(grp), self._batch_counters[step]):
             return
-        c = self._batch_counters[step]
-        if c["groups_sampled"] >= self.o.max_oversample * self.o.batch_size:
-            c["groups_uniform_kept"] += 1
-            return
-        if self.sampler.curriculum is not None:  # what was learnt about the dropped prompt still counts
-            self.sampler.curriculum.record(step, self.mix[st.env].name, grp[0].episode.prompt.key, rewards)
         self._count(step, "groups_filtered")
-        self._filtered_rewards.setdefault(step, []).extend(rewards)
         self._drop_group(step, st.group)
         new = self._start_group(step, st.group, grp[0].attempt, grp[0].draw + 1)
         self.batches[step][st.group] = new
@@ -333,37 +324,9 @@ class Orchestrator(BatchSteps):
         return samples, metrics
 
     def _data_metrics(self, step: int, groups) -> dict:
-        """Per environment (a mix), dynamic sampling's counts, the curriculum, finished evals; records
-        the batch's groups for the curriculum and saves its state where the trainer will checkpoint."""
-        out = {}
-        c = self._batch_counters[step]
-        if len(self.mix) > 1:
-            for grp in groups:
-                self._mix_counts[grp[0].env] += 1
-            for e, m in enumerate(self.mix):
-                eps = [st for grp in groups if grp[0].env == e for st in grp]
-                n_groups = sum(grp[0].env == e for grp in groups)
-                out[f"groups/{m.name}"] = n_groups
-                out[f"episodes/{m.name}"] = len(eps)
-                out[f"tokens/{m.name}"] = sum(st.completion_tokens for st in eps)
-                if eps:
-                    out[f"reward/{m.name}"] = sum(st.reward for st in eps) / len(eps)
-                out[f"mix/{m.name}"] = self._mix_counts[e] / max(sum(self._mix_counts), 1)
-        if self.o.filter == "dapo":
-            # reward/mean is the kept groups' (uniform ones left out); reward/all_sampled every group sampled
-            dropped = self._filtered_rewards.pop(step, [])
-            kept = [st.reward for grp in groups for st in grp]
-            out.update({"groups/filtered": c["groups_filtered"], "rollouts/oversampled": c["rollouts_oversampled"],
-                        "groups/uniform_kept": c["groups_uniform_kept"],
-                        "reward/all_sampled": (sum(kept) + sum(dropped)) / (len(kept) + len(dropped))})
-        cur = self.sampler.curriculum
-        if cur is not None:
-            for grp in groups:
-                cur.record(step, self.mix[grp[0].env].name, grp[0].episode.prompt.key, [st.reward for st in grp])
-            out.update(cur.metrics())
-            ck = self.cfg.checkpoint
-            if (ck.interval and (step + 1) % ck.interval == 0) or step + 1 == self.cfg.max_steps:
-                self.sampler.save_state(self.cfg.output_dir, step + 1, keep=ck.keep + 1)
+        """Per environment (a mix), dynamic sampling's counts, the curriculum (``mix_stats.MixStats``),
+        finished evals."""
+        out = self.stats.metrics(step, [_outcome(grp) for grp in groups], self._batch_counters[step])
         out.update(self.evals.pop_ready())
         return out
 
@@ -416,6 +379,13 @@ class Orchestrator(BatchSteps):
             for rid in ids:
                 del self.episodes[rid]
         self.evals.runs.clear()
+
+
+def _outcome(grp):
+    from .mix_stats import Outcome
+
+    return Outcome(grp[0].env, grp[0].episode.prompt.key, [st.reward for st in grp],
+                   sum(st.completion_tokens for st in grp))
 
 
 class EmbeddedClient:

@@ -26,30 +26,41 @@ is dropped (``groups/dropped``, the last reason logged) and replaced by a fresh 
 a trace older than ``max_off_policy_steps`` is resampled (``samples/discarded_stale``).
 Seeds come from the server's request order, so unlike the built-in path a rerun is not
 token-for-token identical.
+
+A mix (``[[env]]``: verifiers environments and built-in ones) runs here too: each group slot goes to
+an environment as on the built-in path (``sampling.PromptSampler``: dealt by the weights, its own
+``group_size``, the curriculum's draws), a built-in environment's episode is generate requests to
+the same server plus its ``reward`` (``vf_mix.builtin_episode``), advantages stay within a group's
+units of one environment (``vf_mix.unit_advantages``), and the per-environment metrics, dynamic
+sampling (``orchestrator.filter = "dapo"``) and the curriculum's records are the built-in path's
+(``mix_stats.MixStats``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
+from primerl.rl.envs import check_tokens
 from primerl.rl.envs.verifiers_env import (BranchError, VerifiersEnv, branch_sample, check_branch_against_requests,
                                            trace_reward)
 
 from ..config import RLConfig
-from .env_calls import RewardRejected, check_reward
+from .env_calls import AsyncEnvCalls, EnvCalls, EnvCallTimeout, RewardRejected, check_reward
+from .mix_stats import MixStats, Outcome
+from .rollout import EpisodeState, mix_seed
 from .steps import BatchSteps
+from .vf_mix import BuiltinEpisode, Group, Unit, builtin_episode, unit_advantages
 from ..transport import FileTransport
 
 log = logging.getLogger("primerl.orchestrator")
 
 REASONS = ("not_ok", "no_reward", "bad_branch")
-COUNTS = ("discarded_stale", "groups_dropped") + tuple(f"episodes_{r}" for r in REASONS) + ("rewards_rejected",
-                                                                                             "rewards_clipped")
+COUNTS = ("discarded_stale", "groups_dropped") + tuple(f"episodes_{r}" for r in REASONS) + (
+    "rewards_rejected", "rewards_clipped", "env_timeouts", "groups_filtered", "rollouts_oversampled", "groups_sampled",
+    "groups_uniform_kept")
 
 
 class VerifiersEnvError(RuntimeError):
@@ -73,28 +84,6 @@ class EpisodeTimedOut:
                                                             f"= {self.timeout_s} s")
 
 
-@dataclass
-class Unit:
-    """One trainable trace of a finished episode."""
-
-    agent: str
-    reward: float
-    branches: list
-    version_min: int
-    turns: int
-    tool_calls: int
-    sampled_tokens: int
-    version_max: int | None = None  # the newest policy version of its tokens
-
-
-@dataclass
-class Group:
-    task_index: int
-    gen: int = 0  # bumped on reset: results of an older generation are ignored
-    members: list = field(default_factory=list)  # per member: list[Unit] or None while running
-    failures: int = 0
-
-
 class VerifiersOrchestrator(BatchSteps):
     def __init__(self, cfg: RLConfig, env: VerifiersEnv, client, transport: FileTransport, *, start_step: int = 0,
                  trainer_alive: Callable[[], bool] | None = None, top_k: int = 1, weights=None):
@@ -102,17 +91,26 @@ class VerifiersOrchestrator(BatchSteps):
         ``weight_receiver``); default: the trainer's markers in ``transport``."""
         from ..inference.backend import get_backend
         from ..inference.weight_sync import FileWeightVersions
+        from .sampling import PromptSampler, build_mix
 
         self.cfg, self.env, self.transport = cfg, env, transport
+        self.mix = build_mix(cfg, env)  # the job's environments ([env] or [[env]])
+        self.sampler = PromptSampler(cfg, self.mix)
+        self.sampler.load_state(cfg.output_dir, start_step)  # the curriculum's, when resuming
+        self.stats = MixStats(cfg, self.mix, self.sampler)
+        vf_envs = [m.env for m in self.mix if isinstance(m.env, VerifiersEnv)]
         self.weights = FileWeightVersions(transport) if weights is None else weights
         self.o = cfg.orchestrator
         self.start_step, self.trainer_alive, self.top_k = start_step, trainer_alive, top_k
         self.client = client
+        self.server_model_name = vf_envs[0].model_name
         # the embedded engine behind its own HTTP server (self.engine: loaded on the server's engine
         # thread), or vLLM's route behind a recording pass-through (self.engine None: the client loads)
         self.server, self.engine = get_backend(cfg).generate_server(cfg, client, policy_version=lambda: self.version,
-                                                                    model_name=env.model_name)
+                                                                    model_name=self.server_model_name)
         self._init_steps(start_step, COUNTS)  # self.batches: step -> list[Group]
+        self._env_calls = [None if isinstance(m.env, VerifiersEnv) else
+                           EnvCalls(m.name, m.cfg.timeout_s, m.cfg.max_concurrent_calls) for m in self.mix]
         self._spare_index = 0  # replacement tasks for dropped groups, after every scheduled one
         self._inflight: set[asyncio.Task] = set()
         self.replay = cfg.trainer.router_replay and cfg.inference.capture_routing
@@ -140,34 +138,74 @@ class VerifiersOrchestrator(BatchSteps):
     # ---------------------------------------------------------------- submission
     def _start_member(self, step: int, g: int, m: int) -> None:
         grp = self.batches[step][g]
-        task = self.env.tasks[grp.task_index % len(self.env.tasks)]
-        t = asyncio.create_task(self._episode(step, g, m, grp.gen, task))
+        me = self.mix[grp.env]
+        if isinstance(me.env, VerifiersEnv):
+            coro = self._episode(grp.env, me.env.tasks[grp.task_index])
+        else:
+            seed = mix_seed(self.cfg.seed, step, g, m, grp.failures, grp.gen)
+            if grp.draw:  # a replacement group (dynamic sampling): seeds of its own
+                seed = mix_seed(seed, 0xD5, grp.draw)
+            st = EpisodeState.start(step, g, m, grp.failures, grp.prompt, env=grp.env, draw=grp.draw)
+            i = self.cfg.inference
+            coro = builtin_episode(self._http, self.server.url, self._model, me, self._async_calls[grp.env], st,
+                                   seed_of=lambda turn: mix_seed(seed, turn), temperature=i.temperature,
+                                   top_p=i.top_p, pop_session=self.server.pop_session)
+        t = asyncio.create_task(self._tagged(step, g, m, grp.gen, coro))
         self._inflight.add(t)
 
-    async def _episode(self, step: int, g: int, m: int, gen: int, task):
-        async with self._sem:
-            try:
-                ep = await asyncio.wait_for(self.env.vf_env.run_episode(task, self._ctx), self.env.episode_timeout_s)
-            except TimeoutError:
-                ep = EpisodeTimedOut(self.env.episode_timeout_s)
-        return step, g, m, gen, ep
+    @staticmethod
+    async def _tagged(step: int, g: int, m: int, gen: int, coro):
+        return step, g, m, gen, await coro
 
-    def _start_group(self, step: int, g: int, task_index: int) -> None:
+    async def _episode(self, e: int, task):
+        env = self.mix[e].env
+        async with self._sem[e]:
+            try:
+                return await asyncio.wait_for(env.vf_env.run_episode(task, self._ctx[e]), env.episode_timeout_s)
+            except TimeoutError:
+                return EpisodeTimedOut(env.episode_timeout_s)
+
+    def _start_group(self, step: int, g: int, task_index: int | None = None, draw: int = 0) -> None:
+        """Group ``g`` of batch ``step``: the sampler's prompt (``draw``: dynamic sampling's
+        replacement), or ``task_index`` (a resample, a dropped group's fresh task)."""
         old = self.batches[step][g]
-        grp = Group(task_index, gen=(old.gen + 1) if old is not None else 0, members=[None] * self.o.group_size)
+        e = self.sampler.env_of(step, g)
+        me = self.mix[e]
+        index = self.sampler.prompt_index(step, g, draw) if task_index is None else task_index
+        grp = Group(index, gen=(old.gen + 1) if old is not None else 0, members=[None] * me.group_size, env=e,
+                    draw=draw)
+        if isinstance(me.env, VerifiersEnv):
+            grp.task_index = index % len(me.env.tasks)
+            grp.key = str(me.env.tasks[grp.task_index].key)
+        else:
+            n = me.env.num_prompts
+            grp.task_index = index % n if n else index
+            grp.prompt = me.env.prompt(grp.task_index)
+            check_tokens(grp.prompt.tokens, me.env.vocab_size, f"environment {me.name!r} prompt {grp.task_index}")
+            grp.key = grp.prompt.key
         self.batches[step][g] = grp
-        for m in range(self.o.group_size):
+        self._batch_counters[step]["groups_sampled"] += 1
+        for m in range(me.group_size):
             self._start_member(step, g, m)
 
     def _submit_batch(self, step: int) -> None:
         self.batches[step] = [None] * self.o.batch_size
         self._batch_counters[step] = dict.fromkeys(COUNTS, 0)
+        if self.sampler.curriculum is not None:
+            self.sampler.curriculum.advance(step)
         for g in range(self.o.batch_size):
-            self._start_group(step, g, step * self.o.batch_size + g)
+            self._start_group(step, g)
 
     # ---------------------------------------------------------------- episodes
     def _units(self, ep) -> list[Unit]:
         """The trainable traces of a finished episode; BranchError (with a reason) when unusable."""
+        if isinstance(ep, BuiltinEpisode):
+            if ep.error is not None:
+                raise BranchError(f"not_ok: {type(ep.error).__name__}: {ep.error}")
+            n = len(ep.units[0].episode.episode.tokens)
+            if n > self.o.seq_len:
+                raise BranchError(f"bad_branch: {n} tokens, more than orchestrator.seq_len = {self.o.seq_len}")
+            return ep.units
         if not ep.ok:
             err = ep.last_error or next((t.last_error for t in ep.traces if t.last_error is not None), None)
             raise BranchError("not_ok: " + (f"{err.type}: {err.message[:300]}" if err else "the episode is not ok"))
@@ -202,10 +240,13 @@ class VerifiersOrchestrator(BatchSteps):
             for trace in ep.traces:
                 self.server.pop_session(trace.id)
             return
+        me = self.mix[grp.env]
+        if isinstance(ep, BuiltinEpisode) and isinstance(ep.error, EnvCallTimeout):
+            self._count(step, "env_timeouts")
         try:
             units = self._units(ep)
             for u in units:
-                u.reward, clipped = check_reward(u.reward, self.cfg.env.max_abs_reward, f"verifiers env {self._env_id}")
+                u.reward, clipped = check_reward(u.reward, me.cfg.max_abs_reward, f"environment {me.name!r}")
                 if clipped:
                     self._count(step, "rewards_clipped")
         except (BranchError, RewardRejected) as e:
@@ -216,7 +257,7 @@ class VerifiersOrchestrator(BatchSteps):
                 self._count(step, "rewards_rejected")
             self._count(step, f"episodes_{reason if reason in REASONS else 'bad_branch'}")
             grp.failures += 1
-            if grp.failures > self.cfg.env.max_retries:
+            if grp.failures > me.cfg.max_retries:
                 self._drop_group(step, g, e)
             else:
                 log.warning("verifiers episode resampled (step %d group %d member %d): %s", step, g, m, e)
@@ -224,45 +265,30 @@ class VerifiersOrchestrator(BatchSteps):
             return
         self._tokens_since_write += sum(u.sampled_tokens for u in units)
         grp.members[m] = units
+        if all(x is not None for x in grp.members) and self.stats.replaces(step, _outcome(grp),
+                                                                            self._batch_counters[step]):
+            self._count(step, "groups_filtered")  # dapo: uniform rewards, a fresh prompt's group instead
+            self._start_group(step, g, draw=grp.draw + 1)
+            n = len(self.batches[step][g].members)
+            self.counters["rollouts_oversampled"] += n
+            self._batch_counters[step]["rollouts_oversampled"] += n
 
     def _drop_group(self, step: int, g: int, reason: BaseException) -> None:
         self._count(step, "groups_dropped")
+        me = self.mix[self.batches[step][g].env]
         if self._batch_counters[step]["groups_dropped"] > self.o.batch_size:
-            raise VerifiersEnvError(f"verifiers env {self._env_id}: more than {self.o.batch_size} groups of step "
-                                    f"{step} dropped (each after env.max_retries = {self.cfg.env.max_retries} failed "
+            raise VerifiersEnvError(f"environment {me.name!r}: more than {self.o.batch_size} groups of step "
+                                    f"{step} dropped (each after env.max_retries = {me.cfg.max_retries} failed "
                                     f"episodes); last reason: {reason}")
         log.warning("verifiers group dropped (step %d group %d, task %d) after %d failed episodes: %s; a new task "
                     "replaces it", step, g, self.batches[step][g].task_index, self.batches[step][g].failures, reason)
         self._spare_index += 1
-        self._start_group(step, g, self.cfg.max_steps * self.o.batch_size + self._spare_index)
+        spare = self.cfg.max_steps * self.o.batch_size + self._spare_index
+        self._start_group(step, g, spare, self.batches[step][g].draw)
 
     # ---------------------------------------------------------------- hand-over
     def _batch_done(self, step: int) -> bool:
         return step in self.batches and all(u is not None for grp in self.batches[step] for u in grp.members)
-
-    def _advantages(self, groups: list[Group]) -> tuple[list[list[list[float]]], dict]:
-        """Per group, per member, per unit: the advantage of that trace among the group's traces of
-        the same agent."""
-        from .batching import compute_advantages as compute
-
-        out = [[[0.0] * len(units) for units in grp.members] for grp in groups]
-        zero = 0
-        agents = sorted({u.agent for grp in groups for units in grp.members for u in units})
-        for agent in agents:
-            slots = [[(gi, mi, ui) for mi, units in enumerate(grp.members) for ui, u in enumerate(units)
-                      if u.agent == agent]
-                     for gi, grp in enumerate(groups)]
-            sizes = {len(s) for s in slots if s}
-            chunks = [slots] if len(sizes) == 1 else [[s] for s in slots if s]
-            for chunk in chunks:
-                chunk = [s for s in chunk if s]
-                flat = [x for s in chunk for x in s]
-                rewards = torch.tensor([groups[gi].members[mi][ui].reward for gi, mi, ui in flat], dtype=torch.float32)
-                adv, info = compute(rewards, len(chunk[0]), method=self.o.advantage)
-                zero += info.get("num_zero_groups", 0)
-                for (gi, mi, ui), a in zip(flat, adv.tolist()):
-                    out[gi][mi][ui] = a
-        return out, {"groups/zero_advantage": zero}
 
     def _finalize(self, step: int):
         groups = self.batches[step]
@@ -273,9 +299,11 @@ class VerifiersOrchestrator(BatchSteps):
                 n = len(groups[g].members)
                 self.counters["discarded_stale"] += n
                 self._batch_counters[step]["discarded_stale"] += n
-                self._start_group(step, g, groups[g].task_index)
+                self._start_group(step, g, groups[g].task_index, groups[g].draw)
             return None
-        adv, adv_metrics = self._advantages(groups)
+        from .batching import episode_sample
+
+        adv, adv_metrics = unit_advantages(groups, self.o.advantage)
         samples, rewards, off, lens, turns, tools, branches = [], [], [], [], [], [], []
         records = []  # orchestrator.save_samples
         T = self.cfg.inference.temperature
@@ -286,7 +314,15 @@ class VerifiersOrchestrator(BatchSteps):
                     off.append(step - u.version_min)
                     turns.append(u.turns)
                     tools.append(u.tool_calls)
-                    branches.append(len(u.branches))
+                    branches.append(max(len(u.branches), 1))
+                    if u.episode is not None:  # a built-in environment's episode
+                        samples.append(episode_sample(u.episode, adv[gi][mi][ui], self.top_k, replay=self.replay,
+                                                      temperature=T))
+                        lens.append(len(u.episode.episode.tokens))
+                        if self.o.save_samples:
+                            from .samples_log import episode_record
+
+                            records.append(episode_record(u.episode, samples[-1]))
                     for bi, b in enumerate(u.branches):
                         samples.append(branch_sample(b, advantage=adv[gi][mi][ui], temperature=T, replay=self.replay,
                                                      vocab_size=self.env.vocab_size))
@@ -305,12 +341,12 @@ class VerifiersOrchestrator(BatchSteps):
         c = self._batch_counters[step]
         metrics = {
             **self._step_metrics(step, rewards, off, lens, turns),
-            "env/errors": sum(c[f"episodes_{k}"] for k in REASONS), "env/timeouts": 0,
+            "env/errors": sum(c[f"episodes_{k}"] for k in REASONS), "env/timeouts": c["env_timeouts"],
             "rewards/rejected": c["rewards_rejected"], "rewards/clipped": c["rewards_clipped"],
             "tool_calls/mean": sum(tools) / len(tools), "branches/per_trace": sum(branches) / len(branches),
             "groups/dropped": c["groups_dropped"], **{f"episodes/{k}": c[f"episodes_{k}"] for k in REASONS},
             "advantage/abs_mean": float(sum(abs(a) for g in adv for m in g for a in m) / max(len(rewards), 1)),
-            **adv_metrics,
+            **adv_metrics, **self.stats.metrics(step, [_outcome(grp) for grp in groups], c),
         }
         return samples, metrics
 
@@ -318,10 +354,6 @@ class VerifiersOrchestrator(BatchSteps):
         return len(self._inflight)
 
     # ---------------------------------------------------------------- main loop
-    @property
-    def _env_id(self) -> str:
-        return repr(self.env.env_config.get("taskset", {}).get("id", "?"))
-
     def run(self, max_steps: int | None = None, on_batch: Callable[[int, dict], None] | None = None) -> None:
         max_steps = self.cfg.max_steps if max_steps is None else max_steps
         self.server.start()
@@ -331,14 +363,28 @@ class VerifiersOrchestrator(BatchSteps):
             self.server.stop()
 
     async def _run(self, max_steps: int, on_batch) -> None:
+        import httpx
+
         _fresh_renderers_lock()
         i = self.cfg.inference
         model = (i.vllm.model or await asyncio.to_thread(_served_model, i.vllm.url)) if self.engine is None else None
-        self._ctx = self.env.model_context(self.server.url, temperature=i.temperature, top_p=i.top_p, model=model)
-        self._sem = asyncio.Semaphore(self.env.max_concurrent)
-        self.env.tasks  # noqa: B018 - load the taskset before the first batch
+        self._model = model or self.server_model_name
+        self._ctx, self._sem, self._async_calls = {}, {}, {}
+        loop = asyncio.get_running_loop()
+        for e, m in enumerate(self.mix):
+            if isinstance(m.env, VerifiersEnv):
+                self._ctx[e] = m.env.model_context(self.server.url, temperature=i.temperature, top_p=i.top_p,
+                                                   model=model)
+                self._sem[e] = asyncio.Semaphore(m.env.max_concurrent)
+                m.env.tasks  # noqa: B018 - load the taskset before the first batch
+            else:
+                self._async_calls[e] = AsyncEnvCalls(self._env_calls[e], loop)
         a = self.o.max_async_level
-        async with self.env.vf_env.serving():
+        async with contextlib.AsyncExitStack() as stack:
+            for e in self._ctx:
+                await stack.enter_async_context(self.mix[e].env.vf_env.serving())
+            self._http = await stack.enter_async_context(httpx.AsyncClient(
+                timeout=httpx.Timeout(i.timeout_s, pool=None), limits=httpx.Limits(max_connections=64)))
             try:
                 while self.next_write < max_steps:
                     dead = self.server.engine_error
@@ -379,6 +425,11 @@ def _served_model(url: str) -> str:
     return data[0]["id"]
 
 
+def _outcome(grp: Group) -> Outcome:
+    units = [u for us in grp.members for u in us]
+    return Outcome(grp.env, grp.key, [u.reward for u in units], sum(u.sampled_tokens for u in units))
+
+
 def _fresh_renderers_lock() -> None:
     """``renderers.client`` holds a module-level ``asyncio.Lock`` (for its ``/v1/models`` look-up); a
     lock binds to the first event loop that waits on it, so a second orchestrator run in one
@@ -390,9 +441,12 @@ def _fresh_renderers_lock() -> None:
 
 
 def build_orchestrator(cfg: RLConfig, env, client, transport: FileTransport, **kw):
-    """The orchestrator for ``env``: the verifiers path for a ``VerifiersEnv``, else the built-in one.
-    ``kw`` include ``weights``: the backend's ``WeightVersions`` (``InferenceBackend.weight_receiver``)."""
-    if isinstance(env, VerifiersEnv):
+    """The orchestrator for the job whose first environment is ``env``: the verifiers path when any
+    environment of the job is a verifiers one, else the built-in one. ``kw`` include ``weights``: the
+    backend's ``WeightVersions`` (``InferenceBackend.weight_receiver``)."""
+    from ..config import job_envs
+
+    if isinstance(env, VerifiersEnv) or any(e.id == "verifiers" for e in job_envs(cfg)):
         return VerifiersOrchestrator(cfg, env, client, transport, **kw)
     from .orchestrator import Orchestrator
 

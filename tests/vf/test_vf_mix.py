@@ -1,0 +1,176 @@
+"""A mix of a verifiers environment and a built-in one (``[[env]]``) through the whole job: the
+verifiers path runs both, the built-in episodes as generate requests to the same in-process
+server. Checked: the groups are dealt by the weights, both environments' samples reach the trainer
+token-exact (what the server sampled, with its log-probs and routing), rewards are each
+environment's own, advantages stay within a group, per-environment metrics; and dynamic sampling
+(``orchestrator.filter = "dapo"``) on that loop."""
+
+import pytest
+
+from primerl.rl.envs import Episode, Prompt, Turn, load_environment
+from primerl.runtime.launch.threads import run_threads
+
+from vf_testing import (ROOT, Recorder, assert_replay_is_the_samplers_routing, assert_samples_are_the_sampled_tokens,
+                        small_cfg)
+
+BUILTIN = """
+[[env]]
+name = "rev"
+id = "reverse-text"
+weight = 1.0
+group_size = 2
+args = { num_symbols = 4, max_length = 4%s }
+"""
+
+
+def mix_cfg(tmp_path, *over, rev_args=""):
+    """examples/vf_reverse_text.toml with its [env] as the first [[env]] (name "vf", weight 2) and
+    reverse-text (name "rev", weight 1, 2 samples per prompt) as the second."""
+    text = (ROOT / "examples" / "vf_reverse_text.toml").read_text()
+    assert text.count("\n[env]\n") == 1
+    text = text.replace("\n[env]\n", '\n[[env]]\nname = "vf"\nweight = 2.0\n') + BUILTIN % rev_args
+    (tmp_path / "mix.toml").write_text(text)
+    return small_cfg(str(tmp_path / "mix.toml"), tmp_path / "run", "--orchestrator.batch_size", "3", *over)
+
+
+def spy_trained(monkeypatch) -> dict:
+    """step -> the trained batch's groups as (env, draw, prompt id, rewards)."""
+    from primerl.runtime.orchestrator.vf_orchestrator import VerifiersOrchestrator
+
+    trained, finalize = {}, VerifiersOrchestrator._finalize
+
+    def _finalize(self, step):
+        groups = [(grp.env, grp.draw, grp.key, [u.reward for us in grp.members for u in us])
+                  for grp in self.batches[step]]
+        out = finalize(self, step)
+        if out is not None:
+            trained[step] = groups
+        return out
+
+    monkeypatch.setattr(VerifiersOrchestrator, "_finalize", _finalize)
+    return trained
+
+
+def is_builtin(sample) -> bool:
+    return int(sample.input_ids[0]) == 1  # reverse-text's BOS; a verifiers prompt starts with <|im_start|>
+
+
+def spread(self, episode) -> float:
+    """A reverse-text reward that varies with the reply (a random policy rarely scores above 0)."""
+    return sum(episode.model_turns[-1]) % 7 / 7
+
+
+def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch):
+    from primerl.rl.envs.reverse_text import ReverseText
+
+    monkeypatch.setattr(ReverseText, "reward", spread)
+    cfg = mix_cfg(tmp_path, "--max_steps", "3", "--env.args.max_tokens", "6")
+    rec = Recorder(monkeypatch)
+    rows = run_threads(cfg)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    vf_env = load_environment(cfg.env.id, **cfg.env.args)
+    assert vf_env.tokenizer.convert_tokens_to_ids("<|im_start|>") != 1
+    # every trained token, of both environments, is what the server sampled (with its log-probs and
+    # the engine's routing for replay), and the packed batches hold exactly these samples
+    assert assert_samples_are_the_sampled_tokens(rec) == 3 * (2 * 4 + 1 * 2)
+    assert assert_replay_is_the_samplers_routing(rec) > 0
+    rev = load_environment("reverse-text", num_symbols=4, max_length=4)
+    spreads = 0
+    for step, (samples, metrics) in rec.writes.items():
+        # the weights 2 : 1 deal each batch of 3 groups exactly: 2 verifiers groups of 4, 1 reverse-text group of 2
+        kinds = [is_builtin(s) for s in samples]
+        assert kinds.count(False) == 2 * 4 and kinds.count(True) == 2
+        assert metrics["groups/vf"] == 2 and metrics["groups/rev"] == 1
+        assert metrics["mix/vf"] == pytest.approx(2 / 3) and metrics["mix/rev"] == pytest.approx(1 / 3)
+        assert metrics["episodes/vf"] == 8 and metrics["episodes/rev"] == 2
+        units = rec.final[step]
+        built = [u for u in units if u.episode is not None]
+        assert len(built) == 2 and all(u.agent == "rev" for u in built)
+        assert metrics["tokens/rev"] == sum(u.sampled_tokens for u in built) > 0
+        assert metrics["reward/rev"] == pytest.approx(sum(u.reward for u in built) / 2, abs=1e-6)
+        vf_units = [u for u in units if u.episode is None]
+        assert metrics["reward/vf"] == pytest.approx(sum(u.reward for u in vf_units) / 8, abs=1e-6)
+        mine = [s for s in samples if is_builtin(s)]
+        for s in mine:
+            # the reward trained on is reverse-text's own for the sampled reply
+            ids = s.input_ids.tolist()
+            first = int(s.loss_mask.nonzero()[0])
+            reward = rev.reward(Episode(Prompt(0, tuple(ids[:first])), [Turn("model", ids[first:])]))
+            assert any(u.reward == pytest.approx(reward, abs=1e-9) for u in built)
+            assert not s.loss_mask[:first].any() and s.loss_mask[first:].all()
+        # drgrpo within the group, never across environments: the two reverse-text advantages are
+        # each reward minus their group's mean
+        rewards = sorted(u.reward for u in built)
+        advs = sorted(s.advantages for s in mine)
+        mean = sum(rewards) / 2
+        assert advs == pytest.approx([r - mean for r in rewards], abs=1e-6)
+        spreads += rewards[0] != rewards[1]
+    assert spreads > 0  # (a group whose two rewards differ was checked)
+    assert rows[0]["off_policy/max"] == 0 and rows[0]["mismatch_kl/mean"] < 1e-6
+
+
+def test_dynamic_sampling_replaces_uniform_groups_on_the_verifiers_path(tmp_path, monkeypatch):
+    """Every reverse-text group is uniform here (a constant reward), so it is dropped and replaced by
+    a fresh prompt's group until the batch has sampled max_oversample x batch_size = 6 groups (3
+    replacements, whichever environment's uniform groups finish first); the last uniform group is
+    kept and counted; the trainer's batch keeps its 3 groups."""
+    from primerl.rl.envs.reverse_text import ReverseText
+    from primerl.runtime.orchestrator.mix_stats import MixStats
+
+    monkeypatch.setattr(ReverseText, "reward", lambda self, episode: 0.5)
+    cfg = mix_cfg(tmp_path, "--max_steps", "2", "--env.args.max_tokens", "4", "--orchestrator.filter", "dapo",
+                  "--orchestrator.max_oversample", "2")
+    rec = Recorder(monkeypatch)
+    decided, trained = [], spy_trained(monkeypatch)  # (step, env, rewards, replaced)
+    replaces = MixStats.replaces
+
+    def _replaces(self, step, g, counters):
+        out = replaces(self, step, g, counters)
+        decided.append((step, g.env, list(g.rewards), out))
+        return out
+
+    monkeypatch.setattr(MixStats, "replaces", _replaces)
+    rows = run_threads(cfg)
+    assert [r["step"] for r in rows] == [0, 1]
+    for step, row in enumerate(rows):
+        dropped = [(e, r) for s, e, r, out in decided if s == step and out]
+        assert all(len(set(r)) == 1 for _, r in dropped)  # only uniform groups are dropped
+        assert not any(out for s, _, r, out in decided if s == step and len(set(r)) > 1)
+        assert row["groups/filtered"] == len(dropped) == 3  # 3 sampled + 3 replacements = the budget
+        assert row["rollouts/oversampled"] == sum(4 if e == 0 else 2 for e, _ in dropped)
+        groups = trained[step]
+        assert [g[0] for g in groups].count(1) == 1 and len(groups) == 3  # the replacement is of the same env
+        uniform = [g for g in groups if len(set(g[3])) == 1]
+        assert row["groups/uniform_kept"] == len(uniform) >= 1  # the reverse-text group, past the budget
+        assert any(g[1] >= 1 for g in groups)  # a replacement's group was trained
+        kept = [r for g in groups for r in g[3]]
+        every = kept + [r for _, rs in dropped for r in rs]
+        assert row["reward/all_sampled"] == pytest.approx(sum(every) / len(every), abs=1e-6)
+        assert row["reward/mean"] == pytest.approx(sum(kept) / len(kept), abs=1e-6)
+        assert len(rec.writes[step][0]) == 2 * 4 + 2  # the trainer's batch size never changes
+
+
+def test_curriculum_draws_both_environments_prompts_on_the_verifiers_path(tmp_path, monkeypatch):
+    """The curriculum over a mix on the verifiers path: every reverse-text group fails
+    (pass_threshold 1, reward 0.5), so its prompt becomes hard (weight 0) once its batch's rates
+    apply, two batches later (max_async_level 1); with 2 prompts, batch 2 draws the one batch 0 did
+    not. The verifiers tasks are keyed by their task keys; the state is saved for a resume."""
+    from primerl.rl.envs.reverse_text import ReverseText
+
+    monkeypatch.setattr(ReverseText, "reward", lambda self, episode: 0.5)
+    cfg = mix_cfg(tmp_path, "--max_steps", "3", "--env.args.max_tokens", "4", "--orchestrator.curriculum.enabled",
+                  "true", "--orchestrator.curriculum.weight", "0", rev_args=", num_prompts = 2")
+    trained = spy_trained(monkeypatch)
+    rows = run_threads(cfg)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    rev = [next(g[2] for g in trained[s] if g[0] == 1) for s in range(3)]
+    assert rev[2] != rev[0]
+    # batch 0's rates apply from batch 2's submission on (before or after batch 1's hand-over)
+    assert rows[0]["curriculum/rev/hard"] == 0 and rows[2]["curriculum/rev/hard"] == 1
+    assert rows[2]["curriculum/rev/unseen"] == 1
+    tasks = load_environment(cfg.env.id, **cfg.env.args).prompts()
+    vf_keys = {g[2] for s in range(3) for g in trained[s] if g[0] == 0}
+    assert len(vf_keys) == 6 and vf_keys <= set(tasks)
+    assert rows[2]["curriculum/vf/unseen"] + sum(rows[2][f"curriculum/vf/{k}"] for k in ("easy", "hard", "normal")) \
+        == len(tasks)
+    assert (tmp_path / "run" / "orchestrator_state" / "step_000003.json").is_file()
