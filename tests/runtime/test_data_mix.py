@@ -278,9 +278,9 @@ def test_mix_config_round_trips_through_the_dry_run_toml(tmp_path):
 
 
 def test_verifiers_environments_mix_with_builtin_ones_and_what_stays_refused():
-    """A verifiers environment in a mix, with dynamic sampling and the curriculum, passes the field
-    checks (tests/vf/test_vf_mix.py runs it); its own token cap and online eval are refused, one
-    line naming the key."""
+    """A verifiers environment in a mix, with dynamic sampling, the curriculum and a built-in eval
+    environment, passes the field checks (tests/vf/test_vf_mix.py runs it); its own token cap, a
+    place other than first and an online eval of it are refused, one line naming the key."""
     from primerl.runtime.config import EvalEnvConfig, RLConfig, validate_fields
     from primerl.runtime.config.schema import EnvConfig
 
@@ -300,8 +300,9 @@ def test_verifiers_environments_mix_with_builtin_ones_and_what_stays_refused():
         validate_fields(cfg)
     cfg.env, cfg.env_mix[0] = cfg.env_mix[0], cfg.env
     cfg.eval.interval, cfg.eval.env = 10, [EvalEnvConfig(env="rev")]
-    with pytest.raises(ConfigError, match="^eval.env: online evaluation is not run in a job with a verifiers "
-                                          "environment"):
+    validate_fields(cfg)  # a built-in eval environment
+    cfg.eval.env = [EvalEnvConfig(env="rev"), EvalEnvConfig(env="vf")]
+    with pytest.raises(ConfigError, match=r"^eval.env\[1\]\.env: online evaluation runs built-in environments only"):
         validate_fields(cfg)
 
 

@@ -23,12 +23,12 @@ args = { num_symbols = 4, max_length = 4%s }
 """
 
 
-def mix_cfg(tmp_path, *over, rev_args=""):
+def mix_cfg(tmp_path, *over, rev_args="", extra=""):
     """examples/vf_reverse_text.toml with its [env] as the first [[env]] (name "vf", weight 2) and
     reverse-text (name "rev", weight 1, 2 samples per prompt) as the second."""
     text = (ROOT / "examples" / "vf_reverse_text.toml").read_text()
     assert text.count("\n[env]\n") == 1
-    text = text.replace("\n[env]\n", '\n[[env]]\nname = "vf"\nweight = 2.0\n') + BUILTIN % rev_args
+    text = text.replace("\n[env]\n", '\n[[env]]\nname = "vf"\nweight = 2.0\n') + BUILTIN % rev_args + extra
     (tmp_path / "mix.toml").write_text(text)
     return small_cfg(str(tmp_path / "mix.toml"), tmp_path / "run", "--orchestrator.batch_size", "3", *over)
 
@@ -60,12 +60,38 @@ def spread(self, episode) -> float:
     return sum(episode.model_turns[-1]) % 7 / 7
 
 
-def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch):
-    from primerl.rl.envs.reverse_text import ReverseText
+EVAL = """
+[eval]
+interval = 2
+[[eval.env]]
+name = "copy"
+id = "copy-text"
+args = { num_symbols = 4, max_length = 4 }
+num_prompts = 3
+samples = 2
+temperature = 0.0
+pass_at = [1, 2]
+pass_threshold = 0.5
+max_tokens = 3
+"""
 
-    monkeypatch.setattr(ReverseText, "reward", spread)
-    cfg = mix_cfg(tmp_path, "--max_steps", "3", "--env.args.max_tokens", "6")
+
+def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch):
+    """... and online eval (a built-in eval environment, copy-text, greedy) on that path."""
+    from primerl.rl.envs.reverse_text import ReverseText
+    from primerl.runtime.orchestrator.vf_eval import LoopEval
+
+    monkeypatch.setattr(ReverseText, "reward", spread)  # (copy-text's too: a subclass)
+    cfg = mix_cfg(tmp_path, "--max_steps", "3", "--env.args.max_tokens", "6", extra=EVAL)
     rec = Recorder(monkeypatch)
+    evals, turn = [], LoopEval._turn  # (eval key, sampling params, completion) of every eval model turn
+
+    async def _turn(self, st, params):
+        out = await turn(self, st, params)
+        evals.append((st.eval_key, params, out[1]))
+        return out
+
+    monkeypatch.setattr(LoopEval, "_turn", _turn)
     rows = run_threads(cfg)
     assert [r["step"] for r in rows] == [0, 1, 2]
     vf_env = load_environment(cfg.env.id, **cfg.env.args)
@@ -107,6 +133,23 @@ def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch
         spreads += rewards[0] != rewards[1]
     assert spreads > 0  # (a group whose two rewards differ was checked)
     assert rows[0]["off_policy/max"] == 0 and rows[0]["mismatch_kl/mean"] < 1e-6
+    # the policy of version 0, evaluated next to the training episodes: 3 prompts x 2 greedy samples
+    row = next(r for r in rows if "eval/copy/pass@1" in r)
+    assert row["eval/copy/version"] == 0
+    run = [(key, params, c) for key, params, c in evals if key[0] == 0]
+    assert sorted(key for key, _, _ in run) == [(0, 0, p, s) for p in range(3) for s in range(2)]
+    assert all(params["top_p"] == 1e-9 and params["temperature"] == 1.0 and params["max_tokens"] == 3
+               and c.policy_version == 0 for _, params, c in run)
+    copy = load_environment("copy-text", num_symbols=4, max_length=4)
+    by_prompt = {}
+    for key, _, c in run:
+        assert c.prompt == list(copy.prompt(key[2]).tokens)
+        by_prompt.setdefault(key[2], []).append((c.tokens, sum(c.tokens) % 7 / 7))
+    assert all(a[0] == b[0] for a, b in by_prompt.values())  # greedy: one reply per prompt
+    scores = [r for pairs in by_prompt.values() for _, r in pairs]
+    assert row["eval/copy/reward"] == pytest.approx(sum(scores) / 6, abs=1e-9)
+    passed = sum(r >= 0.5 for r in scores) / 6
+    assert row["eval/copy/pass@1"] == pytest.approx(passed) and row["eval/copy/pass@2"] == pytest.approx(passed)
 
 
 def test_dynamic_sampling_replaces_uniform_groups_on_the_verifiers_path(tmp_path, monkeypatch):

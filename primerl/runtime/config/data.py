@@ -153,9 +153,9 @@ def check_eval(cfg) -> None:
                   "must be ints >= 1", k)
             _need(k <= x.samples, f"{key}.pass_at", f"pass@{k} needs at least {k} samples per prompt "
                   f"({key}.samples = {x.samples})", k)
-    if ev.env and uses_verifiers(cfg):
-        raise ConfigError("eval.env: online evaluation is not run in a job with a verifiers environment (its "
-                          "orchestrator, the verifiers path, has no eval yet); leave [[eval.env]] out")
+        _need(eval_env_spec(cfg, x)[0] != "verifiers", f"{key}.{'env' if x.env else 'id'}",
+              "online evaluation runs built-in environments only (a verifiers one is not evaluated online yet)",
+              x.env or x.id)
 
 
 def eval_name(x: EvalEnvConfig) -> str:

@@ -80,18 +80,9 @@ async def builtin_episode(http, url: str, model: str, m, calls, st: EpisodeState
     env = m.env
     try:
         while True:
-            sid = f"primerl-builtin-{uuid.uuid4().hex}"
-            body = {"model": model, "token_ids": list(st.episode.tokens),
-                    "sampling_params": {"temperature": temperature, "top_p": top_p, "logprobs": 1,
-                                        "max_tokens": m.max_new_tokens(st.episode.prompt),
-                                        "stop_token_ids": list(env.stop_token_ids), "seed": seed_of(st.turn)}}
-            r = await http.post(url.rstrip("/") + "/inference/v1/generate", json=body, headers={SESSION_HEADER: sid})
-            rec = pop_session(sid)
-            if r.status_code != 200:
-                raise RuntimeError(f"POST /inference/v1/generate answered {r.status_code}: {r.text[:300]}")
-            if rec is None:
-                raise RuntimeError("the inference server recorded no request for the episode's session")
-            st.add_model_turn(_completion(r.json()["choices"][0], st.episode.tokens, rec, url))
+            params = {"temperature": temperature, "top_p": top_p, "max_tokens": m.max_new_tokens(st.episode.prompt),
+                      "stop_token_ids": list(env.stop_token_ids), "seed": seed_of(st.turn)}
+            st.add_model_turn(await generate_turn(http, url, model, st.episode.tokens, params, pop_session))
             if st.turn < env.max_turns:
                 reply = await calls.call("respond", env.respond, st.episode)
                 if reply:
@@ -107,6 +98,21 @@ async def builtin_episode(http, url: str, model: str, m, calls, st: EpisodeState
     st.done = True
     return BuiltinEpisode([Unit(m.name, st.reward, [], st.version_min, st.turn, 0, st.completion_tokens,
                                 version_max=st.version_max, episode=st)])
+
+
+async def generate_turn(http, url: str, model: str, tokens: list[int], params: dict, pop_session) -> Completion:
+    """One model turn: ``POST /inference/v1/generate`` of ``tokens`` with sampling ``params``
+    (temperature, top_p, max_tokens, stop_token_ids, seed) -> the engine's ``Completion`` (its
+    policy versions from the server's record of the request's session)."""
+    sid = f"primerl-builtin-{uuid.uuid4().hex}"
+    body = {"model": model, "token_ids": list(tokens), "sampling_params": {**params, "logprobs": 1}}
+    r = await http.post(url.rstrip("/") + "/inference/v1/generate", json=body, headers={SESSION_HEADER: sid})
+    rec = pop_session(sid)
+    if r.status_code != 200:
+        raise RuntimeError(f"POST /inference/v1/generate answered {r.status_code}: {r.text[:300]}")
+    if rec is None:
+        raise RuntimeError("the inference server recorded no request for the episode's session")
+    return _completion(r.json()["choices"][0], tokens, rec, url)
 
 
 def _completion(choice: dict, prompt: list[int], rec, url: str) -> Completion:
@@ -146,4 +152,4 @@ def unit_advantages(groups: list[Group], method: str) -> tuple[list[list[list[fl
     return out, {"groups/zero_advantage": zero}
 
 
-__all__ = ["BuiltinEpisode", "Group", "Unit", "builtin_episode", "unit_advantages"]
+__all__ = ["BuiltinEpisode", "Group", "Unit", "builtin_episode", "generate_turn", "unit_advantages"]

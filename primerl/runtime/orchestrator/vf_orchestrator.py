@@ -33,7 +33,7 @@ an environment as on the built-in path (``sampling.PromptSampler``: dealt by the
 the same server plus its ``reward`` (``vf_mix.builtin_episode``), advantages stay within a group's
 units of one environment (``vf_mix.unit_advantages``), and the per-environment metrics, dynamic
 sampling (``orchestrator.filter = "dapo"``) and the curriculum's records are the built-in path's
-(``mix_stats.MixStats``).
+(``mix_stats.MixStats``); ``[eval]`` runs its built-in eval environments here (``vf_eval.LoopEval``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from .env_calls import AsyncEnvCalls, EnvCalls, EnvCallTimeout, RewardRejected, 
 from .mix_stats import MixStats, Outcome
 from .rollout import EpisodeState, mix_seed
 from .steps import BatchSteps
+from .vf_eval import LoopEval
 from .vf_mix import BuiltinEpisode, Group, Unit, builtin_episode, unit_advantages
 from ..transport import FileTransport
 
@@ -98,6 +99,7 @@ class VerifiersOrchestrator(BatchSteps):
         self.sampler = PromptSampler(cfg, self.mix)
         self.sampler.load_state(cfg.output_dir, start_step)  # the curriculum's, when resuming
         self.stats = MixStats(cfg, self.mix, self.sampler)
+        self.evals = LoopEval(cfg)  # [eval]: OnlineEval on this loop
         vf_envs = [m.env for m in self.mix if isinstance(m.env, VerifiersEnv)]
         self.weights = FileWeightVersions(transport) if weights is None else weights
         self.o = cfg.orchestrator
@@ -133,7 +135,8 @@ class VerifiersOrchestrator(BatchSteps):
                 sd = await asyncio.to_thread(self.transport.load_weights, v)
                 await asyncio.to_thread(self.server.call_in_engine, lambda: self.engine.load_weights(sd, v),
                                         self.cfg.inference.timeout_s)
-            self.version = v
+            old, self.version = self.version, v
+            self.evals.loaded(old, v)
 
     # ---------------------------------------------------------------- submission
     def _start_member(self, step: int, g: int, m: int) -> None:
@@ -346,7 +349,7 @@ class VerifiersOrchestrator(BatchSteps):
             "tool_calls/mean": sum(tools) / len(tools), "branches/per_trace": sum(branches) / len(branches),
             "groups/dropped": c["groups_dropped"], **{f"episodes/{k}": c[f"episodes_{k}"] for k in REASONS},
             "advantage/abs_mean": float(sum(abs(a) for g in adv for m in g for a in m) / max(len(rewards), 1)),
-            **adv_metrics, **self.stats.metrics(step, [_outcome(grp) for grp in groups], c),
+            **adv_metrics, **self.stats.metrics(step, [_outcome(grp) for grp in groups], c), **self.evals.pop_ready(),
         }
         return samples, metrics
 
@@ -385,6 +388,7 @@ class VerifiersOrchestrator(BatchSteps):
                 await stack.enter_async_context(self.mix[e].env.vf_env.serving())
             self._http = await stack.enter_async_context(httpx.AsyncClient(
                 timeout=httpx.Timeout(i.timeout_s, pool=None), limits=httpx.Limits(max_connections=64)))
+            self.evals.bind(loop, self._http, self.server.url, self._model, self.server.pop_session)
             try:
                 while self.next_write < max_steps:
                     dead = self.server.engine_error
@@ -394,11 +398,15 @@ class VerifiersOrchestrator(BatchSteps):
                     self._submit_due(max_steps)
                     if self._hand_over(on_batch):
                         continue
-                    if self._inflight:
-                        done, self._inflight = await asyncio.wait(self._inflight, timeout=0.5,
-                                                                  return_when=asyncio.FIRST_COMPLETED)
-                        for t in done:
+                    if self._inflight or self.evals.busy():
+                        wake = self.evals.waiter()  # an eval's environment call returned
+                        done, _ = await asyncio.wait(self._inflight | self.evals.tasks | {wake}, timeout=0.5,
+                                                     return_when=asyncio.FIRST_COMPLETED)
+                        wake.cancel()
+                        for t in done & self._inflight:
+                            self._inflight.discard(t)
                             self._on_episode(*t.result())
+                        self.evals.collect(done)
                         continue
                     if self.next_write not in self.batches:
                         await self._refresh_weights(block_for=self.next_submit - a)
@@ -410,6 +418,7 @@ class VerifiersOrchestrator(BatchSteps):
                     t.cancel()
                 if self._inflight:
                     await asyncio.gather(*self._inflight, return_exceptions=True)
+                await self.evals.close()
 
 
 def _served_model(url: str) -> str:
@@ -444,9 +453,9 @@ def build_orchestrator(cfg: RLConfig, env, client, transport: FileTransport, **k
     """The orchestrator for the job whose first environment is ``env``: the verifiers path when any
     environment of the job is a verifiers one, else the built-in one. ``kw`` include ``weights``: the
     backend's ``WeightVersions`` (``InferenceBackend.weight_receiver``)."""
-    from ..config import job_envs
+    from ..config.data import uses_verifiers
 
-    if isinstance(env, VerifiersEnv) or any(e.id == "verifiers" for e in job_envs(cfg)):
+    if isinstance(env, VerifiersEnv) or uses_verifiers(cfg):
         return VerifiersOrchestrator(cfg, env, client, transport, **kw)
     from .orchestrator import Orchestrator
 
