@@ -580,16 +580,16 @@ def plan_for_config(cfg: RLConfig, *, device_memory: int = 141 * 10**9, seq_len:
 
     vocab = 1
     if not cfg.model.path and not cfg.model.vocab_size:  # the environment's vocabulary: build it
-        from primerl.rl.envs import load_environment
+        from .config import load_policy_env, policy_env
 
         try:
-            vocab = load_environment(cfg.env.id, **cfg.env.args).vocab_size
+            vocab = load_policy_env(cfg).vocab_size
         except Exception as e:  # e.g. an optional package the environment needs is not installed here
-            vocab = _tokenizer_vocab(cfg.env.args)  # its tokenizer's size, without the environment's package
+            vocab = _tokenizer_vocab(policy_env(cfg).args)  # its tokenizer's size, without the environment's package
             if vocab is None:
                 raise ConfigError(f"model.vocab_size: 0 takes the environment's vocab_size, and building env.id = "
-                                  f"{cfg.env.id!r} here failed ({type(e).__name__}: {e}); set --model.vocab_size "
-                                  "for the plan") from None
+                                  f"{policy_env(cfg).id!r} here failed ({type(e).__name__}: {e}); set "
+                                  "--model.vocab_size for the plan") from None
     mc = model_config(cfg, vocab)
     lay = TrainerLayout.from_config(cfg, device)
     if seq_len is not None:

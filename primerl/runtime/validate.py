@@ -174,15 +174,13 @@ def check_warm_start_tasks(cfg: RLConfig) -> None:
     demonstrations (the environment is built here, only with a warm start)."""
     if not cfg.warm_start.steps:
         return
-    from primerl.rl.envs import load_environment
-
     try:
-        env = load_environment(cfg.env.id, **cfg.env.args)
+        env = config.load_policy_env(cfg)
         tasks = getattr(env, "tasks", None)
     except (ValueError, TypeError, ImportError) as e:
         raise ConfigError(f"env.id / env.args (for warm_start.steps): {e}") from None
     _need(bool(tasks) and callable(getattr(tasks[0], "demonstration", None)), "warm_start.steps",
-          f"the warm start trains on the environment's task demonstrations and {cfg.env.id!r} has none "
+          f"the warm start trains on the environment's task demonstrations and {config.policy_env(cfg).id!r} has none "
           "(Task.demonstration()); set warm_start.steps = 0", cfg.warm_start.steps)
 
 
@@ -194,8 +192,6 @@ def check_distill_teachers(cfg: RLConfig) -> None:
     d = cfg.distill
     if not config.distill_enabled(d):
         return
-    from primerl.rl.envs import load_environment
-
     from .inference.teacher import check_same_vocabulary, resolve_teacher
 
     job_envs = config.job_envs(cfg)
@@ -214,7 +210,7 @@ def check_distill_teachers(cfg: RLConfig) -> None:
         _need(name in envs, f"distill.teachers.{name}", f"names no environment of the job (env ids: {envs})",
               d.teachers[name])
     try:
-        student_vocab = model_config(cfg, load_environment(job_envs[0].id, **job_envs[0].args).vocab_size).vocab_size
+        student_vocab = model_config(cfg, config.load_policy_env(cfg).vocab_size).vocab_size
     except (ValueError, TypeError, ImportError):
         return  # the environment / model is refused by its own check, naming its key
     _need(d.topk <= student_vocab, "distill.topk", f"must be at most the vocabulary size ({student_vocab})", d.topk)

@@ -278,10 +278,11 @@ def test_mix_config_round_trips_through_the_dry_run_toml(tmp_path):
 
 
 def test_verifiers_environments_mix_with_builtin_ones_and_what_stays_refused():
-    """A verifiers environment in a mix, with dynamic sampling, the curriculum and a built-in eval
-    environment, passes the field checks (tests/vf/test_vf_mix.py runs it); its own token cap, a
-    place other than first and an online eval of it are refused, one line naming the key."""
-    from primerl.runtime.config import EvalEnvConfig, RLConfig, validate_fields
+    """A verifiers environment in a mix, listed anywhere, with dynamic sampling, the curriculum and a
+    built-in eval environment, passes the field checks (tests/vf/test_vf_mix.py runs it); its own
+    token cap, a second verifiers environment with another tokenizer and an online eval of it are
+    refused, one line naming the key."""
+    from primerl.runtime.config import EvalEnvConfig, RLConfig, policy_env, validate_fields
     from primerl.runtime.config.schema import EnvConfig
 
     cfg = RLConfig()
@@ -295,9 +296,20 @@ def test_verifiers_environments_mix_with_builtin_ones_and_what_stays_refused():
                                           r"with env\[0\]\.args\.max_tokens"):
         validate_fields(cfg)
     cfg.env.max_tokens = 0
+    # listed anywhere: the verifiers entry's tokenizer sizes the policy (tests/vf/test_vf_mix.py runs it second)
+    assert policy_env(cfg) is cfg.env
     cfg.env, cfg.env_mix[0] = cfg.env_mix[0], cfg.env
-    with pytest.raises(ConfigError, match=r"^env\[1\]\.id: list a verifiers environment first in the mix"):
+    validate_fields(cfg)
+    assert policy_env(cfg) is cfg.env_mix[0]
+    # two verifiers environments share the policy's vocabulary: one tokenizer
+    cfg.env_mix.append(EnvConfig(id="verifiers", name="vf2", args={"tokenizer": "builtin:qwen3-tiny"}))
+    validate_fields(cfg)
+    cfg.env_mix[1].args["tokenizer"] = "/models/other-tokenizer"
+    with pytest.raises(ConfigError, match=r"^env\[2\]\.args\.tokenizer: every verifiers environment of a mix must "
+                                          r"use one tokenizer .* env\[1\]'s is 'builtin:qwen3-tiny', "
+                                          r"got '/models/other-tokenizer'$"):
         validate_fields(cfg)
+    cfg.env_mix.pop()
     cfg.env, cfg.env_mix[0] = cfg.env_mix[0], cfg.env
     cfg.eval.interval, cfg.eval.env = 10, [EvalEnvConfig(env="rev")]
     validate_fields(cfg)  # a built-in eval environment

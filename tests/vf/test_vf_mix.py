@@ -10,8 +10,10 @@ import pytest
 from primerl.rl.envs import Episode, Prompt, Turn, load_environment
 from primerl.runtime.launch.threads import run_threads
 
-from vf_testing import (ROOT, Recorder, assert_replay_is_the_samplers_routing, assert_samples_are_the_sampled_tokens,
-                        small_cfg)
+from primerl.runtime.validate import load_config
+
+from vf_testing import (ROOT, SMALL, Recorder, assert_replay_is_the_samplers_routing,
+                        assert_samples_are_the_sampled_tokens)
 
 BUILTIN = """
 [[env]]
@@ -23,14 +25,26 @@ args = { num_symbols = 4, max_length = 4%s }
 """
 
 
-def mix_cfg(tmp_path, *over, rev_args="", extra=""):
+def mix_cfg(tmp_path, *over, rev_args="", extra="", vf_second=False):
     """examples/vf_reverse_text.toml with its [env] as the first [[env]] (name "vf", weight 2) and
-    reverse-text (name "rev", weight 1, 2 samples per prompt) as the second."""
+    reverse-text (name "rev", weight 1, 2 samples per prompt) as the second; ``vf_second``: listed
+    the other way round (then ``--env.args.K V`` of ``over`` and SMALL, which would set
+    reverse-text's args, go into the verifiers entry's [env.args] in the file)."""
     text = (ROOT / "examples" / "vf_reverse_text.toml").read_text()
-    assert text.count("\n[env]\n") == 1
-    text = text.replace("\n[env]\n", '\n[[env]]\nname = "vf"\nweight = 2.0\n') + BUILTIN % rev_args + extra
+    assert text.count("\n[env]\n") == 1 and text.count("\n[env.args]\n") == 1
+    vf = '\n[[env]]\nname = "vf"\nweight = 2.0\n'
+    flags = [*SMALL, "--orchestrator.batch_size", "3", *over]
+    if vf_second:
+        pairs = list(zip(flags[::2], flags[1::2]))
+        args = {k.removeprefix("--env.args."): v for k, v in pairs if k.startswith("--env.args.")}
+        flags = [x for k, v in pairs if not k.startswith("--env.args.") for x in (k, v)]
+        text = "\n".join(ln for ln in text.split("\n") if ln.split("=")[0].strip() not in args)
+        text = text.replace("\n[env.args]\n", "\n[env.args]\n" + "".join(f"{k} = {v}\n" for k, v in args.items()))
+        text = text.replace("\n[env]\n", BUILTIN % rev_args + vf) + extra
+    else:
+        text = text.replace("\n[env]\n", vf) + BUILTIN % rev_args + extra
     (tmp_path / "mix.toml").write_text(text)
-    return small_cfg(str(tmp_path / "mix.toml"), tmp_path / "run", "--orchestrator.batch_size", "3", *over)
+    return load_config(tmp_path / "mix.toml", ["--output_dir", str(tmp_path / "run"), *flags])
 
 
 def spy_trained(monkeypatch) -> dict:
@@ -194,25 +208,31 @@ def test_dynamic_sampling_replaces_uniform_groups_on_the_verifiers_path(tmp_path
 
 
 def test_curriculum_draws_both_environments_prompts_on_the_verifiers_path(tmp_path, monkeypatch):
-    """The curriculum over a mix on the verifiers path: every reverse-text group fails
+    """The curriculum over a mix on the verifiers path, with reverse-text listed first (the
+    verifiers entry, second, sizes the policy's vocabulary): every reverse-text group fails
     (pass_threshold 1, reward 0.5), so its prompt becomes hard (weight 0) once its batch's rates
     apply, two batches later (max_async_level 1); with 2 prompts, batch 2 draws the one batch 0 did
     not. The verifiers tasks are keyed by their task keys; the state is saved for a resume."""
     from primerl.rl.envs.reverse_text import ReverseText
+    from primerl.runtime.config import policy_env
 
     monkeypatch.setattr(ReverseText, "reward", lambda self, episode: 0.5)
     cfg = mix_cfg(tmp_path, "--max_steps", "3", "--env.args.max_tokens", "4", "--orchestrator.curriculum.enabled",
-                  "true", "--orchestrator.curriculum.weight", "0", rev_args=", num_prompts = 2")
+                  "true", "--orchestrator.curriculum.weight", "0", rev_args=", num_prompts = 2", vf_second=True)
+    assert cfg.env.id == "reverse-text" and policy_env(cfg) is cfg.env_mix[0]
+    assert cfg.env_mix[0].args["max_tokens"] == 4 and cfg.env_mix[0].args["max_concurrent"] == 8
     trained = spy_trained(monkeypatch)
     rows = run_threads(cfg)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    rev = [next(g[2] for g in trained[s] if g[0] == 1) for s in range(3)]
+    rev = [next(g[2] for g in trained[s] if g[0] == 0) for s in range(3)]
     assert rev[2] != rev[0]
     # batch 0's rates apply from batch 2's submission on (before or after batch 1's hand-over)
     assert rows[0]["curriculum/rev/hard"] == 0 and rows[2]["curriculum/rev/hard"] == 1
     assert rows[2]["curriculum/rev/unseen"] == 1
-    tasks = load_environment(cfg.env.id, **cfg.env.args).prompts()
-    vf_keys = {g[2] for s in range(3) for g in trained[s] if g[0] == 0}
+    assert all(r["groups/vf"] == 2 and r["groups/rev"] == 1 for r in rows)
+    vf_env = load_environment(policy_env(cfg).id, **policy_env(cfg).args)
+    tasks = vf_env.prompts()
+    vf_keys = {g[2] for s in range(3) for g in trained[s] if g[0] == 1}
     assert len(vf_keys) == 6 and vf_keys <= set(tasks)
     assert rows[2]["curriculum/vf/unseen"] + sum(rows[2][f"curriculum/vf/{k}"] for k in ("easy", "hard", "normal")) \
         == len(tasks)

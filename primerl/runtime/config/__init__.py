@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from .errors import ConfigError, _need  # noqa: F401
 from .distill import distill_enabled  # noqa: F401
-from .data import CurriculumConfig, EvalConfig, EvalEnvConfig, env_name, eval_env_spec, eval_name, job_envs  # noqa: F401
+from .data import (CurriculumConfig, EvalConfig, EvalEnvConfig, env_name, eval_env_spec, eval_name, job_envs,  # noqa: F401
+                   load_policy_env, policy_env)
 from .checks import validate, validate_fields, validate_finite, validate_names  # noqa: F401
 from .parallel import (  # noqa: F401
     CP_KINDS, FP8_RECIPES, cp_degrees, describe_cp, describe_parallel, parallel_dims, validate_cp_split,

@@ -60,6 +60,26 @@ def job_envs(cfg) -> list:
     return [cfg.env, *cfg.env_mix]
 
 
+def policy_env_index(cfg) -> int:
+    """The index in ``job_envs(cfg)`` of the environment whose vocabulary sizes the policy: the first
+    verifiers one (its tokenizer's; a built-in environment's token ids are the policy's first ids),
+    else the first."""
+    return next((i for i, e in enumerate(job_envs(cfg)) if e.id == "verifiers"), 0)
+
+
+def policy_env(cfg):
+    """The ``EnvConfig`` at ``policy_env_index(cfg)``."""
+    return job_envs(cfg)[policy_env_index(cfg)]
+
+
+def load_policy_env(cfg):
+    """The environment ``policy_env(cfg)`` built (its ``vocab_size`` sizes the policy)."""
+    from primerl.rl.envs import load_environment
+
+    e = policy_env(cfg)
+    return load_environment(e.id, **e.args)
+
+
 def env_name(e) -> str:
     return e.name or e.id
 
@@ -94,10 +114,17 @@ def check_env_mix(cfg) -> None:
         _need(e.group_size == 0 or e.group_size >= 2, f"{key}.group_size",
               "must be >= 2 (0: orchestrator.group_size)", e.group_size)
         _need(e.max_tokens >= 0, f"{key}.max_tokens", "must be >= 0 (0: the environment's own)", e.max_tokens)
-        _need(e.id != "verifiers" or envs[0].id == "verifiers", f"{key}.id",
-              "list a verifiers environment first in the mix (its tokenizer sizes the policy's vocabulary)", e.id)
+        p = policy_env_index(cfg)
+        _need(e.id != "verifiers" or _tokenizer(e) == _tokenizer(envs[p]), f"{key}.args.tokenizer",
+              f"every verifiers environment of a mix must use one tokenizer (the policy's vocabulary), and "
+              f"{env_key(cfg, p)}'s is {_tokenizer(envs[p])!r}", _tokenizer(e))
         _need(e.id != "verifiers" or not e.max_tokens, f"{key}.max_tokens",
               f"a verifiers environment caps its model turns with {key}.args.max_tokens (leave this 0)", e.max_tokens)
+
+
+def _tokenizer(e) -> str:
+    """A verifiers entry's tokenizer (``args.tokenizer``; verifiers_env.BUILTIN_TOKENIZER when unset)."""
+    return str(e.args.get("tokenizer", "builtin:qwen3-tiny"))
 
 
 def check_filter(o) -> None:
@@ -185,4 +212,4 @@ def check_eval_names(cfg) -> None:
 __all__ = ["CurriculumConfig", "EvalConfig", "EvalEnvConfig", "FILTERS", "check_curriculum", "check_env_list",
            "check_env_mix", "uses_verifiers",
            "check_eval", "check_eval_names", "check_filter", "env_key", "env_name", "eval_env_spec", "eval_name",
-           "job_envs"]
+           "job_envs", "load_policy_env", "policy_env", "policy_env_index"]

@@ -174,7 +174,7 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000, role: str = "both") ->
     """Blocking: the config's model in an embedded engine, served until interrupted."""
     import torch
 
-    from primerl.rl.envs import load_environment
+    from ..config import load_policy_env
 
     from ..lifetime import setup_logging
     from ..placement import resolve_placement
@@ -185,7 +185,7 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8000, role: str = "both") ->
 
     install("inference")  # progress: each request finished (engine_thread); stacks on SIGUSR1
     torch.set_num_threads(cfg.threads)
-    env = load_environment(cfg.env.id, **cfg.env.args)
+    env = load_policy_env(cfg)
     i = cfg.inference
     placement = resolve_placement(cfg)
     device = server_device(placement.device, i.gpu_ids, int(os.environ.get("PRIMERL_SERVER_INDEX", "0")))

@@ -37,9 +37,8 @@ class TeacherSource:
 def resolve_teacher(path: str, key: str = "distill.teacher") -> TeacherSource:
     """What ``path`` holds (no weights read); ``ConfigError`` naming ``key`` when it is none of the three."""
     from primerl.models.config import MoETransformerConfig
-    from primerl.rl.envs import load_environment
 
-    from ..config import ConfigError, load_config
+    from ..config import ConfigError, load_config, load_policy_env
     from ..policy import model_config
     from ..trainer.checkpoint import latest_checkpoint
 
@@ -64,8 +63,7 @@ def resolve_teacher(path: str, key: str = "distill.teacher") -> TeacherSource:
                           "(<run>/checkpoints/step_N) nor a Hugging Face directory (config.json)")
     try:
         run_cfg = load_config(run / "config.toml", check=False)
-        env = load_environment(run_cfg.env.id, **run_cfg.env.args)
-        mc = model_config(run_cfg, env.vocab_size)
+        mc = model_config(run_cfg, load_policy_env(run_cfg).vocab_size)
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"{key}: the config of the primerl run {str(run)!r} cannot be used: {e}") from None
     return TeacherSource(p, "primerl", mc, run_cfg, ckpt)

@@ -115,7 +115,7 @@ class VLLMBackend(InferenceBackend):
         if not cfg.inference.vllm.launch:
             yield None
             return
-        from primerl.rl.envs import load_environment
+        from ..config import load_policy_env
 
         from .vllm_client import InferenceServerError
         from .vllm_launch import launch_for_job
@@ -124,7 +124,7 @@ class VLLMBackend(InferenceBackend):
             print(f"primerl rl: starting vLLM on {cfg.inference.vllm.url} "
                   f"(log: {Path(cfg.output_dir) / 'logs' / 'vllm.log'})", flush=True)
         try:
-            server = launch_for_job(cfg, load_environment(cfg.env.id, **cfg.env.args).vocab_size)
+            server = launch_for_job(cfg, load_policy_env(cfg).vocab_size)
         except InferenceServerError as e:
             raise InferenceServerError(f"launching vLLM: {e}") from None
         try:

@@ -239,7 +239,7 @@ def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5, watch: Node
     ``<output_dir>/logs/vllm.log``. Serves until the scheduler's SIGTERM, which stops the server's
     whole process group (``deployment.grace_s``, then SIGKILL) and exits 143; a server that exits by
     itself, or never answers /health, fails the node naming it."""
-    from primerl.rl.envs import load_environment
+    from ..config import load_policy_env
 
     from ..inference.vllm_client import InferenceServerError
     from ..inference.vllm_launch import job_launcher
@@ -250,7 +250,7 @@ def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5, watch: Node
         log.warning("inference.vllm.url = %r but this node's vLLM listens on http://%s:%d: the orchestrator must "
                     "reach it there", v.url, node.host, v.port)
     try:
-        server = job_launcher(cfg, load_environment(cfg.env.id, **cfg.env.args).vocab_size, host=node.host)
+        server = job_launcher(cfg, load_policy_env(cfg).vocab_size, host=node.host)
     except InferenceServerError as e:
         raise NodeError(f"{where}: {e}") from None
 

@@ -40,7 +40,7 @@ class ThreadsLauncher:
         import contextlib
         import threading
 
-        from primerl.rl.envs import load_environment
+        from ..config import load_policy_env
 
         from ..inference.backend import get_backend
         from ..orchestrator.clients import make_client
@@ -53,7 +53,7 @@ class ThreadsLauncher:
         cfg, parts, st = job.cfg, job.parts, job.state
         st["stack"] = contextlib.ExitStack()
         st["stack"].enter_context(launched_vllm(cfg))
-        env = load_environment(cfg.env.id, **cfg.env.args)
+        env = load_policy_env(cfg)
         errors: list[BaseException] = st.setdefault("errors", [])
         done = threading.Event()
 

@@ -50,7 +50,7 @@ def checkpoint_step(path: Path) -> int:
 
 def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict:
     """-> the eval metrics of ``checkpoint`` (``eval/<name>/pass@k``, ``/reward``, ``/version``)."""
-    from primerl.rl.envs import load_environment
+    from ..config import load_policy_env
 
     from ..inference.backend import get_backend
     from .evaluation import OnlineEval
@@ -66,7 +66,7 @@ def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict:
     if cfg.inference.backend != "embedded":
         raise ConfigError(f"inference.backend: primerl eval runs the embedded engine only, got "
                           f"{cfg.inference.backend!r}")
-    env = load_environment(cfg.env.id, **cfg.env.args)
+    env = load_policy_env(cfg)
     client = get_backend(cfg).make_client(cfg, env.vocab_size)
     step = checkpoint_step(path)
     client.update_weights(step, CheckpointWeights(cfg, path, env.vocab_size))

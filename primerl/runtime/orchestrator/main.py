@@ -21,7 +21,7 @@ log = logging.getLogger("primerl")
 
 
 def orchestrator_main(cfg: RLConfig) -> None:
-    from primerl.rl.envs import load_environment
+    from ..config import load_policy_env
 
     from ..policy import model_config
     from .vf_orchestrator import build_orchestrator  # the built-in Orchestrator, or the verifiers path
@@ -30,7 +30,7 @@ def orchestrator_main(cfg: RLConfig) -> None:
     watch_launcher()
     install("orchestrator")  # progress: each request finished and batch handed over; stacks on SIGUSR1
     torch.set_num_threads(cfg.threads)
-    env = load_environment(cfg.env.id, **cfg.env.args)
+    env = load_policy_env(cfg)
     start = start_step(cfg)
     transport = make_transport(cfg, Path(cfg.output_dir) / "transport", "orchestrator")
     transport.drop_batches_from(start)

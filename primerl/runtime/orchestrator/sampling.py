@@ -48,18 +48,22 @@ class MixEnv:
         return min(n, self.max_tokens) if self.max_tokens else n
 
 
-def build_mix(cfg, first_env: Environment) -> list[MixEnv]:
-    """The job's environments: ``first_env`` (built from ``cfg.env``) and those of ``cfg.env_mix``."""
+def build_mix(cfg, policy_env: Environment) -> list[MixEnv]:
+    """The job's environments: ``policy_env`` (built from ``config.policy_env(cfg)``, the one whose
+    vocabulary sizes the policy) at its place, and the others built from their configs."""
     from primerl.rl.envs import load_environment
 
     from ..config import env_name, job_envs
+    from ..config.data import policy_env_index
 
+    p = policy_env_index(cfg)
     out = []
     for i, e in enumerate(job_envs(cfg)):
-        env = first_env if i == 0 else load_environment(e.id, **e.args)
-        if env.vocab_size > first_env.vocab_size:
-            raise ValueError(f"env[{i}] ({env_name(e)!r}): vocab_size {env.vocab_size} is larger than the first "
-                             f"environment's ({first_env.vocab_size}), which sizes the policy; list it first")
+        env = policy_env if i == p else load_environment(e.id, **e.args)
+        if env.vocab_size > policy_env.vocab_size:
+            raise ValueError(f"env[{i}] ({env_name(e)!r}): vocab_size {env.vocab_size} is larger than env[{p}]'s "
+                             f"({policy_env.vocab_size}), which sizes the policy (built-in environments only: list the "
+                             "largest first)")
         out.append(MixEnv(env_name(e), env, e, float(e.weight), e.group_size or cfg.orchestrator.group_size,
                           e.max_tokens))
     return out

@@ -450,9 +450,10 @@ def _fresh_renderers_lock() -> None:
 
 
 def build_orchestrator(cfg: RLConfig, env, client, transport: FileTransport, **kw):
-    """The orchestrator for the job whose first environment is ``env``: the verifiers path when any
-    environment of the job is a verifiers one, else the built-in one. ``kw`` include ``weights``: the
-    backend's ``WeightVersions`` (``InferenceBackend.weight_receiver``)."""
+    """The orchestrator for the job whose policy environment (``config.policy_env``: the one that
+    sizes the vocabulary) is ``env``: the verifiers path when any environment of the job is a
+    verifiers one, else the built-in one. ``kw`` include ``weights``: the backend's
+    ``WeightVersions`` (``InferenceBackend.weight_receiver``)."""
     from ..config.data import uses_verifiers
 
     if isinstance(env, VerifiersEnv) or uses_verifiers(cfg):

@@ -14,7 +14,7 @@ from ..placement import resolve_placement
 
 
 def trainer_main(cfg: RLConfig) -> None:
-    from primerl.rl.envs import load_environment
+    from ..config import load_policy_env
 
     from .trainer import run_trainer
 
@@ -31,7 +31,7 @@ def trainer_main(cfg: RLConfig) -> None:
         # the launcher's stall watchdog (deployment.stall_timeout_s) had its chance to dump the stacks
         torch.distributed.init_process_group(placement.dist_backend, timeout=collective_timeout(cfg))
     try:
-        env = load_environment(cfg.env.id, **cfg.env.args)
+        env = load_policy_env(cfg)
         run_trainer(cfg, env.vocab_size, orchestrator_alive=peer_alive(int(os.environ.get("PRIMERL_PEER_PID", "0"))))
         if torch.distributed.is_initialized():
             # every rank done with its last collective before any tears the group down: a rank that

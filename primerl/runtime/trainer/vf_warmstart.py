@@ -103,7 +103,7 @@ def warm_start(cfg, *, steps: int = 200, batch_size: int = 16, lr: float = 3e-3,
                seed: int = 0) -> dict:
     """Train ``cfg``'s random-init policy on the environment's demonstrations; save to ``out``
     (default ``cfg.model.path``). -> {"loss_first", "loss_last", "sequences", "seconds"}."""
-    from primerl.rl.envs import load_environment
+    from ..config import load_policy_env, policy_env
 
     from ..policy import build_model
 
@@ -112,9 +112,9 @@ def warm_start(cfg, *, steps: int = 200, batch_size: int = 16, lr: float = 3e-3,
         raise ValueError("warm start: give --out (or model.path): where the warm-started policy is written")
     init_cfg = copy.deepcopy(cfg)
     init_cfg.model.path = ""  # the random init the [model] fields describe
-    env = load_environment(cfg.env.id, **cfg.env.args)
+    env, env_id = load_policy_env(cfg), policy_env(cfg).id
     if not hasattr(env, "tasks") or not callable(getattr(env.tasks[0], "demonstration", None)):
-        raise ValueError(f"warm start: environment {cfg.env.id!r} has no task demonstrations (Task.demonstration())")
+        raise ValueError(f"warm start: environment {env_id!r} has no task demonstrations (Task.demonstration())")
     from renderers import create_renderer
 
     renderer = create_renderer(env.tokenizer, env.renderer_config())
