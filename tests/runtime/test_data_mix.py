@@ -278,10 +278,10 @@ def test_mix_config_round_trips_through_the_dry_run_toml(tmp_path):
 
 
 def test_verifiers_environments_mix_with_builtin_ones_and_what_stays_refused():
-    """A verifiers environment in a mix, listed anywhere, with dynamic sampling, the curriculum and a
-    built-in eval environment, passes the field checks (tests/vf/test_vf_mix.py runs it); its own
-    token cap, a second verifiers environment with another tokenizer and an online eval of it are
-    refused, one line naming the key."""
+    """A verifiers environment in a mix, listed anywhere, with dynamic sampling, the curriculum and
+    online evals (built-in, its held-out tasks) passes the field checks (tests/vf/test_vf_mix.py
+    runs it); its own token cap, a second verifiers environment or eval with another tokenizer and a
+    verifiers eval in a job without one are refused, one line naming the key."""
     from primerl.runtime.config import EvalEnvConfig, RLConfig, policy_env, validate_fields
     from primerl.runtime.config.schema import EnvConfig
 
@@ -313,9 +313,19 @@ def test_verifiers_environments_mix_with_builtin_ones_and_what_stays_refused():
     cfg.env, cfg.env_mix[0] = cfg.env_mix[0], cfg.env
     cfg.eval.interval, cfg.eval.env = 10, [EvalEnvConfig(env="rev")]
     validate_fields(cfg)  # a built-in eval environment
-    cfg.eval.env = [EvalEnvConfig(env="rev"), EvalEnvConfig(env="vf")]
-    with pytest.raises(ConfigError, match=r"^eval.env\[1\]\.env: online evaluation runs built-in environments only"):
+    # ... and the verifiers one's held-out tasks, or a verifiers eval environment of its own over the same tokenizer
+    cfg.eval.env = [EvalEnvConfig(env="rev"), EvalEnvConfig(env="vf", args={"split": "heldout"}),
+                    EvalEnvConfig(id="verifiers", args={"tokenizer": "builtin:qwen3-tiny"})]
+    validate_fields(cfg)
+    cfg.eval.env[2].args["tokenizer"] = "/models/other-tokenizer"
+    with pytest.raises(ConfigError, match=r"^eval.env\[2\]\.args\.tokenizer: must be the tokenizer of the job's "
+                                          r"verifiers environment \('builtin:qwen3-tiny'\), got '/models/other"):
         validate_fields(cfg)
+    only_builtin = RLConfig()
+    only_builtin.eval.interval, only_builtin.eval.env = 10, [EvalEnvConfig(id="verifiers")]
+    with pytest.raises(ConfigError, match=r"^eval.env\[0\]\.id: a verifiers eval environment runs in a job with a "
+                                          r"verifiers environment"):
+        validate_fields(only_builtin)
 
 
 def test_distill_teachers_score_each_environment_of_a_mix_with_its_own_teacher(tmp_path):

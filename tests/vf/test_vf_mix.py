@@ -87,25 +87,70 @@ temperature = 0.0
 pass_at = [1, 2]
 pass_threshold = 0.5
 max_tokens = 3
+[[eval.env]]
+name = "vf_heldout"
+env = "vf"
+args = { split = "heldout" }
+num_prompts = 2
+samples = 2
+temperature = 0.0
+pass_at = [1, 2]
+pass_threshold = 0.3
+max_tokens = 4
 """
 
 
+def assert_greedy(replies: dict) -> int:
+    """prompt -> its samples' (reply, reward, first version, last version): greedy sampling gives
+    one reply per prompt and policy version (a sample whose turns span a weight update is left out).
+    -> how many pairs of samples were compared."""
+    n = 0
+    for pairs in replies.values():
+        one = [a for a in pairs if a[2] == a[3]]
+        for i, a in enumerate(one):
+            for b in one[i + 1:]:
+                if b[2] == a[2]:
+                    assert a[0] == b[0]
+                    n += 1
+    return n
+
+
 def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch):
-    """... and online eval (a built-in eval environment, copy-text, greedy) on that path."""
+    """... and online eval on that path: a built-in eval environment (copy-text, greedy) and the
+    verifiers one's held-out tasks (greedy, its own token cap), neither trained on."""
     from primerl.rl.envs.reverse_text import ReverseText
+    from primerl.runtime.inference.http_routes import RouteTable
     from primerl.runtime.orchestrator.vf_eval import LoopEval
 
     monkeypatch.setattr(ReverseText, "reward", spread)  # (copy-text's too: a subclass)
-    cfg = mix_cfg(tmp_path, "--max_steps", "3", "--env.args.max_tokens", "6", extra=EVAL)
-    rec = Recorder(monkeypatch)
+    cfg = mix_cfg(tmp_path, "--max_steps", "3", "--env.args.max_tokens", "6", "--env.args.heldout_fraction", "0.5",
+                  extra=EVAL)
+    rec, trained = Recorder(monkeypatch), spy_trained(monkeypatch)
     evals, turn = [], LoopEval._turn  # (eval key, sampling params, completion) of every eval model turn
+    vf_evals, score, versions = [], LoopEval._score_own, {}  # (eval key, episode) of every verifiers eval episode
+    sampling, start = {}, RouteTable.start_generate  # session -> the sampling params the server got
 
     async def _turn(self, st, params):
         out = await turn(self, st, params)
         evals.append((st.eval_key, params, out[1]))
         return out
 
+    def _score_own(self, st, ep):  # (the policy versions of each trace's turns, as the server recorded them)
+        pop = self._pop
+        self._pop = lambda sid: versions.setdefault(sid, pop(sid))
+        try:
+            vf_evals.append((st.eval_key, ep))
+            return score(self, st, ep)
+        finally:
+            self._pop = pop
+
+    def _start(self, body, session_id=None):
+        sampling[session_id] = body["sampling_params"]
+        return start(self, body, session_id)
+
     monkeypatch.setattr(LoopEval, "_turn", _turn)
+    monkeypatch.setattr(LoopEval, "_score_own", _score_own)
+    monkeypatch.setattr(RouteTable, "start_generate", _start)
     rows = run_threads(cfg)
     assert [r["step"] for r in rows] == [0, 1, 2]
     vf_env = load_environment(cfg.env.id, **cfg.env.args)
@@ -153,17 +198,50 @@ def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch
     run = [(key, params, c) for key, params, c in evals if key[0] == 0]
     assert sorted(key for key, _, _ in run) == [(0, 0, p, s) for p in range(3) for s in range(2)]
     assert all(params["top_p"] == 1e-9 and params["temperature"] == 1.0 and params["max_tokens"] == 3
-               and c.policy_version == 0 for _, params, c in run)
+               for _, params, _ in run)
+    # an eval runs next to training: a later turn may be sampled by the next version (the eval's
+    # version is the oldest); greedy: one reply per prompt and policy version
+    assert min(c.policy_version for _, _, c in run) == 0
     copy = load_environment("copy-text", num_symbols=4, max_length=4)
     by_prompt = {}
     for key, _, c in run:
         assert c.prompt == list(copy.prompt(key[2]).tokens)
-        by_prompt.setdefault(key[2], []).append((c.tokens, sum(c.tokens) % 7 / 7))
-    assert all(a[0] == b[0] for a, b in by_prompt.values())  # greedy: one reply per prompt
-    scores = [r for pairs in by_prompt.values() for _, r in pairs]
+        by_prompt.setdefault(key[2], []).append((c.tokens, sum(c.tokens) % 7 / 7, c.policy_version,
+                                                 c.policy_version_end))
+    assert_greedy(by_prompt)
+    scores = [r for pairs in by_prompt.values() for _, r, _, _ in pairs]
     assert row["eval/copy/reward"] == pytest.approx(sum(scores) / 6, abs=1e-9)
     passed = sum(r >= 0.5 for r in scores) / 6
     assert row["eval/copy/pass@1"] == pytest.approx(passed) and row["eval/copy/pass@2"] == pytest.approx(passed)
+    # the verifiers environment's held-out tasks, evaluated by verifiers itself on the same server with
+    # the eval's sampling (greedy, 4 tokens a turn; training turns: temperature 1, 6 tokens)
+    row = next(r for r in rows if "eval/vf_heldout/pass@1" in r)
+    assert row["eval/vf_heldout/version"] == 0 and row["eval/copy/version"] == 0
+    run = sorted(((key, ep) for key, ep in vf_evals if key[0] == 0), key=lambda x: x[0])
+    assert [key for key, _ in run] == [(0, 1, p, s) for p in range(2) for s in range(2)]
+    held = load_environment("verifiers", **{**cfg.env.args, "split": "heldout"})
+    train = load_environment(cfg.env.id, **cfg.env.args)
+    texts = [[t.data.prompt_text for t in env.tasks] for env in (held, train)]
+    assert len(texts[0]) > 2 and not set(texts[0]) & set(texts[1])  # held-out tasks: none trained on, ever
+    assert len(texts[0]) + len(texts[1]) == len(load_environment(cfg.env.id, **{**cfg.env.args,
+                                                                                 "heldout_fraction": 0}).tasks)
+    vf_trained = {g[2] for groups in trained.values() for g in groups if g[0] == 0}
+    assert vf_trained and vf_trained <= set(train.prompts()) and not vf_trained & set(held.prompts())
+    replies = {}
+    for (_, _, p, s), ep in run:
+        (trace,) = ep.traces
+        assert trace.task.key == held.tasks[p].key
+        sp = sampling[trace.id]
+        assert (sp["temperature"], sp["top_p"], sp["max_tokens"]) == (1.0, 1e-9, 4)
+        replies.setdefault(p, []).append((trace.last_reply, trace.reward, versions[trace.id].first,
+                                          versions[trace.id].last))
+    assert row["eval/vf_heldout/version"] == min(v[2] for pairs in replies.values() for v in pairs) == 0
+    assert_greedy(replies)
+    vf_scores = [r for pairs in replies.values() for _, r, _, _ in pairs]
+    assert row["eval/vf_heldout/reward"] == pytest.approx(sum(vf_scores) / 4, abs=1e-9)
+    assert row["eval/vf_heldout/pass@1"] == pytest.approx(sum(r >= 0.3 for r in vf_scores) / 4)
+    train_sessions = [sid for sid, sp in sampling.items() if sp.get("max_tokens") == 6]
+    assert train_sessions and all(sampling[sid]["top_p"] == 1.0 for sid in train_sessions)
 
 
 def test_dynamic_sampling_replaces_uniform_groups_on_the_verifiers_path(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ Configured as an environment (``verifiers`` is imported only when one is built):
     renderer = "qwen3"                  # a renderers config name; renderer_args = {enable_thinking = false}
     max_tokens = 24                     # per model turn
     max_concurrent = 64                 # episodes in flight; episode_timeout_s = 600 each
+    heldout_fraction = 0.1              # tasks held out by a hash of their prompt (split = "heldout": only those)
     [env.args.env]                      # verifiers' own env config (vf.resolve_env_config)
     taskset = { id = "primerl-reverse-text" }
     agent = { harness = { id = "primerl-inprocess" }, runtime = { type = "subprocess" }, max_turns = 1 }
@@ -35,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -114,7 +116,8 @@ class VerifiersEnv(Environment):
     def __init__(self, env: dict, tokenizer: str = BUILTIN_TOKENIZER, *, renderer: str = "qwen3",
                  renderer_args: dict | None = None, max_tokens: int = 64, sampling: dict | None = None,
                  model_name: str = "primerl", max_concurrent: int = 64, num_tasks: int | None = None,
-                 plugin_paths: list[str] | None = None, episode_timeout_s: float = 600.0):
+                 plugin_paths: list[str] | None = None, episode_timeout_s: float = 600.0, split: str = "train",
+                 heldout_fraction: float = 0.0):
         if not isinstance(env, dict) or not env.get("taskset"):
             raise ValueError("verifiers env: env.args.env must be verifiers' env config with a taskset "
                              "(e.g. {taskset = {id = 'primerl-reverse-text'}})")
@@ -123,6 +126,12 @@ class VerifiersEnv(Environment):
         if max_tokens < 1 or max_concurrent < 1:
             raise ValueError(f"verifiers env: max_tokens and max_concurrent must be >= 1, "
                              f"got {max_tokens}, {max_concurrent}")
+        if split not in ("train", "heldout"):
+            raise ValueError(f"verifiers env: split must be 'train' or 'heldout', got {split!r}")
+        if not 0.0 <= heldout_fraction < 1.0 or (split == "heldout" and heldout_fraction <= 0.0):
+            raise ValueError(f"verifiers env: heldout_fraction must be in [0, 1) (> 0 for split = 'heldout'), "
+                             f"got {heldout_fraction}")
+        self.split, self.heldout_fraction = split, float(heldout_fraction)
         _need_verifiers()
         add_plugin_paths(plugin_dirs(plugin_paths))
         self.env_config = env
@@ -153,10 +162,19 @@ class VerifiersEnv(Environment):
             ts = self.vf_env.taskset
             if not ts.bounded and self._num_tasks is None:
                 raise ValueError("verifiers env: the taskset is infinite; set env.args.num_tasks")
-            self._tasks = list(ts.take(self._num_tasks) if self._num_tasks is not None else ts)
+            tasks = ts.take(self._num_tasks) if self._num_tasks is not None else ts
+            self._tasks = [t for t in tasks if self.heldout_fraction == 0.0
+                           or self.is_heldout(t) == (self.split == "heldout")]
             if not self._tasks:
-                raise ValueError("verifiers env: the taskset yielded no task")
+                raise ValueError(f"verifiers env: the taskset yielded no task (of split {self.split!r})")
         return self._tasks
+
+    def is_heldout(self, task) -> bool:
+        """Whether ``task`` lies in the held-out part (``heldout_fraction``) of the taskset: by a hash
+        of its prompt text (its key when it has none), so tasks with the same prompt share a split."""
+        text = task.data.prompt_text if task.data.prompt is not None else ""
+        h = zlib.crc32((text or f"key:{task.key}").encode()) / 2**32
+        return h < self.heldout_fraction
 
     @property
     def num_prompts(self) -> int:
@@ -173,15 +191,17 @@ class VerifiersEnv(Environment):
 
         return TypeAdapter(RendererConfig).validate_python({"name": self.renderer_name, **self.renderer_args})
 
-    def model_context(self, base_url: str, *, temperature: float, top_p: float, model: str | None = None):
+    def model_context(self, base_url: str, *, temperature: float, top_p: float, model: str | None = None,
+                      sampling: dict | None = None):
         """verifiers' ``ModelContext``: the train client on ``base_url`` (the inference server's
-        root), this env's renderer and tokenizer, and the job's sampling; ``model``: the served
-        model name (default ``model_name``)."""
+        root), this env's renderer and tokenizer, and the job's sampling (``args.sampling`` laid
+        over it, and ``sampling`` over both: an online eval's); ``model``: the served model name
+        (default ``model_name``)."""
         vf = _need_verifiers()
         client = vf.TrainClientConfig(base_url=base_url.rstrip("/") + "/v1", api_key_var="PRIMERL_INFERENCE_API_KEY",
                                       renderer=self.renderer_config(), renderer_model_name=self.tokenizer_path)
         sampling = vf.Sampling(**{"temperature": temperature, "top_p": top_p, "max_tokens": self.max_new_tokens,
-                                  **self.sampling})
+                                  **self.sampling, **(sampling or {})})
         return vf.ModelContext(model=model or self.model_name, client=client, sampling=sampling)
 
     def prompt(self, index: int):

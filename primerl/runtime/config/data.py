@@ -115,16 +115,16 @@ def check_env_mix(cfg) -> None:
               "must be >= 2 (0: orchestrator.group_size)", e.group_size)
         _need(e.max_tokens >= 0, f"{key}.max_tokens", "must be >= 0 (0: the environment's own)", e.max_tokens)
         p = policy_env_index(cfg)
-        _need(e.id != "verifiers" or _tokenizer(e) == _tokenizer(envs[p]), f"{key}.args.tokenizer",
+        _need(e.id != "verifiers" or _tokenizer(e.args) == _tokenizer(envs[p].args), f"{key}.args.tokenizer",
               f"every verifiers environment of a mix must use one tokenizer (the policy's vocabulary), and "
-              f"{env_key(cfg, p)}'s is {_tokenizer(envs[p])!r}", _tokenizer(e))
+              f"{env_key(cfg, p)}'s is {_tokenizer(envs[p].args)!r}", _tokenizer(e.args))
         _need(e.id != "verifiers" or not e.max_tokens, f"{key}.max_tokens",
               f"a verifiers environment caps its model turns with {key}.args.max_tokens (leave this 0)", e.max_tokens)
 
 
-def _tokenizer(e) -> str:
-    """A verifiers entry's tokenizer (``args.tokenizer``; verifiers_env.BUILTIN_TOKENIZER when unset)."""
-    return str(e.args.get("tokenizer", "builtin:qwen3-tiny"))
+def _tokenizer(args: dict) -> str:
+    """A verifiers environment's tokenizer (``args.tokenizer``; verifiers_env.BUILTIN_TOKENIZER when unset)."""
+    return str(args.get("tokenizer", "builtin:qwen3-tiny"))
 
 
 def check_filter(o) -> None:
@@ -180,9 +180,13 @@ def check_eval(cfg) -> None:
                   "must be ints >= 1", k)
             _need(k <= x.samples, f"{key}.pass_at", f"pass@{k} needs at least {k} samples per prompt "
                   f"({key}.samples = {x.samples})", k)
-        _need(eval_env_spec(cfg, x)[0] != "verifiers", f"{key}.{'env' if x.env else 'id'}",
-              "online evaluation runs built-in environments only (a verifiers one is not evaluated online yet)",
-              x.env or x.id)
+        env_id, args = eval_env_spec(cfg, x)
+        if env_id == "verifiers":  # on the verifiers path, over the policy's tokenizer
+            _need(uses_verifiers(cfg), f"{key}.id", "a verifiers eval environment runs in a job with a verifiers "
+                  "environment (its tokenizer sizes the policy's vocabulary)", x.id)
+            _need(_tokenizer(args) == _tokenizer(policy_env(cfg).args), f"{key}.args.tokenizer",
+                  f"must be the tokenizer of the job's verifiers environment ({_tokenizer(policy_env(cfg).args)!r})",
+                  _tokenizer(args))
 
 
 def eval_name(x: EvalEnvConfig) -> str:

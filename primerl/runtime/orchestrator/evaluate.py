@@ -50,8 +50,7 @@ def checkpoint_step(path: Path) -> int:
 
 def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict:
     """-> the eval metrics of ``checkpoint`` (``eval/<name>/pass@k``, ``/reward``, ``/version``)."""
-    from ..config import load_policy_env
-
+    from ..config import eval_env_spec, load_policy_env
     from ..inference.backend import get_backend
     from .evaluation import OnlineEval
 
@@ -66,6 +65,10 @@ def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict:
     if cfg.inference.backend != "embedded":
         raise ConfigError(f"inference.backend: primerl eval runs the embedded engine only, got "
                           f"{cfg.inference.backend!r}")
+    for i, x in enumerate(cfg.eval.env):
+        if eval_env_spec(cfg, x)[0] == "verifiers":
+            raise ConfigError(f"eval.env[{i}]: primerl eval runs built-in eval environments only (a verifiers one "
+                              "is evaluated online, in primerl rl)")
     env = load_policy_env(cfg)
     client = get_backend(cfg).make_client(cfg, env.vocab_size)
     step = checkpoint_step(path)

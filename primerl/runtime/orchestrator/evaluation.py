@@ -68,6 +68,18 @@ def eval_results(spec: EvalSpec, states: list[EpisodeState]) -> dict:
     return out
 
 
+def eval_sampling(x) -> tuple[float, float]:
+    """(temperature, top_p) of an eval (``EvalEnvConfig``): greedy (temperature 0) as a one-token nucleus."""
+    return (x.temperature, x.top_p) if x.temperature > 0 else (1.0, GREEDY_TOP_P)
+
+
+def runs_own_episodes(env) -> bool:
+    """A verifiers environment runs its episodes itself (``vf_eval.LoopEval`` drives its evals)."""
+    from primerl.rl.envs.verifiers_env import VerifiersEnv
+
+    return isinstance(env, VerifiersEnv)
+
+
 class OnlineEval:
     """The eval environments and the eval runs in flight (driven by the orchestrator)."""
 
@@ -97,13 +109,18 @@ class OnlineEval:
         mark = (new_version // self.interval) * self.interval
         return mark > old_version and mark != self.last_due
 
-    def start(self, version: int, submit) -> None:
-        """Submit version ``version``'s eval episodes (``submit(st, max_new, temperature, top_p, seed)``)."""
+    def start(self, version: int, submit, start_own=None) -> None:
+        """Submit version ``version``'s eval episodes (``submit(st, max_new, temperature, top_p, seed)``);
+        an environment that runs its own episodes (a verifiers one) is started by ``start_own(run,
+        index, spec)``, which adds its episodes to ``run``."""
         self.last_due = (version // self.interval) * self.interval if self.interval else version
         run = EvalRun(version)
         self.runs[version] = run
         for ei, spec in enumerate(self.specs):
             x = spec.cfg
+            if runs_own_episodes(spec.env):
+                start_own(run, ei, spec)
+                continue
             for p in range(x.num_prompts):
                 prompt = spec.env.prompt(p)
                 check_tokens(prompt.tokens, spec.env.vocab_size, f"eval {spec.name} prompt {p}")
@@ -112,7 +129,8 @@ class OnlineEval:
                     run.states[(ei, p, s)] = st
                     run.left += 1
         for st in list(run.states.values()):
-            self.submit_turn(st, submit)
+            if not runs_own_episodes(self.specs[st.eval_key[1]].env):
+                self.submit_turn(st, submit)
 
     def submit_turn(self, st: EpisodeState, submit) -> None:
         spec = self.specs[st.eval_key[1]]
@@ -121,7 +139,7 @@ class OnlineEval:
         if x.max_tokens:
             max_new = min(max_new, x.max_tokens)
         seed = mix_seed(self.cfg.seed, 0xE7, *st.eval_key, st.turn)
-        temperature, top_p = (x.temperature, x.top_p) if x.temperature > 0 else (1.0, GREEDY_TOP_P)
+        temperature, top_p = eval_sampling(x)
         submit(st, max_new, temperature, top_p, seed, tuple(spec.env.stop_token_ids))
 
     def env_call(self, st: EpisodeState, name: str) -> None:
@@ -183,4 +201,4 @@ class OnlineEval:
         return out
 
 
-__all__ = ["EvalRun", "EvalSpec", "OnlineEval", "eval_results", "pass_at_k"]
+__all__ = ["EvalRun", "EvalSpec", "OnlineEval", "eval_results", "eval_sampling", "pass_at_k", "runs_own_episodes"]

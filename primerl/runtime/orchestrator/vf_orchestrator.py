@@ -33,7 +33,8 @@ an environment as on the built-in path (``sampling.PromptSampler``: dealt by the
 the same server plus its ``reward`` (``vf_mix.builtin_episode``), advantages stay within a group's
 units of one environment (``vf_mix.unit_advantages``), and the per-environment metrics, dynamic
 sampling (``orchestrator.filter = "dapo"``) and the curriculum's records are the built-in path's
-(``mix_stats.MixStats``); ``[eval]`` runs its built-in eval environments here (``vf_eval.LoopEval``).
+(``mix_stats.MixStats``); ``[eval]`` runs its eval environments, built-in and verifiers ones, here
+(``vf_eval.LoopEval``).
 """
 
 from __future__ import annotations
@@ -384,8 +385,8 @@ class VerifiersOrchestrator(BatchSteps):
                 self._async_calls[e] = AsyncEnvCalls(self._env_calls[e], loop)
         a = self.o.max_async_level
         async with contextlib.AsyncExitStack() as stack:
-            for e in self._ctx:
-                await stack.enter_async_context(self.mix[e].env.vf_env.serving())
+            for env in [self.mix[e].env for e in self._ctx] + self.evals.own_envs():
+                await stack.enter_async_context(env.vf_env.serving())
             self._http = await stack.enter_async_context(httpx.AsyncClient(
                 timeout=httpx.Timeout(i.timeout_s, pool=None), limits=httpx.Limits(max_connections=64)))
             self.evals.bind(loop, self._http, self.server.url, self._model, self.server.pop_session)
