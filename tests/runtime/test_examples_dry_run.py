@@ -12,6 +12,7 @@ import torch
 
 from primerl.runtime.cli import main
 from primerl.runtime.config import load_config
+from primerl.runtime.config.data import env_key, policy_env_index
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml"))
 
@@ -31,7 +32,8 @@ def test_every_example_passes_the_dry_run(path, tmp_path, capsys):
     no_teacher = teacher is not None and not Path(teacher.group(1)).is_dir()
     if gpu or vf or vllm or no_teacher:
         assert rc == 2 and err.startswith("primerl: config error: ") and len(err.strip().splitlines()) == 1, err
-        key = ("device:" if gpu else "env.id:" if vf else "inference.vllm.python:" if vllm
+        vf_key = f"{env_key(cfg, policy_env_index(cfg))}.id:"  # env.id, or env[i].id of a mix's verifiers entry
+        key = ("device:" if gpu else vf_key if vf else "inference.vllm.python:" if vllm
                else "distill.teacher:")
         assert key in err, err
     else:
