@@ -120,6 +120,7 @@ def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch
     verifiers one's held-out tasks (greedy, its own token cap), neither trained on."""
     from primerl.rl.envs.reverse_text import ReverseText
     from primerl.runtime.inference.http_routes import RouteTable
+    from primerl.runtime.orchestrator.evaluation import pass_at_k
     from primerl.runtime.orchestrator.vf_eval import LoopEval
 
     monkeypatch.setattr(ReverseText, "reward", spread)  # (copy-text's too: a subclass)
@@ -211,8 +212,9 @@ def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch
     assert_greedy(by_prompt)
     scores = [r for pairs in by_prompt.values() for _, r, _, _ in pairs]
     assert row["eval/copy/reward"] == pytest.approx(sum(scores) / 6, abs=1e-9)
-    passed = sum(r >= 0.5 for r in scores) / 6
-    assert row["eval/copy/pass@1"] == pytest.approx(passed) and row["eval/copy/pass@2"] == pytest.approx(passed)
+    for k in (1, 2):  # (greedy, pass@2 = pass@1 unless a prompt's samples span a weight update)
+        per_prompt = [pass_at_k(2, sum(r >= 0.5 for _, r, _, _ in pairs), k) for pairs in by_prompt.values()]
+        assert row[f"eval/copy/pass@{k}"] == pytest.approx(sum(per_prompt) / 3)
     # the verifiers environment's held-out tasks, evaluated by verifiers itself on the same server with
     # the eval's sampling (greedy, 4 tokens a turn; training turns: temperature 1, 6 tokens)
     row = next(r for r in rows if "eval/vf_heldout/pass@1" in r)
@@ -315,3 +317,19 @@ def test_curriculum_draws_both_environments_prompts_on_the_verifiers_path(tmp_pa
     assert rows[2]["curriculum/vf/unseen"] + sum(rows[2][f"curriculum/vf/{k}"] for k in ("easy", "hard", "normal")) \
         == len(tasks)
     assert (tmp_path / "run" / "orchestrator_state" / "step_000003.json").is_file()
+
+
+def test_a_verifiers_eval_episode_that_fails_is_an_error_of_the_eval(tmp_path):
+    """An eval episode that is not ok, or passed env.args.episode_timeout_s, fails the eval naming it
+    (as a built-in eval environment's failed call does): never scored as a zero."""
+    from types import SimpleNamespace
+
+    from primerl.runtime.orchestrator.vf_eval import LoopEval, VfEvalEpisode
+
+    ev = LoopEval(mix_cfg(tmp_path, "--env.args.heldout_fraction", "0.5", extra=EVAL))
+    ev._pop = lambda session_id: None
+    assert [s.name for s in ev.evals.specs] == ["copy", "vf_heldout"] and len(ev.own_envs()) == 1
+    with pytest.raises(RuntimeError, match=r"^eval 'vf_heldout': episode \(prompt 1, sample 0\) is not ok: boom$"):
+        ev._score_own(VfEvalEpisode((0, 1, 1, 0)), SimpleNamespace(ok=False, traces=[], last_error="boom"))
+    with pytest.raises(RuntimeError, match="is not ok: it took longer than env.args.episode_timeout_s"):
+        ev._score_own(VfEvalEpisode((0, 1, 0, 1)), None)
