@@ -4,9 +4,13 @@ saved checkpoint, on their own (no trainer), through the config's inference clie
 The checkpoint (``<output_dir>/checkpoints/step_N``: the trainer's sharded DCP folder, whose model
 part is read into the config's policy, or a full-state one's ``model.safetensors``) is loaded into
 the client as policy version N; each eval environment runs exactly as the online evaluation does
-(``evaluation.OnlineEval``: same prompts, seeds, sampling and metrics). The metrics are printed
-and written to ``<checkpoint>/eval.json``. The embedded backend only (a vLLM server loads weights
-from the trainer's transport, not from a checkpoint folder).
+(``evaluation.OnlineEval``: same prompts, seeds, sampling and metrics). With a verifiers eval
+environment (``[[eval.env]]`` naming a verifiers training entry, or ``id = "verifiers"``) they run
+as on the verifiers path (``vf_eval.LoopEval``): the engine is served over HTTP in this process
+(``server.EngineServer``, port 0) for the command's duration, verifiers' episodes run on it with
+the eval's sampling and the built-in eval environments' turns are generate requests to it. The
+metrics are printed and written to ``<checkpoint>/eval.json``. The embedded backend only (a vLLM
+server loads weights from the trainer's transport, not from a checkpoint folder).
 """
 
 from __future__ import annotations
@@ -52,8 +56,6 @@ def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict:
     """-> the eval metrics of ``checkpoint`` (``eval/<name>/pass@k``, ``/reward``, ``/version``)."""
     from ..config import eval_env_spec, load_policy_env
     from ..inference.backend import get_backend
-    from .evaluation import OnlineEval
-
     from ..trainer.dcp_checkpoint import is_dcp_checkpoint
 
     path = Path(checkpoint)
@@ -65,14 +67,23 @@ def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict:
     if cfg.inference.backend != "embedded":
         raise ConfigError(f"inference.backend: primerl eval runs the embedded engine only, got "
                           f"{cfg.inference.backend!r}")
-    for i, x in enumerate(cfg.eval.env):
-        if eval_env_spec(cfg, x)[0] == "verifiers":
-            raise ConfigError(f"eval.env[{i}]: primerl eval runs built-in eval environments only (a verifiers one "
-                              "is evaluated online, in primerl rl)")
+    on_server = any(eval_env_spec(cfg, x)[0] == "verifiers" for x in cfg.eval.env)
+    if on_server and cfg.inference.pd.enabled:
+        raise ConfigError("inference.pd: primerl eval runs a verifiers eval environment on the engine in its own "
+                          "process, not on P/D servers")
     env = load_policy_env(cfg)
     client = get_backend(cfg).make_client(cfg, env.vocab_size)
     step = checkpoint_step(path)
     client.update_weights(step, CheckpointWeights(cfg, path, env.vocab_size))
+    out = {"step": step, **(_evaluate_on_server if on_server else _evaluate_through_client)(cfg, client, step)}
+    (path / "eval.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def _evaluate_through_client(cfg, client, step: int) -> dict:
+    """Built-in eval environments only: their requests submitted to ``client`` directly."""
+    from .evaluation import OnlineEval
+
     ev = OnlineEval(cfg)
     ev.interval = ev.interval or 1
     episodes, ids = {}, itertools.count(1)
@@ -89,9 +100,25 @@ def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict:
             ev.on_completion(episodes.pop(c.request_id), c)
         for st, name, ok, value in ev.poll():
             ev.on_env_result(st, name, ok, value, submit)
-    out = {"step": step, **ev.pop_ready()}
-    (path / "eval.json").write_text(json.dumps(out, indent=1))
-    return out
+    return ev.pop_ready()
+
+
+def _evaluate_on_server(cfg, client, step: int) -> dict:
+    """With a verifiers eval environment: the verifiers path's evaluation (``vf_eval.LoopEval``, every
+    eval environment) on the embedded engine served over HTTP in this process while it runs."""
+    import asyncio
+
+    from ..inference.backend import get_backend
+    from .vf_eval import LoopEval
+
+    ev = LoopEval(cfg)
+    model = ev.own_envs()[0].model_name
+    server, _ = get_backend(cfg).generate_server(cfg, client, policy_version=lambda: step, model_name=model)
+    server.start()
+    try:
+        return asyncio.run(ev.run_once(server, step, model))
+    finally:
+        server.stop()
 
 
 __all__ = ["evaluate_checkpoint"]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from primerl.rl.envs.verifiers_env import BranchError, trace_reward
 
+from ..config import ConfigError
 from .env_calls import check_reward
 from .evaluation import OnlineEval, eval_sampling, runs_own_episodes
 from .vf_mix import generate_turn
@@ -50,7 +51,7 @@ class LoopEval:
         self._sem: dict[int, asyncio.Semaphore] = {}
         for i, spec in enumerate(self.evals.specs):
             if runs_own_episodes(spec.env) and spec.cfg.num_prompts > len(spec.env.tasks):
-                raise ValueError(f"eval.env[{i}].num_prompts: {spec.cfg.num_prompts} is more than the "
+                raise ConfigError(f"eval.env[{i}].num_prompts: {spec.cfg.num_prompts} is more than the "
                                  f"{len(spec.env.tasks)} tasks of eval {spec.name!r}")
 
     def own_envs(self) -> list:
@@ -84,6 +85,39 @@ class LoopEval:
         """The sampler moved to ``new_version``: start a run if it crosses a multiple of the interval."""
         if self.evals.due(old_version, new_version):
             self.evals.start(new_version, self._submit, self._start_own)
+
+    async def run_once(self, server, version: int, model: str) -> dict:
+        """``primerl eval``: one run of every eval environment on the policy ``server`` (a started
+        ``GenerateServer.server``) holds as ``version``, on this event loop; -> its metrics."""
+        import contextlib
+
+        import httpx
+
+        from .vf_orchestrator import _fresh_renderers_lock
+
+        _fresh_renderers_lock()
+        loop = asyncio.get_running_loop()
+        async with contextlib.AsyncExitStack() as stack:
+            for env in self.own_envs():
+                await stack.enter_async_context(env.vf_env.serving())
+            http = await stack.enter_async_context(httpx.AsyncClient(
+                timeout=httpx.Timeout(self.evals.cfg.inference.timeout_s, pool=None),
+                limits=httpx.Limits(max_connections=64)))
+            self.bind(loop, http, server.url, model, server.pop_session)
+            self.evals.start(version, self._submit, self._start_own)
+            try:
+                while self.evals.runs:
+                    dead = server.engine_error
+                    if dead is not None:
+                        raise RuntimeError(f"the inference engine died: {dead!r}") from dead
+                    wake = self.waiter()  # an eval's environment call returned
+                    done, _ = await asyncio.wait(self.tasks | {wake}, timeout=0.5,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    wake.cancel()
+                    self.collect(done)
+            finally:
+                await self.close()
+        return self.pop_ready()
 
     def _start_own(self, run, ei: int, spec) -> None:
         """A verifiers eval environment's episodes of ``run``: ``samples`` of each of its first
