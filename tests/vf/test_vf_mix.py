@@ -193,16 +193,17 @@ def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch
         spreads += rewards[0] != rewards[1]
     assert spreads > 0  # (a group whose two rewards differ was checked)
     assert rows[0]["off_policy/max"] == 0 and rows[0]["mismatch_kl/mean"] < 1e-6
-    # the policy of version 0, evaluated next to the training episodes: 3 prompts x 2 greedy samples
+    # the first eval, launched at version 0, next to the training episodes: 3 prompts x 2 greedy samples
+    # (on a loaded machine its requests may reach the engine after version 1 is loaded: the eval's
+    # version is the oldest of its samples', whatever that is)
     row = next(r for r in rows if "eval/copy/pass@1" in r)
-    assert row["eval/copy/version"] == 0
     run = [(key, params, c) for key, params, c in evals if key[0] == 0]
     assert sorted(key for key, _, _ in run) == [(0, 0, p, s) for p in range(3) for s in range(2)]
     assert all(params["top_p"] == 1e-9 and params["temperature"] == 1.0 and params["max_tokens"] == 3
                for _, params, _ in run)
     # an eval runs next to training: a later turn may be sampled by the next version (the eval's
     # version is the oldest); greedy: one reply per prompt and policy version
-    assert min(c.policy_version for _, _, c in run) == 0
+    assert row["eval/copy/version"] == min(c.policy_version for _, _, c in run) <= 1
     copy = load_environment("copy-text", num_symbols=4, max_length=4)
     by_prompt = {}
     for key, _, c in run:
@@ -218,7 +219,6 @@ def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch
     # the verifiers environment's held-out tasks, evaluated by verifiers itself on the same server with
     # the eval's sampling (greedy, 4 tokens a turn; training turns: temperature 1, 6 tokens)
     row = next(r for r in rows if "eval/vf_heldout/pass@1" in r)
-    assert row["eval/vf_heldout/version"] == 0 and row["eval/copy/version"] == 0
     run = sorted(((key, ep) for key, ep in vf_evals if key[0] == 0), key=lambda x: x[0])
     assert [key for key, _ in run] == [(0, 1, p, s) for p in range(2) for s in range(2)]
     held = load_environment("verifiers", **{**cfg.env.args, "split": "heldout"})
@@ -237,7 +237,7 @@ def test_verifiers_and_builtin_environments_train_together(tmp_path, monkeypatch
         assert (sp["temperature"], sp["top_p"], sp["max_tokens"]) == (1.0, 1e-9, 4)
         replies.setdefault(p, []).append((trace.last_reply, trace.reward, versions[trace.id].first,
                                           versions[trace.id].last))
-    assert row["eval/vf_heldout/version"] == min(v[2] for pairs in replies.values() for v in pairs) == 0
+    assert row["eval/vf_heldout/version"] == min(v[2] for pairs in replies.values() for v in pairs) <= 1
     assert_greedy(replies)
     vf_scores = [r for pairs in replies.values() for _, r, _, _ in pairs]
     assert row["eval/vf_heldout/reward"] == pytest.approx(sum(vf_scores) / 4, abs=1e-9)
