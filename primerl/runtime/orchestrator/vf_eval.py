@@ -28,7 +28,7 @@ from primerl.rl.envs.verifiers_env import BranchError, trace_reward
 from ..config import ConfigError
 from .env_calls import check_reward
 from .evaluation import OnlineEval, eval_sampling, runs_own_episodes
-from .vf_mix import generate_turn
+from .vf_mix import fresh_renderers_lock, generate_turn
 
 
 @dataclass
@@ -93,9 +93,7 @@ class LoopEval:
 
         import httpx
 
-        from .vf_orchestrator import _fresh_renderers_lock
-
-        _fresh_renderers_lock()
+        fresh_renderers_lock()
         loop = asyncio.get_running_loop()
         async with contextlib.AsyncExitStack() as stack:
             for env in self.own_envs():

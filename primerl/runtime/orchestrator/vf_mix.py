@@ -16,6 +16,7 @@ path's (``batching.episode_sample``).
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass, field
 
@@ -152,4 +153,15 @@ def unit_advantages(groups: list[Group], method: str) -> tuple[list[list[list[fl
     return out, {"groups/zero_advantage": zero}
 
 
-__all__ = ["BuiltinEpisode", "Group", "Unit", "builtin_episode", "generate_turn", "unit_advantages"]
+def fresh_renderers_lock() -> None:
+    """``renderers.client`` holds a module-level ``asyncio.Lock`` (for its ``/v1/models`` look-up); a
+    lock binds to the first event loop that waits on it, so a second orchestrator run in one
+    process (tests, notebooks) would fail every contended look-up. Each run gets a new one."""
+    import renderers.client as rc
+
+    if hasattr(rc, "_max_prompt_len_lock"):
+        rc._max_prompt_len_lock = asyncio.Lock()
+
+
+__all__ = ["BuiltinEpisode", "Group", "Unit", "builtin_episode", "fresh_renderers_lock", "generate_turn",
+           "unit_advantages"]

@@ -54,7 +54,7 @@ from .mix_stats import MixStats, Outcome
 from .rollout import EpisodeState, mix_seed
 from .steps import BatchSteps
 from .vf_eval import LoopEval
-from .vf_mix import BuiltinEpisode, Group, Unit, builtin_episode, unit_advantages
+from .vf_mix import BuiltinEpisode, Group, Unit, builtin_episode, fresh_renderers_lock, unit_advantages
 from ..transport import FileTransport
 
 log = logging.getLogger("primerl.orchestrator")
@@ -369,7 +369,7 @@ class VerifiersOrchestrator(BatchSteps):
     async def _run(self, max_steps: int, on_batch) -> None:
         import httpx
 
-        _fresh_renderers_lock()
+        fresh_renderers_lock()
         i = self.cfg.inference
         model = (i.vllm.model or await asyncio.to_thread(_served_model, i.vllm.url)) if self.engine is None else None
         self._model = model or self.server_model_name
@@ -438,16 +438,6 @@ def _served_model(url: str) -> str:
 def _outcome(grp: Group) -> Outcome:
     units = [u for us in grp.members for u in us]
     return Outcome(grp.env, grp.key, [u.reward for u in units], sum(u.sampled_tokens for u in units))
-
-
-def _fresh_renderers_lock() -> None:
-    """``renderers.client`` holds a module-level ``asyncio.Lock`` (for its ``/v1/models`` look-up); a
-    lock binds to the first event loop that waits on it, so a second orchestrator run in one
-    process (tests, notebooks) would fail every contended look-up. Each run gets a new one."""
-    import renderers.client as rc
-
-    if hasattr(rc, "_max_prompt_len_lock"):
-        rc._max_prompt_len_lock = asyncio.Lock()
 
 
 def build_orchestrator(cfg: RLConfig, env, client, transport: FileTransport, **kw):
