@@ -102,37 +102,38 @@ class VLLMTeacher:
         self.url, self.model, self.temperature = url.rstrip("/"), model, temperature
         self.timeout_s, self.name = timeout_s, name
 
+    def _prompt_logprobs(self, s: list[int], k: int) -> list:
+        """vLLM's ``prompt_logprobs`` of sequence ``s`` (asked for ``k``: each entry holds the top-k
+        and the prompt's own token; entry 0 is null)."""
+        body = _post(f"{self.url}/v1/completions",
+                     {"model": self.model, "prompt": s, "max_tokens": 1, "prompt_logprobs": k,
+                      "temperature": self.temperature}, self.timeout_s, self.name)
+        pl = body.get("choices", [{}])[0].get("prompt_logprobs") if isinstance(body, dict) else None
+        if not isinstance(pl, list) or len(pl) != len(s):
+            raise TeacherError(f"{self.name} at {self.url}: no prompt_logprobs in the answer: {str(body)[:200]}")
+        return pl
+
+    def _read(self, s: list[int], k: int, read):
+        try:
+            return read(self._prompt_logprobs(s, k)[1:])
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+            raise TeacherError(f"{self.name} at {self.url}: unreadable prompt_logprobs ({e!r})") from None
+
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        out = []
-        for s in sequences:
-            body = _post(f"{self.url}/v1/completions",
-                         {"model": self.model, "prompt": s, "max_tokens": 1, "prompt_logprobs": 0,
-                          "temperature": self.temperature}, self.timeout_s, self.name)
-            try:
-                pl = body["choices"][0]["prompt_logprobs"]
-                out.append([None] + [_vllm_entry(d, t) for d, t in zip(pl[1:], s[1:])])
-            except (KeyError, IndexError, TypeError) as e:
-                raise TeacherError(f"{self.name} at {self.url}: no prompt_logprobs in the answer ({e!r}): "
-                                   f"{str(body)[:200]}") from None
+        out = [[None] + self._read(s, 0, lambda pl, s=s: [_vllm_entry(d, t) for d, t in zip(pl, s[1:])])
+               for s in sequences]
         return _check(out, sequences, f"{self.name} at {self.url}")
 
     def score_topk(self, sequences: list[list[int]], k: int) -> list:
+        name = f"{self.name} at {self.url}"
         out = []
-        for s in sequences:
-            body = _post(f"{self.url}/v1/completions",
-                         {"model": self.model, "prompt": s, "max_tokens": 1, "prompt_logprobs": k,
-                          "temperature": self.temperature}, self.timeout_s, self.name)
-            try:
-                pl = body["choices"][0]["prompt_logprobs"]
-                tops = [_vllm_topk(d, k) for d in pl[1:]]
-                out.append(([None] + [_vllm_entry(d, t) for d, t in zip(pl[1:], s[1:])],
-                            [[0] * k] + [i for i, _ in tops], [[0.0] * k] + [x for _, x in tops]))
-            except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
-                raise TeacherError(f"{self.name} at {self.url}: no prompt_logprobs in the answer ({e!r}): "
-                                   f"{str(body)[:200]}") from None
-        lps = _check([lp for lp, _, _ in out], sequences, f"{self.name} at {self.url}")
-        return [_topk_rows(lp, i, x, len(s), k, f"{self.name} at {self.url}", n)
-                for n, (lp, (_, i, x), s) in enumerate(zip(lps, out, sequences))]
+        for n, s in enumerate(sequences):
+            lp, tops = self._read(s, k, lambda pl, s=s: ([_vllm_entry(d, t) for d, t in zip(pl, s[1:])],
+                                                         [_vllm_topk(d, k) for d in pl]))
+            (lp,) = _check([[None] + lp], [s], name)
+            out.append(_topk_rows(lp, [None] + [i for i, _ in tops], [None] + [x for _, x in tops], len(s), k,
+                                  name, n))
+        return out
 
 
 def _topk_rows(lp, id_rows, lp_rows, L: int, k: int, name: str, n: int):
