@@ -9,7 +9,8 @@ Layout under ``root``::
 
 Every file is written to a temporary name in the same directory and renamed into place
 (``os.replace`` is atomic on POSIX), so a reader never sees a partial file; weights are
-published by renaming a complete temporary directory and then writing the marker.
+published by renaming a complete temporary directory, marker included, into place; a version
+published again (a resumed trainer's start version) replaces the old directory whole.
 Every wait takes a timeout and an optional ``alive()`` probe of the producer, so a dead
 producer is reported instead of waited on forever.
 """
@@ -58,13 +59,27 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+REPLACE_WAIT_S = 30.0  # load_weights: the longest wait for a version being republished
+TMP_PREFIX = ".tmp_step_"  # a checkpoint being written: <root>/.tmp_step_<step>.<writer pid>
+
+
+def wait_republished(d: str | Path, timeout: float | None = None) -> bool:
+    """Whether the published weights directory ``d`` (``.../weights/step_<version>``) has its
+    marker, waiting up to ``timeout`` s (default ``REPLACE_WAIT_S``) while the version is being
+    republished: between the two renames of ``FileTransport.publish_weights`` replacing it, the
+    directory is briefly absent and its old copy sits beside it as ``.tmp_step_<version>.replaced.<pid>``."""
+    d = Path(d)
+    deadline = time.monotonic() + (REPLACE_WAIT_S if timeout is None else timeout)
+    while not (d / STABLE).exists() and any(d.parent.glob(f"{TMP_PREFIX}{d.name[5:]}.replaced.*")) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return (d / STABLE).exists()
+
+
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
     atomic_write_bytes(path, buf.getvalue())
-
-
-TMP_PREFIX = ".tmp_step_"  # a checkpoint being written: <root>/.tmp_step_<step>.<writer pid>
 
 
 def remove_stale_tmp_dirs(root: str | Path) -> list[Path]:
@@ -169,13 +184,21 @@ class FileTransport:
                 save_file(tensors, str(tmp / "model.safetensors"), metadata={"version": str(version)})
             if config is not None:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-            if final.exists():
-                shutil.rmtree(final)
+            atomic_write_bytes(tmp / STABLE, str(version).encode())
+            # a republished version (a resumed trainer publishes its start version again) is never
+            # changed in place, where a reader may be loading it: the old directory is renamed
+            # away whole, the new one renamed in, and only then is the old one deleted
+            old = self.weights / f"{TMP_PREFIX}{version:06d}.replaced.{os.getpid()}"
+            replaced = final.exists()
+            if replaced:
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
             os.replace(tmp, final)
+            if replaced:
+                shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             remove_stale_tmp_dirs(self.weights)
             raise
-        atomic_write_bytes(final / STABLE, str(version).encode())
         return final
 
     def weight_versions(self) -> list[int]:
@@ -199,7 +222,7 @@ class FileTransport:
         from primerl.models.checkpoint import read_safetensors
 
         d = self.weights_dir(version)
-        if not (d / STABLE).exists():
+        if not wait_republished(d):
             raise FileNotFoundError(f"weights of version {version} are not published at {d}")
         if not (d / "model.safetensors").exists():
             if (d / "adapter_model.safetensors").exists():  # trainer.lora: the version is a PEFT adapter directory

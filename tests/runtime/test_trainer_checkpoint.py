@@ -13,7 +13,7 @@ from primerl.models.checkpoint import CheckpointError
 from primerl.runtime.trainer import checkpoint as ckpt
 from primerl.runtime.validate import load_config
 from primerl.runtime.launch.common import prepare_output
-from primerl.runtime.transport import FileTransport
+from primerl.runtime.transport import STABLE, FileTransport
 
 
 def _dead_pid() -> int:
@@ -94,3 +94,48 @@ def test_failed_weight_publish_leaves_no_temp_dir(tmp_path):
     with pytest.raises(OSError, match="No space left"):
         tr.publish_weights(1, None, write=full_disk)
     assert not list(tr.weights.glob(".tmp_step_*")) and tr.weight_versions() == [0]
+
+
+def test_a_republished_version_is_whole_whenever_a_reader_looks(tmp_path, monkeypatch):
+    """A resumed trainer publishes its start version again while the orchestrator may be loading
+    the old copy: after every file operation of the republish, the version's directory is either
+    absent (a reader waits for it) or complete with its marker; a reader that looks in the gap
+    gets the new weights, and nothing is left behind."""
+    import threading
+
+    tr = FileTransport(tmp_path)
+    tr.publish_weights(2, {"w": torch.zeros(4096)})
+    final = tr.weights_dir(2)
+    seen, readers = [], []
+
+    def check(*_):
+        if final.exists():
+            assert (final / STABLE).exists(), "the version's directory without its marker"
+            w = tr.load_weights(2)["w"]  # the old or the new weights, whole
+            seen.append(float(w[0]))
+            assert bool((w == w[0]).all()) and w.numel() == 4096
+        else:
+            assert list(tr.weights.glob(".tmp_step_000002.replaced.*")), "the version vanished"
+            t = threading.Thread(target=lambda: readers.append(tr.load_weights(2)["w"]))
+            t.start()
+            readers.append(t)
+
+    for name in ("unlink", "rmdir", "replace"):
+        real = getattr(os, name)
+
+        def hooked(*a, _real=real, **k):
+            out = _real(*a, **k)
+            check()
+            return out
+
+        monkeypatch.setattr(os, name, hooked)
+    tr.publish_weights(2, {"w": torch.ones(4096)})
+    monkeypatch.undo()
+    threads = [t for t in readers if isinstance(t, threading.Thread)]
+    assert threads, "the republish never left the gap this test is about"
+    for t in threads:
+        t.join(timeout=60)
+    got = [w for w in readers if not isinstance(w, threading.Thread)]
+    assert len(got) == len(threads) and all(bool((w == 1).all()) for w in got)
+    assert 0.0 in seen and 1.0 in seen
+    assert not list(tr.weights.glob(".tmp_*")) and bool((tr.load_weights(2)["w"] == 1).all())

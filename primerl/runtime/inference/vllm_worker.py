@@ -43,8 +43,10 @@ class WeightUpdateExtension:
     def update_weights_from_path(self, path: str) -> int:
         from safetensors.torch import load_file
 
+        from primerl.runtime.transport import wait_republished
+
         d = Path(path)
-        if not (d / "STABLE").exists():
+        if not wait_republished(d):
             raise FileNotFoundError(f"{d} has no STABLE marker: the weights are not completely written")
         version = int((d / "STABLE").read_text())
         weights = load_file(str(d / "model.safetensors"), device=str(self.device))

@@ -77,7 +77,10 @@ class WeightRPCs:
         """Load ``path``/model.safetensors as version ``path``/STABLE (default: the current + 1)."""
         from primerl.models.checkpoint import read_safetensors
 
+        from ..transport import wait_republished
+
         d = Path(path)
+        wait_republished(d)  # a version being republished: its directory is back within moments
         sd = read_safetensors(d / "model.safetensors")
         version = int((d / "STABLE").read_text()) if (d / "STABLE").exists() else self.engine.policy_version + 1
 
