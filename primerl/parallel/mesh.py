@@ -28,9 +28,10 @@ one divides the other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:  # a layout is read without torch (the launcher): torch.distributed is loaded to build one
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelDims", "build_mesh", "MESH_VIEWS"]
 
@@ -60,6 +61,8 @@ class ParallelDims:
 
     def __post_init__(self):
         if self.world_size is None:
+            import torch.distributed as dist
+
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("ParallelDims: world_size=None needs an initialized torch.distributed")
             self.world_size = dist.get_world_size()
@@ -140,6 +143,9 @@ class ParallelDims:
 def build_mesh(parallel_dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     """One DeviceMesh over all ranks whose named views (``mesh["ep"]``, ``mesh["dp_replicate",
     "efsdp"]``, ...) are the groups of the module docstring. Collective: every rank calls it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
     p = parallel_dims
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("build_mesh: torch.distributed is not initialized")

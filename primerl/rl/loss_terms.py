@@ -22,12 +22,11 @@ the corrections, the loss weights and the aggregation to it. It is named by impo
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from .loss_spec import load_custom_loss  # noqa: F401 - its old home
 from .metrics import kl_k3
 
 __all__ = ["LossInputs", "load_custom_loss", "ref_kl_metric", "ref_kl_per_token", "term_mean"]
@@ -52,22 +51,6 @@ class LossInputs:
     advantages: torch.Tensor
     loss_mask: torch.Tensor
     cu_seqlens: torch.Tensor | None
-
-
-def load_custom_loss(spec: str) -> Callable:
-    """``"package.module:function"`` -> the function (ValueError naming what failed)."""
-    mod_name, sep, fn_name = spec.partition(":")
-    if not sep or not mod_name or not fn_name or ":" in fn_name:
-        raise ValueError(f"policy_loss: a custom method is named 'package.module:function', got {spec!r}")
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as e:  # the user's module may fail in any way while importing
-        raise ValueError(f"policy_loss: method {spec!r}: cannot import module {mod_name!r} "
-                         f"({type(e).__name__}: {e})") from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"policy_loss: method {spec!r}: module {mod_name!r} has no function {fn_name!r}")
-    return fn
 
 
 def ref_kl_per_token(lp: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor,

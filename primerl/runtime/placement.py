@@ -26,18 +26,47 @@ process starts; ``primerl rl --dry-run`` prints :func:`describe_placement`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .config import ConfigError, RLConfig
 from .inference.backend import get_backend
 from .launch.kinds import get_launcher, trainer_ranks_per_node
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["Placement", "resolve_placement", "describe_placement", "visible_gpus"]
+
+
+def _torch_build_has_gpu() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm, read from its ``version.py`` without
+    importing torch (~2.4 CPU-s): a CPU build sees no GPU, so the launcher and ``--dry-run`` of a
+    CPU job never load torch. Unsure (torch already loaded, no such file): True, and torch is asked."""
+    import importlib.util
+    import re
+    import sys
+    from pathlib import Path
+
+    if "torch" in sys.modules:
+        return True
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False  # no torch at all: no GPU for it
+    version = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        text = version.read_text()
+    except OSError:
+        return True
+    builds = re.findall(r"^(cuda|hip)\s*(?::[^=]*)?=\s*(.+)$", text, flags=re.M)
+    return not builds or any(v.strip() != "None" for _, v in builds)
 
 
 def visible_gpus() -> int:
     """CUDA devices torch can use in this process (0 without a CUDA build or driver)."""
+    if not _torch_build_has_gpu():
+        return 0
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -49,7 +78,14 @@ class Placement:
     num_gpus: int  # visible to torch
     mixed_precision: bool  # bf16 compute over float32 master weights
     weight_update: str  # engine in process: "filesystem" or "broadcast"; servers elsewhere: the backend's name
-    param_dtype: torch.dtype  # what the trainer computes in (and the engine samples in)
+    dtype: str  # "float32" or "bfloat16": what the trainer computes in (and the engine samples in)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype``."""
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def shared(self) -> bool:
@@ -67,6 +103,8 @@ class Placement:
         return "nccl" if self.device == "cuda" else "gloo"
 
     def trainer_device(self, local_rank: int = 0) -> torch.device:
+        import torch
+
         if self.device == "cpu":
             return torch.device("cpu")
         if not 0 <= local_rank < len(self.trainer_gpus):
@@ -75,10 +113,9 @@ class Placement:
         return torch.device("cuda", self.trainer_gpus[local_rank])
 
     def engine_device(self) -> torch.device:
+        import torch
+
         return torch.device("cpu") if self.engine_gpu is None else torch.device("cuda", self.engine_gpu)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
@@ -94,6 +131,8 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
         raise ConfigError(f"device: must be auto, cpu or cuda, got {cfg.device!r}")
     device = ("cuda" if n else "cpu") if cfg.device == "auto" else cfg.device
     if device == "cuda" and n == 0:
+        import torch
+
         raise ConfigError(f"device: 'cuda' but torch sees no CUDA device (torch {torch.__version__}, built for CUDA "
                           f"{torch.version.cuda}); use device = 'cpu' or 'auto'")
     backend = get_backend(cfg)
@@ -142,15 +181,14 @@ def resolve_placement(cfg: RLConfig, num_gpus: int | None = None) -> Placement:
         raise ConfigError("inference.weight_update: 'broadcast' needs the engine on a GPU of its own (NCCL cannot "
                           f"hold two ranks on one GPU; the engine shares GPU {engine_gpu} with the trainer): use "
                           "'filesystem' or 'auto'")
-    return Placement(device, trainer_gpus, engine_gpu, n, mixed, update,
-                     torch.bfloat16 if mixed else _DTYPES[cfg.model.dtype])
+    return Placement(device, trainer_gpus, engine_gpu, n, mixed, update, "bfloat16" if mixed else cfg.model.dtype)
 
 
 def describe_placement(cfg: RLConfig, num_gpus: int | None = None) -> str:
     """The placement as TOML comment lines (``primerl rl --dry-run`` prints them)."""
     p = resolve_placement(cfg, num_gpus)
     prec = ("bf16 compute, float32 master weights / optimizer state / gradient reduction" if p.mixed_precision
-            else f"{str(p.param_dtype).removeprefix('torch.')} throughout")
+            else f"{p.dtype} throughout")
     lines = [f"# placement: device = {p.device} ({cfg.device!r}; {p.num_gpus} GPU(s) visible)"]
     if p.device == "cpu":
         lines.append(f"# trainer: {cfg.num_trainer_ranks} rank(s) on the CPU, {p.dist_backend}; {prec}")

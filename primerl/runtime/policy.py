@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from primerl.models.config import MoETransformerConfig
-from primerl.models.transformer import MoETransformer
 
 from .config import ConfigError, RLConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:  # the model's configuration is all the launcher needs: it does not load torch
+    import torch
+
+    from primerl.models.transformer import MoETransformer
 
 
 def model_config(cfg: RLConfig, vocab_size: int) -> MoETransformerConfig:
@@ -41,7 +43,11 @@ def build_model(cfg: RLConfig, vocab_size: int, *, device: torch.device | str = 
     """The same weights in every process: random init seeded by ``cfg.seed`` (drawn on the CPU, so
     every device starts from the same numbers), or the checkpoint; then moved to ``device`` in
     ``dtype`` (default ``model.dtype``)."""
-    dtype = dtype or _DTYPES[cfg.model.dtype]
+    import torch
+
+    from primerl.models.transformer import MoETransformer
+
+    dtype = dtype or getattr(torch, cfg.model.dtype)
     if cfg.model.path:
         return MoETransformer.from_pretrained(cfg.model.path, dtype=dtype).to(device)
     mc = model_config(cfg, vocab_size)

@@ -22,9 +22,10 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:  # torch is loaded where tensors are read or written: the launcher never does
+    import torch
 
 STABLE = "STABLE"
 
@@ -78,6 +79,8 @@ def wait_republished(d: str | Path, timeout: float | None = None) -> bool:
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
     buf = io.BytesIO()
+    import torch
+
     torch.save(obj, buf)
     atomic_write_bytes(path, buf.getvalue())
 
@@ -140,6 +143,8 @@ class FileTransport:
         path = self.batch_path(step, rank)
         wait_for(path.exists, timeout=timeout, what=f"rollout batch of step {step} (rank {rank}) at {path}",
                  alive=alive)
+        import torch
+
         return torch.load(path, weights_only=False)
 
     def wait_taken(self, timeout: float) -> None:

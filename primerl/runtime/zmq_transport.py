@@ -32,8 +32,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from .launch.kinds import get_launcher
 from .transport import ORCHESTRATOR_NODE_ENV, FileTransport, ProducerDied, TransportTimeout
 
@@ -45,6 +43,8 @@ LOST_AFTER_S = 3.0  # disconnected this long without a reconnect: the orchestrat
 
 def _dumps(obj: Any) -> bytes:
     buf = io.BytesIO()
+    import torch
+
     torch.save(obj, buf)
     return buf.getvalue()
 
@@ -178,6 +178,8 @@ class ZmqTransport(FileTransport):
         if _KEY.unpack(key) != (step, rank):
             raise RuntimeError(f"asked {self.endpoint} for (step, rank) ({step}, {rank}), got {_KEY.unpack(key)}")
         self._dealer.send_multipart([b"", key, b"ack"])  # the orchestrator may leave once every batch is acked
+        import torch
+
         return torch.load(io.BytesIO(data), weights_only=False)
 
     def _peer_lost(self) -> bool:

@@ -93,11 +93,17 @@ def test_rl_command_trains_and_writes_metrics_and_plot(tmp_path):
     """The README command, shortened: progress lines, metrics.jsonl with the required keys, the
     plot, and a reward that has clearly left chance level."""
     steps = 30
-    proc = subprocess.run([sys.executable, "-m", "primerl.runtime.cli", "rl", "--config", "examples/reverse_text.toml",
+    # the command as `python -m primerl.runtime.cli`, and at its exit whether it loaded torch
+    probe = ("import atexit, runpy, sys; atexit.register(lambda: print('launcher loaded: torch' if 'torch' in "
+             "sys.modules else 'launcher loaded: no torch', file=sys.stderr)); "
+             "runpy.run_module('primerl.runtime.cli', run_name='__main__', alter_sys=True)")
+    proc = subprocess.run([sys.executable, "-c", probe, "rl", "--config", "examples/reverse_text.toml",
                            "--output_dir", str(tmp_path), "--max_steps", str(steps), "--checkpoint.interval", "0",
                            "--trainer.entropy_coef", "0"],  # no exploration bonus: the early rise is steeper
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the launcher only supervises: torch (~2.4 CPU-s per process) loads in the job's processes, not in it
+    assert proc.stderr.rstrip().endswith("launcher loaded: no torch"), proc.stderr[-3000:]
     assert proc.stdout.count(" | reward ") >= steps and "plot saved" in proc.stdout
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(steps))

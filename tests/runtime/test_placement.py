@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,36 @@ def test_large_gpu_example_is_about_100m_parameters_and_places_on_one_gpu():
     p = resolve_placement(cfg, 1)
     assert (p.trainer_gpus, p.engine_gpu, p.mixed_precision) == ((0,), 0, True)
     load_config(ROOT / "examples" / "reverse_text_gpu_large.toml", ["--device", "cpu"])  # every other check passes
+
+
+def test_a_cpu_build_of_torch_sees_no_gpu_without_loading_torch(tmp_path, monkeypatch):
+    """The launcher asks how many GPUs torch can use; a CPU build of torch (its ``version.py``
+    says cuda = hip = None) can use none, and that is read without importing torch."""
+    import importlib.machinery
+    import importlib.util
+
+    from primerl.runtime import placement
+
+    def fake_torch(text):
+        pkg = tmp_path / str(len(list(tmp_path.iterdir()))) / "torch"
+        pkg.mkdir(parents=True)
+        (pkg / "version.py").write_text(text)
+        spec = importlib.machinery.ModuleSpec("torch", None, is_package=True)
+        spec.submodule_search_locations = [str(pkg)]
+        return spec
+
+    modules = {k: v for k, v in sys.modules.items() if k != "torch"}
+    monkeypatch.setattr(sys, "modules", modules)  # as in a launcher that has not loaded torch
+    cpu = "from typing import Optional\ncuda: Optional[str] = None\nhip: Optional[str] = None\n"
+    for text, has_gpu in ((cpu, False), (cpu.replace("cuda: Optional[str] = None", "cuda = '12.8'"), True),
+                          (cpu.replace("hip: Optional[str] = None", "hip: Optional[str] = '6.4'"), True),
+                          ("__version__ = '9'\n", True)):  # no build lines: unsure, torch is asked
+        spec = fake_torch(text)
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, _s=spec: _s if name == "torch" else None)
+        assert placement._torch_build_has_gpu() is has_gpu, text
+    monkeypatch.undo()
+    code = ("import sys; from primerl.runtime.placement import visible_gpus; n = visible_gpus(); "
+            "sys.exit(f'{n} GPUs, torch loaded' if n or 'torch' in sys.modules else 0)")
+    if torch.version.cuda is None and torch.version.hip is None:  # this machine's CPU build
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]

@@ -39,8 +39,6 @@ import sys
 import zlib
 from pathlib import Path
 
-import torch
-
 from .base import Environment
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vf_plugins"
@@ -223,6 +221,8 @@ def branch_sample(branch, *, advantage: float, temperature: float, replay: bool,
     sampled mask (the model's own tokens only), ``inference_logprobs`` = the sampling log-probs
     on those tokens (0 elsewhere), ``replay_ids`` = its routed experts ``[T, L, k]`` when
     ``replay``."""
+    import torch
+
     from primerl.rl.packing import Sample
 
     ids = branch.token_ids

@@ -197,7 +197,7 @@ def _drop_replaced_method_hparams(cfg: RLConfig, file_method: str, file_hparams:
     names X also uses (kl_coef), those of corrections/terms, and anything set on the command line."""
     import logging
 
-    from primerl.rl.losses import DEFAULT_HPARAMS
+    from primerl.rl.loss_spec import DEFAULT_HPARAMS
 
     loss = cfg.trainer.loss
     if ("trainer.loss.method" not in keys or "trainer.loss.hparams" in keys or loss.method == file_method

@@ -127,7 +127,7 @@ def _check_loss(loss: LossConfig) -> None:
 def check_loss_names(loss: LossConfig) -> None:
     """Method, corrections, aggregation and hyperparameters against ``primerl.rl.losses``' lists
     (a ``package.module:function`` method is imported now, so ``--dry-run`` fails)."""
-    from primerl.rl import losses
+    from primerl.rl import loss_spec as losses
 
     try:
         losses.resolve_method(loss.method)  # a built-in name, or imports 'package.module:function'

@@ -107,7 +107,7 @@ class EmbeddedBackend(InferenceBackend):
         p = placement
         i = cfg.inference
         if i.pd.enabled or serves_from_pool(cfg):  # the engines are the servers', one each
-            dtype = str(p.param_dtype).removeprefix('torch.')
+            dtype = p.dtype
             if i.pd.enabled or not cfg.deployment.inference_nodes:
                 from .server import server_device
 
@@ -131,7 +131,7 @@ class EmbeddedBackend(InferenceBackend):
         via = (f"{p.broadcast_backend} broadcast from trainer rank 0 (group at {at}:{cfg.inference.broadcast_port})"
                if p.weight_update == "broadcast" else "files in output_dir/transport")
         return (f"# inference: embedded engine on {where}{share}, {kv}, "
-                f"{str(p.param_dtype).removeprefix('torch.')}; weights by {via}")
+                f"{p.dtype}; weights by {via}")
 
     def inference_plan(self, cfg, model, layout, device_memory):
         from ..memory_plan import inference_plan

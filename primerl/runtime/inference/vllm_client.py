@@ -68,13 +68,10 @@ import torch
 
 from ..config import VLLMConfig
 from .engine import Completion, Request
+from .errors import InferenceServerError  # noqa: F401 - its home before errors.py; imported from here
 
 WORKER_EXTENSION = "primerl.runtime.inference.vllm_worker.WeightUpdateExtension"
 log = logging.getLogger("primerl.vllm")
-
-
-class InferenceServerError(RuntimeError):
-    pass
 
 
 # ------------------------------------------------------------------------------------ decoding

@@ -72,15 +72,12 @@ class PreparedJob:
             self.lock = None
 
 
-
-
 def prepare_job(cfg: RLConfig, *, quiet: bool = False, parts: dict | None = None) -> PreparedJob:
     """The one preparation of every kind: claim ``output_dir`` (the lock is held until
     ``PreparedJob.release``), run the warm start, prepare ``output_dir`` (stale temporary
     directories removed, the resume step, the transport's directories, ``config.toml`` of the
     resolved config, ``logs/``). On a failure the lock is given back."""
     from ..output_dir import claim_output_dir
-    from ..trainer.vf_warmstart import job_warm_start
     from .common import prepare_output
 
     from .rl_warmstart import job_rl_warm_start
@@ -88,7 +85,10 @@ def prepare_job(cfg: RLConfig, *, quiet: bool = False, parts: dict | None = None
     lock = claim_output_dir(cfg)
     try:
         cfg = job_rl_warm_start(cfg, run_job, quiet=quiet)
-        cfg = job_warm_start(cfg, quiet=quiet)
+        if cfg.warm_start.steps:  # (the module trains in this process: it loads torch, which the launcher need not)
+            from ..trainer.vf_warmstart import job_warm_start
+
+            cfg = job_warm_start(cfg, quiet=quiet)
         start = prepare_output(cfg)
     except BaseException:
         lock.release()

@@ -164,7 +164,7 @@ def launched_vllm(cfg: RLConfig, *, quiet: bool = True):
     (``InferenceBackend.servers``: vLLM with ``inference.vllm.launch``), stopped when the job ends,
     failed or not; one that does not come up is a ``JobFailed``."""
     from ..inference.backend import get_backend
-    from ..inference.vllm_client import InferenceServerError
+    from ..inference.errors import InferenceServerError
 
     with contextlib.ExitStack() as stack:
         try:

@@ -241,7 +241,7 @@ def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5, watch: Node
     itself, or never answers /health, fails the node naming it."""
     from ..config import load_policy_env
 
-    from ..inference.vllm_client import InferenceServerError
+    from ..inference.errors import InferenceServerError
     from ..inference.vllm_launch import job_launcher
 
     v = cfg.inference.vllm
@@ -271,7 +271,7 @@ def run_vllm_node(cfg: RLConfig, node: Node, *, poll_s: float = 0.5, watch: Node
 
 
 def _serve_vllm(server, where: str, poll_s: float) -> int:
-    from ..inference.vllm_client import InferenceServerError
+    from ..inference.errors import InferenceServerError
 
     log.info("%s: starting vLLM: %s (log: %s)", where, " ".join(server.cmd), server.log_path)
     try:

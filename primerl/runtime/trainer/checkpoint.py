@@ -13,11 +13,11 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ..transport import TMP_PREFIX, atomic_torch_save, atomic_write_bytes, remove_stale_tmp_dirs  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
+    import torch
+
     from ..config import RLConfig
 
 
@@ -82,5 +82,7 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dic
     if not meta_file.exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
     meta = json.loads(meta_file.read_text())
+    import torch
+
     train_state = torch.load(path / "state.pt", weights_only=False)
     return int(meta["step"]), read_safetensors(path / "model.safetensors"), train_state
