@@ -174,7 +174,7 @@ def fresh_dynamo():
 
 
 # Where CI's minutes go, beyond --durations: with PRIMERL_TEST_CPU_LOG=<file>, each test appends one
-# JSON line {"test", "wall_s", "cpu_s"}: cpu_s is the worker's own CPU plus that of the processes the
+# JSON line {"test", "wall_s", "cpu_s", "end" (epoch s), "worker" (xdist's gwN)}: cpu_s is the worker's own CPU plus that of the processes the
 # test started and reaped (os.times' children). A test whose wall_s is far above its cpu_s waits
 # (sleeps, timeouts, a peer's start-up) and leaves its core to the other worker.
 _CPU_LOG = os.environ.get("PRIMERL_TEST_CPU_LOG")
@@ -195,4 +195,5 @@ def pytest_runtest_protocol(item, nextitem):
         + (c1.children_system - c0.children_system)
     with open(_CPU_LOG, "a") as f:  # one short line per write: O_APPEND keeps workers' lines whole
         f.write(json.dumps({"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2),
-                            "cpu_s": round(cpu, 2)}) + "\n")
+                            "cpu_s": round(cpu, 2), "end": round(time.time(), 2),
+                            "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
