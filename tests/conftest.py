@@ -174,9 +174,10 @@ def fresh_dynamo():
 
 
 # Where CI's minutes go, beyond --durations: with PRIMERL_TEST_CPU_LOG=<file>, each test appends one
-# JSON line {"test", "wall_s", "cpu_s", "end" (epoch s), "worker" (xdist's gwN)}: cpu_s is the worker's own CPU plus that of the processes the
-# test started and reaped (os.times' children). A test whose wall_s is far above its cpu_s waits
-# (sleeps, timeouts, a peer's start-up) and leaves its core to the other worker.
+# JSON line {"test", "wall_s", "cpu_s", "end" (epoch s), "worker" (xdist's gwN)}: cpu_s is the
+# worker's own CPU plus that of the processes the test started and reaped (os.times' children). A
+# test whose wall_s is far above its cpu_s waits (sleeps, timeouts, a peer's start-up) and leaves
+# its core to the other worker.
 _CPU_LOG = os.environ.get("PRIMERL_TEST_CPU_LOG")
 
 

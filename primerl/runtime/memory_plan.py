@@ -319,7 +319,7 @@ def layer_backward_working(mc, lay: TrainerLayout, t: int, layer: int) -> tuple[
 def _cpu_experts(mc, lay: TrainerLayout, rows: int) -> bool:
     """The CPU's expert-by-expert float32 path (``primerl.kernels.moe.cpu_experts``), taken without
     expert parallelism when the routed rows are large enough to pay off."""
-    from primerl.kernels.moe.cpu_experts import MIN_BYTES
+    from primerl._kernel_sizes import CPU_EXPERTS_MIN_BYTES as MIN_BYTES
 
     return (lay.host_is_device and lay.act_bytes == 4 and not _fp8_experts(mc, lay) and lay.ep == 1
             and rows * max(2 * mc.moe_dim, mc.dim) * 4 >= MIN_BYTES)
@@ -367,7 +367,7 @@ def expert_a2a_buffers(mc, lay: TrainerLayout, t: int) -> int:
 def logprobs_buffers(mc, lay: TrainerLayout, t: int) -> int:
     """fused_logprobs' backward: float32 grad_hidden, its blocks (``default_chunk_sizes``), the
     head's gradient (compute dtype) and, under FSDP, its float32 reduce-scatter input."""
-    from primerl.kernels.logprobs.chunked import default_chunk_sizes
+    from primerl._kernel_sizes import default_chunk_sizes
 
     a, D, V = lay.act_bytes, mc.dim, mc.vocab_size
     tz, vc, td = default_chunk_sizes(t, V, D, lay.native_lowp)

@@ -195,3 +195,20 @@ def test_reading_a_layout_loads_neither_fsdp_nor_dtensor():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_dry_run_and_plan_do_not_load_torch():
+    """``primerl rl --dry-run`` and ``primerl plan`` read configs and do arithmetic: torch (~2.4 CPU-s
+    per process on CI's cores) stays unloaded, as in the launcher (test_job's README-command test)."""
+    code = """if True:
+        import contextlib, io, sys
+        from primerl.runtime.cli import main
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            rcs = [main(["rl", "--config", "examples/reverse_text.toml", "--dry-run"]),
+                   main(["plan", "--config", "examples/reverse_text_gpu_large.toml"])]
+        assert rcs == [0, 0] and "memory plan" in out.getvalue(), (rcs, out.getvalue()[-2000:])
+        sys.exit(3 if "torch" in sys.modules else 0)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, f"exit {out.returncode} (3: torch was loaded)\n{out.stderr[-2000:]}"

@@ -23,14 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from ..._kernel_sizes import CPU_EXPERTS_MIN_BYTES
 from . import reference as R
 
-
-# Below this many bytes of the widest [rows, D or 2I] activation, the op-by-op chain is as fast or
-# faster (its full-size buffers are heap-recycled, no page faults to save; this path's Python loop
-# costs more ops per expert). Measured on 2 cores, fwd+bwd, by-expert / chain time: 0.5 MB 1.30,
-# 4 MB 1.00-1.07, 17 MB 0.81-0.99, 32 MB (the bench's small shape) 0.85.
-MIN_BYTES = 1 << 24
+MIN_BYTES = CPU_EXPERTS_MIN_BYTES  # below it the op-by-op chain is as fast (primerl/_kernel_sizes.py)
 
 
 def supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, fp8_recipe) -> bool:
