@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -279,3 +281,29 @@ def test_the_layer_check_finds_an_import_up_a_layer():
     # rl.losses, and the rl package's __init__ the import runs first
     assert bad == ["primerl.kernels.gemm.offsets -> primerl.rl",
                    "primerl.kernels.gemm.offsets -> primerl.rl.losses"], bad
+
+
+def test_lazy_names_survive_their_submodules_imports():
+    """A package that loads its names lazily (``primerl._lazy``) gives the exported object for every
+    name, also after all its submodules were imported (importing a submodule binds the package's
+    attribute of that name: ``primerl.models.parallelize`` is the function, not its module)."""
+    code = """if True:
+        import importlib, pkgutil, sys, types
+        bad = []
+        for pkg in ("primerl.models", "primerl.rl", "primerl.parallel", "primerl.runtime.launch"):
+            m = importlib.import_module(pkg)
+            for info in pkgutil.iter_modules(m.__path__):
+                if not info.name.startswith("_"):
+                    try:
+                        importlib.import_module(f"{pkg}.{info.name}")
+                    except ImportError:
+                        pass  # an optional package's module (deepep, verifiers plugins)
+            for name, mod in m._EXPORTS.items():
+                got = getattr(m, name)
+                want = getattr(sys.modules[f"{pkg}.{mod}"], name)
+                if got is not want or isinstance(got, types.ModuleType):
+                    bad.append(f"{pkg}.{name} is {got!r}")
+        sys.exit("\\n".join(bad) if bad else 0)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]

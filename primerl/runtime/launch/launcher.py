@@ -78,6 +78,7 @@ def prepare_job(cfg: RLConfig, *, quiet: bool = False, parts: dict | None = None
     directories removed, the resume step, the transport's directories, ``config.toml`` of the
     resolved config, ``logs/``). On a failure the lock is given back."""
     from ..output_dir import claim_output_dir
+    from ..trainer.vf_warmstart import job_warm_start
     from .common import prepare_output
 
     from .rl_warmstart import job_rl_warm_start
@@ -85,10 +86,7 @@ def prepare_job(cfg: RLConfig, *, quiet: bool = False, parts: dict | None = None
     lock = claim_output_dir(cfg)
     try:
         cfg = job_rl_warm_start(cfg, run_job, quiet=quiet)
-        if cfg.warm_start.steps:  # (the module trains in this process: it loads torch, which the launcher need not)
-            from ..trainer.vf_warmstart import job_warm_start
-
-            cfg = job_warm_start(cfg, quiet=quiet)
+        cfg = job_warm_start(cfg, quiet=quiet)
         start = prepare_output(cfg)
     except BaseException:
         lock.release()

@@ -27,9 +27,6 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 log = logging.getLogger("primerl.warmstart")
 
 
@@ -103,6 +100,9 @@ def warm_start(cfg, *, steps: int = 200, batch_size: int = 16, lr: float = 3e-3,
                seed: int = 0) -> dict:
     """Train ``cfg``'s random-init policy on the environment's demonstrations; save to ``out``
     (default ``cfg.model.path``). -> {"loss_first", "loss_last", "sequences", "seconds"}."""
+    import torch
+    import torch.nn.functional as F
+
     from ..config import load_policy_env, policy_env
 
     from ..policy import build_model
@@ -182,6 +182,8 @@ def job_warm_start(cfg, *, quiet: bool = True):
         shutil.rmtree(out, ignore_errors=True)
         if not quiet:
             print(f"primerl rl: warm start, {w.steps} supervised steps on the task demonstrations -> {out}", flush=True)
+        import torch  # (here: the launcher calls this for every job, and loads torch only to train)
+
         threads = torch.get_num_threads()
         torch.set_num_threads(cfg.threads)
         try:
@@ -214,6 +216,8 @@ def _model_path(config: str, overrides: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
     # the config's own checks (fields, names, trainer layout), not the job's: the warm start runs here,
     # on the CPU, with none of the job's processes, nodes or devices
     from ..config import load_config
