@@ -156,7 +156,8 @@ class _Supervisor:
                  "watchdog %s", self.where, self.budget, stall)
         self.watch = NodeWatch(self.where, self._on_sigterm, grace_s=self.grace).start()
         self._closing = threading.Event()
-        threading.Thread(target=self._tick, name="agent-alive", daemon=True).start()
+        self._ticker = threading.Thread(target=self._tick, name="agent-alive", daemon=True)
+        self._ticker.start()
         causes: list[str] = []
         try:
             for rnd in range(self.budget + 1):
@@ -193,6 +194,9 @@ class _Supervisor:
                 self._leave()
             self._linger()
             self._closing.set()
+            # a tick in flight when the store's host left fails with torch's C++ warning on stderr: it
+            # comes before this agent's last line (its verdict), not after it
+            self._ticker.join(ALIVE_TICK_S + 10)
 
     def _tick(self) -> None:
         """This agent is alive: a counter in the store, advanced every ``ALIVE_TICK_S`` (its own
