@@ -78,9 +78,9 @@ def wait_republished(d: str | Path, timeout: float | None = None) -> bool:
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    buf = io.BytesIO()
     import torch
 
+    buf = io.BytesIO()
     torch.save(obj, buf)
     atomic_write_bytes(path, buf.getvalue())
 
@@ -179,6 +179,7 @@ class FileTransport:
 
         final = self.weights_dir(version)
         tmp = self.weights / f".tmp_step_{version:06d}.{os.getpid()}"
+        old = self.weights / f"{TMP_PREFIX}{version:06d}.replaced.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir(parents=True)
@@ -193,7 +194,6 @@ class FileTransport:
             # a republished version (a resumed trainer publishes its start version again) is never
             # changed in place, where a reader may be loading it: the old directory is renamed
             # away whole, the new one renamed in, and only then is the old one deleted
-            old = self.weights / f"{TMP_PREFIX}{version:06d}.replaced.{os.getpid()}"
             replaced = final.exists()
             if replaced:
                 shutil.rmtree(old, ignore_errors=True)
@@ -202,6 +202,8 @@ class FileTransport:
             if replaced:
                 shutil.rmtree(old, ignore_errors=True)
         except BaseException:
+            if old.exists() and not final.exists():  # failed between the two renames: the old copy stays published
+                os.replace(old, final)
             remove_stale_tmp_dirs(self.weights)
             raise
         return final

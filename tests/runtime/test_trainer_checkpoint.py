@@ -139,3 +139,21 @@ def test_a_republished_version_is_whole_whenever_a_reader_looks(tmp_path, monkey
     assert len(got) == len(threads) and all(bool((w == 1).all()) for w in got)
     assert 0.0 in seen and 1.0 in seen
     assert not list(tr.weights.glob(".tmp_*")) and bool((tr.load_weights(2)["w"] == 1).all())
+
+
+def test_a_republish_that_fails_between_its_renames_keeps_the_old_version(tmp_path, monkeypatch):
+    tr = FileTransport(tmp_path)
+    tr.publish_weights(2, {"w": torch.zeros(8)})
+    real = os.replace
+
+    def replace(src, dst):
+        if str(src).endswith(f".tmp_step_000002.{os.getpid()}"):  # the new directory's rename into place
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="Input/output error"):
+        tr.publish_weights(2, {"w": torch.ones(8)})
+    monkeypatch.undo()
+    assert tr.weight_versions() == [2] and bool((tr.load_weights(2)["w"] == 0).all())
+    assert not list(tr.weights.glob(".tmp_*"))
