@@ -58,7 +58,6 @@ def resolve_method(method: str | Callable) -> tuple[str, Callable | None]:
     return method, None
 
 
-
 def load_custom_loss(spec: str) -> Callable:
     """``"package.module:function"`` -> the function (ValueError naming what failed)."""
     mod_name, sep, fn_name = spec.partition(":")
