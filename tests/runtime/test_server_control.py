@@ -166,8 +166,10 @@ def test_a_finished_request_is_in_the_health_snapshot_before_its_waiter_has_it()
     try:
         seen = []
         fut = thread.submit(SimpleNamespace(request_id=thread.new_id()))
-        fut.add_done_callback(lambda f: seen.append(stats.read()["generated_tokens"]))  # runs at set_result
+        # runs at set_result: what a client that has its completion reads from /health next
+        fut.add_done_callback(lambda f: seen.append((stats.read()["generated_tokens"],
+                                                     stats.read()["requests"]["finished"])))
         fut.result(timeout=10)
-        assert seen == [5]
+        assert seen == [(5, 1)]
     finally:
         thread.stop()

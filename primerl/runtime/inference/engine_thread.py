@@ -147,8 +147,8 @@ class EngineThread:
                     f = self._futures.pop(c.request_id, None)
                     # a waiter that gave up (aiohttp cancels the wrapped future) is an abort in flight
                     if f is not None and not f.cancelled():
+                        self.stats.count("finished")  # before the waiter wakes: its client may read /health next
                         f.set_result(c)
-                        self.stats.count("finished")
                         beat("request finished")
         except BaseException as e:  # noqa: BLE001 - every waiter gets the error
             self.error = e
