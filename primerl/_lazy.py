@@ -4,6 +4,8 @@ first access, so importing one room (e.g. the vLLM worker extension) does not lo
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Callable
 
 
@@ -21,4 +23,16 @@ def lazy_exports(package: str, exports: dict[str, str], namespace: dict) -> tupl
     def __dir__():
         return sorted(set(namespace) | set(exports))
 
+    # a name that is also its submodule's (``primerl.models.parallelize``): importing the submodule binds
+    # the package's attribute to the module; the public name is the object (as an eager ``from .x import
+    # x`` left it), so that binding is skipped and the attribute resolves through __getattr__
+    shadowed = {name for name, module in exports.items() if name == module}
+    if shadowed:
+        class _Package(types.ModuleType):
+            def __setattr__(self, name, value):
+                if name in shadowed and isinstance(value, types.ModuleType):
+                    return
+                super().__setattr__(name, value)
+
+        sys.modules[package].__class__ = _Package
     return __getattr__, __dir__

@@ -7,8 +7,6 @@ model's configuration (the launcher, ``--dry-run``, ``primerl plan``) does not l
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_exports as _lazy_exports
@@ -37,16 +35,3 @@ if TYPE_CHECKING:
 
 __getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())
 
-
-class _Package(types.ModuleType):
-    """``parallelize`` names both a submodule and its function; importing the submodule binds the
-    package's attribute to the module, and the public name is the function (as when this package
-    imported it eagerly): that binding is skipped, so the attribute resolves to the function."""
-
-    def __setattr__(self, name, value):
-        if name == "parallelize" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

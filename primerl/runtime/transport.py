@@ -64,6 +64,11 @@ REPLACE_WAIT_S = 30.0  # load_weights: the longest wait for a version being repu
 TMP_PREFIX = ".tmp_step_"  # a checkpoint being written: <root>/.tmp_step_<step>.<writer pid>
 
 
+def _replaced_name(version: str, pid: int | str) -> str:
+    """The old copy of weights version ``version`` (6 digits) while ``publish_weights`` replaces it."""
+    return f"{TMP_PREFIX}{version}.replaced.{pid}"
+
+
 def wait_republished(d: str | Path, timeout: float | None = None) -> bool:
     """Whether the published weights directory ``d`` (``.../weights/step_<version>``) has its
     marker, waiting up to ``timeout`` s (default ``REPLACE_WAIT_S``) while the version is being
@@ -71,7 +76,7 @@ def wait_republished(d: str | Path, timeout: float | None = None) -> bool:
     directory is briefly absent and its old copy sits beside it as ``.tmp_step_<version>.replaced.<pid>``."""
     d = Path(d)
     deadline = time.monotonic() + (REPLACE_WAIT_S if timeout is None else timeout)
-    while not (d / STABLE).exists() and any(d.parent.glob(f"{TMP_PREFIX}{d.name[5:]}.replaced.*")) \
+    while not (d / STABLE).exists() and any(d.parent.glob(_replaced_name(d.name.removeprefix("step_"), "*"))) \
             and time.monotonic() < deadline:
         time.sleep(0.01)
     return (d / STABLE).exists()
@@ -178,8 +183,8 @@ class FileTransport:
         from safetensors.torch import save_file
 
         final = self.weights_dir(version)
-        tmp = self.weights / f".tmp_step_{version:06d}.{os.getpid()}"
-        old = self.weights / f"{TMP_PREFIX}{version:06d}.replaced.{os.getpid()}"
+        tmp = self.weights / f"{TMP_PREFIX}{version:06d}.{os.getpid()}"
+        old = self.weights / _replaced_name(f"{version:06d}", os.getpid())
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir(parents=True)
