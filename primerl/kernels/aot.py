@@ -249,6 +249,23 @@ def read_cubin(cubin: bytes) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _ptxas_log_printed():
+    """Triton prints ptxas' ``-v`` log after each compile (``knobs.nvidia.dump_ptxas_log``)."""
+    from triton import knobs
+
+    before = knobs.nvidia.dump_ptxas_log
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        yield
+    finally:
+        knobs.nvidia.dump_ptxas_log = before
+
+
+def _serialized_in(ptxas_log: str) -> bool:
+    return "C7514" in ptxas_log or "wgmma.mma_async instructions are serialized" in ptxas_log
+
+
 def wgmma_serialized(ptx: str, arch: str) -> bool:
     """Whether ptxas serializes the kernel's warpgroup MMAs (a wait after every wgmma instead of
     one per batch), which it reports only as an info line (C7514: e.g. a non-wgmma instruction
@@ -259,7 +276,7 @@ def wgmma_serialized(ptx: str, arch: str) -> bool:
             f.write(ptx)
         done = subprocess.run([_tool("ptxas"), f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
                               capture_output=True, text=True)
-    return "C7514" in done.stderr or "wgmma.mma_async instructions are serialized" in done.stderr
+    return _serialized_in(done.stderr)
 
 
 def compile_launch(launch: Launch, target: Target) -> Report:
@@ -272,7 +289,8 @@ def compile_launch(launch: Launch, target: Target) -> Report:
         gpu, src, options = _specialise(launch, target)
         rep.config = _config(launch, options)
         rep.tile, rep.persistent = _structure(launch, options)
-        with contextlib.redirect_stdout(io.StringIO()):  # Triton prints the whole PTX when ptxas fails
+        printed = io.StringIO()  # Triton prints the whole PTX when ptxas fails, and ptxas' log (below)
+        with contextlib.redirect_stdout(printed), _ptxas_log_printed():
             k = triton.compile(src, target=gpu, options=options.__dict__)
         rep.shared_bytes = int(k.metadata.shared)
         if "tt.dot" not in k.asm["ttir"]:  # a helper kernel of a GEMM case (e.g. an operand re-layout)
@@ -281,7 +299,10 @@ def compile_launch(launch: Launch, target: Target) -> Report:
         for key, value in read_cubin(k.asm["cubin"]).items():
             setattr(rep, key, value)
         if "wgmma" in k.asm["ptx"]:
-            rep.wgmma_serialized = wgmma_serialized(k.asm["ptx"], target.arch)
+            log = printed.getvalue()
+            # the compile's own ptxas log; a kernel from Triton's cache ran no ptxas: assemble it again
+            rep.wgmma_serialized = (_serialized_in(log) if "ptxas info" in log
+                                    else wgmma_serialized(k.asm["ptx"], target.arch))
     except Exception as e:  # a kernel that does not compile is a finding, reported per kernel
         lines = str(e).strip().splitlines() or [""]
         fatal = [line for line in lines if "ptxas fatal" in line]
