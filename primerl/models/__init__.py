@@ -34,4 +34,3 @@ if TYPE_CHECKING:
     from .transformer import MoETransformer  # noqa: F401
 
 __getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())
-
